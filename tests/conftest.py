@@ -1,0 +1,27 @@
+"""Test-wide settings. The environment must be set before torch/triton/transformers import."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")          # no hub: a lookup would spend ~50 s failing
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run on CPU tensors only through the interpreter; it must be on before
+# triton is imported. GPU runs (CUDA present) compile the kernels instead.
+try:
+    import torch  # noqa: E402
+    _cuda = torch.cuda.is_available()
+except Exception:  # pragma: no cover
+    _cuda = False
+if not _cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not _cuda:
+            item.add_marker(skip_gpu)
