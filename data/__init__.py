@@ -1,0 +1,50 @@
+"""eyas data layer: token and hidden-state datasets, packed loading, draft vocabularies.
+
+Formats and I/O only (no distributed code). The on-disk format is documented in data/FORMAT.md.
+Submodules are imported lazily so `import data` stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from data.dataset import Dataset
+
+__all__ = ["load_sample", "open_cached"]
+
+_OPEN: dict[str, "Dataset"] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_cached(dataset_dir: str | os.PathLike) -> "Dataset":
+    """`open_dataset(dataset_dir)`, cached per resolved path and manifest modification time."""
+    from data.dataset import open_dataset
+    from data.format import MANIFEST_NAME
+
+    root = Path(dataset_dir).resolve()
+    try:
+        stamp = (root / MANIFEST_NAME).stat().st_mtime_ns
+    except OSError:
+        stamp = -1
+    key = f"{root}:{stamp}"
+    with _OPEN_LOCK:
+        ds = _OPEN.get(key)
+    if ds is None:
+        ds = open_dataset(root)
+        with _OPEN_LOCK:
+            for k in [k for k in _OPEN if k.startswith(f"{root}:")]:
+                del _OPEN[k]
+            _OPEN[key] = ds
+    return ds
+
+
+def load_sample(dataset_dir: str | os.PathLike, index: int) -> "dict[str, torch.Tensor]":
+    """Sample `index` of the dataset in `dataset_dir` as a dict of CPU tensors (zero-copy views
+    where the stored dtype allows; see data/FORMAT.md). The opened dataset is cached."""
+    return open_cached(dataset_dir)[index]

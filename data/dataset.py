@@ -1,0 +1,407 @@
+"""Reading eyas datasets: `open_dataset(dir)` -> `Dataset` with O(1), zero-copy sample access.
+
+Opening reads only `manifest.json` and `index.safetensors` (sample lengths), never the shards:
+a dataset of thousands of shards opens in milliseconds. A shard is opened on first access (header
+parsed and checked against the manifest, file memory-mapped copy-on-write) and kept in a bounded
+LRU cache. `dataset[i]` returns views into the mapping: no bytes are copied for bf16 `aux`/`last`
+or bool `loss_mask`; int32 ids are widened to int64 and fp8 aux is dequantised (small copies).
+Views stay valid after their shard leaves the cache (the tensor keeps the mapping alive).
+
+Verification levels (`verify=`): "none" checks each shard's header lazily on first access (always
+done: truncation, garbled header, manifest mismatch); "header" does that for every shard at open;
+"checksum" also recomputes every sample's crc32 and checks float fields for NaN/inf.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME,
+                         OFFSETS, SAMPLE_CRC, SHARD_FORMAT, DatasetError, Header, as_numpy_bytes,
+                         crc32_rows, dequantize_fp8, dtype_from_name, parse_header, table_checksum)
+from data.utils import progress
+
+log = logging.getLogger(__name__)
+
+VERIFY_LEVELS = ("none", "header", "checksum")
+NONFINITE_MODES = ("error", "skip")
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill `buf` from file offset `offset` (loops: one read syscall caps at ~2 GiB)."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise DatasetError(f"unexpected end of file at byte {offset + done} (truncated?)",
+                               path=path)
+        done += n
+
+
+def shard_meta_from_header(path: Path, header: Header, f) -> tuple[dict[str, Any], np.ndarray]:
+    """(meta, offsets [n+1] int64) of an eyas shard; checks the header against its own meta."""
+    raw = header.metadata.get("eyas")
+    if raw is None:
+        raise DatasetError("not an eyas shard (no 'eyas' entry in the safetensors metadata)",
+                           path=path)
+    try:
+        meta = json.loads(raw)
+        n, T, fields = int(meta["n_samples"]), int(meta["n_tokens"]), meta["fields"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DatasetError(f"garbled shard metadata ({e!r})", path=path) from None
+    if meta.get("format") != SHARD_FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise DatasetError(f"shard format {meta.get('format')!r} v{meta.get('format_version')} "
+                           f"is not {SHARD_FORMAT!r} v{FORMAT_VERSION}; re-create it with this "
+                           f"eyas version", path=path)
+    expect = {OFFSETS: (torch.int64, (n + 1,)), SAMPLE_CRC: (torch.int64, (n,))}
+    for name, spec in fields.items():
+        expect[name] = (dtype_from_name(spec["stored_dtype"]), (T, *spec["shape"]))
+    if meta.get("aux_format") == "fp8":
+        expect[AUX_SCALE] = (torch.float32, (T, 3))
+    for name, (dtype, shape) in expect.items():
+        e = header.tensors.get(name)
+        if e is None:
+            raise DatasetError(f"tensor {name!r} is missing from the shard", path=path)
+        if e.dtype != dtype or e.shape != shape:
+            raise DatasetError(f"tensor {name!r} is {e.dtype} {list(e.shape)} but the shard "
+                               f"metadata says {dtype} {list(shape)}", path=path)
+    e = header.tensors[OFFSETS]
+    buf = bytearray(e.nbytes)
+    _pread_exact(f.fileno(), memoryview(buf), e.begin, path)
+    offsets = np.frombuffer(buf, dtype=np.int64)
+    if offsets[0] != 0 or offsets[-1] != T or (np.diff(offsets) <= 0).any():
+        raise DatasetError(f"offsets table is not strictly increasing from 0 to n_tokens={T}",
+                           path=path)
+    return meta, offsets
+
+
+class _Shard:
+    """One open shard: parsed header, offsets, and a lazily created copy-on-write mapping."""
+
+    def __init__(self, path: Path, expected: dict[str, Any] | None = None,
+                 lengths: np.ndarray | None = None):
+        self.path = path
+        self.file = open(path, "rb")  # closed when the last reference (cache or view) goes
+        self.header = parse_header(path, self.file)
+        self.meta, self.offsets = shard_meta_from_header(path, self.header, self.file)
+        if expected is not None:
+            self._check_against(expected, lengths)
+        self._base: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def _check_against(self, exp: dict[str, Any], lengths: np.ndarray | None) -> None:
+        m = self.meta
+        for key in ("n_samples", "n_tokens", "checksum", "fields", "aux_format"):
+            if key in exp and exp[key] != m.get(key):
+                raise DatasetError(f"shard header says {key}={m.get(key)!r} but the manifest says "
+                                   f"{exp[key]!r}; the shard was replaced or the manifest is stale "
+                                   f"(re-run write_manifest / the producer)", path=self.path)
+        if lengths is not None and not np.array_equal(np.diff(self.offsets), lengths):
+            raise DatasetError("sample lengths in the shard differ from index.safetensors; "
+                               "the index is stale (re-run write_manifest)", path=self.path)
+
+    @property
+    def base(self) -> torch.Tensor:
+        """uint8 [file size]: the whole file mapped copy-on-write (writes never reach the file)."""
+        if self._base is None:
+            with self._lock:
+                if self._base is None:
+                    mm = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY)
+                    self._base = torch.frombuffer(mm, dtype=torch.uint8)
+        return self._base
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The stored tensor `name` as a zero-copy view (a copy only for a misaligned foreign file)."""
+        e = self.header.tensors[name]
+        raw = self.base[e.begin:e.end]
+        if e.begin % e.dtype.itemsize:
+            raw = raw.clone()
+        return raw.view(e.dtype).view(e.shape)
+
+    def rows(self, name: str, j: int) -> torch.Tensor:
+        lo, hi = int(self.offsets[j]), int(self.offsets[j + 1])
+        return self.tensor(name)[lo:hi]
+
+    def sample(self, j: int) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, spec in self.meta["fields"].items():
+            t = self.rows(name, j)
+            if name == "aux" and self.meta.get("aux_format") == "fp8":
+                t = dequantize_fp8(t, self.rows(AUX_SCALE, j))
+            elif spec["dtype"] != spec["stored_dtype"]:
+                t = t.to(dtype_from_name(spec["dtype"]))
+            out[name] = t
+        return out
+
+    def read_into(self, j: int, out: dict[str, torch.Tensor], length: int) -> None:
+        """Copy the first `length` tokens of sample j into out[name][:length] for each field.
+
+        Fields stored in their read dtype are read with pread straight into the destination
+        (one copy, no page faults on a mapping); converted fields go through the mapping.
+        """
+        lo = int(self.offsets[j])
+        for name, spec in self.meta["fields"].items():
+            dst = out.get(name)
+            if dst is None:
+                continue
+            dst = dst[:length]
+            if name == "aux" and self.meta.get("aux_format") == "fp8":
+                q = self.tensor(name)[lo:lo + length]
+                dequantize_fp8(q, self.tensor(AUX_SCALE)[lo:lo + length],
+                               out=dst.view(q.shape))
+            elif spec["dtype"] == spec["stored_dtype"] and dst.is_contiguous():
+                e = self.header.tensors[name]
+                row = e.nbytes // e.shape[0]
+                buf = memoryview(as_numpy_bytes(dst).reshape(-1).view(np.uint8))
+                _pread_exact(self.file.fileno(), buf, e.begin + lo * row, self.path)
+            else:
+                dst.copy_(self.tensor(name)[lo:lo + length].reshape(dst.shape))
+
+    def data_arrays(self) -> list[np.ndarray]:
+        """The per-token tensors the sample crc covers, in crc order (sorted names)."""
+        names = sorted(n for n in self.header.tensors if n not in (OFFSETS, SAMPLE_CRC))
+        return [as_numpy_bytes(self.tensor(n)) for n in names]
+
+    def bad_checksums(self) -> list[int]:
+        """Local indices of samples whose stored bytes no longer match their crc32."""
+        stored = self.tensor(SAMPLE_CRC).numpy()
+        if table_checksum(self.offsets, stored) != self.meta["checksum"]:
+            raise DatasetError("the per-sample checksum table does not match the shard checksum "
+                               "(corrupted file); re-create the shard", path=self.path)
+        actual = crc32_rows(self.data_arrays(), self.offsets)
+        return np.nonzero(actual != stored)[0].tolist()
+
+    def nonfinite_samples(self) -> list[int]:
+        bad: set[int] = set()
+        for name in FLOAT_FIELDS:
+            if name not in self.meta["fields"]:
+                continue
+            t = self.tensor(name)
+            tok = (~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1).nonzero().flatten()
+            if tok.numel():
+                bad.update(np.searchsorted(self.offsets, tok.numpy(), side="right") - 1)
+        return sorted(int(b) for b in bad)
+
+
+class Dataset:
+    """A read-only eyas dataset. `ds[i]` -> dict of CPU tensors (see FORMAT.md for the fields)."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any], lengths: np.ndarray,
+                 shard_first: np.ndarray, *, check_finite: bool = False,
+                 max_open_shards: int = 1024):
+        self.root = root
+        self.manifest = manifest
+        self.check_finite = check_finite
+        self._shard_entries = manifest["shards"]
+        self._first = shard_first                                  # [S+1] first sample per shard
+        self._all_lengths = lengths                                # [N] int64
+        self._keep: np.ndarray | None = None                      # filtered view (skip mode)
+        self.skipped: list[dict[str, Any]] = []
+        self._cache: OrderedDict[int, _Shard] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._max_open = max(1, max_open_shards)
+
+    # ---- description -------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return self.manifest["kind"]
+
+    @property
+    def fields(self) -> dict[str, dict[str, Any]]:
+        """{name: {"dtype", "stored_dtype", "shape" (per token)}} shared by every shard."""
+        return self.manifest["fields"]
+
+    @property
+    def aux_format(self) -> str | None:
+        return self.manifest.get("aux_format")
+
+    @property
+    def sample_lengths(self) -> np.ndarray:
+        """int64 [len(self)]: tokens per sample, from index.safetensors (no shard is read)."""
+        return self._all_lengths if self._keep is None else self._all_lengths[self._keep]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sample_lengths.sum())
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._shard_entries)
+
+    def shard_path(self, s: int) -> Path:
+        return self.root / self._shard_entries[s]["file"]
+
+    def __len__(self) -> int:
+        return len(self._all_lengths) if self._keep is None else len(self._keep)
+
+    def __repr__(self) -> str:
+        return (f"Dataset({str(self.root)!r}, kind={self.kind}, samples={len(self)}, "
+                f"tokens={self.num_tokens}, shards={self.num_shards}, aux={self.aux_format})")
+
+    # ---- access ------------------------------------------------------------------------
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard index, sample index inside the shard) of sample i; O(log shards)."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for a dataset of {n} samples")
+        g = int(i % n if self._keep is None else self._keep[i % n])
+        s = int(np.searchsorted(self._first, g, side="right")) - 1
+        return s, g - int(self._first[s])
+
+    def shard(self, s: int) -> _Shard:
+        with self._cache_lock:
+            sh = self._cache.get(s)
+            if sh is not None:
+                self._cache.move_to_end(s)
+                return sh
+        entry = dict(self._shard_entries[s], fields=self.fields,
+                     aux_format=self.aux_format)
+        lengths = self._all_lengths[self._first[s]:self._first[s + 1]]
+        sh = _Shard(self.shard_path(s), entry, lengths)
+        with self._cache_lock:
+            self._cache[s] = sh
+            while len(self._cache) > self._max_open:
+                self._cache.popitem(last=False)
+        return sh
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        s, j = self.locate(i)
+        sh = self.shard(s)
+        out = sh.sample(j)
+        if self.check_finite:
+            for name in FLOAT_FIELDS:
+                if name in out and not bool(torch.isfinite(out[name]).all()):
+                    raise DatasetError(f"field {name!r} has NaN/inf values (shard-local sample "
+                                       f"{j}); open with nonfinite='skip' to drop such samples",
+                                       path=sh.path, sample=i)
+        return out
+
+    def read_into(self, i: int, out: dict[str, torch.Tensor], length: int | None = None) -> int:
+        """Copy sample i (its first `length` tokens) into the buffers `out[name][:length]`.
+
+        Returns the number of tokens copied. Fields absent from `out` are skipped; `aux` buffers
+        may be [*, 3*tH] or [*, 3, tH]. Used by the packed loader (no intermediate tensors).
+        """
+        s, j = self.locate(i)
+        n = int(self._all_lengths[self._first[s] + j])
+        length = n if length is None else min(length, n)
+        self.shard(s).read_into(j, out, length)
+        return length
+
+    # ---- verification ------------------------------------------------------------------
+    def verify_headers(self) -> None:
+        """Open every shard (header + offsets only) and check it against the manifest."""
+        for s in progress(range(self.num_shards), desc="checking shard headers", unit="shard"):
+            self.shard(s)
+
+    def scan(self, *, checksum: bool = True, finite: bool = True,
+             nonfinite: str = "error") -> list[dict[str, Any]]:
+        """Read every sample: crc32 (checksum=True) and NaN/inf (finite=True) checks.
+
+        A checksum mismatch always raises DatasetError naming the shard file and sample.
+        Non-finite samples raise (nonfinite="error") or are dropped from this dataset
+        (nonfinite="skip": len() shrinks, the drops are listed in `self.skipped` and logged).
+        """
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+        bad_global: list[int] = []
+        for s in progress(range(self.num_shards), desc="verifying shards", unit="shard"):
+            sh = self.shard(s)
+            first = int(self._first[s])
+            if checksum:
+                bad = sh.bad_checksums()
+                if bad:
+                    raise DatasetError(
+                        f"checksum mismatch in {len(bad)} sample(s) (first: shard-local sample "
+                        f"{bad[0]}); the file is corrupted: re-create or re-download it",
+                        path=sh.path, sample=first + bad[0])
+            if finite:
+                for j in sh.nonfinite_samples():
+                    if nonfinite == "error":
+                        raise DatasetError(
+                            f"sample has NaN/inf values (shard-local sample {j}); open with "
+                            f"nonfinite='skip' to drop such samples", path=sh.path,
+                            sample=first + j)
+                    bad_global.append(first + j)
+                    self.skipped.append({"sample": first + j, "file": sh.path.name, "local": j,
+                                         "reason": "nonfinite"})
+        if bad_global:
+            keep = np.ones(len(self._all_lengths), dtype=bool)
+            keep[bad_global] = False
+            self._keep = np.nonzero(keep)[0]
+            log.warning("skipped %d of %d samples with NaN/inf values (first: %s sample %d); "
+                        "see Dataset.skipped", len(bad_global), len(keep),
+                        self.skipped[0]["file"], self.skipped[0]["local"])
+        return self.skipped
+
+
+def _load_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST_NAME
+    if not path.is_file():
+        shards = list(root.glob("shard-*.safetensors")) if root.is_dir() else []
+        hint = (f"it holds {len(shards)} shard files but no manifest: the producer did not "
+                f"finish (re-run it to resume; it writes the manifest last)") if shards else \
+            "not an eyas dataset directory"
+        raise DatasetError(f"no {MANIFEST_NAME}: {hint}", path=root)
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["shards"], manifest["fields"], manifest["kind"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DatasetError(f"garbled manifest ({e!r}); re-run write_manifest", path=path) from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DatasetError(f"manifest format_version {manifest.get('format_version')!r}, this eyas "
+                           f"reads version {FORMAT_VERSION}; convert or re-create the dataset",
+                           path=path)
+    return manifest
+
+
+def open_dataset(path: str | os.PathLike, *, verify: str = "none", nonfinite: str = "error",
+                 check_finite: bool = False, max_open_shards: int = 1024) -> Dataset:
+    """Open the dataset in directory `path` (reads the manifest and the length index only).
+
+    Args:
+        verify: "none" (headers checked lazily on first access), "header" (every shard header
+            now), "checksum" (also every sample's crc32 and NaN/inf check; reads all data).
+        nonfinite: what a NaN/inf sample found by a scan does: "error" raises DatasetError,
+            "skip" drops it (counted, logged, listed in `Dataset.skipped`). "skip" scans the
+            float fields at open even when verify != "checksum".
+        check_finite: also check float fields of every sample returned by `ds[i]`.
+        max_open_shards: bound of the open-shard LRU cache (file handles + mappings).
+    """
+    if verify not in VERIFY_LEVELS:
+        raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    root = Path(path)
+    manifest = _load_manifest(root)
+    index_path = root / manifest.get("index", INDEX_NAME)
+    try:
+        from safetensors.numpy import load_file
+        idx = load_file(str(index_path))
+        lengths = idx["sample_lengths"].astype(np.int64)
+        first = idx["shard_first_sample"].astype(np.int64)
+    except (OSError, KeyError, Exception) as e:  # safetensors raises its own error types
+        raise DatasetError(f"unreadable sample index ({e}); re-run write_manifest",
+                           path=index_path) from None
+    counts = [s["n_samples"] for s in manifest["shards"]]
+    if len(first) != len(counts) + 1 or not np.array_equal(np.diff(first), counts) \
+            or len(lengths) != first[-1]:
+        raise DatasetError("index.safetensors does not match the manifest's shard sample counts; "
+                           "re-run write_manifest", path=index_path)
+    ds = Dataset(root, manifest, lengths, first, check_finite=check_finite,
+                 max_open_shards=max_open_shards)
+    if verify in ("header", "checksum"):
+        ds.verify_headers()
+    if verify == "checksum" or nonfinite == "skip":
+        ds.scan(checksum=verify == "checksum", finite=True, nonfinite=nonfinite)
+    return ds

@@ -1,0 +1,137 @@
+"""Small I/O helpers shared by the data layer: atomic writes and progress bars.
+
+Every file eyas writes under a dataset directory goes through `atomic_path`: the bytes land in a
+temporary file in the SAME directory (so the final rename never crosses a filesystem), the file is
+fsync'ed, then `os.replace`d onto its final name and the directory entry is fsync'ed. A crash or an
+exception at any point leaves either the previous file or nothing under the final name, never a
+half-written file that looks complete. Temporary names start with ``.tmp-`` so readers and globs for
+``shard-*.safetensors`` never match them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+TMP_PREFIX = ".tmp-"
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so a rename inside it survives a power loss (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on normal exit it is renamed onto `path`.
+
+    The caller writes the temporary file (any way it likes). On an exception the temporary file
+    is removed and nothing appears under `path`.
+
+    >>> with atomic_path("out.bin") as tmp:         # doctest: +SKIP
+    ...     tmp.write_bytes(b"...")
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{final.name}.", dir=final.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if fsync:
+            fsync_dir(final.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary directory next to `path`; on normal exit it is renamed onto `path`.
+
+    Refuses to replace an existing non-empty directory (raises FileExistsError before yielding).
+    On an exception the temporary directory is removed.
+    """
+    final = Path(path)
+    if final.exists() and any(final.iterdir()):
+        raise FileExistsError(f"{final} already exists and is not empty; choose another output "
+                              f"directory or remove it first")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}.", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            final.rmdir()  # empty (checked above)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> Path:
+    """Write `data` to `path` atomically (temp file in the same dir, fsync, os.replace)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    return Path(path)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> Path:
+    """Write `obj` as JSON to `path` atomically. Keys keep their insertion order."""
+    text = json.dumps(obj, indent=indent, allow_nan=False) + "\n"
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def progress(iterable: Iterable[T], **tqdm_kwargs: Any) -> Iterable[T]:
+    """`tqdm(iterable, **tqdm_kwargs)`, disabled when stderr is not a terminal (logs, CI, pipes).
+
+    An explicit ``disable=`` in `tqdm_kwargs` wins.
+    """
+    from tqdm.auto import tqdm
+
+    tqdm_kwargs.setdefault("disable", not _stderr_is_tty())
+    tqdm_kwargs.setdefault("dynamic_ncols", True)
+    return tqdm(iterable, **tqdm_kwargs)
+
+
+def _stderr_is_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
