@@ -1,0 +1,11 @@
+"""Loss kernels: the fused EAGLE-3 loss and the teacher distributions it consumes.
+
+- ``eagle3_loss``: lm_head + soft cross-entropy + argmax (+ acceptance) for all TTT steps in one
+  call (``impl="triton"`` fused, ``impl="torch"`` twin); see ``kernels/loss.py``.
+- ``teacher_probs`` / ``teacher_from_topk``: the [N, Vd] teacher, once per batch.
+"""
+
+from kernels.loss import LossOutput, auto_chunk_size, eagle3_loss
+from kernels.teacher import teacher_from_topk, teacher_probs
+
+__all__ = ["LossOutput", "auto_chunk_size", "eagle3_loss", "teacher_from_topk", "teacher_probs"]

@@ -1,0 +1,307 @@
+"""The EAGLE-3 loss for all K TTT steps in one call: lm_head GEMM + soft cross-entropy against
+the teacher + draft argmax (+ expected acceptance), without [K·N, Vd] logits.
+
+    loss = Σ_{k,t} w[k,t] · (−Σ_v p[t+k, v] · log softmax(hidden[k,t] @ weight.T)_v)
+
+Algorithm (per chunk of C rows of the flattened [K·N] problem):
+  1. z = h_c @ W.T                      cuBLAS, fp32 out               [C, Vd]
+  2. one row kernel over z              lse, Σp, Σpz, argmax, loss, accept; dz = w·(softmax·Σp − p)
+  3. dh_c = dz @ W; dW += dz.T @ h_c    cuBLAS; dW accumulated in fp32
+With ``reduction="sum"`` the gradient is computed in the forward pass (3 GEMMs per row, never 4)
+and backward only scales it by grad_output. ``reduction="none"`` returns per-row losses with a
+real graph: the forward saves lse and Σp per row and the backward recomputes z chunk by chunk,
+so any function of the row losses (e.g. an LK-style objective) differentiates correctly.
+
+Memory contract: besides the outputs (dh, dW) only one z chunk [C, Vd] fp32, one dz chunk
+[C, Vd] in the input dtype, the fp32 dW accumulator and O(K·N) row scalars. No host syncs.
+The row kernels come from ``kernels/fused_loss.py`` (Triton) or ``kernels/loss_torch.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_BACKENDS = {"triton": "kernels.fused_loss", "torch": "kernels.loss_torch"}
+_CHUNK_BYTES = 384 << 20        # target bytes of the z (fp32) + dz buffers of one chunk
+_MAX_CHUNK = 4096
+
+
+class LossOutput(NamedTuple):
+    """Result of ``eagle3_loss``.
+
+    loss: 0-dim fp32, Σ_{k,t} w·CE (differentiable w.r.t. hidden and weight).
+    draft_argmax: [K, N] int64, argmax of the draft logits (first index on ties), every row.
+    accept: [K, N] fp32 Σ_v min(p/Σp, softmax) on weighted rows (0 elsewhere), or None.
+    row_loss: [K, N] fp32 w·CE per row with a graph (``reduction="none"``), else None.
+    """
+
+    loss: torch.Tensor
+    draft_argmax: torch.Tensor
+    accept: torch.Tensor | None
+    row_loss: torch.Tensor | None
+
+
+@dataclass
+class RowStats:
+    """Per-row outputs of the row kernels, [K·N] each, written at global row indices."""
+
+    loss: torch.Tensor      # fp32, w·CE
+    argmax: torch.Tensor    # int64
+    accept: torch.Tensor | None
+    lse: torch.Tensor       # fp32
+    psum: torch.Tensor      # fp32, Σp
+
+    @classmethod
+    def empty(cls, R: int, device, with_accept: bool) -> RowStats:
+        f32 = dict(device=device, dtype=torch.float32)
+        return cls(torch.empty(R, **f32), torch.empty(R, device=device, dtype=torch.int64),
+                   torch.zeros(R, **f32) if with_accept else None,
+                   torch.empty(R, **f32), torch.empty(R, **f32))
+
+
+# --------------------------------------------------------------------------- GEMM helpers
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out (fp32) = a @ b with fp32 accumulation and output, for bf16/fp16/fp32 a, b."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)   # cuBLAS, no fp32 copies of a, b
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b with fp32 accumulation."""
+    if a.is_cuda and a.dtype != torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def auto_chunk_size(vocab: int, rows: int) -> int:
+    """Rows per chunk: z + dz buffers near ``_CHUNK_BYTES``, a multiple of 128, ≤ 4096."""
+    c = _CHUNK_BYTES // (vocab * 6)
+    c = max(128, min(_MAX_CHUNK, c // 128 * 128))
+    return min(c, rows)
+
+
+# --------------------------------------------------------------------------- chunk driver
+def _forward_chunks(backend, h2d, weight, teacher, w_flat, N, chunk, with_accept,
+                    grad_h: bool, grad_w: bool):
+    """Run all chunks once; returns (RowStats, dh [R,H] | None, dW fp32 [Vd,H] | None)."""
+    R, H = h2d.shape
+    Vd = weight.shape[0]
+    dev = h2d.device
+    stats = RowStats.empty(R, dev, with_accept)
+    want_grad = grad_h or grad_w
+    dh = torch.empty_like(h2d) if grad_h else None
+    dW = torch.zeros(Vd, H, device=dev, dtype=torch.float32) if grad_w else None
+    C = min(chunk, R)
+    z_buf = torch.empty(C, Vd, device=dev, dtype=torch.float32)
+    dz_buf = torch.empty(C, Vd, device=dev, dtype=h2d.dtype) if want_grad else None
+    wt = weight.t()                                                  # [H, Vd] view
+    for r0 in range(0, R, C):
+        c = min(C, R - r0)
+        h_c = h2d[r0:r0 + c]                                         # [c, H]
+        z = z_buf[:c]
+        _mm_f32(h_c, wt, z)                                          # [c, Vd] fp32
+        dz = dz_buf[:c] if want_grad else None
+        backend.loss_rows(z, teacher, w_flat, r0, N, stats, dz, with_accept)
+        if grad_h:
+            torch.mm(dz, weight, out=dh[r0:r0 + c])                  # [c, H]
+        if grad_w:
+            _addmm_f32_(dW, dz.t(), h_c)                             # [Vd, H] += [Vd, c] @ [c, H]
+    return stats, dh, dW
+
+
+def _backward_chunks(backend, h2d, weight, teacher, coef, lse, psum, N, chunk,
+                     grad_h: bool, grad_w: bool):
+    """Deferred backward: recompute z per chunk, dz = coef·(softmax·Σp − p); (dh, dW fp32)."""
+    R, H = h2d.shape
+    Vd = weight.shape[0]
+    dev = h2d.device
+    dh = torch.empty_like(h2d) if grad_h else None
+    dW = torch.zeros(Vd, H, device=dev, dtype=torch.float32) if grad_w else None
+    C = min(chunk, R)
+    z_buf = torch.empty(C, Vd, device=dev, dtype=torch.float32)
+    dz_buf = torch.empty(C, Vd, device=dev, dtype=h2d.dtype)
+    wt = weight.t()
+    for r0 in range(0, R, C):
+        c = min(C, R - r0)
+        h_c = h2d[r0:r0 + c]
+        _mm_f32(h_c, wt, z_buf[:c])
+        backend.grad_rows(z_buf[:c], teacher, coef, lse, psum, r0, N, dz_buf[:c])
+        if grad_h:
+            torch.mm(dz_buf[:c], weight, out=dh[r0:r0 + c])
+        if grad_w:
+            _addmm_f32_(dW, dz_buf[:c].t(), h_c)
+    return dh, dW
+
+
+# --------------------------------------------------------------------------- autograd
+def _scale_rows_(t: torch.Tensor, g: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """t *= g in place, in fp32 (g is not rounded to t's dtype), a few rows at a time."""
+    if t.dtype == torch.float32:
+        return t.mul_(g)
+    for r0 in range(0, t.shape[0], rows):
+        blk = t[r0:r0 + rows]
+        blk.copy_(blk.float().mul_(g))
+    return t
+
+
+class _GradInForward(torch.autograd.Function):
+    """reduction="sum": the gradient is formed in forward; backward scales it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher, row_weight, backend, with_accept, chunk,
+                grad_h, grad_w):
+        K, N, H = hidden.shape
+        stats, dh, dW = _forward_chunks(backend, hidden.reshape(K * N, H), weight, teacher,
+                                        row_weight.reshape(-1), N, chunk, with_accept,
+                                        grad_h, grad_w)
+        ctx.grads = (dh, dW)
+        ctx.shapes = (hidden.shape, weight.dtype)
+        argmax = stats.argmax.view(K, N)
+        accept = stats.accept.view(K, N) if with_accept else stats.loss.new_empty(0)
+        ctx.mark_non_differentiable(argmax, accept)
+        return stats.loss.sum(), argmax, accept
+
+    @staticmethod
+    def backward(ctx, g_loss, _g_argmax, _g_accept):
+        if ctx.grads is None:
+            raise RuntimeError("eagle3_loss(reduction='sum') supports one backward pass per "
+                               "forward (its gradient is stored, not recomputed)")
+        dh, dW = ctx.grads
+        ctx.grads = None                                            # free as soon as returned
+        shape, w_dtype = ctx.shapes
+        if dh is not None:
+            dh = _scale_rows_(dh, g_loss).view(shape)
+        if dW is not None:
+            dW = dW.mul_(g_loss).to(w_dtype)
+        return dh, dW, None, None, None, None, None, None, None
+
+
+class _Deferred(torch.autograd.Function):
+    """reduction="none": per-row losses; backward recomputes logits chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher, row_weight, backend, with_accept, chunk):
+        K, N, H = hidden.shape
+        stats, _, _ = _forward_chunks(backend, hidden.reshape(K * N, H), weight, teacher,
+                                      row_weight.reshape(-1), N, chunk, with_accept,
+                                      False, False)
+        ctx.save_for_backward(hidden, weight, teacher, row_weight, stats.lse, stats.psum)
+        ctx.cfg = (backend, chunk)
+        argmax = stats.argmax.view(K, N)
+        accept = stats.accept.view(K, N) if with_accept else stats.loss.new_empty(0)
+        ctx.mark_non_differentiable(argmax, accept)
+        return stats.loss.view(K, N), argmax, accept
+
+    @staticmethod
+    def backward(ctx, g_rows, _g_argmax, _g_accept):
+        hidden, weight, teacher, row_weight, lse, psum = ctx.saved_tensors
+        backend, chunk = ctx.cfg
+        K, N, H = hidden.shape
+        grad_h, grad_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        coef = (g_rows.float() * row_weight).reshape(-1).contiguous()   # [K*N]
+        dh, dW = _backward_chunks(backend, hidden.reshape(K * N, H), weight, teacher, coef,
+                                  lse, psum, N, chunk, grad_h, grad_w)
+        dh = dh.view(K, N, H) if dh is not None else None
+        dW = dW.to(weight.dtype) if dW is not None else None
+        return dh, dW, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------- public API
+def _load_backend(impl: str, device: torch.device):
+    if impl not in _BACKENDS:
+        raise ValueError(f"loss impl must be one of {sorted(_BACKENDS)}, got {impl!r}; "
+                         "set loss.impl=triton or loss.impl=torch")
+    try:
+        backend = importlib.import_module(_BACKENDS[impl])
+    except ImportError as e:
+        raise RuntimeError(f"loss impl 'triton' needs the triton package ({e}); install triton "
+                           "or set loss.impl=torch") from e
+    if impl == "triton":
+        backend.check_device(device)
+    return backend
+
+
+def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size):
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [K, N, H], got shape {tuple(hidden.shape)}")
+    K, N, H = hidden.shape
+    if K < 1 or N < 1:
+        raise ValueError(f"hidden [K, N, H] needs K >= 1 and N >= 1, got {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise ValueError(f"weight must be [Vd, H={H}], got {tuple(weight.shape)}")
+    Vd = weight.shape[0]
+    if tuple(teacher.shape) != (N, Vd):
+        raise ValueError(f"teacher must be [N={N}, Vd={Vd}] (one row per position, shifted "
+                         f"inside by k), got {tuple(teacher.shape)}")
+    if tuple(row_weight.shape) != (K, N):
+        raise ValueError(f"row_weight must be [K={K}, N={N}], got {tuple(row_weight.shape)}")
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.bfloat16, torch.float16,
+                                                             torch.float32):
+        raise ValueError(f"hidden and weight must share a float dtype (bf16/fp16/fp32), got "
+                         f"{hidden.dtype} and {weight.dtype}")
+    if not teacher.is_floating_point():
+        raise ValueError(f"teacher must hold float probabilities, got {teacher.dtype}")
+    devs = {t.device for t in (hidden, weight, teacher, row_weight)}
+    if len(devs) != 1:
+        raise ValueError(f"hidden, weight, teacher, row_weight must be on one device, got {devs}")
+    if reduction not in ("sum", "none"):
+        raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+
+
+def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor,
+                row_weight: torch.Tensor, *, impl: str = "triton", with_accept: bool = False,
+                reduction: str = "sum", chunk_size: int | None = None) -> LossOutput:
+    """Fused lm_head + soft cross-entropy + argmax for all K TTT steps.
+
+    Args:
+        hidden: [K, N, H] draft hidden states after the final norm (bf16/fp16/fp32).
+        weight: [Vd, H] draft lm_head, same dtype as ``hidden``; receives an fp32-accumulated
+            gradient returned in its dtype.
+        teacher: [N, Vd] teacher probabilities over the draft vocabulary (bf16 or fp32, any
+            row sum: the loss is exact for unnormalised rows). Step k row t reads row t+k
+            (clamped to N−1); no gradient.
+        row_weight: [K, N] fp32, mask × step weight / normaliser. Zero rows cost no teacher
+            reads and get zero loss and gradient. Rows with t+k >= N must be zero. No gradient.
+        impl: "triton" (CUDA, or CPU under Triton's interpreter) or "torch" (any device).
+        with_accept: also return Σ_v min(p/Σp, softmax) per weighted row.
+        reduction: "sum" (gradient formed in forward, backward once) or "none" (per-row
+            ``row_loss`` with a recomputing backward, for objectives non-linear in it).
+        chunk_size: rows per chunk (default: z + dz buffers of ~384 MiB, at most 4096 rows).
+
+    Returns:
+        LossOutput(loss, draft_argmax, accept, row_loss); see its docstring.
+    """
+    _validate(hidden, weight, teacher, row_weight, reduction, chunk_size)
+    backend = _load_backend(impl, hidden.device)
+    K, N, H = hidden.shape
+    Vd = weight.shape[0]
+    chunk = chunk_size or auto_chunk_size(Vd, K * N)
+    hidden = hidden.contiguous()
+    weight = weight.contiguous()
+    if teacher.stride(1) != 1:
+        teacher = teacher.contiguous()
+    row_weight = row_weight.detach().to(torch.float32).contiguous()
+    teacher = teacher.detach()
+    log.debug("eagle3_loss impl=%s K=%d N=%d H=%d Vd=%d chunk=%d", impl, K, N, H, Vd, chunk)
+    if reduction == "none":
+        row_loss, argmax, accept = _Deferred.apply(hidden, weight, teacher, row_weight,
+                                                   backend, with_accept, chunk)
+        return LossOutput(row_loss.sum(), argmax, accept if with_accept else None, row_loss)
+    grad_on = torch.is_grad_enabled()
+    grad_h = grad_on and hidden.requires_grad
+    grad_w = grad_on and weight.requires_grad
+    loss, argmax, accept = _GradInForward.apply(hidden, weight, teacher, row_weight, backend,
+                                                with_accept, chunk, grad_h, grad_w)
+    return LossOutput(loss, argmax, accept if with_accept else None, None)

@@ -1,0 +1,64 @@
+"""Torch twin of the fused EAGLE-3 loss (``impl="torch"``): the same chunked algorithm as the
+Triton backend (``kernels/fused_loss.py``), with each row kernel written as plain torch ops.
+
+It runs anywhere torch runs (CPU included), is the reference the Triton kernels are tested
+against, and shares the chunk driver and autograd functions in ``kernels/loss.py``, so the
+chunking, the teacher shift and the gradient plumbing are exercised by both backends. The row
+functions below mirror ``loss_rows`` / ``grad_rows`` in ``kernels/fused_loss.py`` one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.loss import LossOutput, eagle3_loss
+
+
+def _teacher_rows(teacher: torch.Tensor, row0: int, c: int, N: int) -> torch.Tensor:
+    """Teacher rows min(t + k, N − 1) for global rows row0 .. row0+c, as fp32 [c, Vd]."""
+    rows = torch.arange(row0, row0 + c, device=teacher.device)          # [c] global rows
+    k = torch.div(rows, N, rounding_mode="floor")
+    t_row = torch.clamp(rows - k * N + k, max=N - 1)
+    return teacher.index_select(0, t_row).float()
+
+
+def loss_rows(z, teacher, w_flat, row0, N, out, dz, with_accept):
+    """Torch version of ``kernels.fused_loss.loss_rows`` (same arguments, same outputs)."""
+    c = z.shape[0]
+    sl = slice(row0, row0 + c)
+    w = w_flat[sl]                                                         # [c]
+    active = (w != 0).unsqueeze(1)                                         # [c, 1]
+    p = torch.where(active, _teacher_rows(teacher, row0, c, N), 0.0)       # [c, Vd]
+    lse = torch.logsumexp(z, dim=1)                                        # [c]
+    sp = p.sum(1)
+    spz = torch.where(active, p * z, 0.0).sum(1)
+    out.argmax[sl] = z.argmax(1)                                           # first index on ties
+    out.lse[sl] = lse
+    out.psum[sl] = sp
+    out.loss[sl] = torch.where(active.squeeze(1), w * (lse * sp - spz), 0.0)
+    if dz is None and not with_accept:
+        return
+    q = torch.exp(z - lse.unsqueeze(1))                                    # [c, Vd] softmax
+    if dz is not None:
+        dz.copy_(torch.where(active, w.unsqueeze(1) * (q * sp.unsqueeze(1) - p), 0.0))
+    if with_accept:
+        inv_sp = torch.where(sp > 0, 1.0 / sp, 0.0).unsqueeze(1)
+        out.accept[sl] = torch.where(active, torch.minimum(p * inv_sp, q), 0.0).sum(1)
+
+
+def grad_rows(z, teacher, coef, lse, psum, row0, N, dz):
+    """Torch version of ``kernels.fused_loss.grad_rows``."""
+    c = z.shape[0]
+    sl = slice(row0, row0 + c)
+    cf = coef[sl].unsqueeze(1)                                             # [c, 1]
+    active = cf != 0
+    p = torch.where(active, _teacher_rows(teacher, row0, c, N), 0.0)
+    q = torch.exp(z - lse[sl].unsqueeze(1))
+    dz.copy_(torch.where(active, cf * (q * psum[sl].unsqueeze(1) - p), 0.0))
+
+
+def eagle3_loss_torch(hidden, weight, teacher, row_weight, *, with_accept=False,
+                      reduction="sum", chunk_size=None) -> LossOutput:
+    """``kernels.eagle3_loss`` with ``impl="torch"`` (same signature minus ``impl``)."""
+    return eagle3_loss(hidden, weight, teacher, row_weight, impl="torch",
+                       with_accept=with_accept, reduction=reduction, chunk_size=chunk_size)
