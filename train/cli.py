@@ -1,0 +1,51 @@
+"""`eyas`: one command with a subcommand per stage. Training itself is
+`accelerate launch train/main.py` (or ./launch.sh), because accelerate owns the processes."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with cli_main, one-line help)
+COMMANDS = {
+    "prepare": ("data.prepare", "tokenise conversations (or generate them with the target) into a token dataset"),
+    "extract": ("data.extract", "run the target over a token dataset and store its hidden states"),
+    "import": ("data.importers", "convert SpecForge/speculators hidden states into an eyas dataset"),
+    "vocab": ("data.vocab", "build the draft vocabulary map (d2t/t2d) from a dataset"),
+    "inspect": ("data.inspect", "summarise a dataset: samples, tokens, bytes/token, modes"),
+    "export": ("models.export", "turn a training checkpoint into a directory vLLM and SGLang load"),
+    "validate": ("models.validate", "check an exported drafter against the serving contract"),
+    "doctor": ("models.doctor", "explain the likely causes of low acceptance"),
+    "evaluate": ("train.evaluate", "offline acceptance on a dataset, or real speculative decoding"),
+}
+
+USAGE = "usage: eyas <command> [--help] [args...]\n\ncommands:\n" + "\n".join(
+    f"  {name:<9} {text}" for name, (_, text) in COMMANDS.items()) + (
+    "\n\ntraining: accelerate launch train/main.py [hydra overrides]   (or ./launch.sh --help)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"eyas: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    module_name = COMMANDS[name][0]
+    from train.log import setup_logging
+    setup_logging()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        print(f"eyas {name}: not implemented yet ({module_name}: {e})", file=sys.stderr)
+        return 3
+    if not hasattr(module, "cli_main"):
+        print(f"eyas {name}: not implemented yet ({module_name} has no cli_main)", file=sys.stderr)
+        return 3
+    return int(module.cli_main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""The configuration schema: one dataclass per component, registered in Hydra's ConfigStore.
+
+`conf/config.yaml` composes these with the preset files under `conf/<group>/`. Struct mode is
+on, so an unknown key or a value of the wrong type fails at composition time; `check()` adds
+the cross-field rules and names the override that fixes each problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class AttentionImpl(str, Enum):
+    flex = "flex"
+    eager = "eager"
+
+
+class LossImpl(str, Enum):
+    auto = "auto"
+    triton = "triton"
+    torch = "torch"
+
+
+class Normalisation(str, Enum):
+    valid = "valid"
+    specforge = "specforge"
+
+
+class AuxFormat(str, Enum):
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
+class TeacherKind(str, Enum):
+    last = "last"
+    topk = "topk"
+
+
+class Schedule(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class DistBackend(str, Enum):
+    ddp = "ddp"
+    deepspeed = "deepspeed"
+
+
+class TrackerKind(str, Enum):
+    wandb = "wandb"
+    none = "none"
+
+
+class WandbMode(str, Enum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class TargetConfig:
+    name: str = "smollm2"
+    """Target model: a preset (smollm2, tiny-llama, tiny-deepseek-v3, llama-3.1-8b, qwen3-8b,
+    deepseek-v3, kimi-k2.5) or a local Hugging Face model directory."""
+    aux_layer_ids: Optional[List[int]] = None
+    """Aux layers as HF `hidden_states[k]` ids (= vLLM ids); null = 2, N//2, N-3."""
+    dtype: str = "bfloat16"
+    """dtype the target runs in for generation and extraction."""
+
+
+@dataclass
+class DrafterConfig:
+    draft_vocab_size: int = 32000
+    """Rows of the draft lm_head (capped at the target vocabulary)."""
+    ttt_steps: int = 7
+    """K: training-time-test unroll length; must be >= the serving num_speculative_tokens."""
+    num_attention_heads: Optional[int] = None
+    """Attention heads; null = the target family's default."""
+    num_key_value_heads: Optional[int] = None
+    """KV heads; null = the target family's default."""
+    head_dim: Optional[int] = None
+    """Head dimension; null = the target family's default."""
+    intermediate_size: Optional[int] = None
+    """SwiGLU width; null = the target family's default."""
+    max_position_embeddings: Optional[int] = None
+    """Exported context length; null = the target's."""
+    attention: AttentionImpl = AttentionImpl.flex
+    """flex (flex_attention, compiled on GPU) or eager (reference path)."""
+    compile: bool = True
+    """torch.compile the drafter layer on GPU (ignored on CPU)."""
+    init_lm_head_from_target: bool = True
+    """Initialise draft lm_head row i from the target head row of token i + d2t[i]."""
+    warm_start: Optional[str] = None
+    """Exported/imported drafter directory to start from; its vocab map is kept."""
+
+
+@dataclass
+class DataConfig:
+    dataset: Optional[str] = None
+    """Hidden-state dataset directory; null = build the embedded default (cached)."""
+    eval_dataset: Optional[str] = None
+    """Held-out hidden-state dataset; null = split eval_fraction off `dataset`."""
+    prompts: Optional[str] = None
+    """Prompts for the embedded default (messages JSONL); null = the shipped prompts."""
+    num_prompts: int = 512
+    """How many shipped prompts the embedded default answers with the target."""
+    max_new_tokens: int = 160
+    """Length cap of generated assistant turns for the embedded default."""
+    generation_batch_size: int = 16
+    """Prompts per generate() call when building the embedded default."""
+    max_length: int = 2048
+    """Longest conversation kept when tokenising (tokens)."""
+    cache_dir: str = "~/.cache/eyas"
+    """Where targets and the embedded default dataset are cached."""
+    token_budget: int = 2048
+    """Tokens per packed micro-batch (per rank)."""
+    eval_fraction: float = 0.05
+    """Fraction of samples held out for evaluation when eval_dataset is null."""
+    aux_format: AuxFormat = AuxFormat.bf16
+    """Storage of aux states when extracting: bf16 or fp8 (e4m3 + per-token scale)."""
+    teacher: TeacherKind = TeacherKind.last
+    """Teacher stored by extraction: the post-norm last hidden state, or top-k logits."""
+    num_workers: int = 1
+    """Background prefetch workers of the packed loader."""
+    vocab: Optional[str] = None
+    """Existing vocab map file (d2t/t2d); null = build from the training set."""
+
+
+@dataclass
+class LossConfig:
+    impl: LossImpl = LossImpl.auto
+    """triton (fused kernel), torch (reference twin) or auto (triton on CUDA, else torch)."""
+    step_weight: float = 0.8
+    """Weight of TTT step k is step_weight**k."""
+    normalisation: Normalisation = Normalisation.valid
+    """valid: mean over valid rows per step; specforge: divide by all rows."""
+    position_mask: bool = True
+    """Drop rows whose target argmax is outside the draft vocabulary."""
+    chunk_size: Optional[int] = None
+    """Rows per fused-loss chunk; null = the kernel's default."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    """Peak learning rate."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    schedule: Schedule = Schedule.cosine
+    """LR schedule after warmup."""
+    warmup_ratio: float = 0.015
+    """Warmup as a fraction of total optimizer steps (used when warmup_steps is null)."""
+    warmup_steps: Optional[int] = None
+    """Warmup length in optimizer steps; overrides warmup_ratio."""
+    clip_grad_norm: float = 0.5
+    """Global gradient-norm clip; 0 disables."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+
+
+@dataclass
+class DistConfig:
+    backend: DistBackend = DistBackend.ddp
+    """ddp or deepspeed (ZeRO via accelerate)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage (1, 2, 3) when backend=deepspeed."""
+    deepspeed_config: Optional[str] = None
+    """DeepSpeed JSON (relative to conf/deepspeed/ or absolute); null = built from this group."""
+
+
+@dataclass
+class TrackerConfig:
+    kind: TrackerKind = TrackerKind.none
+    """wandb or none (the JSONL metrics file is always written)."""
+    mode: WandbMode = WandbMode.offline
+    """wandb mode: online, offline or disabled."""
+    project: str = "eyas"
+    """wandb project."""
+    entity: Optional[str] = None
+    """wandb entity (team); null = your default."""
+    run_name: Optional[str] = None
+    """wandb run name; null = the Hydra job name plus sweep overrides."""
+    group: Optional[str] = None
+    """wandb group; null = the sweep directory name under --multirun."""
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    """Seed of weights, data order and dropout-free randomness."""
+    epochs: int = 1
+    """Passes over the training set (max_steps wins when set)."""
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps."""
+    log_every: int = 10
+    """Optimizer steps between metric logs."""
+    eval_every: int = 0
+    """Optimizer steps between evaluations; 0 = only at the end."""
+    save_every: int = 0
+    """Optimizer steps between checkpoints; 0 = only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept by rotation (the best one is kept too)."""
+    resume: Optional[str] = None
+    """Checkpoint directory to resume from, or "latest" (newest in this run's dir)."""
+    max_nonfinite_steps: int = 20
+    """Abort after this many skipped steps with NaN/inf loss or gradients."""
+    deterministic: bool = False
+    """torch deterministic algorithms (bitwise-reproducible resume on CPU)."""
+    dry_run: bool = False
+    """Compose the config, start the processes and write the run summary, then stop."""
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool = True
+    """Export the drafter in layout A at the end of training."""
+    every: int = 0
+    """Also export every N optimizer steps; 0 = only at the end."""
+    speculators_config: bool = False
+    """Also write a vLLM speculators-format config next to the export."""
+
+
+@dataclass
+class EvalConfig:
+    speculative: bool = True
+    """After export, run real greedy speculative decoding with the target on held-out prompts."""
+    prompts: Optional[str] = None
+    """Held-out prompts (messages JSONL); null = the shipped held-out prompts."""
+    num_prompts: int = 16
+    """How many held-out prompts to decode."""
+    max_new_tokens: int = 64
+    """Tokens generated per prompt."""
+
+
+@dataclass
+class EyasConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run_name: str = "eyas"
+    """Name of the run directory runs/<run_name> (launch.sh sets a timestamp)."""
+    output_dir: str = MISSING
+    """Where this job writes (set by conf/config.yaml to Hydra's run dir)."""
+
+
+GROUPS = ("target", "drafter", "data", "loss", "optim", "dist", "tracker")
+
+
+def register() -> None:
+    """Register the schema so `conf/config.yaml` can extend it (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="eyas_schema", node=EyasConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work, with the override that fixes it."""
+
+
+def check(cfg: DictConfig | Any) -> None:
+    """Cross-field rules that types alone cannot express."""
+    def fail(key: str, value: Any, expected: str, fix: str) -> None:
+        raise ConfigError(f"{key}={value!r}: expected {expected}. Fix: {fix}")
+
+    if cfg.drafter.ttt_steps < 1:
+        fail("drafter.ttt_steps", cfg.drafter.ttt_steps, "an integer >= 1", "drafter.ttt_steps=7")
+    if cfg.drafter.draft_vocab_size < 2:
+        fail("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size, ">= 2",
+             "drafter.draft_vocab_size=32000")
+    ids = cfg.target.aux_layer_ids
+    if ids is not None and (len(ids) != 3 or list(ids) != sorted(set(ids)) or ids[0] < 1):
+        fail("target.aux_layer_ids", list(ids), "three increasing HF hidden_states ids >= 1",
+             "target.aux_layer_ids=[2,16,29] (or null for 2, N//2, N-3)")
+    if cfg.data.token_budget < 16:
+        fail("data.token_budget", cfg.data.token_budget, ">= 16", "data.token_budget=2048")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        fail("data.eval_fraction", cfg.data.eval_fraction, "in [0, 1)", "data.eval_fraction=0.05")
+    if cfg.optim.lr <= 0:
+        fail("optim.lr", cfg.optim.lr, "> 0", "optim.lr=1e-4")
+    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
+        fail("optim.betas", list(cfg.optim.betas), "two values in [0, 1)", "optim.betas=[0.9,0.95]")
+    if cfg.optim.grad_accum < 1:
+        fail("optim.grad_accum", cfg.optim.grad_accum, ">= 1", "optim.grad_accum=1")
+    if not 0.0 <= cfg.optim.warmup_ratio < 1.0:
+        fail("optim.warmup_ratio", cfg.optim.warmup_ratio, "in [0, 1)", "optim.warmup_ratio=0.015")
+    if cfg.dist.backend == DistBackend.deepspeed and cfg.dist.zero_stage not in (1, 2, 3):
+        fail("dist.zero_stage", cfg.dist.zero_stage, "1, 2 or 3 with backend=deepspeed",
+             "dist=zero2 (or dist.zero_stage=2)")
+    if cfg.dist.backend == DistBackend.ddp and cfg.dist.zero_stage != 0:
+        fail("dist.zero_stage", cfg.dist.zero_stage, "0 with backend=ddp",
+             f"dist=zero{cfg.dist.zero_stage} to use DeepSpeed ZeRO-{cfg.dist.zero_stage}, "
+             f"or dist.zero_stage=0")
+    if cfg.loss.step_weight <= 0:
+        fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
+    if cfg.train.epochs < 1 and cfg.train.max_steps is None:
+        fail("train.epochs", cfg.train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
+
+
+def to_plain(cfg: DictConfig) -> dict:
+    """Resolved config as plain Python types (for trackers and checkpoint records)."""
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

@@ -1,0 +1,72 @@
+"""The one place that builds the Accelerator (DDP or DeepSpeed ZeRO) from the `dist` group.
+
+Topology (how many processes, nodes) comes from `accelerate launch` (see launch.sh and
+conf/accelerate/); the engine (DDP vs ZeRO stage) comes from the Hydra `dist` group, so a
+sweep can change it without touching launcher files.
+
+CPU facts this file encodes (accelerate 1.x):
+- DDP over gloo needs `Accelerator(cpu=True)` under `accelerate launch --multi_gpu`;
+  `--cpu --num_processes N` silently starts one process.
+- DeepSpeed on CPU needs an explicit gloo process group and must NOT get `cpu=True`
+  (accelerate then silently falls back to DDP).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DeepSpeedPlugin
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
+
+from train.config import DistBackend
+
+log = logging.getLogger(__name__)
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def deepspeed_config(dist_cfg, grad_accum: int, clip: float) -> dict:
+    """The DeepSpeed JSON for this run, with the 'auto' fields filled from the config."""
+    name = dist_cfg.deepspeed_config or f"zero{dist_cfg.zero_stage}.json"
+    path = Path(name) if Path(name).is_absolute() else CONF_DIR / "deepspeed" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"dist.deepspeed_config: {path} does not exist; use one of "
+                                f"{sorted(p.name for p in (CONF_DIR / 'deepspeed').glob('*.json'))}")
+    ds = json.loads(path.read_text())
+    ds.setdefault("zero_optimization", {})["stage"] = dist_cfg.zero_stage
+    ds["gradient_accumulation_steps"] = grad_accum
+    ds["gradient_clipping"] = clip if clip > 0 else 0.0
+    ds["train_micro_batch_size_per_gpu"] = 1
+    # eyas keeps bf16 parameters itself; DeepSpeed must not add another mixed-precision layer.
+    ds["bf16"] = {"enabled": False}
+    return ds
+
+
+def build_accelerator(cfg, project_dir: str | Path, log_with=None) -> Accelerator:
+    """Accelerator for cfg.dist on whatever device this process has."""
+    on_cpu = not torch.cuda.is_available()
+    kwargs = dict(
+        gradient_accumulation_steps=cfg.optim.grad_accum,
+        project_config=ProjectConfiguration(project_dir=str(project_dir),
+                                            automatic_checkpoint_naming=False),
+        log_with=log_with,
+    )
+    if cfg.dist.backend == DistBackend.deepspeed:
+        ds = deepspeed_config(cfg.dist, cfg.optim.grad_accum, cfg.optim.clip_grad_norm)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+        if on_cpu:
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+    elif on_cpu:
+        kwargs["cpu"] = True
+    acc = Accelerator(**kwargs)
+    expected = DistributedType.DEEPSPEED if cfg.dist.backend == DistBackend.deepspeed else None
+    if expected and acc.distributed_type != expected:
+        raise RuntimeError(f"dist.backend=deepspeed but accelerate set up "
+                           f"{acc.distributed_type}; launch through launch.sh or "
+                           f"`accelerate launch --multi_gpu ...`")
+    log.info("accelerator: %s, %d process(es), device %s", acc.distributed_type.value,
+             acc.num_processes, acc.device)
+    return acc

@@ -1,0 +1,104 @@
+"""The stages of the main job, each a function over the config: dataset → train → export → eval.
+
+`train/main.py` calls them in order. The embedded default dataset (SmolLM2 answering the
+shipped prompts, then hidden states extracted from it) is built once and cached under
+`data.cache_dir/datasets/<key>`, where the key hashes every setting that changes its bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StageUnavailable(RuntimeError):
+    """A stage of the pipeline whose implementation is not present in this build."""
+
+
+def _need(module: str, what: str):
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise StageUnavailable(f"{what}: not implemented yet ({module} is missing: {e})") from e
+
+
+def shipped_prompts(kind: str = "default") -> Path:
+    return PACKAGE_ROOT / "data" / "prompts" / f"{kind}.jsonl"
+
+
+@dataclass
+class DatasetPaths:
+    train: Path
+    eval: Path | None
+    conversations: Path | None = None
+
+
+def _embedded_key(cfg) -> str:
+    prompts = Path(cfg.data.prompts or shipped_prompts("default"))
+    if not prompts.is_file():
+        raise StageUnavailable(f"dataset: the prompts file {prompts} does not exist "
+                               f"(set data.prompts=FILE.jsonl)")
+    h = hashlib.sha256()
+    h.update(prompts.read_bytes())
+    ids = None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids)
+    h.update(json.dumps([cfg.target.name, ids, cfg.data.num_prompts, cfg.data.max_new_tokens,
+                         cfg.data.max_length, str(cfg.data.aux_format), str(cfg.data.teacher),
+                         cfg.train.seed]).encode())
+    return h.hexdigest()[:16]
+
+
+def build_embedded_dataset(cfg) -> DatasetPaths:
+    """Generate conversations with the target, tokenise, extract hidden states (cached)."""
+    prepare = _need("data.prepare", "dataset (prepare)")
+    extract = _need("data.extract", "dataset (extract)")
+    root = Path(cfg.data.cache_dir).expanduser() / "datasets" / _embedded_key(cfg)
+    hidden = root / "hidden"
+    conversations = root / "conversations.jsonl"
+    if (hidden / "manifest.json").is_file():
+        log.info("embedded dataset: cached at %s", hidden)
+        return DatasetPaths(train=hidden, eval=None, conversations=conversations)
+    root.mkdir(parents=True, exist_ok=True)
+    prompts = Path(cfg.data.prompts or shipped_prompts("default"))
+    log.info("embedded dataset: %s answers %d prompts from %s (generation is resumable)",
+             cfg.target.name, cfg.data.num_prompts, prompts.name)
+    prepare.generate_conversations(
+        prompts, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
+        batch_size=cfg.data.generation_batch_size, temperature=0.0, seed=cfg.train.seed,
+        max_prompts=cfg.data.num_prompts, cache_dir=cfg.data.cache_dir)
+    tokens = root / "tokens"
+    if not (tokens / "manifest.json").is_file():
+        prepare.prepare(conversations, cfg.target.name, tokens, max_length=cfg.data.max_length,
+                        on_error="skip", cache_dir=cfg.data.cache_dir)
+    extract.extract(tokens, cfg.target.name, hidden,
+                    layers=None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids),
+                    aux_format=str(cfg.data.aux_format.value if hasattr(cfg.data.aux_format, "value")
+                                   else cfg.data.aux_format),
+                    teacher=str(cfg.data.teacher.value if hasattr(cfg.data.teacher, "value")
+                                else cfg.data.teacher),
+                    cache_dir=cfg.data.cache_dir)
+    return DatasetPaths(train=hidden, eval=None, conversations=conversations)
+
+
+def ensure_dataset(cfg) -> DatasetPaths:
+    """The hidden-state dataset(s) this run trains and evaluates on."""
+    if cfg.data.dataset:
+        train_dir = Path(cfg.data.dataset).expanduser()
+        if not (train_dir / "manifest.json").is_file():
+            raise FileNotFoundError(f"data.dataset={train_dir}: no manifest.json there; write one "
+                                    f"with `eyas extract --tokens DIR --target MODEL --out DIR`")
+        eval_dir = Path(cfg.data.eval_dataset).expanduser() if cfg.data.eval_dataset else None
+        return DatasetPaths(train=train_dir, eval=eval_dir)
+    return build_embedded_dataset(cfg)
+
+
+def run_training(cfg, accelerator, datasets: DatasetPaths):
+    trainer = _need("train.trainer", "train")
+    return trainer.train(cfg, accelerator, datasets)
