@@ -1,0 +1,479 @@
+"""Export a trained drafter as a directory that vLLM and SGLang load as is ("layout A").
+
+    eyas export CHECKPOINT OUT_DIR [--target-config FILE] [--speculators-config] [--verifier PATH]
+
+CHECKPOINT may be
+  (a) a plain state-dict file (`.safetensors`, `.bin`, `.pt`) of the drafter's named tensors,
+      possibly wrapped (`module.`, `_orig_mod.`, `drafter.` … prefixes are stripped);
+  (b) a trainer checkpoint directory: accelerate's `model.safetensors`/`pytorch_model.bin` (DDP)
+      or a DeepSpeed ZeRO-1/2/3 checkpoint (`pytorch_model/` with `mp_rank_00_model_states.pt`
+      and the optimizer shards; ZeRO-3 partitions are gathered with DeepSpeed's zero_to_fp32),
+      next to `eyas.json` (drafter config + objective) and the vocab map;
+  (c) an exported drafter directory (layout A, or speculators `layers.0.`: re-export/convert).
+
+The output (serving-contract.md §1-§3): `config.json` + `model.safetensors` in bf16 with exactly the
+layout-A names (no `model.` prefix, `midlayer.`, no `embed_tokens`, `lm_head` always, `d2t` int64
+offsets and `t2d` bool iff draft_vocab_size < vocab_size), plus `eyas_export.json` (TTT steps and
+training settings; both engines ignore extra files). It is written to a temporary directory,
+checked with the static validator, and renamed into place: a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import save_file
+
+from models.importer import (load_state_dict_file, read_drafter_dir, read_trainer_checkpoint,
+                             _find_key)
+from models.validate import (CORE_TENSORS, ERROR, TensorDir, expected_shapes, format_findings,
+                             resolve_target_config)
+
+log = logging.getLogger(__name__)
+
+EXPORT_META = "eyas_export.json"
+_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
+#: drafter state-dict entries that are deliberately not exported
+NOT_EXPORTED = ("embed_tokens.weight",)  # the target's, frozen: engines bring their own
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot become a valid layout-A export; the message says why and how to fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Names and config
+# ---------------------------------------------------------------------------------------------
+
+def normalise_names(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drafter tensors under layout-A names: wrapper prefixes stripped, `layers.0.` -> `midlayer.`.
+
+    A wrapper attribute prefix (`drafter.fc.weight`) is detected from the unique `*fc.weight`
+    entry; entries outside it belong to the wrapper and are logged, not exported.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        n, changed = name, True
+        while changed:
+            changed = False
+            for w in _WRAPPERS:
+                if n.startswith(w):
+                    n, changed = n[len(w):], True
+        out[n] = t
+    if "fc.weight" not in out:
+        prefixes = [n[: -len("fc.weight")] for n in out if n.endswith(".fc.weight")]
+        if len(prefixes) == 1:
+            p = prefixes[0]
+            outside = sorted(n for n in out if not n.startswith(p))
+            if outside:
+                log.info("not part of the drafter (outside %r), not exported: %s", p, outside)
+            out = {n[len(p):]: t for n, t in out.items() if n.startswith(p)}
+    return {re.sub(r"^layers\.0\.", "midlayer.", n): t for n, t in out.items()}
+
+
+def _config_dict(config: Any) -> tuple[dict[str, Any], int | None]:
+    """(layout-A config.json dict, TTT steps or None) of an Eagle3Config or a config dict.
+
+    A dict is either a config.json dict (has `architectures`/`model_type`) or the field dict of
+    an Eagle3Config (`Eagle3Config.to_dict()`, as a trainer checkpoint's eyas.json stores it).
+    """
+    if isinstance(config, Mapping) and "aux_layer_ids" in config:
+        from models.config import Eagle3Config
+        config = Eagle3Config(**dict(config))
+    if hasattr(config, "to_config_dict"):
+        return dict(config.to_config_dict()), getattr(config, "ttt_steps", None)
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(dict(config))), None  # deep copy, JSON-clean
+    raise TypeError(f"config must be an Eagle3Config or a config dict, got {type(config)}")
+
+
+def complete_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Fill the fields serving-contract §2 requires that can be derived without guessing.
+
+    Writes `norm_before_residual: false` when absent, the missing spelling of the aux ids
+    (vLLM id = SGLang id + 1), `torch_dtype: bfloat16`, and the legacy `rope_theta` /
+    `rope_scaling` next to transformers-5 `rope_parameters`. Refuses what would change the
+    function (norm_before_residual true).
+    """
+    cfg = dict(cfg)
+    if cfg.get("norm_before_residual", False) is not False:
+        raise ExportError("config has norm_before_residual = true: layout A serves the un-normed "
+                          "residual (SGLang does not implement the flag); eyas drafters train "
+                          "with it false")
+    cfg["norm_before_residual"] = False
+    ec = dict(cfg.get("eagle_config") or {})
+    vl, sg = cfg.get("eagle_aux_hidden_state_layer_ids"), ec.get("eagle_aux_hidden_state_layer_ids")
+    if vl is None and sg is not None:
+        cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in sg]
+    if sg is None and vl is not None:
+        ec["eagle_aux_hidden_state_layer_ids"] = [int(i) - 1 for i in vl]
+    if ec:
+        ec.setdefault("use_aux_hidden_state", True)
+        cfg["eagle_config"] = ec
+    cfg.pop("dtype", None)
+    cfg["torch_dtype"] = "bfloat16"
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict):
+        cfg.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
+        if rp.get("rope_type", "default") != "default":
+            cfg.setdefault("rope_scaling", {k: v for k, v in rp.items() if k != "rope_theta"})
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary mapping
+# ---------------------------------------------------------------------------------------------
+
+def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bool mask [V] of the target ids the draft vocabulary selects: {i + d2t[i]}."""
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[torch.arange(d2t.numel()) + d2t.long()] = True
+    return t2d
+
+
+def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int,
+                    draft_vocab_size: int, where: str = "vocab map") -> None:
+    """Raise ExportError unless d2t are offsets onto strictly increasing ids within [0, V)."""
+    if d2t.dim() != 1 or d2t.numel() != draft_vocab_size:
+        raise ExportError(f"{where}: d2t has shape {list(d2t.shape)}; expected "
+                          f"[{draft_vocab_size}] (draft_vocab_size)")
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise ExportError(f"{where}: d2t has dtype {d2t.dtype}; expected integer offsets")
+    ids = torch.arange(draft_vocab_size) + d2t.long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ExportError(f"{where}: i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
+                          f"(target_id - i), not absolute ids or ids of another vocabulary")
+    if bool((ids[1:] <= ids[:-1]).any()):
+        raise ExportError(f"{where}: i + d2t[i] is not strictly increasing: the draft vocabulary "
+                          f"must be the selected target ids sorted ascending")
+    if t2d is not None:
+        if t2d.shape != (vocab_size,) or not torch.equal(t2d.bool().nonzero().flatten(), ids):
+            raise ExportError(f"{where}: t2d (shape {list(t2d.shape)}, {int(t2d.bool().sum())} "
+                              f"selected) is not the mask of {{i + d2t[i]}}: the two halves of "
+                              f"the mapping disagree; keep the one the drafter was trained with")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+def _atomic_write_dir(out_dir: Path, build, overwrite: bool) -> Path:
+    """build(tmp) then rename tmp -> out_dir; an existing out_dir is replaced only if allowed."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists: choose a new directory or pass "
+                              f"overwrite=True (--overwrite)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp.", dir=out_dir.parent))
+    try:
+        build(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], d: Path, max_shard_bytes: int | None) -> None:
+    """model.safetensors, or model-0000x-of-0000y.safetensors + index when above the shard size."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if not max_shard_bytes or total <= max_shard_bytes:
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, d / fname, metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | Path,
+                   config: Any, d2t: torch.Tensor | None, t2d: torch.Tensor | None,
+                   out_dir: str | Path, *, target_config: dict | str | Path | None = None,
+                   ttt_steps: int | None = None, training: dict[str, Any] | None = None,
+                   speculators: bool = False, verifier: str | None = None,
+                   num_speculative_tokens: int | None = None, overwrite: bool = False,
+                   max_shard_bytes: int | None = None, check: bool = True) -> Path:
+    """Write the layout-A directory `out_dir` for a drafter and return its path.
+
+    `state_dict_or_checkpoint`: the drafter's tensors (names as in models.drafter, wrappers
+    allowed) or a path to a state-dict file. `config`: an Eagle3Config or its config.json dict.
+    `d2t` [Vd] int64 offsets / `t2d` [V] bool: the training vocab map (None: taken from the state
+    dict's buffers; t2d is rebuilt from d2t when absent). `target_config` enables the target-
+    dependent checks. `ttt_steps`/`training` go to eyas_export.json. `speculators=True` also
+    writes `<out_dir>-speculators/` (vLLM-only speculators format; needs `verifier`).
+    `check=False` skips the static validation of the result (not recommended).
+    """
+    if isinstance(state_dict_or_checkpoint, (str, Path)):
+        state_dict = load_state_dict_file(Path(state_dict_or_checkpoint))
+    else:
+        state_dict = dict(state_dict_or_checkpoint)
+    cfg, cfg_ttt = _config_dict(config)
+    cfg = complete_config(cfg)
+    ttt_steps = ttt_steps if ttt_steps is not None else cfg_ttt
+    tcfg = resolve_target_config(target_config)
+    sd = normalise_names(state_dict)
+    V, Vd = cfg.get("vocab_size"), cfg.get("draft_vocab_size")
+    if not isinstance(V, int) or not isinstance(Vd, int):
+        raise ExportError(f"config needs int vocab_size and draft_vocab_size, got {V!r}, {Vd!r}")
+
+    # vocabulary mapping: explicit arguments win, but must agree with the state dict's buffers
+    for name, given in (("d2t", d2t), ("t2d", t2d)):
+        buf = sd.pop(name, None)
+        if buf is not None and given is not None and not torch.equal(buf.long(), given.long()):
+            raise ExportError(f"the checkpoint's {name} buffer differs from the {name} passed "
+                              f"in: keep the mapping the drafter was trained with")
+        if name == "d2t":
+            d2t = given if given is not None else buf
+        else:
+            t2d = given if given is not None else buf
+    if Vd < V:
+        if d2t is None:
+            raise ExportError(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t was given or "
+                              f"found in the checkpoint: pass the training vocab map")
+        check_vocab_map(d2t, t2d, V, Vd)
+        d2t = d2t.to(torch.int64).contiguous()
+        t2d = (t2d.bool() if t2d is not None else t2d_from_d2t(d2t, V)).contiguous()
+    else:
+        if d2t is not None and bool(d2t.any()):
+            raise ExportError("draft_vocab_size == vocab_size but d2t is not all zero")
+        d2t = t2d = None  # contract: shipped iff Vd < V
+
+    shapes = expected_shapes(cfg)
+    dropped = [n for n in sd if n in NOT_EXPORTED]
+    if dropped:
+        log.info("not exported (the engines use the target's): %s", dropped)
+    unknown = sorted(n for n in sd if n not in shapes and n not in NOT_EXPORTED)
+    if unknown:
+        raise ExportError(f"checkpoint tensors outside layout A: {unknown}. Layout A has "
+                          f"{list(CORE_TENSORS)}; biases, fused or extra layers cannot be served")
+    missing = [n for n in CORE_TENSORS if n not in sd]
+    if missing:
+        raise ExportError(f"checkpoint lacks {missing}: not a complete EAGLE-3 drafter")
+    tensors: dict[str, torch.Tensor] = {}
+    for n in CORE_TENSORS:
+        t = sd[n]
+        if shapes[n] is not None and tuple(t.shape) != shapes[n]:
+            raise ExportError(f"{n} has shape {list(t.shape)} but the config implies "
+                              f"{list(shapes[n])}: config and weights are from different drafters")
+        tensors[n] = t.detach().to("cpu", torch.bfloat16).contiguous().clone()
+    if d2t is not None:
+        tensors["d2t"], tensors["t2d"] = d2t.clone(), t2d.clone()
+
+    meta = {"format": "eyas-export", "version": 1, "ttt_steps": ttt_steps,
+            "aux_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids"),
+            "draft_vocab_size": Vd, "vocab_size": V,
+            "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "training": training or {}}
+
+    def build(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        _save_tensors(tensors, tmp, max_shard_bytes)
+        (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+        if check:
+            from models.validate_static import check_config, check_tensors
+            findings = check_config(cfg, tcfg) + check_tensors(TensorDir(tmp), cfg, tcfg)
+            for f in findings:
+                log.warning("export check: %s", f)
+            if any(f.severity == ERROR for f in findings):
+                raise ExportError("the export breaks the serving contract:\n"
+                                  + format_findings([f for f in findings if f.severity == ERROR]))
+
+    out = _atomic_write_dir(Path(out_dir), build, overwrite)
+    log.info("exported drafter to %s", out)
+    if speculators:
+        write_speculators_export(out, Path(f"{out}-speculators"), verifier=verifier,
+                                 target_config=tcfg,
+                                 num_speculative_tokens=num_speculative_tokens or ttt_steps or 3,
+                                 overwrite=overwrite)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The optional vLLM-only speculators-format config
+# ---------------------------------------------------------------------------------------------
+
+_EAGLE_KEYS = ("architectures", "eagle_config", "eagle_aux_hidden_state_layer_ids",
+               "draft_vocab_size", "target_hidden_size", "norm_before_residual", "torch_dtype")
+
+
+def speculators_config(cfg: dict[str, Any], *, verifier: str,
+                       verifier_architectures: list[str] | None = None,
+                       num_speculative_tokens: int = 3) -> dict[str, Any]:
+    """The speculators-format (`speculators_model_type: eagle3`) config of a layout-A config.
+
+    vLLM reads `transformer_layer_config` as the Llama layer config, `draft_vocab_size`,
+    `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (as is) and
+    `norm_before_residual` (default TRUE there, so it is written false), and takes the default
+    `num_speculative_tokens` from the first proposal method.
+    """
+    layer = {k: v for k, v in cfg.items() if k not in _EAGLE_KEYS}
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg["draft_vocab_size"],
+        "target_hidden_size": cfg.get("target_hidden_size", cfg["hidden_size"]),
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": int(num_speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier,
+                         "architectures": list(verifier_architectures or [])},
+        },
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str | None,
+                             target_config: dict | None, num_speculative_tokens: int,
+                             overwrite: bool = False) -> Path:
+    """`out_dir` = speculators config.json + the layout-A weights (hard-linked when possible)."""
+    if not verifier:
+        raise ExportError("a speculators-format export names its verifier (the target model path "
+                          "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
+    cfg = json.loads((Path(layout_a_dir) / "config.json").read_text())
+    spec = speculators_config(cfg, verifier=verifier,
+                              verifier_architectures=(target_config or {}).get("architectures"),
+                              num_speculative_tokens=num_speculative_tokens)
+
+    def build(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
+        for f in Path(layout_a_dir).iterdir():
+            if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:
+                    shutil.copy2(f, tmp / f.name)
+
+    out = _atomic_write_dir(out_dir, build, overwrite)
+    log.info("wrote the vLLM-only speculators-format export to %s", out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint -> export, and the CLI
+# ---------------------------------------------------------------------------------------------
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
+                      config: Any = None, target_config: dict | str | Path | None = None,
+                      **kwargs: Any) -> Path:
+    """Export a trainer checkpoint (file or directory) or re-export an exported drafter directory.
+
+    The drafter config comes from the checkpoint's eyas.json (or the exported config.json), or
+    from `config` (required for a bare state-dict file). Keyword arguments go to export_drafter.
+    """
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_dir() and (checkpoint / "config.json").is_file():  # (c) exported drafter
+        cfg, sd, d2t, t2d, fmt = read_drafter_dir(checkpoint, target_config)
+        meta_file = checkpoint / EXPORT_META
+        meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+        kwargs.setdefault("ttt_steps", meta.get("ttt_steps"))
+        kwargs.setdefault("training", dict(meta.get("training") or {}, source_format=fmt))
+        return export_drafter(sd, config if config is not None else cfg, d2t, t2d, out_dir,
+                              target_config=target_config, **kwargs)
+    ck = read_trainer_checkpoint(checkpoint)  # (a) file, (b) DDP / DeepSpeed directory
+    cfg = config if config is not None else ck.config
+    if cfg is None:
+        raise ExportError(f"{checkpoint}: no drafter config (no eyas.json with a 'drafter' "
+                          f"entry): pass config=… (the drafter's Eagle3Config or config dict)")
+    kwargs.setdefault("ttt_steps", _find_key(ck.meta, "ttt_steps"))
+    training = {k: v for k, v in ck.meta.items() if k not in ("drafter", "drafter_config",
+                                                              "config")}
+    kwargs.setdefault("training", dict(training, checkpoint=str(checkpoint), source=ck.source))
+    return export_drafter(ck.state_dict, cfg, ck.d2t, ck.t2d, out_dir,
+                          target_config=target_config, **kwargs)
+
+
+def serve_commands(export_dir: str | Path, target: str, k: int) -> tuple[str, str]:
+    """The vLLM and SGLang command lines that serve `target` with this drafter, K draft tokens."""
+    spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k},
+                      separators=(",", ":"))
+    vllm = f"vllm serve {target} --speculative-config '{spec}'"
+    sglang = (f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
+              f"--speculative-draft-model-path {export_dir} --speculative-num-steps {k} "
+              f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+    return vllm, sglang
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas export CHECKPOINT OUT_DIR [--target-config FILE] [--speculators-config] …`."""
+    p = argparse.ArgumentParser(
+        prog="eyas export",
+        description="Write a trained drafter as a directory vLLM and SGLang serve as is "
+                    "(config.json + model.safetensors, serving-contract layout A).")
+    p.add_argument("checkpoint", help="trainer checkpoint dir (DDP or DeepSpeed, with eyas.json), "
+                   "a state-dict file, or an exported drafter dir (re-export / convert)")
+    p.add_argument("out_dir", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--target-config", default=None,
+                   help="target config.json / dir / preset: enables the target checks")
+    p.add_argument("--drafter-config", default=None,
+                   help="drafter config.json when the checkpoint has no eyas.json")
+    p.add_argument("--speculators-config", action="store_true",
+                   help="also write OUT_DIR-speculators/ (vLLM-only speculators format)")
+    p.add_argument("--verifier", default=None,
+                   help="target path or hub id recorded in the speculators config and printed "
+                        "in the serve commands")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K for the printed commands (default: the TTT steps trained, else 3)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--shard-size-gb", type=float, default=None,
+                   help="split model.safetensors into shards of at most this size")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = json.loads(Path(args.drafter_config).read_text()) if args.drafter_config else None
+    try:
+        out = export_checkpoint(
+            args.checkpoint, args.out_dir, config=config, target_config=args.target_config,
+            speculators=args.speculators_config, verifier=args.verifier,
+            num_speculative_tokens=args.num_speculative_tokens, overwrite=args.overwrite,
+            max_shard_bytes=int(args.shard_size_gb * 2**30) if args.shard_size_gb else None)
+    except (ExportError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"eyas export: error: {e}", file=sys.stderr)
+        return 1
+    meta = json.loads((out / EXPORT_META).read_text())
+    k = args.num_speculative_tokens or meta.get("ttt_steps") or 3
+    if meta.get("ttt_steps") and k > meta["ttt_steps"]:
+        print(f"warning: K={k} > the {meta['ttt_steps']} TTT steps trained: later draft "
+              f"positions were never trained", file=sys.stderr)
+    target = args.verifier or args.target_config or "TARGET"
+    vllm, sglang = serve_commands(out.resolve(), target, k)
+    print(f"exported {out}\n\nvLLM:\n  {vllm}\n\nSGLang:\n  {sglang}")
+    if args.speculators_config:
+        print(f"\nvLLM (speculators format): vllm serve {out.resolve()}-speculators")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main())
