@@ -1,0 +1,190 @@
+"""Attention of the TTT unroll: the mask, a flex-attention path and an eager twin.
+
+The query of row t at step k sees (eagle3-training.md §3, serving-contract.md §4)
+  * the step-0 keys of rows s <= t of the same document (the accepted prefix), and
+  * the keys of row t itself at steps 1..k (the chain drafted so far: the "diagonal").
+Over a KV of length T·(k+1) laid out step-major ([K_0 | K_1 | … | K_k]) that is the boolean
+`ttt_mask(doc_ids, k)`; padding rows (doc -1) are treated as one more document so that no row is
+ever fully masked (they are invalid rows, so what they compute is never used).
+
+Two implementations, chosen by name (`ATTENTION_KINDS`):
+
+"flex"  (training on GPU) — splits each step into
+            out0, lse0 = flex_attention(q_k, K_0, V_0, step-0 BlockMask)     # causal + document
+            s_j        = q_k · K_j[t] · scale           for j = 1..k              # k dot products
+            out        = (e^{lse0}·out0 + Σ_j e^{s_j}·V_j[t]) / (e^{lse0} + Σ_j e^{s_j})   # fp32
+        The step-0 BlockMask is built ONCE per batch and reused for all K steps (its key set never
+        changes); the diagonal costs k·T·heads·d multiply-adds instead of k extra 128×128 blocks per
+        row block, and nothing of length T·(k+1) is concatenated or saved for backward. Gradients
+        flow through both `out0` and `lse0` (flex supports a gradient on its logsumexp).
+        torch has no flex backward on CPU: use "eager" to train there.
+"eager" (reference, CPU) — one softmax over the concatenated keys [K_0 | … | K_k] with the dense
+        `ttt_mask`, in fp32. O(T²·k) memory: for tests and small CPU runs.
+"lse-eager" — the "flex" decomposition with the step-0 part computed densely (out0, lse0 in
+        fp32). It is how the merge and its gradients are checked on CPU, where flex has no backward.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+try:  # torch >= 2.9 spells the lse request this way; older versions use return_lse=True
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover
+    AuxRequest = None
+
+ATTENTION_KINDS = ("flex", "eager", "lse-eager")
+
+_COMPILED_FLEX: Callable | None = None
+
+
+# ---------------------------------------------------------------------- the mask (definition)
+def step0_mask(doc_ids: Tensor) -> Tensor:
+    """[T, T] bool: query row q sees step-0 key row kv iff kv <= q and both are in the same document."""
+    T = doc_ids.shape[0]
+    idx = torch.arange(T, device=doc_ids.device)
+    return (idx[None, :] <= idx[:, None]) & (doc_ids[None, :] == doc_ids[:, None])
+
+
+def ttt_mask(doc_ids: Tensor, step: int) -> Tensor:
+    """[T, T·(step+1)] bool: what the queries of step `step` see in the KV [K_0 | K_1 | … | K_step]."""
+    T = doc_ids.shape[0]
+    eye = torch.eye(T, dtype=torch.bool, device=doc_ids.device)
+    return torch.cat([step0_mask(doc_ids)] + [eye] * step, dim=1)
+
+
+def step0_block_mask(doc_ids: Tensor, block_size: int = 128):
+    """flex-attention BlockMask of `step0_mask` (shared by all heads; built once per batch)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = doc_ids
+
+    def causal_document(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
+
+    T = doc_ids.shape[0]
+    return create_block_mask(causal_document, None, None, T, T, device=doc_ids.device,
+                             BLOCK_SIZE=block_size)
+
+
+# ---------------------------------------------------------------------- step-0 kernels: (out, lse)
+def _flex_fn(compile_flex: bool, on_cuda: bool) -> Callable:
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not (compile_flex and on_cuda):
+        return flex_attention  # CPU: the unfused implementation (same math)
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def flex_step0(q: Tensor, k0: Tensor, v0: Tensor, block_mask, scale: float,
+               compile_flex: bool = True) -> tuple[Tensor, Tensor]:
+    """Attention of queries q [nh,T,d] over step-0 keys/values [nkv,T,d] → (out [nh,T,d], lse [nh,T] fp32)."""
+    fn = _flex_fn(compile_flex, q.is_cuda)
+    args = (q.unsqueeze(0), k0.unsqueeze(0), v0.unsqueeze(0))          # [1, heads, T, d]
+    gqa = q.shape[0] != k0.shape[0]
+    with warnings.catch_warnings():  # uncompiled (CPU) flex warns that it is unfused: intended here
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        if AuxRequest is not None:
+            out, aux = fn(*args, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                          return_aux=AuxRequest(lse=True))
+            lse = aux.lse
+        else:  # pragma: no cover
+            out, lse = fn(*args, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                          return_lse=True)
+    return out[0], lse[0].float()
+
+
+def dense_step0(q: Tensor, k0: Tensor, v0: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Eager twin of `flex_step0` (mask = `step0_mask`): (out [nh,T,d] fp32, lse [nh,T] fp32)."""
+    nkv, T, d = k0.shape
+    g = q.shape[0] // nkv
+    qf = q.float().view(nkv, g, T, d)
+    scores = torch.einsum("ngtd,nsd->ngts", qf, k0.float()) * scale      # [nkv, g, T, T]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                 # [nkv, g, T]
+    out = torch.einsum("ngts,nsd->ngtd", torch.exp(scores - lse[..., None]), v0.float())
+    return out.reshape(nkv * g, T, d), lse.reshape(nkv * g, T)
+
+
+def merge_diagonal(out0: Tensor, lse0: Tensor, q: Tensor, diag_k: list[Tensor],
+                   diag_v: list[Tensor], scale: float) -> Tensor:
+    """Add the diagonal keys of steps 1..k to a step-0 attention result by log-sum-exp (fp32).
+
+    out0 [nh,T,d], lse0 [nh,T]: attention over the step-0 keys; q [nh,T,d]; diag_k/diag_v: k
+    tensors [nkv,T,d] (row t's own keys at steps 1..k). Returns out [nh,T,d] fp32.
+    """
+    if not diag_k:
+        return out0.float()
+    nkv, T, d = diag_k[0].shape
+    g = q.shape[0] // nkv
+    qf = q.float().view(nkv, g, T, d)
+    ks = torch.stack(diag_k).float()                                      # [k, nkv, T, d]
+    vs = torch.stack(diag_v).float()                                      # [k, nkv, T, d]
+    s = torch.einsum("ngtd,jntd->jngt", qf, ks) * scale                   # [k, nkv, g, T]
+    l0 = lse0.float().view(1, nkv, g, T)
+    lse = torch.logsumexp(torch.cat([l0, s]), dim=0)                      # [nkv, g, T]
+    w0 = torch.exp(l0[0] - lse)                                           # [nkv, g, T]
+    w = torch.exp(s - lse)                                                # [k, nkv, g, T]
+    out = w0[..., None] * out0.float().view(nkv, g, T, d)
+    out = out + torch.einsum("jngt,jntd->ngtd", w, vs)                    # [nkv, g, T, d]
+    return out.reshape(nkv * g, T, d)
+
+
+def eager_ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor,
+                        scale: float) -> Tensor:
+    """One fp32 softmax over [K_0 | … | K_k] (each [nkv,T,d]) with mask [T, T·(k+1)] → [nh,T,d] fp32."""
+    nkv, T, d = keys[0].shape
+    g = q.shape[0] // nkv
+    kk = torch.cat(keys, dim=1).float()                                   # [nkv, T(k+1), d]
+    vv = torch.cat(values, dim=1).float()
+    scores = torch.einsum("ngtd,nsd->ngts", q.float().view(nkv, g, T, d), kk) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.einsum("ngts,nsd->ngtd", probs, vv).reshape(nkv * g, T, d)
+
+
+# ---------------------------------------------------------------------- per-batch state
+class TTTAttention:
+    """Attention state of one TTT unroll: built once per batch, called once per step in order.
+
+    `__call__(q [nh,T,d], k [nkv,T,d], v [nkv,T,d])` at step s (0, 1, … in call order) stores
+    the new keys (step 0: the prefix keys; later: row-local diagonal keys) and returns
+    [nh,T,d] in q's dtype. RoPE must already be applied.
+    """
+
+    def __init__(self, doc_ids: Tensor, kind: str = "flex", *, head_dim: int,
+                 compile_flex: bool = True, block_size: int = 128):
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention={kind!r}; choose one of {ATTENTION_KINDS}")
+        self.kind, self.doc_ids, self.compile_flex = kind, doc_ids, compile_flex
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.block_mask = step0_block_mask(doc_ids, block_size) if kind == "flex" else None
+        self.mask0 = step0_mask(doc_ids) if kind != "flex" else None
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        step = len(self.keys) - 1
+        if self.kind == "eager":
+            mask = torch.cat([self.mask0] + [torch.eye(q.shape[1], dtype=torch.bool,
+                                                       device=q.device)] * step, dim=1)
+            return eager_ttt_attention(q, self.keys, self.values, mask, self.scale).to(q.dtype)
+        if self.kind == "flex":
+            if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+                raise NotImplementedError(
+                    "torch's flex_attention has no backward on CPU; train on CPU with "
+                    "attention='eager' (same math) or run the flex path under torch.no_grad()")
+            out0, lse0 = flex_step0(q, self.keys[0], self.values[0], self.block_mask,
+                                    self.scale, self.compile_flex)
+        else:
+            out0, lse0 = dense_step0(q, self.keys[0], self.values[0], self.mask0, self.scale)
+        return merge_diagonal(out0, lse0, q, self.keys[1:], self.values[1:], self.scale).to(q.dtype)

@@ -1,0 +1,275 @@
+"""`Eagle3Drafter`: the layout-A EAGLE-3 drafter and its training-time-test (TTT) unroll.
+
+Parameter names are the exported layout-A names (serving-contract.md §3), so a state dict minus
+`embed_tokens.weight` is the export:
+
+    fc.weight                                   [H, 3·tH]   fuses [h_a | h_b | h_c]
+    midlayer.input_layernorm.weight             [H]         RMSNorm on the token embedding
+    midlayer.hidden_norm.weight                 [H]         RMSNorm on fc(aux) / the fed-back hidden
+    midlayer.self_attn.{q,k,v}_proj.weight      [heads·hd, 2H]   input cat(norm(embed), norm(g))
+    midlayer.self_attn.o_proj.weight            [H, nh·hd]
+    midlayer.post_attention_layernorm.weight    [H]
+    midlayer.mlp.{gate,up}_proj.weight [I, H],  midlayer.mlp.down_proj.weight [H, I]
+    norm.weight [H],  lm_head.weight [Vd, H]
+    buffers: d2t [Vd] int64 (offsets: target id = i + d2t[i]),  t2d [V] bool
+    embed_tokens.weight [V, H]: the target's embedding, frozen, never exported
+
+One step computes exactly serving-contract §4 (`models.reference` re-derives it independently):
+
+    x = cat(input_layernorm(embed(tok)), hidden_norm(g))     # [T, 2H], embedding FIRST
+    h = g + o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   # residual = g, un-normed
+    p = h + mlp(post_attention_layernorm(h))                  # pre-norm output, fed back as next g
+    hidden = norm(p)                                          # lm_head input (the loss applies lm_head)
+
+Norms and softmax run in fp32; parameters may be bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from models.attention import TTTAttention
+from models.config import Eagle3Config, rope_type
+from models.ttt import step_positions, step_tokens, structural_valid
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DrafterOutput:
+    """Result of the TTT unroll over a packed batch of T tokens and K steps."""
+
+    hidden: Tensor
+    """[K, T, H] final-norm outputs (the lm_head input) of every step"""
+    prenorm: Optional[Tensor]
+    """[K, T, H] pre-norm outputs p (fed back as the next step's hidden); None unless requested"""
+    valid: Tensor
+    """[K, T] bool structural validity (models.ttt.structural_valid)"""
+
+
+# ---------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    """y = weight · x / sqrt(mean(x²) + eps), normalised in fp32 (Llama/vLLM convention)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    """[head_dim/2] fp32 inverse frequencies, with "linear" or "llama3" scaling (HF/vLLM formulas)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    kind = rope_type(scaling)
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * torch.pi / inv
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)    # long waves: / factor
+        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)        # blend in between
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv
+
+
+def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """Rotate x [heads, T, d] by positions [T] (rotate-half / NeoX layout, as Llama); fp32 math."""
+    angles = positions.float()[:, None] * inv_freq.to(x.device)[None, :]  # [T, d/2]
+    cos, sin = angles.cos(), angles.sin()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, positions: Tensor, inv_freq: Tensor, attn: TTTAttention) -> Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.nh, self.hd).transpose(0, 1)      # [nh, T, hd]
+        k = self.k_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)     # [nkv, T, hd]
+        v = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)     # [nkv, T, hd]
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        out = attn(q, k, v)                                               # [nh, T, hd]
+        return self.o_proj(out.transpose(0, 1).reshape(T, self.nh * self.hd))   # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Midlayer(nn.Module):
+    """The single EAGLE-3 decoder layer: attention input is cat(norm(embed), norm(g)), residual g."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = MLP(H, cfg.intermediate_size)
+
+    def forward(self, embeds: Tensor, g: Tensor, positions: Tensor, inv_freq: Tensor,
+                attn: TTTAttention) -> Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1)   # [T, 2H]
+        h = g + self.self_attn(x, positions, inv_freq, attn)                           # [T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))                          # [T, H]
+
+
+# ---------------------------------------------------------------------- the drafter
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter (layout A) with the TTT unroll as its forward.
+
+    attention: "flex" (GPU training; compiled when `compile_flex` and on CUDA), "eager" (dense
+    fp32 reference; CPU training) or "lse-eager" (see models.attention).
+    """
+
+    def __init__(self, config: Eagle3Config, *, attention: str = "flex", compile_flex: bool = True,
+                 flex_block_size: int = 128):
+        super().__init__()
+        self.config, self.attention = config, attention
+        self.compile_flex, self.flex_block_size = compile_flex, flex_block_size
+        H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * config.target_hidden_size, H, bias=False)
+        self.midlayer = Midlayer(config)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[:Vd] = True                                                   # consistent with d2t = 0
+        self.register_buffer("t2d", t2d)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Linear weights ~ N(0, std) (HF Llama's initializer_range), norms = 1. Embedding untouched."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    # ------------------------------------------------------------------ TTT unroll
+    def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,
+                ttt_steps: int | None = None, *, return_prenorm: bool = False) -> DrafterOutput:
+        """Run K = ttt_steps (default config.ttt_steps) draft steps over a packed batch.
+
+        input_ids [T] int64, aux [T, 3·tH], doc_ids [T] int (-1 = padding), positions [T] int64.
+        Row t at step k uses aux[t] (step 0) or the step k-1 pre-norm output (k >= 1), token
+        input_ids[t+1+k] and position positions[t]+k (models.ttt). Returns hidden [K, T, H]
+        (normed), optionally prenorm [K, T, H], and valid [K, T].
+        """
+        K = int(ttt_steps if ttt_steps is not None else self.config.ttt_steps)
+        T = input_ids.shape[0]
+        if aux.shape != (T, 3 * self.config.target_hidden_size):
+            raise ValueError(f"aux has shape {tuple(aux.shape)}, expected ({T}, "
+                             f"{3 * self.config.target_hidden_size}) = [T, 3·target_hidden_size]")
+        if doc_ids.shape != (T,) or positions.shape != (T,):
+            raise ValueError(f"doc_ids {tuple(doc_ids.shape)} and positions "
+                             f"{tuple(positions.shape)} must both be [T]=[{T}]")
+        valid = structural_valid(doc_ids, K)                                # [K, T]
+        attn = TTTAttention(doc_ids, self.attention, head_dim=self.config.head_dim,
+                            compile_flex=self.compile_flex, block_size=self.flex_block_size)
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta,
+                                 self.config.rope_scaling)
+        g = self.fc(aux.to(self.fc.weight.dtype))                           # [T, H]
+        hidden, prenorm = [], []
+        for k in range(K):
+            embeds = self.embed_tokens(step_tokens(input_ids, k)).to(g.dtype)   # [T, H]
+            p = self.midlayer(embeds, g, step_positions(positions, k), inv_freq, attn)
+            hidden.append(self.norm(p))                                     # [T, H]
+            prenorm.append(p)
+            g = p                                                           # pre-norm feedback
+        return DrafterOutput(hidden=torch.stack(hidden),
+                             prenorm=torch.stack(prenorm) if return_prenorm else None,
+                             valid=valid)
+
+    def forward_batch(self, batch, ttt_steps: int | None = None, **kwargs) -> DrafterOutput:
+        """`forward` on a packed `data.loader.Batch` (or anything with those attributes)."""
+        return self(batch.input_ids, batch.aux, batch.doc_ids, batch.positions, ttt_steps, **kwargs)
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """fp32 logits over the draft vocabulary: lm_head(hidden) [..., Vd] (tests, evaluation)."""
+        return F.linear(hidden.float(), self.lm_head.weight.float())
+
+    # ------------------------------------------------------------------ target weights, vocab map
+    def load_target_embedding(self, weight: Tensor) -> None:
+        """Copy the target's input embedding [V, H] into `embed_tokens` (kept frozen)."""
+        want = tuple(self.embed_tokens.weight.shape)
+        if tuple(weight.shape) != want:
+            raise ValueError(f"target embedding has shape {tuple(weight.shape)}, the drafter needs "
+                             f"{want} = [vocab_size, hidden_size]; the drafter width must equal "
+                             f"the target's hidden size")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(weight)
+        self.embed_tokens.weight.requires_grad_(False)
+
+    def set_vocab_map(self, d2t: Tensor, t2d: Tensor | None = None) -> None:
+        """Install a draft vocabulary: d2t [Vd] int64 offsets (target id = i + d2t[i]); t2d [V] bool.
+
+        Checks serving-contract §3's invariants (ids strictly increasing, within [0, V), t2d equal
+        to the selected set). t2d is derived from d2t when not given.
+        """
+        V, Vd = self.config.vocab_size, self.config.draft_vocab_size
+        d2t = torch.as_tensor(d2t).to(torch.int64).cpu()
+        if d2t.shape != (Vd,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected ({Vd},) = [draft_vocab_size]")
+        ids = torch.arange(Vd) + d2t
+        if Vd > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("d2t does not give strictly increasing target ids i + d2t[i]: it must "
+                             "hold OFFSETS of the ascending selected ids (not absolute ids)")
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"d2t maps to target ids in [{int(ids.min())}, {int(ids.max())}], "
+                             f"outside [0, {V})")
+        derived = torch.zeros(V, dtype=torch.bool)
+        derived[ids] = True
+        if t2d is not None and not torch.equal(torch.as_tensor(t2d).bool().cpu(), derived):
+            raise ValueError("t2d disagrees with d2t: t2d must mark exactly the ids i + d2t[i]")
+        self.d2t.copy_(d2t.to(self.d2t.device))
+        self.t2d.copy_(derived.to(self.t2d.device))
+
+    def init_lm_head_from_target(self, target_head_weight: Tensor, d2t: Tensor) -> None:
+        """Install the vocabulary map `d2t` and copy target head rows into lm_head (row i ← id i+d2t[i]).
+
+        For a fresh drafter only: when fine-tuning, keep the checkpoint's own d2t.
+        """
+        if target_head_weight.shape[1] != self.config.hidden_size:
+            raise ValueError(f"target head has width {target_head_weight.shape[1]}, lm_head "
+                             f"needs {self.config.hidden_size}")
+        self.set_vocab_map(d2t)
+        ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_head_weight[ids.to(target_head_weight.device)])
+
+    def num_trainable_parameters(self) -> int:
+        """Number of parameters the optimiser updates (everything but the frozen embedding)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

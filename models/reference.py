@@ -1,0 +1,275 @@
+"""The engine-math reference: an EAGLE-3 drafter run the way vLLM and SGLang run it.
+
+Written independently of the training code (no import from models.drafter / attention / config):
+it reads a layout-A config.json dict and the exported tensors by name, exactly as the engines do,
+and decodes incrementally with a KV cache (serving-contract.md §4):
+
+    prefill: for each processed position i:  g = fc([h_a|h_b|h_c][i]), token = the token at i+1
+    step:    g = previous PRE-norm output, token = previous draft (a TARGET id), position + 1
+    both:    x = cat(input_layernorm(embed(token)), hidden_norm(g));  residual = g
+             h = g + o_proj(attn(rope(q), rope(k), v) over the cache);  p = h + mlp(post_ln(h))
+             logits = scatter(lm_head(norm(p)))  → [V]: draft logit i lands on target id i + d2t[i],
+                                                      -inf elsewhere (vLLM)
+
+One `EngineDrafter` holds one sequence's KV cache, like one request in an engine: `prefill` and
+`step` append to it, `truncate` rolls rejected draft entries back. `serve_packed` replays a packed
+training batch through this loop (every start row, every draft step) for parity checks.
+Users: tests of the training forward, the export validator, the offline speculative evaluator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+#: tensor names of a layout-A checkpoint (serving-contract §3)
+REQUIRED_TENSORS = (
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
+)
+OPTIONAL_TENSORS = ("d2t", "t2d")
+
+
+def _engine_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    """RoPE inverse frequencies as the engines' rotary classes build them (fp32)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        orig = scaling["original_max_position_embeddings"]
+        wave = 2 * math.pi / inv
+        smooth = (orig / wave - lo) / (hi - lo) if hi != lo else torch.zeros_like(inv)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(wave < orig / hi, inv, torch.where(wave > orig / lo, inv / factor, blended))
+    raise ValueError(f"rope type {kind!r} is not implemented by the engine reference")
+
+
+def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
+    """NeoX-style rotary embedding of x [n, heads, d] at positions [n]: x·cos + rotate_half(x)·sin."""
+    freqs = positions.to(torch.float)[:, None] * inv_freq[None, :]       # [n, d/2]
+    cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None, :]          # [n, 1, d]
+    sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None, :]
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class EngineDrafter:
+    """A layout-A drafter decoded the engines' way, one sequence at a time (see module docstring)."""
+
+    def __init__(self, cfg: dict, tensors: dict[str, Tensor], embedding: Tensor,
+                 dtype: torch.dtype):
+        self.dtype = dtype
+        self.H = int(cfg["hidden_size"])
+        self.nh, self.nkv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+        self.hd = int(cfg.get("head_dim") or self.H // self.nh)
+        self.eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.V = int(cfg["vocab_size"])
+        self.w = {k: v.to(dtype) for k, v in tensors.items() if k in REQUIRED_TENSORS}
+        self.Vd = self.w["lm_head.weight"].shape[0]
+        d2t = tensors.get("d2t")
+        self.target_ids = torch.arange(self.Vd) + (d2t.to(torch.long) if d2t is not None else 0)
+        self.embedding = embedding.to(dtype)
+        theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and cfg.get("rope_parameters"):
+            scaling = {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
+        self.inv_freq = _engine_inv_freq(self.hd, float(theta), scaling)
+        self.reset()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_tensors(cls, config_dict: dict, tensors: dict[str, Tensor], target_embedding: Tensor,
+                     *, dtype: torch.dtype | None = None) -> EngineDrafter:
+        """Load like the engines: layout-A names, d2t offsets, the target's embedding.
+
+        config_dict: the drafter's config.json; tensors: its safetensors by name (no `model.`
+        prefix, `midlayer.` layer); target_embedding: the target's input embedding [V, H].
+        dtype: compute dtype (default: that of fc.weight; engines serve bf16).
+        Raises ValueError naming the tensor/key for anything the engines would reject or
+        silently mis-serve (unknown or missing names, wrong shapes, missing d2t with Vd < V).
+        """
+        cfg = config_dict
+        if cfg.get("norm_before_residual"):
+            raise ValueError("config.json norm_before_residual=true: SGLang does not implement it")
+        for key in ("hidden_size", "target_hidden_size", "num_attention_heads",
+                    "num_key_value_heads", "intermediate_size", "vocab_size"):
+            if cfg.get(key) is None:
+                raise ValueError(f"config.json: {key!r} is missing or null; both engines need an int")
+        names = set(tensors)
+        unknown = sorted(names - set(REQUIRED_TENSORS) - set(OPTIONAL_TENSORS))
+        if unknown:
+            raise ValueError(f"tensors not in layout A: {unknown} (vLLM raises on unknown names, "
+                             f"SGLang drops them; embed_tokens must not be shipped)")
+        missing = sorted(set(REQUIRED_TENSORS) - names)
+        if missing:
+            raise ValueError(f"layout-A tensors missing: {missing}")
+        H, tH, V = int(cfg["hidden_size"]), int(cfg["target_hidden_size"]), int(cfg["vocab_size"])
+        nh, nkv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+        hd, inter = int(cfg.get("head_dim") or H // nh), int(cfg["intermediate_size"])
+        Vd = int(cfg.get("draft_vocab_size") or V)
+        want = {"fc.weight": (H, 3 * tH), "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * H),
+                "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * H),
+                "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * H),
+                "midlayer.self_attn.o_proj.weight": (H, nh * hd),
+                "midlayer.mlp.gate_proj.weight": (inter, H), "midlayer.mlp.up_proj.weight": (inter, H),
+                "midlayer.mlp.down_proj.weight": (H, inter), "lm_head.weight": (Vd, H)}
+        want.update({n: (H,) for n in REQUIRED_TENSORS if n.endswith("norm.weight")})
+        for name, shape in want.items():
+            if tuple(tensors[name].shape) != shape:
+                raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, "
+                                 f"config.json implies {shape}")
+        if tuple(target_embedding.shape) != (V, H):
+            raise ValueError(f"target embedding {tuple(target_embedding.shape)} != (vocab_size, "
+                             f"hidden_size) = {(V, H)}")
+        if Vd < V:
+            if "d2t" not in tensors:
+                raise ValueError(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t tensor: every "
+                                 f"draft id would be read as target id i (acceptance collapses)")
+            ids = torch.arange(Vd) + tensors["d2t"].to(torch.long)
+            if tensors["d2t"].shape != (Vd,) or not bool((ids[1:] > ids[:-1]).all()) \
+                    or int(ids.min()) < 0 or int(ids.max()) >= V:
+                raise ValueError("d2t must be [draft_vocab_size] OFFSETS with i + d2t[i] strictly "
+                                 "increasing within [0, vocab_size)")
+        return cls(cfg, tensors, target_embedding, dtype or tensors["fc.weight"].dtype)
+
+    # ------------------------------------------------------------------ cache
+    def reset(self) -> None:
+        """Empty the KV cache (a new sequence)."""
+        self.k_cache = torch.zeros(0, self.nkv, self.hd, dtype=self.dtype)
+        self.v_cache = torch.zeros(0, self.nkv, self.hd, dtype=self.dtype)
+
+    @property
+    def cache_len(self) -> int:
+        return self.k_cache.shape[0]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cache entries (roll back draft entries after verification)."""
+        self.k_cache, self.v_cache = self.k_cache[:n], self.v_cache[:n]
+
+    # ------------------------------------------------------------------ math
+    def _norm(self, x: Tensor, name: str) -> Tensor:
+        xf = x.float()
+        y = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(self.dtype) * self.w[name]
+
+    def _lin(self, x: Tensor, name: str) -> Tensor:
+        return x @ self.w[name].T
+
+    def _layer(self, g: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """n new rows: g [n, H], tokens [n] target ids, positions [n] → (prenorm [n,H], logits [n,V])."""
+        n = g.shape[0]
+        e = self._norm(self.embedding[tokens], "midlayer.input_layernorm.weight")
+        x = torch.cat([e, self._norm(g, "midlayer.hidden_norm.weight")], dim=-1)   # [n, 2H]
+        q = self._lin(x, "midlayer.self_attn.q_proj.weight").view(n, self.nh, self.hd)
+        k = self._lin(x, "midlayer.self_attn.k_proj.weight").view(n, self.nkv, self.hd)
+        v = self._lin(x, "midlayer.self_attn.v_proj.weight").view(n, self.nkv, self.hd)
+        q, k = _rotate(q, positions, self.inv_freq), _rotate(k, positions, self.inv_freq)
+        start = self.cache_len
+        self.k_cache = torch.cat([self.k_cache, k])                       # [L+n, nkv, hd]
+        self.v_cache = torch.cat([self.v_cache, v])
+        rep = self.nh // self.nkv                                         # GQA: head h → kv h//rep
+        keys = self.k_cache.repeat_interleave(rep, dim=1).float()         # [L+n, nh, hd]
+        vals = self.v_cache.repeat_interleave(rep, dim=1).float()
+        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) / math.sqrt(self.hd)
+        allowed = torch.arange(self.cache_len)[None, :] <= (start + torch.arange(n))[:, None]
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        attn = torch.einsum("hqk,khd->qhd", probs, vals).reshape(n, self.nh * self.hd)
+        h = g + self._lin(attn.to(self.dtype), "midlayer.self_attn.o_proj.weight")
+        m = self._norm(h, "midlayer.post_attention_layernorm.weight")
+        act = torch.nn.functional.silu(self._lin(m, "midlayer.mlp.gate_proj.weight"))
+        p = h + self._lin(act * self._lin(m, "midlayer.mlp.up_proj.weight"),
+                          "midlayer.mlp.down_proj.weight")
+        draft = self._lin(self._norm(p, "norm.weight"), "lm_head.weight").float()   # [n, Vd]
+        logits = torch.full((n, self.V), float("-inf"))
+        logits[:, self.target_ids] = draft
+        return p, logits
+
+    # ------------------------------------------------------------------ public decoding API
+    @torch.no_grad()
+    def prefill(self, aux: Tensor, next_tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Step 0 over n newly processed target positions (appended to the cache).
+
+        aux [n, 3·tH] (the target's [h_a|h_b|h_c] at those positions), next_tokens [n] (the token
+        at position i+1 for each i), positions [n]. Returns (prenorm [n, H], logits [n, V] fp32).
+        """
+        g = self._lin(aux.to(self.dtype), "fc.weight")
+        return self._layer(g, next_tokens.long(), positions.long())
+
+    @torch.no_grad()
+    def step(self, prev_prenorm: Tensor, token: int | Tensor, position: int | Tensor
+             ) -> tuple[Tensor, Tensor]:
+        """One draft step: prev_prenorm [H], token (a TARGET id), position → (prenorm [H], logits [V])."""
+        p, logits = self._layer(prev_prenorm.to(self.dtype).view(1, self.H),
+                                torch.as_tensor(token).long().view(1),
+                                torch.as_tensor(position).long().view(1))
+        return p[0], logits[0]
+
+    def to_draft_vocab(self, logits: Tensor) -> Tensor:
+        """Target-vocabulary logits [..., V] → the draft vocabulary's [..., Vd] (row i = id i+d2t[i])."""
+        return logits[..., self.target_ids]
+
+    def greedy_chain(self, prenorm: Tensor, logits: Tensor, position: int, num_steps: int,
+                     *, keep_cache: bool = False) -> Tensor:
+        """vLLM's greedy chain from the last processed row: num_steps target ids [num_steps].
+
+        prenorm [H], logits [V], position: outputs/position of that row. The draft entries are
+        removed from the cache afterwards unless keep_cache.
+        """
+        start, out = self.cache_len, []
+        for i in range(num_steps):
+            tok = int(torch.argmax(logits))
+            out.append(tok)
+            if i + 1 < num_steps:
+                prenorm, logits = self.step(prenorm, tok, position + 1 + i)
+        if not keep_cache:
+            self.truncate(start)
+        return torch.tensor(out, dtype=torch.long)
+
+    def draft_chain(self, aux: Tensor, next_tokens: Tensor, positions: Tensor,
+                    num_steps: int) -> Tensor:
+        """New sequence: prefill a prefix, then draft num_steps tokens greedily after its last row."""
+        self.reset()
+        p, logits = self.prefill(aux, next_tokens, positions)
+        return self.greedy_chain(p[-1], logits[-1], int(positions[-1]), num_steps)
+
+
+def serve_packed(engine: EngineDrafter, input_ids: Tensor, aux: Tensor, doc_ids: Tensor,
+                 positions: Tensor, ttt_steps: int) -> Tensor:
+    """Replay a packed training batch through the serving loop, teacher-forced.
+
+    For every document (contiguous run of one doc id >= 0) and every start row t whose next token
+    is in the document: extend the prefix by row t (prefill), then take draft steps k = 1.. while
+    token t+1+k is in the document, feeding input_ids[t+1+k] at position positions[t]+k, and roll
+    the draft entries back. Returns draft-vocabulary logits [K, T, Vd] fp32, NaN where a (k, t)
+    is never reached.
+    """
+    T = input_ids.shape[0]
+    out = torch.full((ttt_steps, T, engine.Vd), float("nan"))
+    t = 0
+    while t < T:
+        end = t
+        while end + 1 < T and doc_ids[end + 1] == doc_ids[t]:
+            end += 1
+        if int(doc_ids[t]) >= 0:
+            engine.reset()
+            for s in range(t, end):                                       # rows with s+1 <= end
+                p, logits = engine.prefill(aux[s:s + 1], input_ids[s + 1:s + 2], positions[s:s + 1])
+                out[0, s] = engine.to_draft_vocab(logits[0])
+                prefix, p = engine.cache_len, p[0]
+                for k in range(1, min(ttt_steps, end - s)):              # needs s+1+k <= end
+                    p, logits = engine.step(p, input_ids[s + 1 + k], positions[s] + k)
+                    out[k, s] = engine.to_draft_vocab(logits)
+                engine.truncate(prefix)
+        t = end + 1
+    return out
