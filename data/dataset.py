@@ -132,9 +132,11 @@ class _Shard:
         lo, hi = int(self.offsets[j]), int(self.offsets[j + 1])
         return self.tensor(name)[lo:hi]
 
-    def sample(self, j: int) -> dict[str, torch.Tensor]:
+    def sample(self, j: int, names=None) -> dict[str, torch.Tensor]:
         out = {}
         for name, spec in self.meta["fields"].items():
+            if names is not None and name not in names:
+                continue
             t = self.rows(name, j)
             if name == "aux" and self.meta.get("aux_format") == "fp8":
                 t = dequantize_fp8(t, self.rows(AUX_SCALE, j))
@@ -275,9 +277,13 @@ class Dataset:
         return sh
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.sample(i)
+
+    def sample(self, i: int, fields: tuple[str, ...] | None = None) -> dict[str, torch.Tensor]:
+        """Sample i (optionally only `fields`): zero-copy views where the stored dtype allows."""
         s, j = self.locate(i)
         sh = self.shard(s)
-        out = sh.sample(j)
+        out = sh.sample(j, fields)
         if self.check_finite:
             for name in FLOAT_FIELDS:
                 if name in out and not bool(torch.isfinite(out[name]).all()):

@@ -1,0 +1,293 @@
+"""Draft vocabulary: which target ids the drafter's `lm_head` rows stand for.
+
+The draft vocabulary is a set of Vd target ids sorted ascending; `lm_head` row i is the i-th
+smallest. It is stored as (serving-contract §3):
+
+    d2t [Vd] int64   offsets: target_id = i + d2t[i]     (strictly increasing ids)
+    t2d [V]  bool    t2d[v] == (v is selected);  t2d.sum() == Vd
+
+`build_vocab` counts token ids over a dataset, keeps the `size` most frequent (ties: lower id
+first), always includes the forced ids (special and chat-template tokens), and sorts. When
+fine-tuning an existing drafter keep ITS mapping instead (`load_vocab`): every `lm_head` row is
+tied to its id. CLI: `eyas vocab --data DIR --size N --out FILE [--force-special-from TARGET]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from data.utils import atomic_path, progress
+
+log = logging.getLogger(__name__)
+
+VOCAB_FORMAT = "eyas-vocab"
+COUNT_MODES = ("auto", "target_argmax", "next_token", "masked_token")
+
+
+def _dataset_vocab_size(ds) -> int | None:
+    m = ds.manifest
+    cfg = m.get("target_config") or {}
+    cfg = cfg.get("text_config") or cfg
+    for v in (cfg.get("vocab_size"), m.get("vocab_size"), (m.get("tokenizer") or {}).get("vocab_size")):
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def count_tokens(dataset, target_vocab_size: int, count: str = "auto") -> np.ndarray:
+    """Occurrences of each target id among the prediction targets of `dataset` -> int64 [V].
+
+    Which tokens are counted (`count`):
+      - "target_argmax": target_argmax[t] for every t with loss_mask[t] == 1 — the target's own
+        greedy prediction at trained positions: what the drafter must reproduce, and what the
+        position mask t2d[target_argmax] tests.
+      - "next_token": input_ids[t + 1] for every t with loss_mask[t] == 1 (inside the sample) —
+        the data token that the teacher at t predicts.
+      - "masked_token": input_ids[t] for every t with loss_mask[t] == 1 (SpecForge's count).
+      - "auto" (default): "target_argmax" if the dataset has that field, else "next_token".
+    """
+    if count not in COUNT_MODES:
+        raise ValueError(f"count must be one of {COUNT_MODES}, got {count!r}")
+    if count == "auto":
+        count = "target_argmax" if "target_argmax" in dataset.fields else "next_token"
+    if count == "target_argmax" and "target_argmax" not in dataset.fields:
+        raise ValueError(f"count='target_argmax' needs a dataset with target_argmax; "
+                         f"{dataset.root} has {sorted(dataset.fields)}; use count='next_token'")
+    names = ("loss_mask", "target_argmax") if count == "target_argmax" else ("loss_mask", "input_ids")
+    counts = np.zeros(target_vocab_size, dtype=np.int64)
+    for i in progress(range(len(dataset)), desc="counting tokens", unit="sample"):
+        s = dataset.sample(i, names)
+        mask = s["loss_mask"].numpy()
+        if count == "target_argmax":
+            ids = s["target_argmax"].numpy()[mask]
+        elif count == "next_token":
+            ids = s["input_ids"].numpy()[1:][mask[:-1]]
+        else:
+            ids = s["input_ids"].numpy()[mask]
+        if ids.size and (ids.min() < 0 or ids.max() >= target_vocab_size):
+            raise ValueError(f"sample {i} of {dataset.root} has token id {int(ids.max())} outside "
+                             f"[0, {target_vocab_size}); wrong target_vocab_size?")
+        counts += np.bincount(ids, minlength=target_vocab_size)
+    log.info("counted %d tokens (%s) over %d samples", int(counts.sum()), count, len(dataset))
+    return counts
+
+
+def build_vocab(dataset_or_token_counts: Any, size: int = 32000, force_ids: Iterable[int] = (),
+                target_vocab_size: int | None = None, *, count: str = "auto"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select a draft vocabulary of exactly `size` target ids -> (d2t int64 [size], t2d bool [V]).
+
+    Args:
+        dataset_or_token_counts: a `Dataset` (counted with `count_tokens(…, count)`; see there for
+            exactly which tokens count), or counts per target id: a 1-D tensor/array of length V
+            or a mapping {id: count}.
+        size: Vd. Must be <= V.
+        force_ids: ids always selected (special / chat-template / tool tokens), even if unseen.
+        target_vocab_size: V; default: the counts' length or the dataset manifest's target
+            vocabulary size.
+
+    Selection: forced ids, then the remaining ids by descending count, ties by ascending id.
+    Ids never seen have count 0, so when fewer than `size` distinct ids occur the selection is
+    filled with unseen ids in ascending id order; Vd is always exactly `size`.
+    """
+    counts = _as_counts(dataset_or_token_counts, target_vocab_size, count)
+    V = len(counts)
+    if not 1 <= size <= V:
+        raise ValueError(f"draft vocab size {size} must be in [1, V={V}] (the target vocabulary)")
+    forced = sorted({int(i) for i in force_ids})
+    bad = [i for i in forced if not 0 <= i < V]
+    if bad:
+        raise ValueError(f"force_ids {bad[:5]} outside the target vocabulary [0, {V})")
+    if len(forced) > size:
+        raise ValueError(f"{len(forced)} forced ids do not fit a draft vocabulary of {size}")
+    order = np.lexsort((np.arange(V), -counts))          # count desc, then id asc
+    chosen = np.zeros(V, dtype=bool)
+    chosen[forced] = True
+    rest = order[~chosen[order]][:size - len(forced)]
+    chosen[rest] = True
+    ids = np.nonzero(chosen)[0]                           # ascending
+    seen = int((counts > 0).sum())
+    total = int(counts.sum())
+    covered = int(counts[chosen].sum())
+    log.info("draft vocab: %d ids (%d forced) of V=%d; %d distinct ids seen; covers %.4f of the "
+             "counted tokens", size, len(forced), V, seen, covered / total if total else 0.0)
+    if seen < size - len(forced):
+        log.info("fewer distinct ids (%d) than the draft vocab size: filled with unseen ids in "
+                 "ascending id order", seen)
+    d2t = torch.from_numpy(ids - np.arange(size)).to(torch.int64)
+    t2d = torch.from_numpy(chosen)
+    validate_vocab(d2t, t2d)
+    return d2t, t2d
+
+
+def _as_counts(obj: Any, V: int | None, count: str) -> np.ndarray:
+    if isinstance(obj, Mapping):
+        if V is None:
+            raise ValueError("target_vocab_size is required with a {id: count} mapping")
+        counts = np.zeros(V, dtype=np.int64)
+        for k, c in obj.items():
+            if not 0 <= int(k) < V:
+                raise ValueError(f"token id {k} outside [0, {V})")
+            counts[int(k)] += int(c)
+        return counts
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        counts = np.asarray(obj.cpu() if isinstance(obj, torch.Tensor) else obj).astype(np.int64)
+        if counts.ndim != 1 or (V is not None and len(counts) != V):
+            raise ValueError(f"token counts must be 1-D of length V={V}, got shape {counts.shape}")
+        if (counts < 0).any():
+            raise ValueError("token counts must be >= 0")
+        return counts
+    if hasattr(obj, "fields") and hasattr(obj, "sample"):
+        V = V or _dataset_vocab_size(obj)
+        if V is None:
+            raise ValueError(f"the manifest of {obj.root} records no vocabulary size; pass "
+                             f"target_vocab_size=V (the target model's vocab_size)")
+        return count_tokens(obj, V, count)
+    raise TypeError(f"expected a Dataset, token counts or a mapping, got {type(obj).__name__}")
+
+
+def validate_vocab(d2t: torch.Tensor, t2d: torch.Tensor, *, target_vocab_size: int | None = None,
+                   draft_vocab_size: int | None = None) -> None:
+    """Check the serving-contract §3 invariants; raise ValueError saying what is wrong and how
+    to fix it. Returns None when the pair is consistent."""
+    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.dim() != 1:
+        raise ValueError(f"d2t must be an int64 tensor [Vd] of offsets, got "
+                         f"{getattr(d2t, 'dtype', type(d2t).__name__)} "
+                         f"{list(getattr(d2t, 'shape', []))}")
+    if not isinstance(t2d, torch.Tensor) or t2d.dtype != torch.bool or t2d.dim() != 1:
+        raise ValueError(f"t2d must be a bool tensor [V], got "
+                         f"{getattr(t2d, 'dtype', type(t2d).__name__)} "
+                         f"{list(getattr(t2d, 'shape', []))}")
+    Vd, V = d2t.numel(), t2d.numel()
+    if target_vocab_size is not None and V != target_vocab_size:
+        raise ValueError(f"t2d has {V} entries but the target vocabulary has {target_vocab_size}")
+    if draft_vocab_size is not None and Vd != draft_vocab_size:
+        raise ValueError(f"d2t has {Vd} entries but draft_vocab_size is {draft_vocab_size}")
+    if not 0 < Vd <= V:
+        raise ValueError(f"draft vocabulary size {Vd} must be in [1, V={V}]")
+    selected = torch.nonzero(t2d).flatten()
+    if torch.equal(d2t, selected) and d2t.any():
+        raise ValueError("d2t holds absolute target ids (d2t == the ids t2d selects); eyas and "
+                         "both engines expect offsets d2t[i] = id_i - i: use d2t - arange(Vd)")
+    ids = torch.arange(Vd) + d2t
+    out = ((ids < 0) | (ids >= V)).nonzero().flatten()
+    if out.numel():
+        i = int(out[0])
+        raise ValueError(f"d2t[{i}] = {int(d2t[i])} maps draft row {i} to target id {int(ids[i])}, "
+                         f"outside [0, {V}); d2t must hold offsets id_i - i of ids in the target "
+                         f"vocabulary")
+    steps = (ids[1:] <= ids[:-1]).nonzero().flatten()
+    if steps.numel():
+        i = int(steps[0])
+        raise ValueError(f"target ids i + d2t[i] are not strictly increasing: row {i} -> "
+                         f"{int(ids[i])}, row {i + 1} -> {int(ids[i + 1])}; the draft vocabulary "
+                         f"must be sorted ascending (d2t non-decreasing)")
+    if int(selected.numel()) != Vd:
+        raise ValueError(f"t2d selects {selected.numel()} ids but d2t has Vd = {Vd} rows; "
+                         f"they must describe the same set")
+    if not torch.equal(selected, ids):
+        i = int((selected != ids).nonzero().flatten()[0])
+        hint = (" (d2t is all zeros: an identity mapping that was never filled?)"
+                if not d2t.any() and Vd < V else "")
+        raise ValueError(f"d2t and t2d disagree: draft row {i} maps to target id {int(ids[i])} "
+                         f"but the {i}-th id selected by t2d is {int(selected[i])}{hint}")
+
+
+def save_vocab(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
+    """Validate and write (d2t, t2d) to a safetensors file, atomically."""
+    from safetensors.torch import save_file
+
+    validate_vocab(d2t, t2d)
+    meta = {"format": VOCAB_FORMAT, "draft_vocab_size": str(d2t.numel()),
+            "target_vocab_size": str(t2d.numel())}
+    with atomic_path(path) as tmp:
+        save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp), metadata=meta)
+    return Path(path)
+
+
+def load_vocab(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from a file written by `save_vocab` (or any safetensors with those keys, e.g.
+    an exported drafter's model.safetensors), validated."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            if not {"d2t", "t2d"} <= keys:
+                raise ValueError(f"{path}: needs tensors 'd2t' and 't2d', found {sorted(keys)[:8]}")
+            d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"{path}: unreadable vocab file ({e})") from None
+    try:
+        validate_vocab(d2t, t2d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return d2t, t2d
+
+
+def special_token_ids(tokenizer) -> list[int]:
+    """Ids to force into a draft vocabulary: every special token of `tokenizer` plus every added
+    token that its chat template emits (end of turn, role headers, tool-call markers), sorted."""
+    ids: set[int] = set(int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])
+                        if i is not None)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = "\n".join(template.values())
+    for tid, tok in added.items():
+        content = getattr(tok, "content", str(tok))
+        if getattr(tok, "special", False) or (content and content in template):
+            ids.add(int(tid))
+    if template:
+        try:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+                tokenize=True)
+            if isinstance(rendered, Mapping):
+                rendered = rendered["input_ids"]
+            ids.update(int(t) for t in rendered if int(t) in added)
+        except Exception as e:  # a template may need extra kwargs; the string scan still applies
+            log.debug("rendering the chat template failed (%s); using the template text only", e)
+    return sorted(ids)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas vocab`: build a draft vocabulary from a dataset and save it."""
+    p = argparse.ArgumentParser(
+        prog="eyas vocab", description="Build a draft vocabulary (d2t offsets, t2d mask) from the "
+        "most frequent prediction targets of a dataset. When fine-tuning an existing drafter, "
+        "keep its mapping instead of building a new one.")
+    p.add_argument("--data", required=True, help="dataset directory (tokens or hidden)")
+    p.add_argument("--size", type=int, default=32000, help="draft vocabulary size Vd (32000)")
+    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--force-special-from", metavar="TARGET",
+                   help="force the special and chat-template tokens of TARGET's tokenizer "
+                        "(preset name or model directory)")
+    p.add_argument("--force-ids", default="", help="extra ids to force, comma-separated")
+    p.add_argument("--count", choices=COUNT_MODES, default="auto",
+                   help="which tokens are counted (see data.vocab.count_tokens)")
+    p.add_argument("--target-vocab-size", type=int, default=None,
+                   help="V, if the dataset manifest does not record it")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from data.dataset import open_dataset
+
+    ds = open_dataset(args.data)
+    forced = [int(x) for x in args.force_ids.split(",") if x.strip()]
+    if args.force_special_from:
+        from models.targets import load_tokenizer
+        special = special_token_ids(load_tokenizer(args.force_special_from))
+        print(f"forcing {len(special)} special/template token ids from {args.force_special_from}")
+        forced += special
+    d2t, t2d = build_vocab(ds, args.size, forced, args.target_vocab_size, count=args.count)
+    save_vocab(args.out, d2t, t2d)
+    print(f"wrote {args.out}: Vd={d2t.numel()} of V={t2d.numel()}")
+    return 0
