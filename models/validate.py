@@ -121,7 +121,7 @@ def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
         "midlayer.mlp.up_proj.weight": shape(I, H),
         "midlayer.mlp.down_proj.weight": shape(H, I),
         "norm.weight": shape(H),
-        "lm_head.weight": shape(Vd or V, H),
+        "lm_head.weight": shape(Vd, H),  # Vd absent: DRAFT_VOCAB_MISSING says so
         "d2t": shape(Vd),
         "t2d": shape(V),
     }

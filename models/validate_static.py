@@ -417,7 +417,8 @@ def _check_vocab(tdir: TensorDir, canon: dict[str, str], cfg: dict[str, Any],
     sel = t2d.bool().nonzero().flatten() if t2d is not None and t2d.dim() == 1 else None
     strictly_up = d2t.numel() > 1 and bool((d2t[1:] > d2t[:-1]).all())
     in_range = V is not None and d2t.numel() > 0 and int(d2t.min()) >= 0 and int(d2t.max()) < V
-    as_offsets_ok = sel is not None and sel.numel() == targets.numel() and torch.equal(sel, targets)
+    as_offsets_ok = (sel is not None and sel.numel() == targets.numel()  # same set of ids
+                     and torch.equal(sel, targets.sort().values))
     as_absolute = sel is not None and sel.numel() == d2t.numel() and torch.equal(sel, d2t)
     if as_absolute or (strictly_up and in_range and not as_offsets_ok):
         add("D2T_ABSOLUTE", "d2t holds absolute target ids, not offsets"
