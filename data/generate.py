@@ -1,0 +1,259 @@
+"""Generate assistant turns with the target itself: prompts JSONL -> conversations JSONL.
+
+EAGLE-3 drafters learn the target's own distribution best from text the target wrote, so the
+usual pipeline answers a set of prompts with the target first (`eyas prepare --generate`).
+
+Input: the same record shapes as data.prepare (OpenAI `messages` or ShareGPT), without the
+final assistant turn. Every user (or tool) message not already followed by an assistant message
+gets one generated answer, in order: a record with several user turns is answered turn by turn,
+each answer conditioned on the earlier generated ones.
+
+Output: JSONL, one finished conversation per line, ``{"id", "messages", ..., "generation":
+{"finish_reason": [...], ...}}``; `finish_reason` is "stop" (end-of-turn token) or "length"
+(max_new_tokens reached) per generated turn. Text before a ``</think>`` is stored as the turn's
+`reasoning_content` (thinking models).
+
+Batching: prompts are sorted by token length and run `batch_size` at a time with left padding
+(greedy by default; `temperature > 0` samples with `top_p`, seeded per chunk).
+
+Resumable: records are appended one line each, flushed and fsync'ed per chunk. On restart, ids
+already in the output are skipped; a partial last line (a crash mid-write) is detected, logged
+and cut off. A corrupt line elsewhere is an error naming it. Record ids must be unique (records
+without an "id" get ``<file name>:<line>``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from data.prepare import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
+                          normalise_record)
+
+log = logging.getLogger(__name__)
+
+
+def _pending_turns(messages: list[dict[str, Any]]) -> list[int]:
+    """Indices i such that an assistant answer must be generated right after messages[i]."""
+    return [i for i, m in enumerate(messages) if m["role"] in ("user", "tool")
+            and (i + 1 == len(messages) or messages[i + 1]["role"] not in ("assistant", "tool"))]
+
+
+def scan_done(out_path: Path) -> set[str]:
+    """Ids already written to `out_path`; cuts off a partial last line left by a crash."""
+    done: set[str] = set()
+    if not out_path.exists():
+        return done
+    good_end = 0
+    with open(out_path, "rb+") as f:
+        lineno = 0
+        for line in iter(f.readline, b""):
+            lineno += 1
+            complete = line.endswith(b"\n")
+            try:
+                rid = json.loads(line)["id"] if complete else None
+            except (ValueError, KeyError, TypeError):
+                rid = None
+            if rid is None:
+                rest = f.read()
+                if rest.strip():
+                    raise ValueError(f"{out_path}:{lineno}: corrupt line in the middle of the "
+                                     f"generated conversations; fix or delete that line to resume")
+                log.warning("%s:%d: discarding a partial last line (%d bytes) left by an "
+                            "interrupted run", out_path, lineno, len(line))
+                f.truncate(good_end)
+                break
+            done.add(str(rid))
+            good_end += len(line)
+    return done
+
+
+def _split_reasoning(text: str) -> tuple[str | None, str]:
+    """'<think>r</think>\\n\\nc' -> ('r', 'c'); text without '</think>' -> (None, text)."""
+    if "</think>" not in text:
+        return None, text
+    head, _, tail = text.partition("</think>")
+    return head.split("<think>")[-1].strip("\n"), tail.lstrip("\n")
+
+
+def _stop_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the target defines no end-of-sequence token (generation_config."
+                         "eos_token_id / tokenizer.eos_token); generation would never stop")
+    return ids
+
+
+@torch.no_grad()
+def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, max_new_tokens: int,
+                    temperature: float, top_p: float) -> list[tuple[str, str, int]]:
+    """[(text, finish_reason, n_new_tokens)] for prompts (already rendered, left padded here)."""
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+    enc = {k: v.to(model.device) for k, v in enc.items()}
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 \
+        else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=stop,
+                         pad_token_id=tokenizer.pad_token_id, **sampling)
+    new = out[:, enc["input_ids"].shape[1]:].tolist()      # [B, <= max_new_tokens]
+    results = []
+    for row in new:
+        cut = next((j for j, t in enumerate(row) if t in stop), None)
+        toks = row if cut is None else row[:cut]
+        results.append((tokenizer.decode(toks, skip_special_tokens=False),
+                        "length" if cut is None else "stop", len(toks) + (cut is not None)))
+    return results
+
+
+def generate_conversations(prompts_path: str | Path, target: str | Path, out_path: str | Path, *,
+                           max_new_tokens: int = 512, batch_size: int = 16,
+                           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                           device: str | torch.device = "cpu", chat_template: str | None = None,
+                           template_kwargs: dict[str, Any] | None = None, on_error: str = "raise",
+                           chunk_records: int | None = None, model=None,
+                           tokenizer=None) -> Path:
+    """Answer every pending user turn of the prompts with the target; append to `out_path`.
+
+    Args:
+        prompts_path: JSONL of prompts (OpenAI messages or ShareGPT, no final assistant turn).
+        target: preset name or model directory (models.targets), also recorded per record.
+        out_path: conversations JSONL; appended to, so an interrupted run resumes.
+        max_new_tokens, temperature (0 = greedy), top_p, seed: decoding settings.
+        batch_size: prompts per `generate` call (sorted by length, left padded).
+        chat_template, template_kwargs: as in data.prepare.prepare.
+        on_error: "raise" or "skip" for malformed prompt records (counted and logged).
+        chunk_records: records per resumable unit (default 4 x batch_size).
+        model, tokenizer: already loaded ones (skip loading `target`).
+
+    Returns `out_path`.
+    """
+    from data.prepare import _resolve_template
+    from data.utils import progress
+
+    if on_error not in ERROR_MODES:
+        raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be >= 1; got {max_new_tokens}, "
+                         f"{batch_size}")
+    prompts_path, out_path = Path(prompts_path), Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = scan_done(out_path)
+
+    todo: list[Conversation] = []
+    skipped: Counter[str] = Counter()
+    seen: set[str] = set()
+    for lineno, rec in iter_jsonl(prompts_path):
+        try:
+            if isinstance(rec, RecordError):
+                raise rec
+            conv = normalise_record(rec, default_id=f"{prompts_path.name}:{lineno}")
+            if conv.id in seen:
+                raise RecordError("duplicate_id", f"id {conv.id!r} occurs twice; ids must be "
+                                  f"unique for resuming")
+            seen.add(conv.id)
+            if not _pending_turns(conv.messages):
+                raise RecordError("nothing_to_generate", "no user turn without an answer")
+        except RecordError as e:
+            if on_error == "raise":
+                raise PrepareError(f"{prompts_path}:{lineno}: {e}") from None
+            skipped[e.reason] += 1
+            continue
+        if conv.id not in done:
+            todo.append(conv)
+    if skipped:
+        log.warning("skipped %d prompt records of %s: %s", sum(skipped.values()), prompts_path,
+                    dict(sorted(skipped.items())))
+    log.info("%d prompts to answer (%d already in %s)", len(todo), len(done & seen), out_path)
+    if not todo:
+        return out_path
+
+    if model is None or tokenizer is None:
+        from models.targets import load_target
+        model, tokenizer = load_target(target, device=device)
+    template, _ = _resolve_template(chat_template)
+    if template is None and not tokenizer.chat_template:
+        raise ValueError("the tokenizer has no chat template; pass chat_template=")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    stop = _stop_ids(model, tokenizer)
+    settings = dict(target=str(target), max_new_tokens=max_new_tokens, temperature=temperature,
+                    top_p=top_p, seed=seed)
+    chunk_records = chunk_records or 4 * batch_size
+    counts: Counter[str] = Counter()
+    t0 = time.perf_counter()
+
+    def render(cv: Conversation, msgs: list[dict]) -> str:
+        return tokenizer.apply_chat_template(msgs, tools=cv.tools, chat_template=template,
+                                             tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
+
+    bar = progress(range(0, len(todo), chunk_records), desc="generate", unit="chunk")
+    with open(out_path, "a", encoding="utf-8") as fout:
+        for c, start in enumerate(bar):
+            chunk = todo[start:start + chunk_records]
+            # per record: messages so far, the remaining pending indices, finish reasons
+            state = [{"conv": cv, "msgs": [], "next": 0, "pending": _pending_turns(cv.messages),
+                      "finish": [], "failed": False} for cv in chunk]
+            rnd = 0
+            while True:
+                active = [s for s in state if s["pending"] and not s["failed"]]
+                if not active:
+                    break
+                for s in active:   # copy the record up to (and including) its next pending turn
+                    p = s["pending"][0]
+                    s["msgs"] += s["conv"].messages[s["next"]:p + 1]
+                    s["next"] = p + 1
+                texts = [render(s["conv"], s["msgs"]) for s in active]
+                lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+                order = sorted(range(len(active)), key=lambda j: lengths[j])
+                torch.manual_seed(seed + 1_000_003 * c + rnd)
+                for b in range(0, len(order), batch_size):
+                    idx = order[b:b + batch_size]
+                    outs = _generate_batch(model, tokenizer, [texts[j] for j in idx], stop,
+                                           max_new_tokens=max_new_tokens,
+                                           temperature=temperature, top_p=top_p)
+                    for j, (text, reason, n) in zip(idx, outs):
+                        s = active[j]
+                        reasoning, content = _split_reasoning(text)
+                        msg = {"role": "assistant", "content": content}
+                        if reasoning is not None:
+                            msg["reasoning_content"] = reasoning
+                        if not (content.strip() or reasoning):
+                            s["failed"] = True
+                        s["msgs"].append(msg)
+                        s["finish"].append(reason)
+                        s["pending"].pop(0)
+                        counts[reason] += 1
+                        counts["new_tokens"] += n
+                rnd += 1
+            for s in state:
+                cv = s["conv"]
+                if s["failed"]:
+                    counts["empty_generation"] += 1
+                    continue
+                rec = {"id": cv.id, "messages": s["msgs"] + cv.messages[s["next"]:], **cv.extra,
+                       "generation": dict(settings, finish_reason=s["finish"])}
+                if cv.tools:
+                    rec["tools"] = cv.tools
+                fout.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            fout.flush()
+            os.fsync(fout.fileno())
+    dt = time.perf_counter() - t0
+    if counts["empty_generation"]:
+        log.warning("%d records got an empty answer and were not written (a later run retries "
+                    "them)", counts["empty_generation"])
+    log.info("generated %d turns (%d stopped, %d hit max_new_tokens), %d tokens in %.1f s "
+             "(%.0f tokens/s) into %s", counts["stop"] + counts["length"], counts["stop"],
+             counts["length"], counts["new_tokens"], dt, counts["new_tokens"] / max(dt, 1e-9),
+             out_path)
+    return out_path
