@@ -28,7 +28,8 @@ import torch
 
 from data.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME,
                          OFFSETS, SAMPLE_CRC, SHARD_FORMAT, DatasetError, Header, as_numpy_bytes,
-                         crc32_rows, dequantize_fp8, dtype_from_name, parse_header, table_checksum)
+                         crc32_rows, dequantize_fp8, dtype_from_name, nonfinite_tokens,
+                         parse_header, table_checksum)
 from data.utils import progress
 
 log = logging.getLogger(__name__)
@@ -185,11 +186,9 @@ class _Shard:
 
     def nonfinite_samples(self) -> list[int]:
         bad: set[int] = set()
-        for name in FLOAT_FIELDS:
-            if name not in self.meta["fields"]:
-                continue
-            t = self.tensor(name)
-            tok = (~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1).nonzero().flatten()
+        names = [n for n in (*FLOAT_FIELDS, AUX_SCALE) if n in self.header.tensors]
+        for name in names:
+            tok = nonfinite_tokens(self.tensor(name)).nonzero().flatten()
             if tok.numel():
                 bad.update(np.searchsorted(self.offsets, tok.numpy(), side="right") - 1)
         return sorted(int(b) for b in bad)

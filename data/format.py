@@ -162,6 +162,17 @@ def parse_header(path: str | os.PathLike, file=None) -> Header:
     return Header(tensors, metadata, start, end)
 
 
+def nonfinite_tokens(t: torch.Tensor) -> torch.Tensor:
+    """bool [T]: rows of a token-major float tensor holding any NaN/inf.
+
+    float8_e4m3fn has no inf and no isfinite kernel: its NaN codes are 0x7F / 0xFF.
+    """
+    flat = t.reshape(t.shape[0], -1)
+    if flat.dtype == torch.float8_e4m3fn:
+        return ((flat.view(torch.uint8) & 0x7F) == 0x7F).any(dim=1)
+    return (~torch.isfinite(flat)).any(dim=1)
+
+
 def crc32_rows(arrays: list[np.ndarray], offsets: np.ndarray) -> np.ndarray:
     """crc32 of each sample's bytes: for sample i, the rows offsets[i]:offsets[i+1] of every
     array in `arrays` (same order), chained. Arrays are token-major and C-contiguous.

@@ -30,8 +30,8 @@ from data.dataset import Dataset, open_dataset, shard_meta_from_header
 from data.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOAT_FIELDS, FORMAT_VERSION,
                          ID_FIELDS, INDEX_NAME, KINDS, MANIFEST_NAME, OFFSETS, READ_DTYPES,
                          RESERVED, SAMPLE_CRC, SHARD_FORMAT, DatasetError, as_numpy_bytes,
-                         crc32_rows, dequantize_fp8, dtype_name, json_meta, parse_header,
-                         quantize_fp8, table_checksum)
+                         crc32_rows, dequantize_fp8, dtype_name, json_meta, nonfinite_tokens,
+                         parse_header, quantize_fp8, table_checksum)
 from data.utils import atomic_path, atomic_write_json
 
 __all__ = ["Dataset", "DatasetError", "open_dataset", "write_shard", "read_shard_meta",
@@ -112,15 +112,18 @@ def _check_samples(samples: Sequence[Mapping[str, torch.Tensor]], path: Path
     return names, lengths
 
 
-def _check_finite(name: str, t: torch.Tensor, offsets: np.ndarray, path: Path) -> None:
-    bad_tok = (~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1).nonzero().flatten()
-    if bad_tok.numel():
-        samples = np.unique(np.searchsorted(offsets, bad_tok.numpy(), side="right") - 1)
-        first = int(samples[0])
-        raise DatasetError(
-            f"field {name!r} has NaN/inf values in {len(samples)} sample(s) "
-            f"(first: sample {first}, token {int(bad_tok[0]) - int(offsets[first])}); drop those "
-            f"samples or pass check_finite=False to store them anyway", path=path, sample=first)
+def _raise_nonfinite(bad: dict[str, torch.Tensor], offsets: np.ndarray, path: Path) -> None:
+    """bad: {field: bool [T] non-finite token rows}; raises DatasetError naming the samples."""
+    rows = torch.stack(list(bad.values())).any(dim=0).nonzero().flatten()
+    if not rows.numel():
+        return
+    samples = np.unique(np.searchsorted(offsets, rows.numpy(), side="right") - 1)
+    first = int(samples[0])
+    fields = sorted(n for n, b in bad.items() if b.any())
+    raise DatasetError(
+        f"NaN/inf values in {len(samples)} sample(s) (first: sample {first}, token "
+        f"{int(rows[0]) - int(offsets[first])}; fields {fields}); drop those samples or pass "
+        f"check_finite=False to store them anyway", path=path, sample=first)
 
 
 def write_shard(dataset_dir: str | os.PathLike, index: int,
@@ -151,12 +154,13 @@ def write_shard(dataset_dir: str | os.PathLike, index: int,
 
     tensors: dict[str, torch.Tensor] = {}
     fields: dict[str, dict[str, Any]] = {}
+    nonfinite: dict[str, torch.Tensor] = {}
     for n in names:
         cat = torch.cat([s[n].detach().cpu() for s in samples]) if len(samples) > 1 \
             else samples[0][n].detach().cpu()
         stored = _store_field(n, cat, path).contiguous()
         if check_finite and n in FLOAT_FIELDS:
-            _check_finite(n, stored, offsets, path)
+            nonfinite[n] = nonfinite_tokens(stored)
         read_dtype = READ_DTYPES.get(n, stored.dtype)
         if n == "aux" and aux_format == "fp8":
             stored, scale = quantize_fp8(stored)
@@ -165,6 +169,8 @@ def write_shard(dataset_dir: str | os.PathLike, index: int,
         fields[n] = {"dtype": dtype_name(read_dtype), "stored_dtype": dtype_name(stored.dtype),
                      "shape": list(stored.shape[1:])}
 
+    if nonfinite:
+        _raise_nonfinite(nonfinite, offsets, path)
     data_names = sorted(tensors)  # the crc covers every per-token tensor, incl. aux_scale
     sample_crcs = crc32_rows([as_numpy_bytes(tensors[n]) for n in data_names], offsets)
     tensors[OFFSETS] = torch.from_numpy(offsets)
