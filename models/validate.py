@@ -255,14 +255,17 @@ def resolve_target_config(target_config: dict[str, Any] | str | Path | None) -> 
 
 def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None, *,
              check_values: bool = True, numeric: bool = False,
-             target_weights: str | Path | None = None, numeric_tol: float = 2e-2,
-             ) -> list[Finding]:
+             target_weights: str | Path | None = None, numeric_tol: float = 1e-3,
+             trainer_state_dict: dict[str, torch.Tensor] | None = None) -> list[Finding]:
     """All contract findings for the drafter directory `path` served with `target_config`.
 
     `target_config`: the target's config.json (dict, file, directory or preset name; Kimi's
     `text_config` is used when present). None skips the rules that need the target.
     `check_values`: scan every tensor for NaN/inf (chunked; set False for a header-only check).
-    `numeric`: also run the engine-math parity check (needs models.drafter/models.reference).
+    `numeric`: also check that the engines' math on the exported tensors reproduces the
+    training forward (validate_numeric.py), on `target_weights`' embedding (a directory of the
+    target's safetensors) or a seeded random one; `trainer_state_dict` (the checkpoint's
+    tensors) makes the training side independent of the export.
     """
     from models.validate_static import check_config, check_tensors
     path = Path(path)
@@ -286,7 +289,8 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
             log.warning("skipping the numerical check: fix the static errors first")
         else:
             from models.validate_numeric import check_numeric
-            findings += check_numeric(path, tcfg, target_weights=target_weights, tol=numeric_tol)
+            findings += check_numeric(path, tcfg, target_weights=target_weights, tol=numeric_tol,
+                                      trainer_state_dict=trainer_state_dict)
     return findings
 
 

@@ -44,7 +44,7 @@ CODES = {
     "D2T_ABSOLUTE": ERROR, "D2T_RANGE": ERROR, "D2T_ORDER": ERROR, "D2T_IDENTITY": WARNING,
     "T2D_MISMATCH": ERROR, "T2D_DTYPE": WARNING, "NONFINITE": ERROR,
     # numerical check (validate_numeric.py)
-    "NUMERIC_MISMATCH": ERROR,
+    "NUMERIC_MISMATCH": ERROR, "NUMERIC_LOAD": ERROR,
 }
 
 _REEXPORT = "re-export with `eyas export` (it writes this field/tensor correctly)"
