@@ -30,7 +30,8 @@ from models.validate import CORE_TENSORS, TensorDir, read_config, resolve_target
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_META = "eyas.json"
+#: checkpoint side files that hold the drafter config and training settings (first found wins)
+CHECKPOINT_META = ("eyas.json", "eyas_state.json")
 LAYOUT_A_ARCH = "LlamaForCausalLMEagle3"
 #: source tensors that belong to the target or the training harness, never to the drafter
 _FOREIGN = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
@@ -87,10 +88,11 @@ def load_deepspeed_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _find_key(obj: Any, key: str) -> Any:
-    """First value of `key` anywhere in a nested dict (eyas.json sections move; names do not)."""
+    """First value of `key` (or a dotted `section.key`) anywhere in a nested dict."""
     if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
+        for k, v in obj.items():
+            if k == key or k.endswith("." + key):
+                return v
         for v in obj.values():
             found = _find_key(v, key)
             if found is not None:
@@ -113,7 +115,8 @@ class TrainerCheckpoint:
 def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
     """Read a trainer checkpoint: a state-dict file, or a directory (DDP or DeepSpeed + eyas.json).
 
-    eyas.json keys read: the drafter config under `drafter` (or `drafter_config`, `config`),
+    A run's `checkpoints/` directory resolves to the checkpoint its `latest` pointer names.
+    eyas.json (or eyas_state.json) keys read: the drafter config under `drafter` (or `drafter_config`, `config`),
     `ttt_steps` (anywhere), `vocab_map` (a file with d2t/t2d, relative to the checkpoint).
     Without a `vocab_map`, `vocab_map.safetensors` / `vocab.safetensors` next to it, or the
     state dict's own `d2t`/`t2d` buffers are used.
@@ -123,6 +126,10 @@ def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
         return TrainerCheckpoint(None, load_state_dict_file(path), None, None, {}, "file")
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
+    pointer = path / "latest"  # <run>/checkpoints/latest names step-NNNNNN (DeepSpeed's names a tag)
+    if pointer.is_file() and any((path / pointer.read_text().strip() / n).is_file()
+                                 for n in CHECKPOINT_META):
+        return read_trainer_checkpoint(path / pointer.read_text().strip())
     meta_dir = path
     tag = _deepspeed_tag_dir(path)
     if tag is not None:
@@ -137,8 +144,8 @@ def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
         raise FileNotFoundError(
             f"{path} holds no drafter weights: expected model.safetensors or pytorch_model.bin "
             f"(accelerate DDP) or a DeepSpeed tag directory with *model_states.pt")
-    meta_file = meta_dir / CHECKPOINT_META
-    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    meta_file = next((meta_dir / n for n in CHECKPOINT_META if (meta_dir / n).is_file()), None)
+    meta = json.loads(meta_file.read_text()) if meta_file else {}
     config = next((meta[k] for k in ("drafter", "drafter_config", "config") if k in meta), None)
     d2t = t2d = None
     vocab_file = meta.get("vocab_map")
@@ -154,6 +161,8 @@ def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
         if vocab_file:
             raise FileNotFoundError(f"{meta_file} names vocab_map {vocab_file!r}, which does "
                                     f"not exist in {meta_dir}")
+    if config is None and meta_file is not None:
+        log.warning("%s has no drafter config ('drafter' entry)", meta_file)
     return TrainerCheckpoint(config, sd, d2t, t2d, meta, source)
 
 

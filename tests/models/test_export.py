@@ -1,0 +1,208 @@
+"""The exporter: trainer checkpoints of every kind → a layout-A directory the validator passes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from data.vocab import save_vocab
+from models.config import Eagle3Config
+from models.drafter import Eagle3Drafter
+from models.export import (EXPORT_META, ExportError, cli_main, export_checkpoint,
+                           export_drafter, serve_commands)
+from models.targets import load_target_config
+from models.validate import CORE_TENSORS, TensorDir, validate
+
+VD = 512
+ROOT = Path(__file__).resolve().parents[2]
+LAYOUT_A = set(CORE_TENSORS) | {"d2t", "t2d"}
+
+
+def make_drafter(tcfg: dict, vd: int = VD, seed: int = 0):
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=vd, ttt_steps=4)
+    torch.manual_seed(seed)
+    drafter = Eagle3Drafter(cfg, attention="eager")
+    if vd < cfg.vocab_size:
+        ids = torch.randperm(cfg.vocab_size)[:vd].sort().values
+        drafter.set_vocab_map(ids - torch.arange(vd))
+    return cfg, drafter.state_dict()
+
+
+@pytest.fixture(scope="module")
+def tcfg():
+    return load_target_config("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def drafter(tcfg):
+    return make_drafter(tcfg)
+
+
+def assert_exported(out: Path, cfg: Eagle3Config, sd: dict, tcfg: dict) -> None:
+    """Names exactly layout A, bf16 weights equal to the source rounded, the config exact."""
+    got = TensorDir(out).load_all()
+    assert set(got) == LAYOUT_A
+    for name, t in got.items():
+        if name in ("d2t", "t2d"):
+            assert t.dtype == (torch.int64 if name == "d2t" else torch.bool)
+            assert torch.equal(t, sd[name])
+        else:
+            assert t.dtype == torch.bfloat16
+            assert torch.equal(t, sd[name].to(torch.bfloat16)), name
+    assert json.loads((out / "config.json").read_text()) == cfg.to_config_dict()
+    assert validate(out, tcfg) == []
+    assert not [p for p in out.parent.iterdir() if ".tmp." in p.name]  # no temp dir left
+
+
+def test_plain_state_dict_file_with_wrapper_prefixes(drafter, tcfg, tmp_path):
+    cfg, sd = drafter
+    f = tmp_path / "weights.safetensors"
+    save_file({f"module._orig_mod.{k}": v for k, v in sd.items()}, f)
+    out = export_checkpoint(f, tmp_path / "out", config=cfg, target_config=tcfg)
+    assert_exported(out, cfg, sd, tcfg)
+    meta = json.loads((out / EXPORT_META).read_text())
+    assert meta["ttt_steps"] == 4 and meta["aux_layer_ids"] == cfg.aux_layer_ids
+
+
+def test_bin_file_with_a_wrapper_attribute(drafter, tcfg, tmp_path):
+    # a training module holding the drafter as `.drafter` plus tensors of its own
+    cfg, sd = drafter
+    wrapped = {f"drafter.{k}": v for k, v in sd.items()}
+    wrapped["teacher_rows"] = torch.zeros(4, 64)
+    torch.save({"module": wrapped}, tmp_path / "mp_rank_00_model.pt")
+    out = export_checkpoint(tmp_path / "mp_rank_00_model.pt", tmp_path / "out",
+                            config=cfg.to_dict(), target_config=tcfg)
+    assert_exported(out, cfg, sd, tcfg)
+
+
+def test_ddp_checkpoint_dir_with_eyas_json_and_vocab_file(drafter, tcfg, tmp_path):
+    cfg, sd = drafter
+    ck = tmp_path / "step-000010"
+    ck.mkdir()
+    weights = {k: v for k, v in sd.items() if k not in ("d2t", "t2d")}  # map only in the file
+    save_file({f"module.{k}": v for k, v in weights.items()}, ck / "model.safetensors")
+    save_vocab(ck / "vocab.safetensors", sd["d2t"], sd["t2d"])
+    (ck / "eyas.json").write_text(json.dumps({"drafter": cfg.to_dict(), "lr": 1e-4}))
+    out = export_checkpoint(ck, tmp_path / "out", target_config=tcfg)
+    assert_exported(out, cfg, sd, tcfg)
+    meta = json.loads((out / EXPORT_META).read_text())
+    assert meta["ttt_steps"] == 4 and meta["training"]["lr"] == 1e-4
+    # a run's checkpoints/ dir resolves through its `latest` pointer
+    (tmp_path / "latest").write_text("step-000010")
+    out2 = export_checkpoint(tmp_path, tmp_path / "out2", target_config=tcfg)
+    assert TensorDir(out2).load_all().keys() == TensorDir(out).load_all().keys()
+
+
+def test_full_vocabulary_ships_no_mapping(tcfg, tmp_path):
+    cfg, sd = make_drafter(tcfg, vd=49152)
+    out = export_drafter(sd, cfg, None, None, tmp_path / "full", target_config=tcfg)
+    assert set(TensorDir(out).names) == set(CORE_TENSORS)
+    assert validate(out, tcfg) == []
+
+
+def test_refusals_leave_nothing_behind(drafter, tcfg, tmp_path):
+    cfg, sd = drafter
+    cases = {
+        "bias": (dict(sd, **{"midlayer.self_attn.q_proj.bias": torch.zeros(64)}), None),
+        "shape": (dict(sd, **{"fc.weight": torch.zeros(64, 64)}), None),
+        "absolute": ({k: v for k, v in sd.items() if k not in ("d2t", "t2d")},
+                     torch.arange(VD) + sd["d2t"]),
+        "missing": ({k: v for k, v in sd.items() if k != "norm.weight"}, None),
+    }
+    for name, (state, d2t) in cases.items():
+        with pytest.raises(ExportError):
+            export_drafter(state, cfg, d2t, None, tmp_path / name, target_config=tcfg)
+        assert not (tmp_path / name).exists()
+    # a rebuilt mapping that disagrees with the checkpoint's own buffer is refused
+    other = sd["d2t"].clone()
+    other[0] += 1
+    with pytest.raises(ExportError, match="differs"):
+        export_drafter(sd, cfg, other, None, tmp_path / "rebuilt")
+    # the target check runs inside the export: a drafter for another target is refused
+    with pytest.raises(ExportError, match="VOCAB_SIZE"):
+        export_drafter(sd, cfg, None, None, tmp_path / "kimi",
+                       target_config=load_target_config("kimi-k2.5"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_existing_output_needs_overwrite(drafter, tcfg, tmp_path):
+    cfg, sd = drafter
+    out = export_drafter(sd, cfg, None, None, tmp_path / "o", target_config=tcfg)
+    with pytest.raises(FileExistsError):
+        export_drafter(sd, cfg, None, None, out)
+    sd2 = dict(sd, **{"norm.weight": torch.full((64,), 2.0)})
+    export_drafter(sd2, cfg, None, None, out, overwrite=True)
+    assert torch.equal(TensorDir(out).load("norm.weight"), torch.full((64,), 2.0,
+                                                                        dtype=torch.bfloat16))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def test_speculators_config_export(drafter, tcfg, tmp_path):
+    cfg, sd = drafter
+    out = export_drafter(sd, cfg, None, None, tmp_path / "d", target_config=tcfg,
+                         speculators=True, verifier="/models/tiny-llama")
+    spec_dir = tmp_path / "d-speculators"
+    spec = json.loads((spec_dir / "config.json").read_text())
+    assert spec["speculators_model_type"] == "eagle3"
+    assert spec["norm_before_residual"] is False
+    assert spec["draft_vocab_size"] == VD and spec["target_hidden_size"] == 64
+    assert spec["eagle_aux_hidden_state_layer_ids"] == cfg.aux_layer_ids
+    assert spec["speculators_config"]["verifier"] == {"name_or_path": "/models/tiny-llama",
+                                                      "architectures": ["LlamaForCausalLM"]}
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    layer = spec["transformer_layer_config"]
+    assert layer["vocab_size"] == 49152 and layer["num_hidden_layers"] == 1
+    assert "eagle_config" not in layer and "draft_vocab_size" not in layer
+    assert (spec_dir / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    # the layout-A config.json itself stays free of speculators keys
+    assert validate(out, tcfg) == []
+    with pytest.raises(ExportError, match="verifier"):
+        export_drafter(sd, cfg, None, None, tmp_path / "e", speculators=True)
+
+
+def test_cli_prints_the_serve_commands(drafter, tcfg, tmp_path, capsys):
+    cfg, sd = drafter
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    save_file(sd, ck / "model.safetensors")
+    (ck / "eyas.json").write_text(json.dumps({"drafter": cfg.to_dict()}))
+    assert cli_main([str(ck), str(tmp_path / "out"), "--target-config", "tiny-llama"]) == 0
+    text = capsys.readouterr().out
+    vllm, sglang = serve_commands((tmp_path / "out").resolve(), "tiny-llama", 4)
+    assert vllm in text and sglang in text
+    assert '"num_speculative_tokens":4' in vllm and "--speculative-num-draft-tokens 5" in sglang
+    assert cli_main([str(ck), str(tmp_path / "out"), "--target-config", "tiny-llama"]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_deepspeed_zero3_two_process_checkpoint(tcfg, tmp_path):
+    """A real 2-process ZeRO-3 save (gloo) is gathered into the exact trained parameters."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "accelerate"), "launch", "--use_deepspeed",
+         "--zero_stage", "3", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+         str(ROOT / "tests" / "models" / "deepspeed_save_drafter.py"), str(tmp_path), "3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    shards = sorted(p.name for p in (tmp_path / "ckpt" / "pytorch_model").iterdir())
+    assert shards == [f"zero_pp_rank_{i}_mp_rank_00_{k}_states.pt"
+                      for i in (0, 1) for k in ("model", "optim")]
+    out = export_checkpoint(tmp_path / "ckpt", tmp_path / "export", target_config=tcfg)
+    ref = load_file(tmp_path / "reference.safetensors")
+    got = TensorDir(out).load_all()
+    assert set(got) == LAYOUT_A
+    for name, t in got.items():
+        assert torch.equal(t, ref[name].to(t.dtype)), name
+    cfg, init = make_drafter(tcfg)  # the same seed: the saved weights are the trained ones
+    assert not torch.equal(got["fc.weight"], init["fc.weight"].to(torch.bfloat16))
+    assert json.loads((out / EXPORT_META).read_text())["ttt_steps"] == 2
+    assert validate(out, tcfg) == []
