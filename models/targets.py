@@ -206,3 +206,42 @@ def load_target(target: str | Path, dtype: torch.dtype = torch.bfloat16,
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     model.requires_grad_(False)
     return model, load_tokenizer(target, cache_dir)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (eyas reads the target's "
+                                f"embedding and lm_head from safetensors files)")
+    return files
+
+
+def load_embedding_and_head(target: str | Path, cache_dir: str | Path | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, tH] and output head [V, tH], read without the model.
+
+    Only these two tensors are memory-mapped from the safetensors files, so this works for
+    targets far larger than memory. A tied head returns the embedding twice.
+    """
+    from safetensors import safe_open
+    path = resolve_target(target, cache_dir)
+    found: dict[str, torch.Tensor] = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                if name.endswith("embed_tokens.weight") and "embed" not in found:
+                    found["embed"] = sf.get_tensor(name)
+                elif name.endswith("lm_head.weight") and "head" not in found:
+                    found["head"] = sf.get_tensor(name)
+    if "embed" not in found:
+        raise KeyError(f"{path}: no tensor named '*embed_tokens.weight' in its safetensors files")
+    if "head" not in found:
+        cfg = text_config(load_target_config(path))
+        if not cfg.get("tie_word_embeddings", False):
+            raise KeyError(f"{path}: no '*lm_head.weight' and tie_word_embeddings is not true")
+        found["head"] = found["embed"]
+    return found["embed"], found["head"]

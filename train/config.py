@@ -216,6 +216,8 @@ class TrainConfig:
     """Abort after this many skipped steps with NaN/inf loss or gradients."""
     deterministic: bool = False
     """torch deterministic algorithms (bitwise-reproducible resume on CPU)."""
+    peak_tflops: Optional[float] = None
+    """Accelerator peak for MFU in TFLOP/s; null = 989 (H100/H200 dense bf16) on CUDA."""
     dry_run: bool = False
     """Compose the config, start the processes and write the run summary, then stop."""
 

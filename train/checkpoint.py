@@ -1,0 +1,143 @@
+"""Checkpoints: accelerate `save_state` + the loop's own state, atomic, rotated, checked on resume.
+
+Layout under `<run>/checkpoints/`:
+    step-000100/          accelerate state (model, optimizer, scheduler, RNG per rank; DeepSpeed
+                          shards under DeepSpeed) + eyas_state.json (step, loader position,
+                          objective settings, metrics)
+    latest                text file naming the newest complete checkpoint
+    best                  text file naming the checkpoint with the best eval acceptance length
+
+A checkpoint is written to `.step-000100.tmp` and renamed only when every rank has finished,
+so a crash while saving leaves the previous checkpoint as `latest`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from data.utils import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "eyas_state.json"
+
+
+def objective_record(cfg, world_size: int) -> dict[str, Any]:
+    """Settings that change what is optimised: resuming with different ones is refused."""
+    ids = cfg.target.aux_layer_ids
+    return {
+        "target.name": str(cfg.target.name),
+        "target.aux_layer_ids": None if ids is None else list(ids),
+        "drafter.ttt_steps": int(cfg.drafter.ttt_steps),
+        "drafter.draft_vocab_size": int(cfg.drafter.draft_vocab_size),
+        "loss.step_weight": float(cfg.loss.step_weight),
+        "loss.normalisation": str(getattr(cfg.loss.normalisation, "value", cfg.loss.normalisation)),
+        "loss.position_mask": bool(cfg.loss.position_mask),
+        "data.token_budget": int(cfg.data.token_budget),
+        "data.dataset": None if cfg.data.dataset is None else str(cfg.data.dataset),
+        "optim.grad_accum": int(cfg.optim.grad_accum),
+        "world_size": int(world_size),
+    }
+
+
+def _name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def latest(root: Path) -> Path | None:
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / STATE_FILE).is_file() else None
+
+
+def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last: int,
+         best_metric: float | None = None) -> Path:
+    """Write checkpoint `step` on every rank; rank 0 publishes it and rotates old ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / _name(step), root / f".{_name(step)}.tmp"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        atomic_write_json(tmp / STATE_FILE, state)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_pointer(root / "latest", final.name)
+        if best_metric is not None:
+            prev = _read_best(root)
+            if prev is None or best_metric > prev[1]:
+                _write_pointer(root / "best", final.name)
+                atomic_write_json(root / "best.json", {"checkpoint": final.name,
+                                                       "accept_len": best_metric})
+        _rotate(root, keep_last)
+        log.info("checkpoint %s", final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _write_pointer(path: Path, name: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(name)
+    os.replace(tmp, path)
+
+
+def _read_best(root: Path) -> tuple[str, float] | None:
+    f = root / "best.json"
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    return d["checkpoint"], float(d["accept_len"])
+
+
+def _rotate(root: Path, keep_last: int) -> None:
+    steps = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
+    best = _read_best(root)
+    keep = {p.name for p in steps[-max(1, keep_last):]}
+    if best:
+        keep.add(best[0])
+    for p in steps:
+        if p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".step-*.tmp"):  # left by a crash during an earlier save
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def resolve_resume(resume: str | None, root: Path) -> Path | None:
+    if not resume:
+        return None
+    if resume == "latest":
+        found = latest(root)
+        if found is None:
+            log.info("train.resume=latest: no checkpoint in %s yet; starting fresh", root)
+        return found
+    path = Path(resume).expanduser()
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"train.resume={resume}: {path / STATE_FILE} does not exist; "
+                                f"point it at a checkpoint dir (…/checkpoints/step-NNNNNN) "
+                                f"or use train.resume=latest")
+    return path
+
+
+def load(accelerator, path: Path, objective: dict[str, Any]) -> dict[str, Any]:
+    """Restore accelerate state from `path` after checking the objective settings match."""
+    state = json.loads((path / STATE_FILE).read_text())
+    saved = state.get("objective", {})
+    diff = {k: (saved.get(k), v) for k, v in objective.items() if saved.get(k) != v}
+    if diff:
+        lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"refusing to resume from {path}: the objective differs ({lines}). "
+                         f"Use the checkpoint's settings, or start a new run (train.resume=null) "
+                         f"warm-started from an export (drafter.warm_start=DIR)")
+    accelerator.load_state(str(path))
+    log.info("resumed from %s (step %d)", path, state["step"])
+    return state

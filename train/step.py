@@ -1,0 +1,94 @@
+"""One training forward: drafter TTT unroll → teacher → fused loss, as a single nn.Module.
+
+Putting the loss inside the module that DDP/DeepSpeed wrap keeps every use of the draft
+lm_head inside the wrapped forward (ZeRO-3 gathers parameters per module forward; the
+lm_head weight is registered as an external parameter of this module for that reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+import kernels
+from models.drafter import Eagle3Drafter
+from models.objective import metric_mask, row_weights
+
+
+@dataclass
+class StepOutput:
+    loss: Tensor            # 0-dim fp32, already weighted and normalised
+    draft_argmax: Tensor    # [K, T] int64 draft-vocabulary ids
+    metric_mask: Tensor     # [K, T] bool rows that count for metrics (valid · loss_mask)
+
+
+class TrainingModule(nn.Module):
+    """Drafter + frozen target head rows (the teacher) + the loss configuration."""
+
+    def __init__(self, drafter: Eagle3Drafter, target_head_rows: Tensor, loss_cfg, *,
+                 loss_impl: str, ttt_steps: int):
+        super().__init__()
+        self.drafter = drafter
+        # [Vd, tH] target lm_head rows i + d2t[i]: the teacher over the draft vocabulary.
+        self.register_buffer("target_head_rows", target_head_rows, persistent=False)
+        self.loss_impl = loss_impl
+        self.ttt_steps = ttt_steps
+        self.step_weight = float(loss_cfg.step_weight)
+        self.normalisation = str(getattr(loss_cfg.normalisation, "value", loss_cfg.normalisation))
+        self.position_mask = bool(loss_cfg.position_mask)
+        self.chunk_size = loss_cfg.chunk_size
+
+    def register_for_zero3(self) -> None:
+        """ZeRO-3: gather lm_head.weight during this module's forward (used outside lm_head)."""
+        from deepspeed.zero import register_external_parameter
+        register_external_parameter(self, self.drafter.lm_head.weight)
+
+    def teacher(self, last: Tensor | None, topk_ids: Tensor | None,
+                topk_logits: Tensor | None) -> Tensor:
+        """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1."""
+        d = self.drafter
+        if last is not None:
+            p = kernels.teacher_probs(last, self.target_head_rows.to(last.dtype))
+        elif topk_ids is not None:
+            V = d.config.vocab_size
+            t2d_index = torch.full((V,), -1, dtype=torch.int64, device=topk_ids.device)
+            ids = torch.arange(d.config.draft_vocab_size, device=topk_ids.device) + d.d2t
+            t2d_index[ids] = torch.arange(ids.numel(), device=topk_ids.device)
+            p = kernels.teacher_from_topk(topk_ids, topk_logits, t2d_index,
+                                          d.config.draft_vocab_size)
+        else:
+            raise ValueError("the batch has no teacher: neither `last` nor `topk_ids` is present "
+                             "(re-extract with --teacher last or --teacher topk)")
+        # shift by one: the kernel reads row t+k for step k; row t+1+k is the target we want.
+        return torch.cat([p[1:], p[-1:].zero_()], dim=0)
+
+    def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,
+                loss_mask: Tensor, target_argmax: Tensor, last: Tensor | None = None,
+                topk_ids: Tensor | None = None, topk_logits: Tensor | None = None) -> StepOutput:
+        d = self.drafter
+        out = d(input_ids, aux, doc_ids, positions, self.ttt_steps)          # hidden [K, T, H]
+        w = row_weights(out.valid, loss_mask, target_argmax, d.t2d,
+                        step_weight=self.step_weight, normalisation=self.normalisation,
+                        position_mask=self.position_mask)                     # [K, T] fp32
+        teacher = self.teacher(last, topk_ids, topk_logits)                   # [T, Vd]
+        res = kernels.eagle3_loss(out.hidden, d.lm_head.weight, teacher, w, impl=self.loss_impl,
+                                  chunk_size=self.chunk_size)
+        return StepOutput(loss=res.loss, draft_argmax=res.draft_argmax,
+                          metric_mask=metric_mask(out.valid, loss_mask))
+
+
+def batch_inputs(batch) -> dict:
+    """The keyword arguments of TrainingModule.forward from a data.loader.Batch."""
+    return dict(input_ids=batch.input_ids, aux=batch.aux, doc_ids=batch.doc_ids,
+                positions=batch.positions, loss_mask=batch.loss_mask,
+                target_argmax=batch.target_argmax, last=batch.last, topk_ids=batch.topk_ids,
+                topk_logits=batch.topk_logits)
+
+
+def resolve_loss_impl(impl: str, device: torch.device) -> str:
+    impl = str(getattr(impl, "value", impl))
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return impl

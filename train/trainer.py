@@ -1,0 +1,380 @@
+"""The training loop: build everything from the config, train, evaluate, checkpoint, export.
+
+    train(cfg, accelerator, datasets) -> summary dict
+
+Reading order: `build()` (data, vocab, drafter, optimizer), then `train()` (the loop), then
+`evaluate()` (exact acceptance counts on the held-out split) and `export_final()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType, set_seed
+
+from data.dataset import open_dataset
+from data.loader import PackedLoader
+from data.packing import split_indices
+from data.vocab import build_vocab, load_vocab, save_vocab
+from models.config import Eagle3Config
+from models.drafter import Eagle3Drafter
+from models.metrics import accept_counts, add_counts, finalize
+from models.targets import load_embedding_and_head, load_target_config, text_config
+from train import checkpoint as ckpt
+from train.config import DistBackend, to_plain
+from train.optim import build_optimizer, build_scheduler
+from train.step import TrainingModule, batch_inputs, resolve_loss_impl
+from train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    module: Any                 # the prepared TrainingModule (DDP / DeepSpeed engine)
+    optimizer: Any
+    scheduler: Any
+    train_loader: PackedLoader
+    eval_loader: PackedLoader | None
+    config: Eagle3Config
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    target_config: dict
+    total_steps: int
+    flops_per_token: float
+
+
+def _value(x) -> str:
+    return str(getattr(x, "value", x))
+
+
+def _vocab(cfg, accelerator, train_ds, V: int, out: Path, warm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft vocab map: the warm-start drafter's, a given file, or built (rank 0) and shared."""
+    if warm is not None:
+        log.info("vocab map: kept from the warm-start drafter %s", cfg.drafter.warm_start)
+        return warm.d2t, warm.t2d
+    if cfg.data.vocab:
+        return load_vocab(cfg.data.vocab)
+    path = out / "vocab.safetensors"
+    if accelerator.is_main_process:
+        force = []
+        try:
+            from data.vocab import special_token_ids
+            from models.targets import load_tokenizer
+            force = special_token_ids(load_tokenizer(cfg.target.name, cfg.data.cache_dir))
+        except Exception as e:  # config-only targets have no tokenizer here
+            log.info("no tokenizer for %s (%s): no special tokens forced into the draft vocab",
+                     cfg.target.name, e)
+        size = min(int(cfg.drafter.draft_vocab_size), V)
+        d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=V)
+        save_vocab(path, d2t, t2d)
+    accelerator.wait_for_everyone()
+    return load_vocab(path)
+
+
+def build(cfg, accelerator, datasets, out: Path) -> Setup:
+    set_seed(cfg.train.seed)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    device = accelerator.device
+    rank, world = accelerator.process_index, accelerator.num_processes
+
+    train_ds = open_dataset(datasets.train)
+    manifest = train_ds.manifest
+    target_cfg = manifest.get("target_config") or load_target_config(cfg.target.name)
+    tcfg = text_config(target_cfg)
+    aux_ids = list(manifest["aux_layer_ids"])
+    if cfg.target.aux_layer_ids is not None and list(cfg.target.aux_layer_ids) != aux_ids:
+        raise ValueError(f"target.aux_layer_ids={list(cfg.target.aux_layer_ids)} but the dataset "
+                         f"{datasets.train} stores layers {aux_ids}; set target.aux_layer_ids="
+                         f"null or re-extract with --layers")
+    V = int(tcfg["vocab_size"])
+    if datasets.eval is not None:
+        eval_ds, train_idx, eval_idx = open_dataset(datasets.eval), None, None
+    else:
+        train_idx, eval_idx = split_indices(len(train_ds), cfg.data.eval_fraction, cfg.train.seed)
+        eval_ds = train_ds if len(eval_idx) else None
+
+    warm = None
+    if cfg.drafter.warm_start:
+        from models.importer import import_drafter
+        warm = import_drafter(cfg.drafter.warm_start, target_cfg)
+    d2t, t2d = _vocab(cfg, accelerator, train_ds, V, out, warm)
+
+    overrides = {k: cfg.drafter[k] for k in ("num_attention_heads", "num_key_value_heads",
+                                              "head_dim", "intermediate_size",
+                                              "max_position_embeddings")
+                 if cfg.drafter[k] is not None}
+    config = (Eagle3Config.from_config_dict(warm.config_dict, ttt_steps=cfg.drafter.ttt_steps)
+              if warm is not None else
+              Eagle3Config.from_target(target_cfg, draft_vocab_size=int(d2t.numel()),
+                                       aux_layer_ids=aux_ids, ttt_steps=cfg.drafter.ttt_steps,
+                                       **overrides))
+    if list(config.aux_layer_ids) != aux_ids:
+        raise ValueError(f"the warm-start drafter reads layers {config.aux_layer_ids} but the "
+                         f"dataset stores {aux_ids}: re-extract with --layers "
+                         f"{','.join(map(str, config.aux_layer_ids))}")
+    drafter = Eagle3Drafter(config, attention=_value(cfg.drafter.attention),
+                            compile_flex=bool(cfg.drafter.compile) and device.type == "cuda")
+    embed, head = load_embedding_and_head(cfg.target.name, cfg.data.cache_dir)
+    drafter.load_target_embedding(embed)
+    if warm is not None:
+        missing = drafter.load_state_dict(warm.state_dict, strict=False)
+        log.info("warm start from %s (missing: %s)", cfg.drafter.warm_start,
+                 [k for k in missing.missing_keys if k != "embed_tokens.weight"])
+        drafter.set_vocab_map(d2t, t2d)
+    elif cfg.drafter.init_lm_head_from_target:
+        drafter.init_lm_head_from_target(head, d2t)
+    else:
+        drafter.set_vocab_map(d2t, t2d)
+    drafter.to(torch.bfloat16)
+    head_rows = head[torch.arange(d2t.numel()) + d2t].to(torch.bfloat16).contiguous()
+    module = TrainingModule(drafter, head_rows, cfg.loss,
+                            loss_impl=resolve_loss_impl(cfg.loss.impl, device),
+                            ttt_steps=cfg.drafter.ttt_steps)
+    deepspeed = cfg.dist.backend == DistBackend.deepspeed
+    if deepspeed and cfg.dist.zero_stage == 3:
+        module.register_for_zero3()
+
+    train_loader = PackedLoader(train_ds, cfg.data.token_budget, rank, world, cfg.train.seed,
+                                num_workers=cfg.data.num_workers, indices=train_idx,
+                                pin_memory=device.type == "cuda")
+    eval_loader = None if eval_ds is None else PackedLoader(
+        eval_ds, cfg.data.token_budget, rank, world, cfg.train.seed, shuffle=False,
+        num_workers=cfg.data.num_workers, indices=eval_idx)
+    per_epoch = math.ceil(len(train_loader) / cfg.optim.grad_accum)
+    total = cfg.train.max_steps or per_epoch * cfg.train.epochs
+    optimizer = build_optimizer(module.parameters(), cfg.optim, master_weights=not deepspeed)
+    scheduler = build_scheduler(optimizer, cfg.optim, total)
+    module, optimizer = accelerator.prepare(module, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    lengths = train_ds.sample_lengths
+    fpt = flops_per_token(config, cfg.drafter.ttt_steps, float(lengths.mean()) if len(lengths) else 0)
+    log.info("drafter: %.1fM trainable parameters, draft vocab %d of %d, aux layers %s, K=%d; "
+             "%d micro-batches/epoch/rank, %d optimizer steps", drafter.num_trainable_parameters() / 1e6,
+             d2t.numel(), V, aux_ids, cfg.drafter.ttt_steps, len(train_loader), total)
+    return Setup(module, optimizer, scheduler, train_loader, eval_loader, config, d2t, t2d,
+                 target_cfg, total, fpt)
+
+
+def _drafter(module):
+    inner = getattr(module, "module", module)
+    return inner.drafter
+
+
+@torch.no_grad()
+def evaluate(s: Setup, accelerator) -> dict[str, float]:
+    """Exact acceptance counts over the held-out split, summed over ranks, then ratios."""
+    if s.eval_loader is None:
+        return {}
+    s.module.eval()
+    counts = None
+    d2t = _drafter(s.module).d2t
+    for batch in s.eval_loader:
+        batch = batch.to(accelerator.device)
+        res = s.module(**batch_inputs(batch))
+        counts = add_counts(counts, accept_counts(res.draft_argmax, d2t, batch.target_argmax,
+                                                  res.metric_mask))
+    s.module.train()
+    if counts is None:
+        return {}
+    counts = {k: accelerator.reduce(v, reduction="sum") for k, v in counts.items()}
+    return finalize(counts)
+
+
+def train(cfg, accelerator, datasets) -> dict[str, Any]:
+    out = Path(cfg.output_dir)
+    s = build(cfg, accelerator, datasets, out)
+    ckpt_root = out / "checkpoints"
+    objective = ckpt.objective_record(cfg, accelerator.num_processes)
+    trackers = _value(cfg.tracker.kind) == "wandb"
+    if trackers:
+        _init_wandb(cfg, accelerator, out)
+    logger = MetricsLogger(accelerator, out, use_trackers=trackers)
+
+    step, nonfinite, best = 0, 0, None
+    resume = ckpt.resolve_resume(cfg.train.resume, ckpt_root)
+    if resume is not None:
+        state = ckpt.load(accelerator, resume, objective)
+        step, nonfinite = state["step"], state.get("nonfinite", 0)
+        s.train_loader.load_state_dict(state["loader"])
+
+    peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
+            else default_peak_flops(accelerator.device))
+    bar = progress_bar(s.total_steps, step, accelerator.is_main_process)
+    window = _Window()
+    micro = 0
+    s.module.train()
+    last_eval: dict[str, float] = {}
+    while step < s.total_steps:
+        it = iter(s.train_loader)
+        t_wait = time.perf_counter()
+        for batch in it:
+            window.wait += time.perf_counter() - t_wait
+            batch = batch.to(accelerator.device)
+            with accelerator.accumulate(s.module):
+                res = s.module(**batch_inputs(batch))
+                bad = accelerator.reduce((~torch.isfinite(res.loss)).float(), "max")
+                if bad.item():
+                    nonfinite += 1
+                    log.warning("non-finite loss at step %d: micro-batch skipped (%d so far)",
+                                step, nonfinite)
+                else:
+                    accelerator.backward(res.loss)
+                    window.add(res, batch, _drafter(s.module).d2t)
+                if accelerator.sync_gradients:
+                    gnorm = _clip(cfg, accelerator, s.module)
+                    if gnorm is not None and not math.isfinite(gnorm):
+                        nonfinite += 1
+                        log.warning("non-finite gradient norm at step %d: update skipped", step)
+                        s.optimizer.zero_grad(set_to_none=True)
+                    else:
+                        s.optimizer.step()
+                    s.optimizer.zero_grad(set_to_none=True)
+            micro += 1
+            if nonfinite > cfg.train.max_nonfinite_steps:
+                raise RuntimeError(f"{nonfinite} steps had a NaN/inf loss or gradient (limit "
+                                   f"train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); "
+                                   f"lower optim.lr or check the dataset with `eyas inspect`")
+            if not accelerator.sync_gradients:
+                t_wait = time.perf_counter()
+                continue
+            s.scheduler.step()
+            step += 1
+            window.gnorm = gnorm
+            bar.update(1)
+            done = step >= s.total_steps
+            if step % cfg.train.log_every == 0 or done:
+                rec = window.flush(accelerator, s, peak, s.scheduler.get_last_lr()[0])
+                logger.log(step, rec)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                tau=f"{rec['accept_len']:.2f}")
+            is_eval = (cfg.train.eval_every and step % cfg.train.eval_every == 0) or done
+            if is_eval:
+                last_eval = evaluate(s, accelerator)
+                if last_eval:
+                    logger.log(step, last_eval, prefix="eval")
+                    log.info("eval step %d: accept_len %.3f, acc_0 %.3f", step,
+                             last_eval["accept_len"], last_eval["acc_0"])
+            if (cfg.train.save_every and step % cfg.train.save_every == 0) or done:
+                metric = last_eval.get("accept_len") if is_eval else None
+                metric = metric if metric is not None and math.isfinite(metric) else None
+                state = {"step": step, "nonfinite": nonfinite, "objective": objective,
+                         "loader": s.train_loader.state_dict(),
+                         "eval": {k: v for k, v in last_eval.items() if math.isfinite(v)}}
+                path = ckpt.save(accelerator, ckpt_root, step, state, keep_last=cfg.train.keep_last,
+                                 best_metric=metric)
+                _write_export_meta(accelerator, path, s, cfg)
+            if cfg.export.every and step % cfg.export.every == 0 and not done:
+                export_final(cfg, accelerator, s, out / f"export-step{step:06d}")
+            if done:
+                break
+            t_wait = time.perf_counter()
+        if step < s.total_steps:
+            s.train_loader.set_epoch(s.train_loader.epoch + 1)
+    bar.close()
+    logger.close()
+    summary: dict[str, Any] = {"steps": step, "nonfinite_steps": nonfinite, "eval": last_eval,
+                               "tau": last_eval.get("accept_len")}
+    if cfg.export.enabled:
+        summary["export"] = str(export_final(cfg, accelerator, s, out / "export"))
+    if accelerator.is_main_process:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def _clip(cfg, accelerator, module) -> float | None:
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        engine = module
+        norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+        return None if norm is None else float(norm)
+    max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else float("inf")
+    return float(accelerator.clip_grad_norm_(module.parameters(), max_norm))
+
+
+class _Window:
+    """Loss, counts, tokens and timings accumulated between two log lines."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.loss, self.n, self.tokens, self.counts, self.wait = 0.0, 0, 0, None, 0.0
+        self.gnorm, self.t0 = None, time.perf_counter()
+
+    def add(self, res, batch, d2t):
+        self.loss += res.loss.detach().float()
+        self.n += 1
+        self.tokens += batch.num_tokens
+        self.counts = add_counts(self.counts, accept_counts(res.draft_argmax.detach(), d2t,
+                                                            batch.target_argmax, res.metric_mask))
+
+    def flush(self, accelerator, s: Setup, peak: float | None, lr: float) -> dict[str, float]:
+        dt = time.perf_counter() - self.t0
+        dev = accelerator.device
+        loss = torch.as_tensor(self.loss, dtype=torch.float32, device=dev) / max(self.n, 1)
+        tokens = accelerator.reduce(torch.tensor(float(self.tokens), device=dev), "sum")
+        rec = {"loss": float(accelerator.reduce(loss, "mean")), "lr": lr,
+               "tokens_per_s": float(tokens) / dt, "data_wait": self.wait / dt,
+               "grad_norm": self.gnorm if self.gnorm is not None else float("nan")}
+        if self.counts is not None:
+            counts = {k: accelerator.reduce(v, "sum") for k, v in self.counts.items()}
+            rec.update(finalize(counts))
+        else:
+            rec["accept_len"] = float("nan")
+        if peak:
+            rec["mfu"] = s.flops_per_token * rec["tokens_per_s"] / (peak * accelerator.num_processes)
+        if dev.type == "cuda":
+            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        self.reset()
+        return rec
+
+
+def _init_wandb(cfg, accelerator, out: Path) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    name, group = cfg.tracker.run_name, cfg.tracker.group
+    try:
+        hc = HydraConfig.get()
+        if name is None:
+            name = hc.job.override_dirname or cfg.run_name
+        if group is None and str(hc.mode) == "RunMode.MULTIRUN":
+            group = Path(hc.sweep.dir).name
+    except ValueError:  # not under Hydra (tests, notebooks)
+        name = name or cfg.run_name
+    init = {"wandb": {"name": name, "group": group, "mode": _value(cfg.tracker.mode),
+                      "dir": str(out), "entity": cfg.tracker.entity}}
+    accelerator.init_trackers(cfg.tracker.project, config=to_plain(cfg), init_kwargs=init)
+
+
+def _write_export_meta(accelerator, path: Path, s: Setup, cfg) -> None:
+    """eyas.json + vocab next to the accelerate state, so `eyas export CHECKPOINT` works."""
+    if not accelerator.is_main_process:
+        return
+    from data.utils import atomic_write_json
+    save_vocab(path / "vocab.safetensors", s.d2t, s.t2d)
+    atomic_write_json(path / "eyas.json", {"drafter": s.config.to_dict(),
+                                           "ttt_steps": cfg.drafter.ttt_steps,
+                                           "vocab_map": "vocab.safetensors",
+                                           "target": str(cfg.target.name)})
+
+
+def export_final(cfg, accelerator, s: Setup, out_dir: Path) -> Path:
+    """Layout-A export of the current weights (gathers ZeRO-3 shards), written by rank 0."""
+    from models.export import export_drafter
+    state = accelerator.get_state_dict(s.module)
+    if accelerator.is_main_process:
+        export_drafter(state, s.config, s.d2t, s.t2d, out_dir, target_config=s.target_config,
+                       ttt_steps=cfg.drafter.ttt_steps, overwrite=True,
+                       speculators=cfg.export.speculators_config,
+                       verifier=str(cfg.target.name) if cfg.export.speculators_config else None,
+                       training={"run": cfg.run_name, "target": str(cfg.target.name)})
+        log.info("exported %s", out_dir)
+    accelerator.wait_for_everyone()
+    return out_dir
