@@ -1,0 +1,123 @@
+"""`eyas inspect DIR`: what a dataset holds, from its manifest and index (no shard data read).
+
+A directory with shards but no manifest (a producer still running, or one that stopped) is
+summarised from the shard headers and reported as incomplete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from data.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
+from data.utils import human_bytes
+
+log = logging.getLogger(__name__)
+
+
+def _field_bytes(fields: dict[str, Any], aux_format: str | None) -> dict[str, float]:
+    """Stored bytes per token of each field (fp8 aux includes its 3 fp32 scales)."""
+    out = {}
+    for name, spec in fields.items():
+        per = int(np.prod(spec["shape"], dtype=np.int64)) if spec["shape"] else 1
+        out[name] = per * dtype_from_name(spec["stored_dtype"]).itemsize
+        if name == "aux" and aux_format == "fp8":
+            out[name] += 3 * 4
+    return out
+
+
+def summarize(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON-able summary of the dataset at `path` (see module docstring)."""
+    root = Path(path)
+    if not (root / MANIFEST_NAME).is_file():
+        from data.shards import read_shard_meta
+        metas = [read_shard_meta(p) for p in sorted(root.glob(SHARD_GLOB))]
+        if not metas:
+            raise FileNotFoundError(f"{root}: neither a manifest nor shards; not a dataset")
+        lengths = np.concatenate([np.asarray(m["sample_lengths"]) for m in metas])
+        m0 = metas[0]
+        man = {"kind": None, "fields": m0["fields"], "aux_format": m0["aux_format"],
+               "n_shards": len(metas), "bytes": sum(m["bytes"] for m in metas)}
+        complete = False
+    else:
+        from data.dataset import open_dataset
+        ds = open_dataset(root)
+        man, lengths, complete = ds.manifest, ds.sample_lengths, True
+    n_tokens = int(lengths.sum())
+    per_field = _field_bytes(man["fields"], man.get("aux_format"))
+    teacher = man.get("teacher")
+    return {
+        "path": str(root), "complete": complete, "kind": man.get("kind"),
+        "format_version": man.get("format_version"),
+        "samples": int(len(lengths)), "tokens": n_tokens, "shards": man["n_shards"],
+        "bytes": int(man["bytes"]), "bytes_per_token": man["bytes"] / max(1, n_tokens),
+        "payload_bytes_per_token": float(sum(per_field.values())),
+        "field_bytes_per_token": per_field,
+        "fields": {k: {"dtype": v["dtype"], "stored": v["stored_dtype"], "shape": v["shape"]}
+                   for k, v in man["fields"].items()},
+        "aux_format": man.get("aux_format"),
+        "teacher": teacher.get("kind") if isinstance(teacher, dict) else teacher,
+        "teacher_detail": teacher,
+        "target": man.get("target"), "aux_layer_ids": man.get("aux_layer_ids"),
+        "convention": man.get("convention"), "hidden_size": man.get("hidden_size"),
+        "length": ({"min": int(lengths.min()), "mean": float(lengths.mean()),
+                    "p50": float(np.percentile(lengths, 50)),
+                    "p95": float(np.percentile(lengths, 95)), "max": int(lengths.max())}
+                   if len(lengths) else None),
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """Human-readable lines for a `summarize` result."""
+    lines = [f"dataset   {s['path']}" + ("" if s["complete"] else "   (INCOMPLETE: no manifest)"),
+             f"kind      {s['kind']}   format v{s['format_version']}",
+             f"samples   {s['samples']:,}   tokens {s['tokens']:,}   shards {s['shards']:,}",
+             f"size      {human_bytes(s['bytes'])}   {s['bytes_per_token']:.1f} bytes/token "
+             f"({s['payload_bytes_per_token']:.0f} payload)"]
+    if s["length"]:
+        L = s["length"]
+        lines.append(f"lengths   min {L['min']}  mean {L['mean']:.1f}  p50 {L['p50']:.0f}  "
+                     f"p95 {L['p95']:.0f}  max {L['max']}")
+    lines.append(f"target    {s['target']}   aux layers {s['aux_layer_ids']} "
+                 f"({s['convention']})   hidden {s['hidden_size']}")
+    lines.append(f"modes     aux {s['aux_format']}   teacher {s['teacher']}")
+    lines.append("fields:")
+    for name, f in s["fields"].items():
+        lines.append(f"  {name:<14} {f['dtype']:<9} (stored {f['stored']:<13}) per token "
+                     f"{f['shape']}  {s['field_bytes_per_token'][name]:.0f} B")
+    return "\n".join(lines)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas inspect DIR [--json] [--samples N] [--verify LEVEL]`."""
+    p = argparse.ArgumentParser(prog="eyas inspect",
+                                description="Summarise an eyas dataset (tokens or hidden states).")
+    p.add_argument("dir", help="dataset directory")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--samples", type=int, default=0, help="also show the first N samples")
+    p.add_argument("--verify", choices=("none", "header", "checksum"), default="none",
+                   help="check shard headers / every checksum and NaN before summarising")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.verify != "none":
+        from data.dataset import open_dataset
+        open_dataset(args.dir, verify=args.verify)
+        print(f"verify={args.verify}: ok")
+    s = summarize(args.dir)
+    print(json.dumps(s, indent=1) if args.json else format_summary(s))
+    if args.samples and s["complete"]:
+        from data.dataset import open_dataset
+        ds = open_dataset(args.dir)
+        for i in range(min(args.samples, len(ds))):
+            x = ds[i]
+            desc = "  ".join(f"{k} {list(v.shape)}" for k, v in x.items())
+            ids = x["input_ids"][:12].tolist()
+            print(f"[{i}] T={len(x['input_ids'])} trained={int(x['loss_mask'].sum())}  {desc}\n"
+                  f"     ids {ids}{' ...' if len(x['input_ids']) > 12 else ''}")
+    return 0
