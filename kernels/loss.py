@@ -12,8 +12,10 @@ and backward only scales it by grad_output. ``reduction="none"`` returns per-row
 real graph: the forward saves lse and Σp per row and the backward recomputes z chunk by chunk,
 so any function of the row losses (e.g. an LK-style objective) differentiates correctly.
 
-Memory contract: besides the outputs (dh, dW) only one z chunk [C, Vd] fp32, one dz chunk
-[C, Vd] in the input dtype, the fp32 dW accumulator and O(K·N) row scalars. No host syncs.
+Memory contract: besides the outputs (dh, dW) only one z chunk [C, Vd] fp32, one dz group
+[G, Vd] in the input dtype (G a multiple of C: the dh/dW GEMMs run once per group, which cuts
+the fp32 dW read-modify-write traffic), the fp32 dW accumulator and O(K·N) row scalars.
+No host syncs.
 The row kernels come from ``kernels/fused_loss.py`` (Triton) or ``kernels/loss_torch.py``.
 """
 
@@ -29,8 +31,11 @@ import torch
 log = logging.getLogger(__name__)
 
 _BACKENDS = {"triton": "kernels.fused_loss", "torch": "kernels.loss_torch"}
-_CHUNK_BYTES = 384 << 20        # target bytes of the z (fp32) + dz buffers of one chunk
-_MAX_CHUNK = 4096
+# Buffer sizes (tuned on an H200, benchmarks/README.md): the fp32 logits chunk z [C, Vd] and
+# the dz group [G, Vd] that feeds the dh/dW GEMMs. Vd = 32000 gives C = 1024, G = 4096.
+Z_BYTES = 128 << 20
+DZ_BYTES = 256 << 20
+OVERLAP = False                 # CUDA: run row kernels on a side stream (see _chunk_loop)
 
 
 class LossOutput(NamedTuple):
@@ -67,9 +72,25 @@ class RowStats:
 
 
 # --------------------------------------------------------------------------- GEMM helpers
+# bf16 x bf16 -> fp32 GEMMs (torch.mm/addmm out_dtype) exist on CUDA from torch 2.8.
+_OUT_DTYPE_OK = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 8)
+_warned_fallback = False
+
+
+def _native_f32(a: torch.Tensor) -> bool:
+    global _warned_fallback
+    if not (a.is_cuda and a.dtype != torch.float32):
+        return False
+    if not _OUT_DTYPE_OK and not _warned_fallback:
+        _warned_fallback = True
+        log.warning("torch %s lacks mm(out_dtype=float32): the loss upcasts GEMM operands to "
+                    "fp32 (slow); upgrade to torch >= 2.8", torch.__version__)
+    return _OUT_DTYPE_OK
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """out (fp32) = a @ b with fp32 accumulation and output, for bf16/fp16/fp32 a, b."""
-    if a.is_cuda and a.dtype != torch.float32:
+    if _native_f32(a):
         torch.mm(a, b, out_dtype=torch.float32, out=out)   # cuBLAS, no fp32 copies of a, b
     else:
         torch.mm(a.float(), b.float(), out=out)
@@ -77,70 +98,100 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc (fp32) += a @ b with fp32 accumulation."""
-    if a.is_cuda and a.dtype != torch.float32:
+    if _native_f32(a):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc.addmm_(a.float(), b.float())
 
 
 def auto_chunk_size(vocab: int, rows: int) -> int:
-    """Rows per chunk: z + dz buffers near ``_CHUNK_BYTES``, a multiple of 128, ≤ 4096."""
-    c = _CHUNK_BYTES // (vocab * 6)
-    c = max(128, min(_MAX_CHUNK, c // 128 * 128))
+    """Logit rows per chunk: the fp32 z buffer near ``Z_BYTES``, a multiple of 128 (≥ 128)."""
+    c = max(128, Z_BYTES // (vocab * 4) // 128 * 128)
     return min(c, rows)
 
 
+def _group_rows(chunk: int, vocab: int, rows: int) -> int:
+    """Rows per dh/dW GEMM: a multiple of ``chunk`` with a dz buffer near ``DZ_BYTES``.
+
+    The fp32 dW accumulator is read and written once per group, so larger groups cut that
+    traffic; dz (2 bytes per logit) is cheaper to hold than z (4 bytes)."""
+    g = max(chunk, DZ_BYTES // (vocab * 2) // chunk * chunk)
+    return min(g, max(rows, chunk))
+
+
 # --------------------------------------------------------------------------- chunk driver
-def _forward_chunks(backend, h2d, weight, teacher, w_flat, N, chunk, with_accept,
-                    grad_h: bool, grad_w: bool):
-    """Run all chunks once; returns (RowStats, dh [R,H] | None, dW fp32 [Vd,H] | None)."""
+def _chunk_loop(h2d, weight, chunk, row_op, grad_h: bool, grad_w: bool):
+    """Drive the GEMMs around ``row_op(z [c, Vd] fp32, row0, dz [c, Vd] | None)``.
+
+    For each group of G rows: z = h @ W.T per chunk of C rows, row_op writes dz rows, then
+    dh = dz @ W and dW += dz.T @ h for the whole group. Returns (dh | None, dW fp32 | None).
+    On CUDA with ``OVERLAP`` the row kernels run on a side stream, overlapping the next z GEMM
+    (two z buffers).
+    """
     R, H = h2d.shape
     Vd = weight.shape[0]
     dev = h2d.device
-    stats = RowStats.empty(R, dev, with_accept)
     want_grad = grad_h or grad_w
+    C = min(chunk, R)
+    G = _group_rows(C, Vd, R) if want_grad else C
     dh = torch.empty_like(h2d) if grad_h else None
     dW = torch.zeros(Vd, H, device=dev, dtype=torch.float32) if grad_w else None
-    C = min(chunk, R)
-    z_buf = torch.empty(C, Vd, device=dev, dtype=torch.float32)
-    dz_buf = torch.empty(C, Vd, device=dev, dtype=h2d.dtype) if want_grad else None
+    overlap = OVERLAP and h2d.is_cuda and R > C
+    z_bufs = [torch.empty(C, Vd, device=dev, dtype=torch.float32) for _ in range(1 + overlap)]
+    dz_buf = torch.empty(G, Vd, device=dev, dtype=h2d.dtype) if want_grad else None
     wt = weight.t()                                                  # [H, Vd] view
-    for r0 in range(0, R, C):
-        c = min(C, R - r0)
-        h_c = h2d[r0:r0 + c]                                         # [c, H]
-        z = z_buf[:c]
-        _mm_f32(h_c, wt, z)                                          # [c, Vd] fp32
-        dz = dz_buf[:c] if want_grad else None
-        backend.loss_rows(z, teacher, w_flat, r0, N, stats, dz, with_accept)
+    if overlap:
+        main, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
+        freed = [None] * len(z_bufs)                                 # row kernel done with buf
+    i = 0
+    for g0 in range(0, R, G):
+        g1 = min(R, g0 + G)
+        for r0 in range(g0, g1, C):
+            c = min(C, g1 - r0)
+            z = z_bufs[i % len(z_bufs)][:c]
+            dz = dz_buf[r0 - g0:r0 - g0 + c] if want_grad else None
+            if not overlap:
+                _mm_f32(h2d[r0:r0 + c], wt, z)                       # [c, Vd] fp32
+                row_op(z, r0, dz)
+            else:
+                if freed[i % 2] is not None:
+                    main.wait_event(freed[i % 2])
+                _mm_f32(h2d[r0:r0 + c], wt, z)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    row_op(z, r0, dz)
+                    freed[i % 2] = side.record_event()
+            i += 1
+        if overlap and want_grad:
+            main.wait_stream(side)                                   # dz of this group ready
         if grad_h:
-            torch.mm(dz, weight, out=dh[r0:r0 + c])                  # [c, H]
+            torch.mm(dz_buf[:g1 - g0], weight, out=dh[g0:g1])        # [G, H]
         if grad_w:
-            _addmm_f32_(dW, dz.t(), h_c)                             # [Vd, H] += [Vd, c] @ [c, H]
+            _addmm_f32_(dW, dz_buf[:g1 - g0].t(), h2d[g0:g1])        # [Vd, H] += [Vd, G] @ [G, H]
+    if overlap:
+        main.wait_stream(side)
+    return dh, dW
+
+
+def _forward_chunks(backend, h2d, weight, teacher, w_flat, N, chunk, with_accept,
+                    grad_h: bool, grad_w: bool):
+    """Row stats for all rows (+ gradients); returns (RowStats, dh | None, dW fp32 | None)."""
+    stats = RowStats.empty(h2d.shape[0], h2d.device, with_accept)
+
+    def row_op(z, r0, dz):
+        backend.loss_rows(z, teacher, w_flat, r0, N, stats, dz, with_accept)
+
+    dh, dW = _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w)
     return stats, dh, dW
 
 
 def _backward_chunks(backend, h2d, weight, teacher, coef, lse, psum, N, chunk,
                      grad_h: bool, grad_w: bool):
     """Deferred backward: recompute z per chunk, dz = coef·(softmax·Σp − p); (dh, dW fp32)."""
-    R, H = h2d.shape
-    Vd = weight.shape[0]
-    dev = h2d.device
-    dh = torch.empty_like(h2d) if grad_h else None
-    dW = torch.zeros(Vd, H, device=dev, dtype=torch.float32) if grad_w else None
-    C = min(chunk, R)
-    z_buf = torch.empty(C, Vd, device=dev, dtype=torch.float32)
-    dz_buf = torch.empty(C, Vd, device=dev, dtype=h2d.dtype)
-    wt = weight.t()
-    for r0 in range(0, R, C):
-        c = min(C, R - r0)
-        h_c = h2d[r0:r0 + c]
-        _mm_f32(h_c, wt, z_buf[:c])
-        backend.grad_rows(z_buf[:c], teacher, coef, lse, psum, r0, N, dz_buf[:c])
-        if grad_h:
-            torch.mm(dz_buf[:c], weight, out=dh[r0:r0 + c])
-        if grad_w:
-            _addmm_f32_(dW, dz_buf[:c].t(), h_c)
-    return dh, dW
+    def row_op(z, r0, dz):
+        backend.grad_rows(z, teacher, coef, lse, psum, r0, N, dz)
+
+    return _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -278,7 +329,8 @@ def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tenso
         with_accept: also return Σ_v min(p/Σp, softmax) per weighted row.
         reduction: "sum" (gradient formed in forward, backward once) or "none" (per-row
             ``row_loss`` with a recomputing backward, for objectives non-linear in it).
-        chunk_size: rows per chunk (default: z + dz buffers of ~384 MiB, at most 4096 rows).
+        chunk_size: logit rows per chunk (default: a ~128 MiB fp32 z buffer); the dh/dW GEMMs
+            take groups of chunks (a ~256 MiB dz buffer).
 
     Returns:
         LossOutput(loss, draft_argmax, accept, row_loss); see its docstring.

@@ -91,6 +91,21 @@ def test_matches_fp32_reference(impl, dtype, teacher_dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("chunk,group", [(4, 8), (3, 3), (8, 16), (5, 40)])
+def test_chunks_and_gemm_groups_partition_rows(impl, chunk, group, monkeypatch):
+    """K·N = 21 rows in z chunks of C rows and dh/dW groups of G rows (partial last ones)."""
+    monkeypatch.setattr(kernels.loss, "DZ_BYTES", group * 300 * 2)
+    assert kernels.loss._group_rows(chunk, 300, 21) == min(group, 21)
+    h, W, p, w = make_inputs(K=3, N=7, V=300, seed=6)
+    out, dh, dW, (rows, am, acc, dh_ref, dW_ref) = run_both(
+        impl, h, W, p, w, chunk_size=chunk, with_accept=True)
+    assert math.isclose(out.loss.item(), rows.sum().item(), rel_tol=1e-5)
+    assert torch.equal(out.draft_argmax, am)
+    torch.testing.assert_close(out.accept, acc, rtol=1e-5, atol=1e-6)
+    assert rel_err(dh, dh_ref) < TOL_F32 and rel_err(dW, dW_ref) < TOL_F32
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_masked_rows_and_all_masked_batch(impl):
     h, W, p, w = make_inputs(K=2, N=6, V=200)
     w[0, :3] = 0.0
@@ -265,8 +280,12 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
         eagle3_loss(h, W, p, w, impl="triton")
 
 
-def test_auto_chunk_size():
-    assert kernels.auto_chunk_size(32000, 10**6) == 2048
-    assert kernels.auto_chunk_size(163840, 10**6) == 384
+def test_chunk_and_group_sizes():
+    from kernels.loss import _group_rows
+    assert kernels.auto_chunk_size(32000, 10**6) == 1024      # 128 MiB fp32 z buffer
+    assert kernels.auto_chunk_size(163840, 10**6) == 128
     assert kernels.auto_chunk_size(32000, 100) == 100
-    assert kernels.auto_chunk_size(10**7, 10**6) == 128
+    assert _group_rows(1024, 32000, 10**6) == 4096            # 256 MiB bf16 dz buffer
+    assert _group_rows(1000, 32000, 10**6) == 4000
+    assert _group_rows(1024, 32000, 1500) == 1500
+    assert _group_rows(4096, 163840, 10**6) == 4096
