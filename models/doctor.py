@@ -1,0 +1,317 @@
+"""`eyas doctor`: the likely causes of low acceptance of an exported drafter, in words.
+
+    eyas doctor DIR --target-config TARGET [--data DATASET_DIR] [--num-speculative-tokens K]
+
+Low acceptance almost never comes with an error message: the engines load a wrong drafter and
+serve it. The doctor collects what can be checked offline, before a server starts:
+- the validator's findings (serving contract, §2-§3);
+- the training data against the export: the aux layers the features came from vs the ids the
+  engines will capture, the target the features were extracted from, the tokenizer and chat
+  template the conversations were rendered with vs the target's;
+- how much of the data's assistant tokens (and of the target's own next-token choices) the
+  draft vocabulary can express at all: a draft token outside t2d is never accepted;
+- the TTT depth trained (eyas_export.json) vs the number of speculative tokens served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.validate import (ERROR, WARNING, Finding, TensorDir, finding, read_config,
+                             resolve_target_config, validate)
+
+log = logging.getLogger(__name__)
+
+COVERAGE_WARN = 0.95  # below this share of assistant tokens in the draft vocabulary: a cause
+
+
+@dataclass
+class Report:
+    """Likely causes (`findings`), what was checked and found fine, what could not be checked."""
+
+    findings: list[Finding] = field(default_factory=list)
+    checked: list[str] = field(default_factory=list)
+    not_checked: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, code: str, severity: str, message: str, why: str, fix: str) -> None:
+        self.findings.append(finding(code, severity, message, why, fix))
+
+
+def _target_dir(target_config: Any) -> Path | None:
+    """A local directory of the target (for its tokenizer files), when one is at hand."""
+    if isinstance(target_config, (str, Path)):
+        p = Path(target_config).expanduser()
+        if p.is_dir():
+            return p
+        if p.is_file():
+            return p.parent
+        from models.targets import DEFAULT_CACHE_DIR, LOADABLE
+        cached = DEFAULT_CACHE_DIR / "targets" / str(target_config)
+        if str(target_config) in LOADABLE and (cached / "config.json").is_file():
+            return cached
+    return None
+
+
+def target_chat_template(target_dir: Path) -> str | None:
+    """The chat template text a served target uses (chat_template.jinja or tokenizer_config)."""
+    f = target_dir / "chat_template.jinja"
+    if f.is_file():
+        return f.read_text()
+    tc = target_dir / "tokenizer_config.json"
+    if tc.is_file():
+        t = json.loads(tc.read_text()).get("chat_template")
+        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+            t = next((x.get("template") for x in t if x.get("name") == "default"), None)
+        return t if isinstance(t, str) else None
+    return None
+
+
+def _check_ttt(report: Report, meta: dict[str, Any] | None, k: int | None) -> None:
+    ttt = (meta or {}).get("ttt_steps")
+    if ttt is None:
+        report.not_checked.append("TTT depth: the export has no eyas_export.json with ttt_steps")
+        return
+    report.stats["ttt_steps"] = ttt
+    if k is None:
+        report.checked.append(f"trained with a {ttt}-step TTT unroll (serve with "
+                              f"num_speculative_tokens <= {ttt})")
+    elif k > ttt:
+        report.add("TTT_SHORT", WARNING,
+                   f"serving {k} speculative tokens but the drafter was trained with {ttt} TTT "
+                   f"steps", f"draft positions {ttt + 1}..{k} run on hidden states the drafter "
+                   f"never saw in training: their acceptance is near zero and they cost time",
+                   f"serve with num_speculative_tokens (vLLM) / speculative-num-steps (SGLang) "
+                   f"<= {ttt}, or train with drafter.ttt_steps >= {k}")
+    else:
+        report.checked.append(f"{k} speculative tokens <= {ttt} TTT steps trained")
+
+
+def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any],
+                    tcfg: dict[str, Any] | None, target_dir: Path | None) -> None:
+    ids = manifest.get("aux_layer_ids")
+    vl = cfg.get("eagle_aux_hidden_state_layer_ids")
+    sg = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    conv = manifest.get("convention", "hf_hidden_states")
+    if ids is None:
+        report.not_checked.append("aux layers: the dataset manifest records no aux_layer_ids")
+    elif conv != "hf_hidden_states":
+        report.not_checked.append(f"aux layers: the manifest uses convention {conv!r}")
+    elif vl is not None and list(ids) != list(vl):
+        hint = (" — the dataset's ids equal the export's SGLang spelling: the export is off by "
+                "one" if sg is not None and list(ids) == list(sg) else "")
+        report.add("DATA_AUX_IDS", ERROR,
+                   f"the drafter was trained on hidden_states{list(ids)} but the export tells "
+                   f"the engines to capture hidden_states{list(vl)} (vLLM ids; SGLang's "
+                   f"eagle_config spells them {sg}){hint}",
+                   "fc was fitted to the features of the training layers; fed other layers it "
+                   "drafts near-random tokens (reported: position-0 acceptance ~10% instead of "
+                   "~45%); nothing fails at load time",
+                   f"export with aux ids {list(ids)} (vLLM) and {[i - 1 for i in ids]} (SGLang)")
+    else:
+        report.checked.append(f"dataset aux layers {list(ids)} = the export's vLLM ids")
+
+    mt = manifest.get("target_config") or {}
+    mt = mt.get("text_config") or mt
+    if tcfg is not None:
+        pairs = [("hidden_size", manifest.get("hidden_size", mt.get("hidden_size"))),
+                 ("vocab_size", manifest.get("vocab_size", mt.get("vocab_size"))),
+                 ("num_hidden_layers", manifest.get("num_layers", mt.get("num_hidden_layers")))]
+        diff = [(k, v, tcfg.get(k)) for k, v in pairs if v is not None and v != tcfg.get(k)]
+        if diff:
+            report.add("DATA_TARGET", ERROR,
+                       "the dataset was extracted from another target: " + ", ".join(
+                           f"{k} {v} (data) vs {t} (target)" for k, v, t in diff),
+                       "the drafter learned another model's hidden states and distribution",
+                       "extract the features with the target you serve (same weights and "
+                       "precision where possible)")
+        elif any(v is not None for _, v in pairs):
+            report.checked.append(f"dataset target shape matches (manifest target "
+                                  f"{manifest.get('target')!r})")
+
+    tok = manifest.get("tokenizer") or {}
+    if not tok:
+        report.not_checked.append("tokenizer/chat template: the manifest records no tokenizer "
+                                  "identity")
+        return
+    t_vocab = (tcfg or {}).get("vocab_size")
+    if t_vocab is not None and tok.get("vocab_size", 0) > t_vocab:
+        report.add("DATA_TOKENIZER", ERROR,
+                   f"the dataset's tokenizer {tok.get('name_or_path')!r} has {tok['vocab_size']} "
+                   f"tokens, more than the target's vocabulary {t_vocab}",
+                   "the training tokens come from another tokenizer than the target's",
+                   "prepare the conversations with the target's tokenizer")
+    if not tok.get("chat_template_sha256"):
+        report.not_checked.append("chat template: the manifest records no template hash")
+        return
+    template = target_chat_template(target_dir) if target_dir else None
+    if template is None:
+        report.not_checked.append("chat template: no target directory with a tokenizer at "
+                                  "hand (pass --target-config as the target's directory)")
+        return
+    from data.templates import template_sha256
+    sha = template_sha256(template)
+    if tok["chat_template_sha256"] != sha:
+        report.add("DATA_TEMPLATE", WARNING,
+                   f"the dataset was rendered with chat template {tok.get('chat_template')!r} "
+                   f"(sha256 {tok['chat_template_sha256'][:12]}…) but the target directory's "
+                   f"template differs (sha256 {sha[:12]}…)",
+                   "at serving the tokens around turns (role headers, end-of-turn, thinking "
+                   "markers) differ from the ones the drafter was trained on",
+                   "prepare the data with the template the server applies (data.prepare "
+                   "chat_template=…), or serve with the dataset's template")
+    else:
+        report.checked.append("dataset chat template = the target's")
+
+
+def vocab_coverage(dataset: Any, t2d: torch.Tensor, max_samples: int = 2000) -> dict[str, Any]:
+    """Share of loss-masked tokens (and of the target's argmax for them) inside the draft vocab.
+
+    Token t is trained on when loss_mask[t]; the target's prediction of it is target_argmax[t-1].
+    Reads up to `max_samples` samples spread evenly over the dataset.
+    """
+    from tqdm import tqdm
+    n = len(dataset)
+    idx = sorted(set(int(i) for i in torch.linspace(0, n - 1, min(n, max_samples)).round()))
+    has_argmax = "target_argmax" in getattr(dataset, "fields", {})
+    fields = ("input_ids", "loss_mask") + (("target_argmax",) if has_argmax else ())
+    tok_in = tok_all = arg_in = arg_all = 0
+    for i in tqdm(idx, desc="draft vocab coverage", disable=not sys.stderr.isatty()):
+        s = dataset.sample(i, fields)
+        mask = s["loss_mask"].bool()
+        ids = s["input_ids"][mask]
+        tok_in += int(t2d[ids].sum())
+        tok_all += int(ids.numel())
+        if has_argmax:
+            pred = s["target_argmax"][:-1][mask[1:]]   # target's choice for each masked token
+            arg_in += int(t2d[pred].sum())
+            arg_all += int(pred.numel())
+    return {"samples": len(idx), "tokens": tok_all,
+            "token_coverage": tok_in / tok_all if tok_all else None,
+            "argmax_coverage": arg_in / arg_all if arg_all else None}
+
+
+def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tensor | None,
+                tcfg: dict[str, Any] | None, target_dir: Path | None, max_samples: int) -> None:
+    mf = Path(data) / "manifest.json"
+    if not mf.is_file():
+        report.not_checked.append(f"dataset: {mf} does not exist")
+        return
+    manifest = json.loads(mf.read_text())
+    _check_manifest(report, manifest, cfg, tcfg, target_dir)
+    try:
+        from data.shards import open_dataset
+    except ImportError as e:
+        report.not_checked.append(f"draft vocabulary coverage: the dataset reader is not "
+                                  f"available ({e})")
+        return
+    if t2d is None:
+        report.checked.append("draft vocabulary = the full target vocabulary (coverage 100%)")
+        return
+    cov = vocab_coverage(open_dataset(data), t2d, max_samples)
+    report.stats["coverage"] = cov
+    if cov["token_coverage"] is None:
+        report.not_checked.append("draft vocabulary coverage: the dataset has no loss-masked "
+                                  "tokens")
+        return
+    worst = min(c for c in (cov["token_coverage"], cov["argmax_coverage"]) if c is not None)
+    text = (f"the draft vocabulary covers {cov['token_coverage']:.1%} of {cov['tokens']} "
+            f"assistant tokens" + (f" and {cov['argmax_coverage']:.1%} of the target's own "
+                                   f"choices for them" if cov["argmax_coverage"] is not None
+                                   else "") + f" ({cov['samples']} samples)")
+    if worst < COVERAGE_WARN:
+        report.add("VOCAB_COVERAGE", WARNING, text,
+                   f"a token outside the draft vocabulary can never be drafted: every position "
+                   f"where the target wants one is a rejection ({1 - worst:.1%} here)",
+                   "rebuild the draft vocabulary from data like the served traffic "
+                   "(eyas vocab), force in special/template tokens, or use a larger "
+                   "draft_vocab_size; a fine-tuned drafter must keep its own mapping")
+    else:
+        report.checked.append(text)
+
+
+def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
+             data: str | Path | None = None, num_speculative_tokens: int | None = None,
+             max_samples: int = 2000, check_values: bool = True) -> Report:
+    """Everything the doctor can tell offline about an export's acceptance (see module doc)."""
+    export_dir = Path(export_dir)
+    report = Report()
+    report.findings += validate(export_dir, target_config, check_values=check_values)
+    if any(f.code == "CONFIG_MISSING" for f in report.findings):
+        return report
+    if not report.findings:
+        report.checked.append("serving contract (config.json and tensors): no findings")
+    cfg = read_config(export_dir)
+    tcfg = resolve_target_config(target_config)
+    meta_file = export_dir / "eyas_export.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
+    _check_ttt(report, meta, num_speculative_tokens)
+    if data is not None:
+        tdir = TensorDir(export_dir)
+        t2d = None
+        if "t2d" in tdir.names:
+            t2d = tdir.load("t2d").bool()
+        elif "d2t" in tdir.names:
+            from models.export import t2d_from_d2t
+            t2d = t2d_from_d2t(tdir.load("d2t"), int(cfg["vocab_size"]))
+        _check_data(report, Path(data), cfg, t2d, tcfg, _target_dir(target_config), max_samples)
+    else:
+        report.not_checked.append("training data (aux layers, tokenizer, vocabulary coverage): "
+                                  "pass --data DATASET_DIR")
+    return report
+
+
+def format_report(report: Report, export_dir: str | Path) -> str:
+    lines = []
+    n = len(report.findings)
+    lines.append(f"{n} likely cause(s) of low acceptance for {export_dir}" if n
+                 else f"no likely cause of low acceptance found for {export_dir}")
+    for i, f in enumerate(sorted(report.findings, key=lambda f: f.severity != ERROR), 1):
+        lines += [f"\n{i}. [{f.severity}] {f.code}: {f.message}", f"   why: {f.why}",
+                  f"   fix: {f.fix}"]
+    if report.checked:
+        lines.append("\nchecked and fine:")
+        lines += [f"  - {c}" for c in report.checked]
+    if report.not_checked:
+        lines.append("\nnot checked:")
+        lines += [f"  - {c}" for c in report.not_checked]
+    return "\n".join(lines)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas doctor DIR --target-config FILE [--data DATASET_DIR] [--num-speculative-tokens K]`."""
+    p = argparse.ArgumentParser(
+        prog="eyas doctor",
+        description="Explain the likely causes of low acceptance of an exported drafter: contract "
+                    "violations, data/export mismatches, draft vocabulary coverage, TTT depth. "
+                    "Exit 0 = nothing found, 1 = likely causes listed.")
+    p.add_argument("dir", help="the exported drafter directory")
+    p.add_argument("--target-config", required=True,
+                   help="the target's config.json, its directory (also gives its chat template) "
+                        "or an eyas preset name")
+    p.add_argument("--data", default=None, help="the hidden-state dataset the drafter was "
+                   "trained on (its manifest and tokens)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="K you serve with (vLLM num_speculative_tokens, SGLang "
+                        "speculative-num-steps)")
+    p.add_argument("--max-samples", type=int, default=2000,
+                   help="samples read for the vocabulary coverage (spread over the dataset)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    report = diagnose(args.dir, args.target_config, data=args.data,
+                      num_speculative_tokens=args.num_speculative_tokens,
+                      max_samples=args.max_samples)
+    print(format_report(report, args.dir))
+    return 1 if report.findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main())

@@ -1,0 +1,150 @@
+"""The doctor on a matching export + dataset (nothing to report) and on a broken pair (each
+cause reported, coverage measured exactly)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.shards import write_manifest, write_shard
+from data.templates import template_sha256
+from models.config import Eagle3Config
+from models.doctor import cli_main, diagnose, format_report
+from models.drafter import Eagle3Drafter
+from models.export import export_drafter
+from models.targets import load_target_config
+
+VD = 256
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def tcfg():
+    return load_target_config("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tcfg) -> Path:
+    d = tmp_path_factory.mktemp("target")
+    (d / "config.json").write_text(json.dumps(tcfg))
+    (d / "chat_template.jinja").write_text(TEMPLATE)
+    return d
+
+
+@pytest.fixture(scope="module")
+def draft_ids(tcfg) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randperm(tcfg["vocab_size"], generator=g)[:VD].sort().values
+
+
+def export(tcfg, ids, out: Path, **overrides) -> Path:
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=VD, ttt_steps=3, **overrides)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg, attention="eager")
+    d.set_vocab_map(ids - torch.arange(VD))
+    return export_drafter(d.state_dict(), cfg, None, None, out, target_config=tcfg)
+
+
+def dataset(out: Path, ids: torch.Tensor, *, outside: float, aux_ids, template_sha,
+            hidden=64, n=6, T=40, seed=1) -> tuple[Path, list[dict]]:
+    """A hidden-state dataset whose loss-masked tokens lie outside `ids` with rate `outside`."""
+    g = torch.Generator().manual_seed(seed)
+    out.mkdir()
+    samples = []
+    for _ in range(n):
+        inside = ids[torch.randint(0, VD, (T,), generator=g)]
+        other = torch.randint(0, 49152, (T,), generator=g)
+        other[torch.isin(other, ids)] = int(torch.arange(49152)[~torch.isin(
+            torch.arange(49152), ids)][0])                          # surely outside
+        pick = torch.rand(T, generator=g) < outside
+        samples.append({
+            "input_ids": torch.where(pick, other, inside),
+            "loss_mask": torch.arange(T) >= T // 4,                   # assistant part
+            "aux": torch.zeros(T, 3, hidden, dtype=torch.bfloat16),
+            "target_argmax": torch.where(torch.rand(T, generator=g) < outside, other, inside)})
+    meta = write_shard(out, 0, samples)
+    write_manifest(out, {"kind": "hidden", "target": "tiny-llama", "aux_layer_ids": aux_ids,
+                         "convention": "hf_hidden_states", "hidden_size": hidden,
+                         "num_layers": 8, "vocab_size": 49152,
+                         "tokenizer": {"name_or_path": "tiny-llama", "vocab_size": 49152,
+                                       "chat_template": "tokenizer",
+                                       "chat_template_sha256": template_sha}}, [meta])
+    return out, samples
+
+
+def test_matching_export_and_data_have_nothing_to_report(tcfg, target_dir, draft_ids, tmp_path,
+                                                         capsys):
+    out = export(tcfg, draft_ids, tmp_path / "export")
+    data, _ = dataset(tmp_path / "data", draft_ids, outside=0.0, aux_ids=[2, 4, 5],
+                      template_sha=template_sha256(TEMPLATE))
+    report = diagnose(out, target_dir, data=data, num_speculative_tokens=3)
+    assert report.findings == [], format_report(report, out)
+    assert report.stats["coverage"]["token_coverage"] == 1.0
+    assert report.stats["coverage"]["argmax_coverage"] == 1.0
+    assert not report.not_checked, report.not_checked
+    assert cli_main([str(out), "--target-config", str(target_dir), "--data", str(data),
+                     "--num-speculative-tokens", "3"]) == 0
+    assert "no likely cause" in capsys.readouterr().out
+
+
+def test_broken_export_and_data_each_cause_is_named(tcfg, target_dir, draft_ids, tmp_path,
+                                                     capsys):
+    out = export(tcfg, draft_ids, tmp_path / "export", aux_layer_ids=[3, 4, 5])
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["max_position_embeddings"] = 2048                            # a contract violation too
+    (out / "config.json").write_text(json.dumps(cfg))
+    data, samples = dataset(tmp_path / "data", draft_ids, outside=0.3, aux_ids=[2, 4, 5],
+                            template_sha=template_sha256("another template"), hidden=64)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["num_layers"] = 61                                       # extracted from another model
+    (data / "manifest.json").write_text(json.dumps(manifest))
+
+    report = diagnose(out, target_dir, data=data, num_speculative_tokens=5)
+    codes = {f.code for f in report.findings}
+    assert codes == {"MAX_POS_SHORT", "DATA_AUX_IDS", "DATA_TARGET", "DATA_TEMPLATE",
+                     "VOCAB_COVERAGE", "TTT_SHORT"}, format_report(report, out)
+
+    # coverage, counted independently here
+    t2d = torch.zeros(49152, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tok_in = tok_all = arg_in = arg_all = 0
+    for s in samples:
+        for t in range(len(s["input_ids"])):
+            if s["loss_mask"][t]:
+                tok_in += int(t2d[s["input_ids"][t]])
+                tok_all += 1
+                if t > 0:
+                    arg_in += int(t2d[s["target_argmax"][t - 1]])
+                    arg_all += 1
+    cov = report.stats["coverage"]
+    assert cov["tokens"] == tok_all and cov["token_coverage"] == pytest.approx(tok_in / tok_all)
+    assert cov["argmax_coverage"] == pytest.approx(arg_in / arg_all)
+    assert 0.5 < cov["token_coverage"] < 0.9
+
+    assert cli_main([str(out), "--target-config", str(target_dir), "--data", str(data),
+                     "--num-speculative-tokens", "5"]) == 1
+    text = capsys.readouterr().out
+    assert "6 likely cause(s)" in text
+    for code in codes:
+        assert code in text
+    assert "hidden_states[2, 4, 5]" in text and f"{cov['token_coverage']:.1%}" in text
+
+
+def test_off_by_one_hint_and_degraded_checks(tcfg, draft_ids, tmp_path):
+    # the dataset ids equal the export's SGLang spelling: said explicitly
+    out = export(tcfg, draft_ids, tmp_path / "export", aux_layer_ids=[3, 5, 6])
+    data, _ = dataset(tmp_path / "data", draft_ids, outside=0.0, aux_ids=[2, 4, 5],
+                      template_sha=None)
+    report = diagnose(out, "tiny-llama", data=data)
+    aux = [f for f in report.findings if f.code == "DATA_AUX_IDS"]
+    assert len(aux) == 1 and "off by one" in aux[0].message
+    # without data / side file, the report says what it could not check
+    (out / "eyas_export.json").unlink()
+    bare = diagnose(out, "tiny-llama", num_speculative_tokens=4)
+    assert any("template hash" in s for s in report.not_checked)
+    assert bare.findings == []
+    assert any("TTT depth" in s for s in bare.not_checked)
+    assert any("--data" in s for s in bare.not_checked)
