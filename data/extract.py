@@ -1,0 +1,508 @@
+"""Token dataset -> hidden-state dataset: run the target and keep what EAGLE-3 training needs.
+
+Per token t of every sample (see data/FORMAT.md for the stored layout):
+- ``aux [T, 3, tH]``: HF ``hidden_states[k][t]`` for k in the aux layer ids a < b < c, i.e. the
+  residual stream ENTERING decoder layer k (no norm). Captured with forward pre-hooks on
+  ``layers[k]`` only; ``output_hidden_states`` (all N+1 states) is never requested.
+- ``last [T, tH]`` (teacher "last"/"both"): the output of the target's final norm, i.e. what its
+  ``lm_head`` consumes (HF ``hidden_states[-1]``). Captured with a forward hook on the norm.
+- ``target_argmax [T]``: argmax of the target's full-vocabulary logits at t (its prediction of
+  token t+1). The logits are never materialised as ``[T, V]``: ``lm_head`` is applied to row
+  chunks of tokens and, for large V, to row chunks of the head (running max across chunks).
+- ``topk_ids / topk_logits [T, k]`` (teacher "topk"/"both"): the k largest logits (float32 of
+  the target's bf16 logits, soft-capping/scale applied where the config has them).
+
+The decoder stack is found robustly: the module that owns ``embed_tokens``, a ``layers``
+ModuleList and a final ``norm`` (Llama, Qwen, DeepSeek-V3/Kimi MLA+MoE, and multimodal wrappers
+whose text model sits under ``language_model``). Only that text model is run (no logits).
+
+Batching: the samples of one output shard are sorted by length and run up to `batch_tokens`
+tokens per forward. By default a forward holds only samples of EQUAL length (no padding), which
+makes every stored value bitwise equal to a plain forward of the sample alone (padding changes
+the attention kernels' rounding); ``pad_batches=True`` pads different lengths together (right
+padding + attention mask) for throughput on many short samples.
+
+Resumable: output shard i always covers the same sample range (the plan, fixed by the token
+dataset and `shard_tokens`, is stored in ``extract_plan.json``). A shard file that exists is
+complete (data.shards writes atomically); its meta is read back from its header and it is not
+recomputed. The manifest is written last, once every planned shard exists.
+
+Several GPUs:
+- data parallel (the target fits one GPU): launch one process per GPU, e.g.
+  ``accelerate launch --num_processes 8 -m data.extract --tokens T --target M --out O``
+  (or through ``eyas extract``). Process r takes shards i ≡ r (mod world) on ``cuda:<local
+  rank>``; after a barrier rank 0 writes the manifest. If the ranks ran as separate jobs,
+  ``eyas extract ... --finalize-only`` collects the metas from the shard headers and writes it.
+- a target too large for one GPU: ``--device-map auto`` loads it across every visible GPU
+  (transformers/accelerate place the layers; the hooks work unchanged). One process.
+CPU works with one process (the default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PLAN_NAME = "extract_plan.json"
+TEACHERS = ("last", "topk", "both")
+# plan keys that must match for a re-run to resume into an existing output directory
+_RESUME_KEYS = ("target", "aux_layer_ids", "teacher", "topk", "aux_format", "shards",
+                "tokens_checksum")
+
+
+class ExtractError(ValueError):
+    """A bad target, layer choice, dataset or output directory; the message says how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the pieces of the target
+
+
+def find_text_model(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
+    """(text model, its decoder layers, its final norm, the lm_head) of a causal LM.
+
+    The text model is the module owning ``embed_tokens``, a ``layers`` ModuleList and ``norm``;
+    when several qualify (multimodal wrappers), the one under ``language_model``/``text_model``.
+    """
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(getattr(m, "layers", None), nn.ModuleList)
+             and isinstance(getattr(m, "norm", None), nn.Module)
+             and isinstance(getattr(m, "embed_tokens", None), nn.Module)]
+    if len(found) > 1:
+        text = [(n, m) for n, m in found if "language_model" in n or "text_model" in n]
+        found = text or found
+    if len(found) != 1:
+        names = [n or "<root>" for n, _ in found]
+        raise ExtractError(
+            f"cannot find the decoder stack of {type(model).__name__}: expected exactly one "
+            f"submodule with `embed_tokens`, a `layers` ModuleList and a final `norm`, found "
+            f"{names or 'none'}")
+    _, text = found[0]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or not hasattr(head, "weight"):
+        raise ExtractError(f"{type(model).__name__} has no output embedding (lm_head) to compute "
+                           f"the target's logits")
+    return text, text.layers, text.norm, head
+
+
+def check_aux_layers(layers: list[int] | tuple[int, ...] | None, num_layers: int) -> list[int]:
+    """The aux layer ids (HF hidden_states indices): `layers` validated, or the default."""
+    from models.targets import default_aux_layer_ids
+    if layers is None:
+        return default_aux_layer_ids(num_layers)
+    ids = [int(x) for x in layers]
+    if len(ids) != 3 or not (1 <= ids[0] < ids[1] < ids[2] < num_layers):
+        raise ExtractError(
+            f"aux layer ids {ids} are invalid for a target with {num_layers} decoder layers: "
+            f"expected three HF hidden_states indices 1 <= a < b < c < {num_layers} (the "
+            f"default is {default_aux_layer_ids(num_layers)}); fix the override "
+            f"(--layers a,b,c / target.aux_layer_ids)")
+    if ids[0] < 2:
+        log.warning("aux layer id %d < 2: SGLang's DeepSeek path expects the lowest id >= 2 "
+                    "(serving-contract.md §2)", ids[0])
+    return ids
+
+
+class Capture:
+    """Forward hooks that keep the inputs of the aux layers and the output of the final norm."""
+
+    def __init__(self, layers: nn.ModuleList, aux_ids: list[int], norm: nn.Module):
+        self.aux: dict[int, torch.Tensor] = {}
+        self.last: torch.Tensor | None = None
+        self.handles = [layers[k].register_forward_pre_hook(self._pre(k), with_kwargs=True)
+                        for k in aux_ids]
+        self.handles.append(norm.register_forward_hook(self._norm))
+        self.aux_ids = aux_ids
+
+    def _pre(self, k: int):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            self.aux[k] = h.detach().clone()        # [B, L, tH], the residual entering layer k
+        return hook
+
+    def _norm(self, module, args, output):
+        self.last = (output[0] if isinstance(output, tuple) else output).detach()   # [B, L, tH]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# Teacher: argmax (and top-k) over the full vocabulary without [T, V] logits
+
+
+def _logit_transform(config) -> tuple[float | None, float | None]:
+    text = getattr(config, "get_text_config", lambda: config)()
+    return getattr(text, "logit_scale", None), getattr(text, "final_logit_softcapping", None)
+
+
+@torch.no_grad()
+def chunked_argmax_topk(h: torch.Tensor, head: nn.Module, *, topk: int = 0,
+                        row_chunk: int = 1024, vocab_chunk: int = 65536,
+                        logit_scale: float | None = None, softcap: float | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """argmax [N] (and top-k ids [N, k] int64, logits [N, k] float32) of ``head(h)``, h [N, tH].
+
+    Peak memory is row_chunk x vocab_chunk logits. Ties resolve to the lowest id, like
+    ``logits.argmax(-1)``. With vocab_chunk >= V the head module itself is called.
+    """
+    W = head.weight                                   # [V, tH]
+    bias = getattr(head, "bias", None)
+    V = W.shape[0]
+    arg = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+    ids = torch.empty(h.shape[0], topk, dtype=torch.long, device=h.device) if topk else None
+    vals = torch.empty(h.shape[0], topk, dtype=torch.float32, device=h.device) if topk else None
+    for r0 in range(0, h.shape[0], row_chunk):
+        x = h[r0:r0 + row_chunk]
+        best_v = best_i = top_v = top_i = None
+        for v0 in range(0, V, vocab_chunk):
+            if vocab_chunk >= V:
+                logits = head(x)                                            # [n, V]
+            else:
+                logits = nn.functional.linear(
+                    x, W[v0:v0 + vocab_chunk], None if bias is None else bias[v0:v0 + vocab_chunk])
+            m, i = logits.max(dim=-1)                                       # first max in chunk
+            i = i + v0
+            if best_v is None:
+                best_v, best_i = m, i
+            else:
+                better = m > best_v                                         # strict: lower id wins ties
+                best_v, best_i = torch.where(better, m, best_v), torch.where(better, i, best_i)
+            if topk:
+                lf = logits.float()
+                if logit_scale is not None:
+                    lf = lf * logit_scale
+                if softcap is not None:
+                    lf = torch.tanh(lf / softcap) * softcap
+                cv, ci = lf.topk(min(topk, lf.shape[-1]), dim=-1)
+                ci = ci + v0
+                if top_v is not None:
+                    cv, j = torch.cat([top_v, cv], -1).topk(topk, dim=-1)
+                    ci = torch.cat([top_i, ci], -1).gather(-1, j)
+                top_v, top_i = cv, ci
+        arg[r0:r0 + row_chunk] = best_i
+        if topk:   # order: value descending, ties by ascending id (top-1 == argmax)
+            o = top_i.argsort(dim=-1)
+            top_v, top_i = top_v.gather(-1, o), top_i.gather(-1, o)
+            o = top_v.argsort(dim=-1, descending=True, stable=True)
+            vals[r0:r0 + row_chunk], ids[r0:r0 + row_chunk] = top_v.gather(-1, o), top_i.gather(-1, o)
+    return arg, ids, vals
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan, run, finalize
+
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
+    """[[first, end), ...] sample ranges in dataset order, each about `shard_tokens` tokens."""
+    ranges, start, acc = [], 0, 0
+    for i, n in enumerate(lengths):
+        if acc and acc + n > shard_tokens:
+            ranges.append([start, i])
+            start, acc = i, 0
+        acc += int(n)
+    if start < len(lengths):
+        ranges.append([start, len(lengths)])
+    return ranges
+
+
+def _bytes_per_token(hidden: int, aux_format: str, teacher: str, topk: int) -> int:
+    aux = 6 * hidden if aux_format == "bf16" else 3 * hidden + 12
+    last = 2 * hidden if teacher in ("last", "both") else 0
+    return aux + last + 9 + (12 * topk if teacher in ("topk", "both") else 0)
+
+
+def _load_model(target, device, device_map):
+    from models.targets import load_target, resolve_target
+    if device_map is None:
+        return load_target(target, device=device)[0]
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(resolve_target(target), dtype=torch.bfloat16,
+                                                 device_map=device_map).eval()
+    return model.requires_grad_(False)
+
+
+def _write_plan(out: Path, plan: dict[str, Any]) -> None:
+    from data.utils import atomic_write_json
+    path = out / PLAN_NAME
+    if path.exists():
+        old = json.loads(path.read_text())
+        diff = [k for k in _RESUME_KEYS if old.get(k) != plan.get(k)]
+        if diff:
+            raise ExtractError(
+                f"{path}: this output directory was started with different settings "
+                f"({', '.join(f'{k}: {old.get(k)!r} -> {plan.get(k)!r}' for k in diff if k != 'shards')}"
+                f"{' shard plan changed (shard_tokens / max_samples)' if 'shards' in diff else ''}); "
+                f"re-run with the same settings to resume, or choose a new --out")
+        return
+    atomic_write_json(path, plan)
+
+
+@torch.no_grad()
+def _run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
+               pad_id: int, teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
+               logit_tf: tuple) -> list[dict[str, torch.Tensor]]:
+    """Forward one padded batch; per sample the output fields as CPU tensors."""
+    dev = text.embed_tokens.weight.device
+    lens = [int(s["input_ids"].shape[0]) for s in batch]
+    L = max(lens)
+    x = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(batch), L, dtype=torch.long)
+    for b, s in enumerate(batch):
+        x[b, :lens[b]] = s["input_ids"]
+        mask[b, :lens[b]] = 1
+    # no mask when nothing is padded: the same kernels as a plain single-sample forward
+    attn = mask.to(dev) if min(lens) < L else None
+    text(input_ids=x.to(dev), attention_mask=attn, use_cache=False)
+    aux = torch.stack([capture.aux[k] for k in capture.aux_ids], dim=2)     # [B, L, 3, tH]
+    last = capture.last                                                     # [B, L, tH]
+    real = torch.cat([last[b, :n] for b, n in enumerate(lens)]).to(head.weight.device)
+    arg, tids, tvals = chunked_argmax_topk(
+        real, head, topk=topk if teacher != "last" else 0, row_chunk=row_chunk,
+        vocab_chunk=vocab_chunk, logit_scale=logit_tf[0], softcap=logit_tf[1])
+    out, r = [], 0
+    for b, (s, n) in enumerate(zip(batch, lens)):
+        o = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+             "aux": aux[b, :n].cpu(), "target_argmax": arg[r:r + n].cpu()}
+        if teacher in ("last", "both"):
+            o["last"] = last[b, :n].cpu()
+        if teacher in ("topk", "both"):
+            o["topk_ids"], o["topk_logits"] = tids[r:r + n].cpu(), tvals[r:r + n].cpu()
+        out.append(o)
+        r += n
+    capture.aux.clear()
+    capture.last = None
+    return out
+
+
+def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
+            layers: list[int] | None = None, aux_format: str = "bf16", teacher: str = "last",
+            topk: int = 32, batch_tokens: int = 8192, shard_tokens: int | None = None,
+            shard_bytes: int = 1 << 30, max_samples: int | None = None,
+            device: str | torch.device = "cpu", device_map: str | None = None,
+            rank: int = 0, world_size: int = 1, finalize_manifest: bool | None = None,
+            pad_batches: bool = False, row_chunk: int = 1024, vocab_chunk: int = 65536,
+            model: nn.Module | None = None) -> dict[str, Any]:
+    """Run `target` over the token dataset at `tokens_dir`; write a hidden dataset to `out_dir`.
+
+    Args:
+        layers: aux layer ids (HF hidden_states indices, 1 <= a < b < c < N); None = the
+            default [2, N//2, N-3].
+        aux_format: "bf16" (exact) or "fp8" (see data/FORMAT.md for the error bound).
+        teacher: "last" (post-norm last state), "topk" (top-k ids + logits) or "both";
+            target_argmax is always stored.
+        topk: k for the top-k teacher.
+        batch_tokens: tokens per forward (a longer sample runs alone).
+        pad_batches: False (default): a forward holds only samples of equal length, so every
+            stored value is bitwise what a plain forward of that sample alone gives. True: pad
+            samples of different lengths together (faster for many short samples on a GPU;
+            values then differ from the unpadded forward by bf16 rounding).
+        shard_tokens: tokens per output shard; None = shard_bytes / bytes per token.
+        max_samples: use only the first N samples of the token dataset.
+        device / device_map: where the target runs ("cuda:0", "cpu") or "auto" to spread one
+            large target over all visible GPUs.
+        rank, world_size: data parallel: this process does shards i = rank (mod world_size).
+        finalize_manifest: write the manifest at the end (default: when world_size == 1).
+        row_chunk, vocab_chunk: logits chunk (tokens x vocabulary rows) for argmax/top-k.
+        model: an already loaded target (skips loading `target`).
+
+    Returns a summary dict (shards computed/resumed, tokens, tokens/s).
+    """
+    from data.shards import open_dataset, read_shard_meta, shard_name, write_shard
+    from data.utils import progress
+
+    if teacher not in TEACHERS:
+        raise ExtractError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
+    if teacher != "last" and not 1 <= topk <= vocab_chunk:
+        raise ExtractError(f"topk must be in [1, vocab_chunk={vocab_chunk}], got {topk}")
+    if not 0 <= rank < world_size:
+        raise ExtractError(f"rank {rank} is not in [0, world_size={world_size})")
+    tokens = open_dataset(tokens_dir)
+    for f in ("input_ids", "loss_mask"):
+        if f not in tokens.fields:
+            raise ExtractError(f"{tokens_dir} has no {f!r} field; expected a token dataset from "
+                               f"data.prepare")
+    n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
+    if model is None:
+        model = _load_model(target, device, device_map)
+    text, dec_layers, norm, head = find_text_model(model)
+    num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
+    aux_ids = check_aux_layers(layers, num_layers)
+    hidden, vocab = int(head.weight.shape[1]), int(head.weight.shape[0])
+    topk = topk if teacher != "last" else 0
+    if shard_tokens is None:
+        shard_tokens = max(1, shard_bytes // _bytes_per_token(hidden, aux_format, teacher, topk))
+    lengths = [int(x) for x in tokens.sample_lengths[:n]]
+    src = tokens.manifest
+    plan = {
+        "format": "eyas-extract-plan", "tokens_dir": str(tokens_dir), "target": str(target),
+        "tokens_checksum": json.dumps([s.get("checksum") for s in src.get("shards", [])]),
+        "aux_layer_ids": aux_ids, "teacher": teacher, "topk": topk, "aux_format": aux_format,
+        "shards": plan_shards(lengths, shard_tokens),
+        "manifest": {
+            "kind": "hidden", "target": str(target),
+            "target_config": json.loads(model.config.to_json_string()),
+            "aux_layer_ids": aux_ids, "convention": "hf_hidden_states",
+            "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
+            "teacher": {"kind": teacher, "last": "post_norm" if teacher != "topk" else None,
+                        "topk": topk or None, "target_argmax": True},
+            "tokenizer": src.get("tokenizer"), "prepare": src.get("prepare"),
+            "tokens_dataset": {"path": str(tokens_dir), "n_samples": n}},
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_plan(out, plan)
+
+    mine = [j for j in range(len(plan["shards"])) if j % world_size == rank]
+    todo, resumed = [], []
+    for j in mine:
+        a, b = plan["shards"][j]
+        path = out / shard_name(j)
+        if path.exists():
+            meta = read_shard_meta(path)
+            if meta["n_samples"] == b - a:
+                resumed.append(j)
+                continue
+            log.warning("%s holds %d samples, the plan says %d: recomputing it", path,
+                        meta["n_samples"], b - a)
+        todo.append(j)
+    if resumed:
+        log.info("rank %d: %d shard(s) already complete, %d to compute", rank, len(resumed),
+                 len(todo))
+
+    pad_id = 0
+    logit_tf = _logit_transform(model.config)
+    capture = Capture(dec_layers, aux_ids, norm)
+    total = sum(sum(lengths[a:b]) for a, b in (plan["shards"][j] for j in todo))
+    bar = progress(None, total=total, unit="tok", unit_scale=True, desc=f"extract[{rank}]")
+    done_tokens, t0 = 0, time.perf_counter()
+    try:
+        for j in todo:
+            a, b = plan["shards"][j]
+            order = sorted(range(a, b), key=lambda i: -lengths[i])   # longest first
+            results: dict[int, dict] = {}
+            k = 0
+            while k < len(order):   # B samples while B x longest <= batch_tokens
+                m, top_len = 1, lengths[order[k]]
+                while (k + m < len(order) and (m + 1) * top_len <= batch_tokens
+                       and (pad_batches or lengths[order[k + m]] == top_len)):
+                    m += 1
+                idx = order[k:k + m]
+                batch = [tokens.sample(i, fields=("input_ids", "loss_mask")) for i in idx]
+                top = max(int(s["input_ids"].max()) for s in batch)
+                if top >= vocab:
+                    raise ExtractError(f"{tokens_dir}: token id {top} in samples {idx} is outside "
+                                       f"the target's vocabulary ({vocab}); was the dataset "
+                                       f"prepared with another tokenizer?")
+                outs = _run_batch(text, capture, head, batch, pad_id=pad_id, teacher=teacher,
+                                  topk=topk, row_chunk=row_chunk, vocab_chunk=vocab_chunk,
+                                  logit_tf=logit_tf)
+                results.update(zip(idx, outs))
+                ntok = sum(lengths[i] for i in idx)
+                done_tokens += ntok
+                bar.update(ntok)
+                k += m
+            write_shard(out, j, [results[i] for i in range(a, b)], aux_format=aux_format)
+            rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(shard=j, tok_s=f"{rate:.0f}")
+            log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, j, b - a, rate)
+    finally:
+        capture.remove()
+        bar.close()
+    dt = time.perf_counter() - t0
+    summary = {"out_dir": str(out), "shards": len(plan["shards"]), "computed": todo,
+               "resumed": resumed, "tokens": done_tokens, "seconds": round(dt, 3),
+               "tokens_per_s": round(done_tokens / dt, 1) if dt > 0 and done_tokens else None,
+               "aux_layer_ids": aux_ids}
+    if finalize_manifest if finalize_manifest is not None else world_size == 1:
+        summary["manifest"] = str(out / "manifest.json")
+        finalize(out)
+    return summary
+
+
+def finalize(out_dir: str | Path) -> dict[str, Any]:
+    """Write the manifest of an extraction whose planned shards all exist (metas from headers)."""
+    from data.shards import read_shard_meta, shard_name, write_manifest
+    out = Path(out_dir)
+    path = out / PLAN_NAME
+    if not path.exists():
+        raise ExtractError(f"{out} has no {PLAN_NAME}: not an extraction output directory")
+    plan = json.loads(path.read_text())
+    metas, missing = [], []
+    for j, (a, b) in enumerate(plan["shards"]):
+        f = out / shard_name(j)
+        if not f.exists():
+            missing.append(j)
+            continue
+        meta = read_shard_meta(f)
+        if meta["n_samples"] != b - a:
+            raise ExtractError(f"{f} holds {meta['n_samples']} samples, the plan says {b - a}; "
+                               f"delete it and re-run extract")
+        metas.append(meta)
+    if missing:
+        raise ExtractError(f"{out}: {len(missing)} planned shard(s) missing (first: "
+                           f"{missing[:8]}); re-run extract with the same settings (it resumes)")
+    return write_manifest(out, plan["manifest"], metas)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`."""
+    p = argparse.ArgumentParser(
+        prog="eyas extract", description="Run the target over a token dataset and store the "
+        "EAGLE-3 training features (aux states, teacher, target argmax). Resumable; launch with "
+        "`accelerate launch --num_processes G` for data parallel over G GPUs.")
+    p.add_argument("--tokens", required=True, help="token dataset (from eyas prepare)")
+    p.add_argument("--target", required=True, help="model directory or preset name")
+    p.add_argument("--out", required=True, help="output hidden-state dataset directory")
+    p.add_argument("--layers", default=None, help="aux layer ids a,b,c (HF hidden_states "
+                   "indices); default 2,N//2,N-3")
+    p.add_argument("--aux-format", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--teacher", choices=TEACHERS, default="last")
+    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--pad-batches", action="store_true", help="pad samples of different "
+                   "lengths into one forward (faster; not bitwise equal to unpadded forwards)")
+    p.add_argument("--shard-tokens", type=int, default=None)
+    p.add_argument("--device", default="auto", help="auto (cuda:<local rank> if available), "
+                   "cpu, cuda:0, ...")
+    p.add_argument("--device-map", default=None, help="'auto': one large target across GPUs")
+    p.add_argument("--finalize-only", action="store_true",
+                   help="only write the manifest from the shards present")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.finalize_only:
+        print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
+        return 0
+    from accelerate import PartialState
+    use_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    state = PartialState(cpu=use_cpu)
+    device = state.device if args.device == "auto" else torch.device(args.device)
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    summary = extract(args.tokens, args.target, args.out, layers=layers,
+                      aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
+                      batch_tokens=args.batch_tokens, shard_tokens=args.shard_tokens,
+                      max_samples=args.max_samples, device=device, device_map=args.device_map,
+                      pad_batches=args.pad_batches,
+                      rank=state.process_index, world_size=state.num_processes,
+                      finalize_manifest=False)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        finalize(args.out)
+        summary["manifest"] = str(Path(args.out) / "manifest.json")
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main())
