@@ -75,7 +75,10 @@ class EngineDrafter:
         self.hd = int(cfg.get("head_dim") or self.H // self.nh)
         self.eps = float(cfg.get("rms_norm_eps", 1e-6))
         self.V = int(cfg["vocab_size"])
-        self.w = {k: v.to(dtype) for k, v in tensors.items() if k in REQUIRED_TENSORS}
+        # weights rounded to the serving dtype, held in fp32: every GEMM below is fp32 math on
+        # dtype values with the result rounded to dtype, which is what a bf16 cuBLAS GEMM does
+        # (fp32 accumulation) and avoids slow bf16 GEMMs on CPU
+        self.w = {k: v.to(dtype).float() for k, v in tensors.items() if k in REQUIRED_TENSORS}
         self.Vd = self.w["lm_head.weight"].shape[0]
         d2t = tensors.get("d2t")
         self.target_ids = torch.arange(self.Vd) + (d2t.to(torch.long) if d2t is not None else 0)
@@ -161,13 +164,19 @@ class EngineDrafter:
     def _norm(self, x: Tensor, name: str) -> Tensor:
         xf = x.float()
         y = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y.to(self.dtype) * self.w[name]
+        return (y.to(self.dtype).float() * self.w[name]).to(self.dtype)
 
     def _lin(self, x: Tensor, name: str) -> Tensor:
-        return x @ self.w[name].T
+        return (x.float() @ self.w[name].T).to(self.dtype)
+
+    def _scatter(self, draft_logits: Tensor) -> Tensor:
+        """vLLM's mapping: [n, Vd] → [n, V], draft logit i at target id i + d2t[i], -inf elsewhere."""
+        logits = torch.full((draft_logits.shape[0], self.V), float("-inf"))
+        logits[:, self.target_ids] = draft_logits
+        return logits
 
     def _layer(self, g: Tensor, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """n new rows: g [n, H], tokens [n] target ids, positions [n] → (prenorm [n,H], logits [n,V])."""
+        """n new rows: g [n, H], tokens [n] target ids, positions [n] → (prenorm [n,H], draft logits [n,Vd])."""
         n = g.shape[0]
         e = self._norm(self.embedding[tokens], "midlayer.input_layernorm.weight")
         x = torch.cat([e, self._norm(g, "midlayer.hidden_norm.weight")], dim=-1)   # [n, 2H]
@@ -181,19 +190,16 @@ class EngineDrafter:
         rep = self.nh // self.nkv                                         # GQA: head h → kv h//rep
         keys = self.k_cache.repeat_interleave(rep, dim=1).float()         # [L+n, nh, hd]
         vals = self.v_cache.repeat_interleave(rep, dim=1).float()
-        scores = torch.einsum("qhd,khd->hqk", q.float(), keys) / math.sqrt(self.hd)
+        scores = q.float().transpose(0, 1) @ keys.permute(1, 2, 0) / math.sqrt(self.hd)  # [nh, n, L+n]
         allowed = torch.arange(self.cache_len)[None, :] <= (start + torch.arange(n))[:, None]
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        attn = torch.einsum("hqk,khd->qhd", probs, vals).reshape(n, self.nh * self.hd)
+        attn = (probs @ vals.transpose(0, 1)).transpose(0, 1).reshape(n, self.nh * self.hd)
         h = g + self._lin(attn.to(self.dtype), "midlayer.self_attn.o_proj.weight")
         m = self._norm(h, "midlayer.post_attention_layernorm.weight")
         act = torch.nn.functional.silu(self._lin(m, "midlayer.mlp.gate_proj.weight"))
         p = h + self._lin(act * self._lin(m, "midlayer.mlp.up_proj.weight"),
                           "midlayer.mlp.down_proj.weight")
-        draft = self._lin(self._norm(p, "norm.weight"), "lm_head.weight").float()   # [n, Vd]
-        logits = torch.full((n, self.V), float("-inf"))
-        logits[:, self.target_ids] = draft
-        return p, logits
+        return p, self._norm(p, "norm.weight").float() @ self.w["lm_head.weight"].T   # [n, Vd]
 
     # ------------------------------------------------------------------ public decoding API
     @torch.no_grad()
@@ -204,16 +210,17 @@ class EngineDrafter:
         at position i+1 for each i), positions [n]. Returns (prenorm [n, H], logits [n, V] fp32).
         """
         g = self._lin(aux.to(self.dtype), "fc.weight")
-        return self._layer(g, next_tokens.long(), positions.long())
+        p, draft = self._layer(g, next_tokens.long(), positions.long())
+        return p, self._scatter(draft)
 
     @torch.no_grad()
     def step(self, prev_prenorm: Tensor, token: int | Tensor, position: int | Tensor
              ) -> tuple[Tensor, Tensor]:
         """One draft step: prev_prenorm [H], token (a TARGET id), position → (prenorm [H], logits [V])."""
-        p, logits = self._layer(prev_prenorm.to(self.dtype).view(1, self.H),
-                                torch.as_tensor(token).long().view(1),
-                                torch.as_tensor(position).long().view(1))
-        return p[0], logits[0]
+        p, draft = self._layer(prev_prenorm.to(self.dtype).view(1, self.H),
+                               torch.as_tensor(token).long().view(1),
+                               torch.as_tensor(position).long().view(1))
+        return p[0], self._scatter(draft)[0]
 
     def to_draft_vocab(self, logits: Tensor) -> Tensor:
         """Target-vocabulary logits [..., V] → the draft vocabulary's [..., Vd] (row i = id i+d2t[i])."""

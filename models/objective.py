@@ -1,0 +1,81 @@
+"""Loss weighting of the TTT unroll, and a plain-torch reference of the whole loss.
+
+The fused loss (`kernels.eagle3_loss`) takes one fp32 weight per (step k, row t); everything
+about masking, step decay and normalisation lives in that [K, T] tensor:
+
+    mask(k, t)   = valid(k, t) · loss_mask[t+1+k] · t2d[target_argmax[t+1+k]]   (last factor: position_mask)
+    weight(k, t) = step_weight^k · mask(k, t) / norm_k
+    norm_k       = Σ_t mask(k, t)   "valid":     masked mean over valid rows per step (default;
+                                                 speculators/ModelOpt) — the effective learning
+                                                 rate does not move with the masked fraction
+                 = T                "specforge": every row of the batch counts (EAGLE/SpecForge)
+
+so that Σ_{k,t} weight(k, t) · CE(k, t) is the training loss (eagle3-training.md §4). Both norms
+are per rank: with data parallelism the gradient is the mean of the per-rank losses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from models.ttt import shifted_for_steps
+
+NORMALISATIONS = ("valid", "specforge")
+
+
+def metric_mask(valid: Tensor, loss_mask: Tensor) -> Tensor:
+    """[K, T] bool rows that count for loss and metrics: valid(k,t) · loss_mask[t+1+k] (no position mask)."""
+    return valid & shifted_for_steps(loss_mask.bool(), valid.shape[0], False)
+
+
+def row_weights(valid: Tensor, loss_mask: Tensor, target_argmax: Tensor, t2d: Tensor, *,
+                step_weight: float = 0.8, normalisation: str = "valid",
+                position_mask: bool = True) -> Tensor:
+    """[K, T] fp32 loss weight per (step, row) as in the module docstring.
+
+    valid [K, T] bool (DrafterOutput.valid), loss_mask [T] bool, target_argmax [T] int64 (the
+    target's full-vocab argmax at index t: its prediction of token t+1), t2d [V] bool.
+    position_mask drops rows whose target argmax is outside the draft vocabulary (EAGLE/SpecForge).
+    """
+    if normalisation not in NORMALISATIONS:
+        raise ValueError(f"normalisation={normalisation!r}; choose one of {NORMALISATIONS}")
+    K, T = valid.shape
+    mask = metric_mask(valid, loss_mask)                                  # [K, T]
+    if position_mask:
+        in_vocab = t2d.bool()[target_argmax.clamp(0, t2d.shape[0] - 1)]  # [T]
+        mask = mask & shifted_for_steps(in_vocab, K, False)
+    w = mask.float()
+    if normalisation == "valid":
+        w = w / w.sum(dim=1, keepdim=True).clamp_min(1.0)
+    else:
+        w = w / float(T)
+    decay = step_weight ** torch.arange(K, dtype=torch.float32, device=w.device)
+    return w * decay[:, None]
+
+
+def teacher_probs_reference(last: Tensor, target_head_rows: Tensor) -> Tensor:
+    """[T, Vd] fp32: softmax of the target logits restricted to the draft vocabulary's rows."""
+    return torch.softmax(last.float() @ target_head_rows.float().T, dim=-1)
+
+
+def reference_loss(hidden: Tensor, lm_head_weight: Tensor, last: Tensor, target_head_rows: Tensor,
+                   row_weight: Tensor) -> Tensor:
+    """Plain fp32 torch loss for parity tests (eagle3-training.md §4); differentiable.
+
+    hidden [K, T, H] (normed drafter outputs), lm_head_weight [Vd, H], last [T, tH] (the target's
+    post-norm final hidden states, NOT shifted), target_head_rows [Vd, tH] (target lm_head rows
+    i + d2t[i]), row_weight [K, T] (`row_weights`). Row (k, t) is scored against the teacher at
+    index t+1+k:  Σ_{k,t} w(k,t) · −Σ_v p_{t+1+k}[v] · log_softmax(lm_head(hidden[k, t]))[v].
+    """
+    K, T, _ = hidden.shape
+    p = teacher_probs_reference(last, target_head_rows)                  # [T, Vd]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for k in range(K):
+        logq = torch.log_softmax(hidden[k].float() @ lm_head_weight.float().T, dim=-1)   # [T, Vd]
+        idx = torch.arange(T, device=hidden.device) + 1 + k
+        pk = p[idx.clamp_max(T - 1)]                                      # teacher at t+1+k
+        ce = -(pk * logq).sum(-1)                                         # [T]
+        w = row_weight[k].float()
+        total = total + (w * torch.where(w != 0, ce, torch.zeros_like(ce))).sum()
+    return total
