@@ -271,6 +271,31 @@ HEADER = (f"{'N':>6} {'H':>5} {'K':>2} {'dist':<6} {'method':<12} {'ms':>9} {'Gi
 
 
 # --------------------------------------------------------------------------- tuning sweep
+def gemm_breakdown(x, C=1024, G=4096):
+    """ms of the loop's GEMM kinds over all K·N rows, vs their bf16-output counterparts."""
+    h2d = x["h"].reshape(-1, x["h"].shape[-1])
+    W = x["W"]
+    R = h2d.shape[0]
+    z32 = torch.empty(C, VD, device=DEV)
+    dz = torch.randn(G, VD, device=DEV).bfloat16()
+    dW = torch.zeros(VD, W.shape[1], device=DEV)
+    dh = torch.empty(G, W.shape[1], device=DEV, dtype=torch.bfloat16)
+    kinds = {
+        "z_fp32_out": (lambda: torch.mm(h2d[:C], W.T, out_dtype=torch.float32, out=z32), R / C),
+        "z_bf16_out": (lambda: torch.mm(h2d[:C], W.T), R / C),
+        "dh": (lambda: torch.mm(dz, W, out=dh), R / G),
+        "dW_fp32_accumulate": (lambda: torch.addmm(dW, dz.T, h2d[:G], out_dtype=torch.float32,
+                                                   out=dW), R / G),
+        "dW_bf16_out": (lambda: torch.mm(dz.T, h2d[:G]), R / G),
+    }
+    res = {}
+    for name, (fn, times) in kinds.items():
+        ms, _, _ = time_fn(fn, min_reps=10, max_reps=30, budget_s=0.3)
+        res[name] = ms * times
+        print(f"GEMM {name:<20} x{times:5.1f}: {ms * times:7.1f} ms", flush=True)
+    return res
+
+
 def sweep(N=16384, H=4096, K=7):
     """Row-kernel block/warps on one chunk, then chunk size end to end (main shape)."""
     res = {"kernel": [], "chunk": []}
@@ -280,32 +305,36 @@ def sweep(N=16384, H=4096, K=7):
     dz = torch.empty(C, VD, device=DEV, dtype=torch.bfloat16)
     st = kernels.loss.RowStats.empty(K * N, DEV, True)
     w = x["w"].reshape(-1).contiguous()
-    def kernel_ms(blk, nw, acc):
-        fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS = blk, nw
-        ms, _, _ = time_fn(lambda: fused_loss.loss_rows(z, x["teacher"], w, 0, N, st, dz, acc),
+    tsum = x["teacher"].sum(1, dtype=torch.float32)
+
+    def kernel_ms(blk, nw, pps, acc):
+        fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS, fused_loss.PROGRAMS_PER_SM = blk, nw, pps
+        ms, _, _ = time_fn(lambda: fused_loss.loss_rows(z, x["teacher"], tsum, w, 0, N, st, dz,
+                                                        acc),
                            min_reps=20, max_reps=50, budget_s=0.3)
         gbs = C * VD * (4 + 2 + 2) / ms / 1e6
-        res["kernel"].append(dict(block=blk, warps=nw, accept=acc, ms=ms, gbs=gbs))
-        print(f"row kernel block={blk:5d} warps={nw:2d} accept={acc:d}: {ms:.3f} ms "
-              f"({gbs:.0f} GB/s over z+p+dz)", flush=True)
+        res["kernel"].append(dict(block=blk, warps=nw, programs_per_sm=pps, accept=acc, ms=ms,
+                                  gbs=gbs))
+        print(f"row kernel block={blk:5d} warps={nw:2d} programs/SM={pps} accept={acc:d}: "
+              f"{ms:.3f} ms ({gbs:.0f} GB/s of z+p+dz)", flush=True)
 
-    for blk, nw in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16)):
-        kernel_ms(blk, nw, False)
+    for blk, nw, pps in itertools.product((2048, 4096, 8192), (4, 8, 16), (0, 1, 2, 4)):
+        kernel_ms(blk, nw, pps, False)
     best = min(res["kernel"], key=lambda r: r["ms"])
-    kernel_ms(best["block"], best["warps"], True)
+    kernel_ms(best["block"], best["warps"], best["programs_per_sm"], True)
     fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS = best["block"], best["warps"]
+    fused_loss.PROGRAMS_PER_SM = best["programs_per_sm"]
     import kernels.loss as kl
     dz_bytes = kl.DZ_BYTES
-    for C, G, ov in [(1024, 1024, False), (2048, 2048, False), (4096, 4096, False),
-                     (512, 4096, False), (1024, 4096, False), (2048, 4096, False),
-                     (1024, 6144, False), (1024, 8192, False),
-                     (1024, 4096, True), (2048, 4096, True), (512, 4096, True)]:
-        kl.DZ_BYTES, kl.OVERLAP = G * VD * 2, ov
+    for C, G in [(1024, 1024), (2048, 2048), (4096, 4096), (512, 4096), (1024, 4096),
+                 (2048, 4096), (1024, 6144), (1024, 8192), (2048, 8192)]:
+        kl.DZ_BYTES = G * VD * 2
         torch.cuda.empty_cache()
         ms, peak, _ = time_fn(lambda: run_eyas(x, chunk_size=C), min_reps=3, max_reps=5)
-        res["chunk"].append(dict(chunk=C, group=G, overlap=ov, ms=ms, peak_gib=peak))
-        print(f"chunk {C:5d} group {G:5d} overlap {ov:d}: {ms:.1f} ms, {peak:.2f} GiB", flush=True)
-    kl.DZ_BYTES, kl.OVERLAP = dz_bytes, False
+        res["chunk"].append(dict(chunk=C, group=G, ms=ms, peak_gib=peak))
+        print(f"chunk {C:5d} group {G:5d}: {ms:.1f} ms, {peak:.2f} GiB", flush=True)
+    kl.DZ_BYTES = dz_bytes
+    res["gemms"] = gemm_breakdown(x)
     # Where the time goes: the same chunk loop with the row kernel replaced by nothing.
     real = fused_loss.loss_rows
     fused_loss.loss_rows = lambda *a, **k: None
@@ -332,6 +361,7 @@ def main(argv=None):
     if args.sweep:
         out["sweep"] = sweep()
     print(f"block={fused_loss.MAX_BLOCK_V} warps={fused_loss.NUM_WARPS} "
+          f"programs/SM={fused_loss.PROGRAMS_PER_SM} "
           f"chunk(Vd={VD})={kernels.auto_chunk_size(VD, 1 << 30)}")
     methods = args.methods.split(",")
     configs = ([(16384, 4096, k, d) for k in (1, 7) for d in ("peaked", "flat")] if args.quick

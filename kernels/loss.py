@@ -35,7 +35,6 @@ _BACKENDS = {"triton": "kernels.fused_loss", "torch": "kernels.loss_torch"}
 # the dz group [G, Vd] that feeds the dh/dW GEMMs. Vd = 32000 gives C = 1024, G = 4096.
 Z_BYTES = 128 << 20
 DZ_BYTES = 256 << 20
-OVERLAP = False                 # CUDA: run row kernels on a side stream (see _chunk_loop)
 
 
 class LossOutput(NamedTuple):
@@ -123,10 +122,8 @@ def _group_rows(chunk: int, vocab: int, rows: int) -> int:
 def _chunk_loop(h2d, weight, chunk, row_op, grad_h: bool, grad_w: bool):
     """Drive the GEMMs around ``row_op(z [c, Vd] fp32, row0, dz [c, Vd] | None)``.
 
-    For each group of G rows: z = h @ W.T per chunk of C rows, row_op writes dz rows, then
-    dh = dz @ W and dW += dz.T @ h for the whole group. Returns (dh | None, dW fp32 | None).
-    On CUDA with ``OVERLAP`` the row kernels run on a side stream, overlapping the next z GEMM
-    (two z buffers).
+    For each group of G rows: z = h @ W.T per chunk of C rows, row_op writes those dz rows,
+    then dh = dz @ W and dW += dz.T @ h for the whole group. Returns (dh | None, dW fp32 | None).
     """
     R, H = h2d.shape
     Vd = weight.shape[0]
@@ -136,40 +133,20 @@ def _chunk_loop(h2d, weight, chunk, row_op, grad_h: bool, grad_w: bool):
     G = _group_rows(C, Vd, R) if want_grad else C
     dh = torch.empty_like(h2d) if grad_h else None
     dW = torch.zeros(Vd, H, device=dev, dtype=torch.float32) if grad_w else None
-    overlap = OVERLAP and h2d.is_cuda and R > C
-    z_bufs = [torch.empty(C, Vd, device=dev, dtype=torch.float32) for _ in range(1 + overlap)]
+    z_buf = torch.empty(C, Vd, device=dev, dtype=torch.float32)
     dz_buf = torch.empty(G, Vd, device=dev, dtype=h2d.dtype) if want_grad else None
     wt = weight.t()                                                  # [H, Vd] view
-    if overlap:
-        main, side = torch.cuda.current_stream(dev), torch.cuda.Stream(dev)
-        freed = [None] * len(z_bufs)                                 # row kernel done with buf
-    i = 0
     for g0 in range(0, R, G):
         g1 = min(R, g0 + G)
         for r0 in range(g0, g1, C):
             c = min(C, g1 - r0)
-            z = z_bufs[i % len(z_bufs)][:c]
-            dz = dz_buf[r0 - g0:r0 - g0 + c] if want_grad else None
-            if not overlap:
-                _mm_f32(h2d[r0:r0 + c], wt, z)                       # [c, Vd] fp32
-                row_op(z, r0, dz)
-            else:
-                if freed[i % 2] is not None:
-                    main.wait_event(freed[i % 2])
-                _mm_f32(h2d[r0:r0 + c], wt, z)
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    row_op(z, r0, dz)
-                    freed[i % 2] = side.record_event()
-            i += 1
-        if overlap and want_grad:
-            main.wait_stream(side)                                   # dz of this group ready
+            z = z_buf[:c]
+            _mm_f32(h2d[r0:r0 + c], wt, z)                           # [c, Vd] fp32
+            row_op(z, r0, dz_buf[r0 - g0:r0 - g0 + c] if want_grad else None)
         if grad_h:
             torch.mm(dz_buf[:g1 - g0], weight, out=dh[g0:g1])        # [G, H]
         if grad_w:
             _addmm_f32_(dW, dz_buf[:g1 - g0].t(), h2d[g0:g1])        # [Vd, H] += [Vd, G] @ [G, H]
-    if overlap:
-        main.wait_stream(side)
     return dh, dW
 
 
@@ -177,9 +154,10 @@ def _forward_chunks(backend, h2d, weight, teacher, w_flat, N, chunk, with_accept
                     grad_h: bool, grad_w: bool):
     """Row stats for all rows (+ gradients); returns (RowStats, dh | None, dW fp32 | None)."""
     stats = RowStats.empty(h2d.shape[0], h2d.device, with_accept)
+    tsum = teacher.sum(1, dtype=torch.float32)                       # [N] Σp per teacher row
 
     def row_op(z, r0, dz):
-        backend.loss_rows(z, teacher, w_flat, r0, N, stats, dz, with_accept)
+        backend.loss_rows(z, teacher, tsum, w_flat, r0, N, stats, dz, with_accept)
 
     dh, dW = _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w)
     return stats, dh, dW
@@ -195,16 +173,6 @@ def _backward_chunks(backend, h2d, weight, teacher, coef, lse, psum, N, chunk,
 
 
 # --------------------------------------------------------------------------- autograd
-def _scale_rows_(t: torch.Tensor, g: torch.Tensor, rows: int = 4096) -> torch.Tensor:
-    """t *= g in place, in fp32 (g is not rounded to t's dtype), a few rows at a time."""
-    if t.dtype == torch.float32:
-        return t.mul_(g)
-    for r0 in range(0, t.shape[0], rows):
-        blk = t[r0:r0 + rows]
-        blk.copy_(blk.float().mul_(g))
-    return t
-
-
 class _GradInForward(torch.autograd.Function):
     """reduction="sum": the gradient is formed in forward; backward scales it."""
 
@@ -216,6 +184,7 @@ class _GradInForward(torch.autograd.Function):
                                         row_weight.reshape(-1), N, chunk, with_accept,
                                         grad_h, grad_w)
         ctx.grads = (dh, dW)
+        ctx.backend = backend
         ctx.shapes = (hidden.shape, weight.dtype)
         argmax = stats.argmax.view(K, N)
         accept = stats.accept.view(K, N) if with_accept else stats.loss.new_empty(0)
@@ -230,10 +199,12 @@ class _GradInForward(torch.autograd.Function):
         dh, dW = ctx.grads
         ctx.grads = None                                            # free as soon as returned
         shape, w_dtype = ctx.shapes
-        if dh is not None:
-            dh = _scale_rows_(dh, g_loss).view(shape)
-        if dW is not None:
-            dW = dW.mul_(g_loss).to(w_dtype)
+        g = g_loss.float().reshape(1)
+        if dh is not None:                                          # in place, fp32 math
+            dh = ctx.backend.scale_cast(dh, g, dh).view(shape)
+        if dW is not None:                                          # fp32 -> weight dtype
+            out = dW if w_dtype == torch.float32 else torch.empty_like(dW, dtype=w_dtype)
+            dW = ctx.backend.scale_cast(dW, g, out)
         return dh, dW, None, None, None, None, None, None, None
 
 

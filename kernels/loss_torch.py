@@ -14,36 +14,36 @@ import torch
 from kernels.loss import LossOutput, eagle3_loss
 
 
-def _teacher_rows(teacher: torch.Tensor, row0: int, c: int, N: int) -> torch.Tensor:
-    """Teacher rows min(t + k, N − 1) for global rows row0 .. row0+c, as fp32 [c, Vd]."""
-    rows = torch.arange(row0, row0 + c, device=teacher.device)          # [c] global rows
+def _teacher_index(row0: int, c: int, N: int, device) -> torch.Tensor:
+    """Teacher row min(t + k, N − 1) of global rows row0 .. row0+c (row = k·N + t)."""
+    rows = torch.arange(row0, row0 + c, device=device)                  # [c] global rows
     k = torch.div(rows, N, rounding_mode="floor")
-    t_row = torch.clamp(rows - k * N + k, max=N - 1)
-    return teacher.index_select(0, t_row).float()
+    return torch.clamp(rows - k * N + k, max=N - 1)
 
 
-def loss_rows(z, teacher, w_flat, row0, N, out, dz, with_accept):
+def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept):
     """Torch version of ``kernels.fused_loss.loss_rows`` (same arguments, same outputs)."""
     c = z.shape[0]
     sl = slice(row0, row0 + c)
+    t_row = _teacher_index(row0, c, N, z.device)
     w = w_flat[sl]                                                         # [c]
-    active = (w != 0).unsqueeze(1)                                         # [c, 1]
-    p = torch.where(active, _teacher_rows(teacher, row0, c, N), 0.0)       # [c, Vd]
+    active = w != 0
+    p = torch.where(active[:, None], teacher.index_select(0, t_row).float(), 0.0)   # [c, Vd]
+    sp = torch.where(active, tsum[t_row], 0.0)                             # [c]
     lse = torch.logsumexp(z, dim=1)                                        # [c]
-    sp = p.sum(1)
-    spz = torch.where(active, p * z, 0.0).sum(1)
+    spz = (p * z).sum(1)
     out.argmax[sl] = z.argmax(1)                                           # first index on ties
     out.lse[sl] = lse
     out.psum[sl] = sp
-    out.loss[sl] = torch.where(active.squeeze(1), w * (lse * sp - spz), 0.0)
+    out.loss[sl] = torch.where(active, w * (lse * sp - spz), 0.0)
     if dz is None and not with_accept:
         return
-    q = torch.exp(z - lse.unsqueeze(1))                                    # [c, Vd] softmax
+    q = torch.exp(z - lse[:, None])                                        # [c, Vd] softmax
     if dz is not None:
-        dz.copy_(torch.where(active, w.unsqueeze(1) * (q * sp.unsqueeze(1) - p), 0.0))
+        dz.copy_(torch.where(active[:, None], w[:, None] * (q * sp[:, None] - p), 0.0))
     if with_accept:
-        inv_sp = torch.where(sp > 0, 1.0 / sp, 0.0).unsqueeze(1)
-        out.accept[sl] = torch.where(active, torch.minimum(p * inv_sp, q), 0.0).sum(1)
+        inv_sp = torch.where(sp > 0, 1.0 / sp, 0.0)[:, None]
+        out.accept[sl] = torch.where(active[:, None], torch.minimum(p * inv_sp, q), 0.0).sum(1)
 
 
 def grad_rows(z, teacher, coef, lse, psum, row0, N, dz):
@@ -52,9 +52,18 @@ def grad_rows(z, teacher, coef, lse, psum, row0, N, dz):
     sl = slice(row0, row0 + c)
     cf = coef[sl].unsqueeze(1)                                             # [c, 1]
     active = cf != 0
-    p = torch.where(active, _teacher_rows(teacher, row0, c, N), 0.0)
+    t_row = _teacher_index(row0, c, N, z.device)
+    p = torch.where(active, teacher.index_select(0, t_row).float(), 0.0)
     q = torch.exp(z - lse[sl].unsqueeze(1))
     dz.copy_(torch.where(active, cf * (q * psum[sl].unsqueeze(1) - p), 0.0))
+
+
+def scale_cast(src: torch.Tensor, g: torch.Tensor, out: torch.Tensor,
+               rows: int = 4096) -> torch.Tensor:
+    """Torch version of ``kernels.fused_loss.scale_cast`` (fp32 math, a few rows at a time)."""
+    for r0 in range(0, src.shape[0], rows):
+        out[r0:r0 + rows] = src[r0:r0 + rows].float() * g
+    return out
 
 
 def eagle3_loss_torch(hidden, weight, teacher, row_weight, *, with_accept=False,
