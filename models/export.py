@@ -37,8 +37,8 @@ from safetensors.torch import save_file
 
 from models.importer import (load_state_dict_file, read_drafter_dir, read_trainer_checkpoint,
                              _find_key)
-from models.validate import (CORE_TENSORS, ERROR, TensorDir, expected_shapes, format_findings,
-                             resolve_target_config)
+from models.validate import (CORE_TENSORS, ERROR, TensorDir, all_finite, expected_shapes,
+                             format_findings, resolve_target_config)
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,13 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
         if shapes[n] is not None and tuple(t.shape) != shapes[n]:
             raise ExportError(f"{n} has shape {list(t.shape)} but the config implies "
                               f"{list(shapes[n])}: config and weights are from different drafters")
-        tensors[n] = t.detach().to("cpu", torch.bfloat16).contiguous().clone()
+        out_t = t.detach().to("cpu", torch.bfloat16).contiguous()
+        if out_t.untyped_storage().nbytes() != out_t.numel() * out_t.element_size():
+            out_t = out_t.clone()  # a view into a larger storage (a flat buffer): own copy
+        if not all_finite(out_t):
+            raise ExportError(f"{n} holds NaN/inf values: export a checkpoint from before the "
+                              f"loss diverged")
+        tensors[n] = out_t
     if d2t is not None:
         tensors["d2t"], tensors["t2d"] = d2t.clone(), t2d.clone()
 
@@ -299,7 +305,9 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         if check:
             from models.validate_static import check_config, check_tensors
-            findings = check_config(cfg, tcfg) + check_tensors(TensorDir(tmp), cfg, tcfg)
+            # values were checked in memory above; the files are checked for layout only
+            findings = check_config(cfg, tcfg) + check_tensors(TensorDir(tmp), cfg, tcfg,
+                                                               check_values=False)
             for f in findings:
                 log.warning("export check: %s", f)
             if any(f.severity == ERROR for f in findings):

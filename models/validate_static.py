@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from models.validate import (CORE_TENSORS, ERROR, FLOAT_DTYPES, WARNING, Finding, TensorDir,
-                             config_dims, expected_shapes, finding)
+                             all_finite, config_dims, expected_shapes, finding)
 
 #: settings that SGLang cannot parse (speculators format) or that only 2026-05+ builds implement
 FORBIDDEN_KEYS = ("norm_before_fc", "fc_norm", "norm_output", "quantization_config",
@@ -456,7 +456,7 @@ def _nonfinite(tdir: TensorDir, names: list[str]) -> list[str]:
     bad = []
     for n in names:
         for chunk in tdir.chunks(n):
-            if not bool(torch.isfinite(chunk).all()):
+            if not all_finite(chunk):
                 bad.append(n)
                 break
     return bad
