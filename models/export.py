@@ -6,9 +6,10 @@ CHECKPOINT may be
   (a) a plain state-dict file (`.safetensors`, `.bin`, `.pt`) of the drafter's named tensors,
       possibly wrapped (`module.`, `_orig_mod.`, `drafter.` … prefixes are stripped);
   (b) a trainer checkpoint directory: accelerate's `model.safetensors`/`pytorch_model.bin` (DDP)
-      or a DeepSpeed ZeRO-1/2/3 checkpoint (`pytorch_model/` with `mp_rank_00_model_states.pt`
-      and the optimizer shards; ZeRO-3 partitions are gathered with DeepSpeed's zero_to_fp32),
-      next to `eyas.json` (drafter config + objective) and the vocab map;
+      or a DeepSpeed ZeRO-1/2/3 checkpoint (`pytorch_model/` with `*model_states.pt` and the
+      optimizer shards; ZeRO-3 partitions are gathered with DeepSpeed's zero_to_fp32),
+      next to `eyas.json`/`eyas_state.json` (drafter config + objective) and the vocab map
+      (`vocab.safetensors`, or the state dict's `d2t`/`t2d` buffers);
   (c) an exported drafter directory (layout A, or speculators `layers.0.`: re-export/convert).
 
 The output (serving-contract.md §1-§3): `config.json` + `model.safetensors` in bf16 with exactly the
@@ -35,8 +36,8 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
-from models.importer import (load_state_dict_file, read_drafter_dir, read_trainer_checkpoint,
-                             _find_key)
+from models.importer import (find_key, load_state_dict_file, read_drafter_dir,
+                             read_trainer_checkpoint)
 from models.validate import (CORE_TENSORS, ERROR, TensorDir, all_finite, expected_shapes,
                              format_findings, resolve_target_config)
 
@@ -137,31 +138,13 @@ def complete_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """The bool mask [V] of the target ids the draft vocabulary selects: {i + d2t[i]}."""
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[torch.arange(d2t.numel()) + d2t.long()] = True
-    return t2d
-
-
-def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int,
-                    draft_vocab_size: int, where: str = "vocab map") -> None:
-    """Raise ExportError unless d2t are offsets onto strictly increasing ids within [0, V)."""
-    if d2t.dim() != 1 or d2t.numel() != draft_vocab_size:
-        raise ExportError(f"{where}: d2t has shape {list(d2t.shape)}; expected "
-                          f"[{draft_vocab_size}] (draft_vocab_size)")
-    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
-        raise ExportError(f"{where}: d2t has dtype {d2t.dtype}; expected integer offsets")
-    ids = torch.arange(draft_vocab_size) + d2t.long()
+    ids = torch.arange(d2t.numel()) + d2t.long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ExportError(f"{where}: i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
-                          f"(target_id - i), not absolute ids or ids of another vocabulary")
-    if bool((ids[1:] <= ids[:-1]).any()):
-        raise ExportError(f"{where}: i + d2t[i] is not strictly increasing: the draft vocabulary "
-                          f"must be the selected target ids sorted ascending")
-    if t2d is not None:
-        if t2d.shape != (vocab_size,) or not torch.equal(t2d.bool().nonzero().flatten(), ids):
-            raise ExportError(f"{where}: t2d (shape {list(t2d.shape)}, {int(t2d.bool().sum())} "
-                              f"selected) is not the mask of {{i + d2t[i]}}: the two halves of "
-                              f"the mapping disagree; keep the one the drafter was trained with")
+        raise ValueError(f"i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
+                         f"(target_id - i), not absolute ids or ids of another vocabulary")
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return t2d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,6 +215,9 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     writes `<out_dir>-speculators/` (vLLM-only speculators format; needs `verifier`).
     `check=False` skips the static validation of the result (not recommended).
     """
+    if speculators and not verifier:
+        raise ExportError("a speculators-format export names its verifier (the target model path "
+                          "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
     if isinstance(state_dict_or_checkpoint, (str, Path)):
         state_dict = load_state_dict_file(Path(state_dict_or_checkpoint))
     else:
@@ -259,9 +245,13 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
         if d2t is None:
             raise ExportError(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t was given or "
                               f"found in the checkpoint: pass the training vocab map")
-        check_vocab_map(d2t, t2d, V, Vd)
-        d2t = d2t.to(torch.int64).contiguous()
-        t2d = (t2d.bool() if t2d is not None else t2d_from_d2t(d2t, V)).contiguous()
+        from data.vocab import validate_vocab
+        try:
+            d2t = d2t.to(torch.int64).contiguous()
+            t2d = (t2d.bool() if t2d is not None else t2d_from_d2t(d2t, V)).contiguous()
+            validate_vocab(d2t, t2d, target_vocab_size=V, draft_vocab_size=Vd)
+        except ValueError as e:
+            raise ExportError(f"vocab map: {e}") from None
     else:
         if d2t is not None and bool(d2t.any()):
             raise ExportError("draft_vocab_size == vocab_size but d2t is not all zero")
@@ -416,7 +406,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     if cfg is None:
         raise ExportError(f"{checkpoint}: no drafter config (no eyas.json with a 'drafter' "
                           f"entry): pass config=… (the drafter's Eagle3Config or config dict)")
-    kwargs.setdefault("ttt_steps", _find_key(ck.meta, "ttt_steps"))
+    kwargs.setdefault("ttt_steps", find_key(ck.meta, "ttt_steps"))
     training = {k: v for k, v in ck.meta.items() if k not in ("drafter", "drafter_config",
                                                               "config")}
     kwargs.setdefault("training", dict(training, checkpoint=str(checkpoint), source=ck.source))

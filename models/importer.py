@@ -43,7 +43,7 @@ _VOCAB_FILES = ("vocab_map.safetensors", "vocab.safetensors")
 # ---------------------------------------------------------------------------------------------
 
 def load_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a `.safetensors` / `.bin` / `.pt` file (a {"module"|"state_dict": …} wrapper ok)."""
+    """Tensors of a `.safetensors` / `.bin` / `.pt` file ({"module"|"state_dict": …} unwrapped)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such state-dict file")
@@ -87,14 +87,14 @@ def load_deepspeed_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     return dict(sd)
 
 
-def _find_key(obj: Any, key: str) -> Any:
+def find_key(obj: Any, key: str) -> Any:
     """First value of `key` (or a dotted `section.key`) anywhere in a nested dict."""
     if isinstance(obj, dict):
         for k, v in obj.items():
             if k == key or k.endswith("." + key):
                 return v
         for v in obj.values():
-            found = _find_key(v, key)
+            found = find_key(v, key)
             if found is not None:
                 return found
     return None
@@ -116,7 +116,8 @@ def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
     """Read a trainer checkpoint: a state-dict file, or a directory (DDP or DeepSpeed + eyas.json).
 
     A run's `checkpoints/` directory resolves to the checkpoint its `latest` pointer names.
-    eyas.json (or eyas_state.json) keys read: the drafter config under `drafter` (or `drafter_config`, `config`),
+    eyas.json (or eyas_state.json) keys read: the drafter config under `drafter` (or
+    `drafter_config`, `config`),
     `ttt_steps` (anywhere), `vocab_map` (a file with d2t/t2d, relative to the checkpoint).
     Without a `vocab_map`, `vocab_map.safetensors` / `vocab.safetensors` next to it, or the
     state dict's own `d2t`/`t2d` buffers are used.
@@ -126,7 +127,8 @@ def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
         return TrainerCheckpoint(None, load_state_dict_file(path), None, None, {}, "file")
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
-    pointer = path / "latest"  # <run>/checkpoints/latest names step-NNNNNN (DeepSpeed's names a tag)
+    # <run>/checkpoints/latest names step-NNNNNN (a DeepSpeed `latest` names a tag instead)
+    pointer = path / "latest"
     if pointer.is_file() and any((path / pointer.read_text().strip() / n).is_file()
                                  for n in CHECKPOINT_META):
         return read_trainer_checkpoint(path / pointer.read_text().strip())

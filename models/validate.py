@@ -101,7 +101,8 @@ def config_dims(cfg: dict[str, Any]) -> dict[str, int | None]:
 def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
     """Layout-A tensor name -> shape implied by the config (None where a dimension is unknown)."""
     d = config_dims(cfg)
-    H, tH, nh, nkv, hd, I, V, Vd = (d[k] for k in ("H", "tH", "nh", "nkv", "hd", "I", "V", "Vd"))
+    H, tH, nh, nkv, hd, inter, V, Vd = (d[k] for k in ("H", "tH", "nh", "nkv", "hd", "I", "V",
+                                                        "Vd"))
 
     def shape(*dims):
         return None if any(x is None for x in dims) else tuple(dims)
@@ -117,9 +118,9 @@ def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
         "midlayer.self_attn.v_proj.weight": shape(kv, 2 * H if H else None),
         "midlayer.self_attn.o_proj.weight": shape(H, q),
         "midlayer.post_attention_layernorm.weight": shape(H),
-        "midlayer.mlp.gate_proj.weight": shape(I, H),
-        "midlayer.mlp.up_proj.weight": shape(I, H),
-        "midlayer.mlp.down_proj.weight": shape(H, I),
+        "midlayer.mlp.gate_proj.weight": shape(inter, H),
+        "midlayer.mlp.up_proj.weight": shape(inter, H),
+        "midlayer.mlp.down_proj.weight": shape(H, inter),
         "norm.weight": shape(H),
         "lm_head.weight": shape(Vd, H),  # Vd absent: DRAFT_VOCAB_MISSING says so
         "d2t": shape(Vd),

@@ -18,7 +18,8 @@ from models.export import export_drafter
 from models.targets import load_target_config
 
 VD = 256
-TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endfor %}")
 
 
 @pytest.fixture(scope="module")

@@ -165,6 +165,7 @@ def test_speculators_config_export(drafter, tcfg, tmp_path):
     assert validate(out, tcfg) == []
     with pytest.raises(ExportError, match="verifier"):
         export_drafter(sd, cfg, None, None, tmp_path / "e", speculators=True)
+    assert not (tmp_path / "e").exists()
 
 
 def test_cli_prints_the_serve_commands(drafter, tcfg, tmp_path, capsys):

@@ -60,8 +60,9 @@ def test_with_the_real_target_embedding(exported, tcfg):
 
 def test_llama3_rope_scaling_agrees(tmp_path):
     # the Llama-3.1 RoPE (scaled frequencies) on tiny shapes: trainer and engine must agree
+    llama = load_target_config("llama-3.1-8b")
     tcfg = dict(load_target_config("tiny-llama"), max_position_embeddings=131072,
-                rope_theta=500000.0, rope_scaling=load_target_config("llama-3.1-8b")["rope_scaling"])
+                rope_theta=500000.0, rope_scaling=llama["rope_scaling"])
     cfg, sd = make_drafter(tcfg)
     assert cfg.rope_scaling["rope_type"] == "llama3"
     out = export_drafter(sd, cfg, None, None, tmp_path / "rope", target_config=tcfg)
