@@ -307,23 +307,21 @@ def sweep(N=16384, H=4096, K=7):
     w = x["w"].reshape(-1).contiguous()
     tsum = x["teacher"].sum(1, dtype=torch.float32)
 
-    def kernel_ms(blk, nw, pps, acc):
-        fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS, fused_loss.PROGRAMS_PER_SM = blk, nw, pps
+    def kernel_ms(blk, nw, acc):
+        fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS = blk, nw
         ms, _, _ = time_fn(lambda: fused_loss.loss_rows(z, x["teacher"], tsum, w, 0, N, st, dz,
                                                         acc),
                            min_reps=20, max_reps=50, budget_s=0.3)
         gbs = C * VD * (4 + 2 + 2) / ms / 1e6
-        res["kernel"].append(dict(block=blk, warps=nw, programs_per_sm=pps, accept=acc, ms=ms,
-                                  gbs=gbs))
-        print(f"row kernel block={blk:5d} warps={nw:2d} programs/SM={pps} accept={acc:d}: "
+        res["kernel"].append(dict(block=blk, warps=nw, accept=acc, ms=ms, gbs=gbs))
+        print(f"row kernel block={blk:5d} warps={nw:2d} accept={acc:d}: "
               f"{ms:.3f} ms ({gbs:.0f} GB/s of z+p+dz)", flush=True)
 
-    for blk, nw, pps in itertools.product((2048, 4096, 8192), (4, 8, 16), (0, 1, 2, 4)):
-        kernel_ms(blk, nw, pps, False)
+    for blk, nw in itertools.product((2048, 4096, 8192), (4, 8, 16)):
+        kernel_ms(blk, nw, False)
     best = min(res["kernel"], key=lambda r: r["ms"])
-    kernel_ms(best["block"], best["warps"], best["programs_per_sm"], True)
+    kernel_ms(best["block"], best["warps"], True)
     fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS = best["block"], best["warps"]
-    fused_loss.PROGRAMS_PER_SM = best["programs_per_sm"]
     import kernels.loss as kl
     dz_bytes = kl.DZ_BYTES
     for C, G in [(1024, 1024), (2048, 2048), (4096, 4096), (512, 4096), (1024, 4096),
@@ -357,25 +355,25 @@ def main(argv=None):
         print("needs a CUDA device", file=sys.stderr)
         return 2
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__}
+           "triton": triton.__version__, "block_v": fused_loss.MAX_BLOCK_V,
+           "num_warps": fused_loss.NUM_WARPS, "z_bytes": kernels.loss.Z_BYTES,
+           "dz_bytes": kernels.loss.DZ_BYTES}
     if args.sweep:
         out["sweep"] = sweep()
     print(f"block={fused_loss.MAX_BLOCK_V} warps={fused_loss.NUM_WARPS} "
-          f"programs/SM={fused_loss.PROGRAMS_PER_SM} "
           f"chunk(Vd={VD})={kernels.auto_chunk_size(VD, 1 << 30)}")
     methods = args.methods.split(",")
     configs = ([(16384, 4096, k, d) for k in (1, 7) for d in ("peaked", "flat")] if args.quick
                else list(itertools.product((4096, 16384, 32768), (4096, 7168), (1, 7),
                                            ("peaked", "flat"))))
     print(HEADER)
-    rows = []
+    out["results"] = []
     for N, H, K, d in configs:
-        with_ref = N * H * K <= 16384 * 4096 * 7
-        rows += bench_config(N, H, K, d, methods, with_ref)
-    out["results"] = rows
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        with_ref = N * H * K <= 16384 * 4096 * 7       # fp32 reference where it is affordable
+        out["results"] += bench_config(N, H, K, d, methods, with_ref)
+        if args.json:                                  # rewritten after every configuration
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
     return 0
 
 

@@ -10,10 +10,9 @@ touches a chunk of logits ``z [C, Vd]`` (fp32), row by row:
     dz_v  = w · (softmax(z)_v · Σp − p_v)           pass 2, ∂loss/∂z in the GEMM dtype
     acc   = Σ_v min(p_v / Σp, softmax(z)_v)         pass 2, expected acceptance (optional)
 
-Σp comes precomputed per teacher row. Programs are persistent (a few per SM, each looping over
-rows) so few rows are in flight and pass 2 re-reads z from L2 rather than HBM. Rows with zero
-weight never read the teacher and write dz = 0 (masked loads issue no memory traffic). Per row
-five scalars (loss, argmax, accept, lse, Σp) are written at the global index ``row0 + i``.
+One program per row; Σp comes precomputed per teacher row, so pass 1 reads z alone. Rows with
+zero weight never read the teacher and write dz = 0 (masked loads issue no memory traffic).
+Per row five scalars (loss, argmax, accept, lse, Σp) are written at the global row index.
 
 Row r of the flattened [K·N] problem is step k = r // N, position t = r % N, and reads teacher
 row min(t + k, N − 1), so the K shifted teachers are never materialised. Offsets are int64.
@@ -27,10 +26,9 @@ import triton.language as tl
 
 # Widest vocabulary block one loop iteration loads; smaller vocabularies use next_pow2(Vd).
 # Tuned on an H200 (benchmarks/README.md); tests lower it to exercise multi-block streaming.
+# (Persistent grids of 1-4 programs per SM, tried for L2 reuse, measured 10-200% slower.)
 MAX_BLOCK_V = 4096
-NUM_WARPS = 8
-PROGRAMS_PER_SM = 2     # persistent row programs per SM; 0 launches one program per row
-_SM_COUNT: dict = {}
+NUM_WARPS = 16
 
 
 @triton.jit
@@ -85,31 +83,28 @@ def _loss_rows_kernel(
     argmax_ptr,               # [K*N] int64 out: first index of the row maximum
     accept_ptr,               # [K*N] fp32 out: Σ min(p/Σp, softmax), only if WITH_ACCEPT
     lse_ptr, psum_ptr,        # [K*N] fp32 out: log-sum-exp and Σp (for a deferred backward)
-    row0, n_rows, N, V,       # first global row of the chunk, rows in it, rows per step, Vd
+    row0, N, V,               # first global row of the chunk, rows per step, Vd
     BLOCK_V: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     WITH_ACCEPT: tl.constexpr,
 ):
-    # Persistent programs: program i takes chunk rows i, i + P, ... so that only ~P rows are
-    # in flight and each row's second pass over z hits L2.
-    pid = tl.program_id(0).to(tl.int64)              # int64 start: the row index is int64
-    for r in range(pid, n_rows, tl.num_programs(0)):
-        row = row0 + r                                # global row in [0, K*N)
-        k = row // N
-        t_row = tl.minimum(row - k * N + k, N - 1)   # teacher row t+k, clamped
-        w = tl.load(w_ptr + row)
-        active = w != 0.0
-        V_act = tl.where(active, V, 0)               # columns to read: none for inactive rows
-        sp = tl.where(active, tl.load(tsum_ptr + t_row), 0.0)
-        best_idx, lse, spz, acc = _loss_row(
-            z_ptr + r * z_stride, p_ptr + t_row * p_stride, dz_ptr + r * dz_stride,
-            sp, w, V, V_act, BLOCK_V, WRITE_GRAD, WITH_ACCEPT)
-        tl.store(argmax_ptr + row, best_idx)
-        tl.store(lse_ptr + row, lse)
-        tl.store(psum_ptr + row, sp)
-        tl.store(loss_ptr + row, tl.where(active, w * (lse * sp - spz), 0.0))
-        if WITH_ACCEPT:
-            tl.store(accept_ptr + row, acc)
+    r = tl.program_id(0).to(tl.int64)                 # chunk row; int64 offsets from here
+    row = row0 + r                                    # global row in [0, K*N)
+    k = row // N
+    t_row = tl.minimum(row - k * N + k, N - 1)       # teacher row t+k, clamped
+    w = tl.load(w_ptr + row)
+    active = w != 0.0
+    V_act = tl.where(active, V, 0)                   # columns to read: none for inactive rows
+    sp = tl.where(active, tl.load(tsum_ptr + t_row), 0.0)
+    best_idx, lse, spz, acc = _loss_row(
+        z_ptr + r * z_stride, p_ptr + t_row * p_stride, dz_ptr + r * dz_stride,
+        sp, w, V, V_act, BLOCK_V, WRITE_GRAD, WITH_ACCEPT)
+    tl.store(argmax_ptr + row, best_idx)
+    tl.store(lse_ptr + row, lse)
+    tl.store(psum_ptr + row, sp)
+    tl.store(loss_ptr + row, tl.where(active, w * (lse * sp - spz), 0.0))
+    if WITH_ACCEPT:
+        tl.store(accept_ptr + row, acc)
 
 
 @triton.jit
@@ -119,29 +114,28 @@ def _grad_rows_kernel(
     coef_ptr,                 # [K*N] fp32: upstream grad of the row loss × row weight
     lse_ptr, psum_ptr,        # [K*N] fp32 saved by the forward
     dz_ptr, dz_stride,        # [C, Vd] out: coef·(softmax·Σp − p)
-    row0, n_rows, N, V,
+    row0, N, V,
     BLOCK_V: tl.constexpr,
 ):
     offs = tl.arange(0, BLOCK_V)
-    pid = tl.program_id(0).to(tl.int64)
-    for r in range(pid, n_rows, tl.num_programs(0)):
-        row = row0 + r
-        k = row // N
-        t_row = tl.minimum(row - k * N + k, N - 1)
-        c = tl.load(coef_ptr + row)
-        V_act = tl.where(c != 0.0, V, 0)             # columns to read: none for inactive rows
-        lse = tl.load(lse_ptr + row)
-        sp = tl.load(psum_ptr + row)
-        z_row = z_ptr + r * z_stride
-        p_row = p_ptr + t_row * p_stride
-        dz_row = dz_ptr + r * dz_stride
-        for v0 in range(0, V, BLOCK_V):
-            cols = v0 + offs
-            lmask = cols < V_act
-            z = tl.load(z_row + cols, mask=lmask, other=0.0)
-            p = tl.load(p_row + cols, mask=lmask, other=0.0).to(tl.float32)
-            g = tl.where(lmask, c * (tl.exp(z - lse) * sp - p), 0.0)
-            tl.store(dz_row + cols, g.to(dz_ptr.dtype.element_ty), mask=cols < V)
+    r = tl.program_id(0).to(tl.int64)
+    row = row0 + r
+    k = row // N
+    t_row = tl.minimum(row - k * N + k, N - 1)
+    c = tl.load(coef_ptr + row)
+    V_act = tl.where(c != 0.0, V, 0)                 # columns to read: none for inactive rows
+    lse = tl.load(lse_ptr + row)
+    sp = tl.load(psum_ptr + row)
+    z_row = z_ptr + r * z_stride
+    p_row = p_ptr + t_row * p_stride
+    dz_row = dz_ptr + r * dz_stride
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + offs
+        lmask = cols < V_act
+        z = tl.load(z_row + cols, mask=lmask, other=0.0)
+        p = tl.load(p_row + cols, mask=lmask, other=0.0).to(tl.float32)
+        g = tl.where(lmask, c * (tl.exp(z - lse) * sp - p), 0.0)
+        tl.store(dz_row + cols, g.to(dz_ptr.dtype.element_ty), mask=cols < V)
 
 
 @triton.jit
@@ -162,16 +156,8 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, out: torch.Tensor) -> torch.T
     return out
 
 
-def _launch(c: int, V: int, device: torch.device):
-    """(grid, BLOCK_V): persistent grid of PROGRAMS_PER_SM per SM (0: one program per row)."""
-    block = min(MAX_BLOCK_V, triton.next_power_of_2(V))
-    if device.type != "cuda":
-        return (min(c, 3),), block                   # interpreter: small grid, rows looped
-    if PROGRAMS_PER_SM <= 0:
-        return (c,), block
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return (min(c, PROGRAMS_PER_SM * _SM_COUNT[device.index]),), block
+def _block_v(V: int) -> int:
+    return min(MAX_BLOCK_V, triton.next_power_of_2(V))
 
 
 def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept):
@@ -184,13 +170,12 @@ def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept):
     write_grad = dz is not None
     dz_arg = dz if write_grad else z                 # never written when WRITE_GRAD is off
     acc_arg = out.accept if with_accept else out.loss
-    grid, block = _launch(c, V, z.device)
-    _loss_rows_kernel[grid](
+    _loss_rows_kernel[(c,)](
         z, z.stride(0), teacher, teacher.stride(0), tsum, w_flat,
         dz_arg, dz_arg.stride(0),
         out.loss, out.argmax, acc_arg, out.lse, out.psum,
-        row0, c, N, V,
-        BLOCK_V=block, WRITE_GRAD=write_grad, WITH_ACCEPT=with_accept,
+        row0, N, V,
+        BLOCK_V=_block_v(V), WRITE_GRAD=write_grad, WITH_ACCEPT=with_accept,
         num_warps=NUM_WARPS,
     )
 
@@ -198,11 +183,10 @@ def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept):
 def grad_rows(z, teacher, coef, lse, psum, row0, N, dz):
     """dz = coef·(softmax(z)·Σp − p) for chunk rows ``row0 .. row0+len(z)`` (deferred backward)."""
     c, V = z.shape
-    grid, block = _launch(c, V, z.device)
-    _grad_rows_kernel[grid](
+    _grad_rows_kernel[(c,)](
         z, z.stride(0), teacher, teacher.stride(0), coef, lse, psum,
-        dz, dz.stride(0), row0, c, N, V,
-        BLOCK_V=block, num_warps=NUM_WARPS,
+        dz, dz.stride(0), row0, N, V,
+        BLOCK_V=_block_v(V), num_warps=NUM_WARPS,
     )
 
 

@@ -3,19 +3,18 @@ the teacher + draft argmax (+ expected acceptance), without [K·N, Vd] logits.
 
     loss = Σ_{k,t} w[k,t] · (−Σ_v p[t+k, v] · log softmax(hidden[k,t] @ weight.T)_v)
 
-Algorithm (per chunk of C rows of the flattened [K·N] problem):
-  1. z = h_c @ W.T                      cuBLAS, fp32 out               [C, Vd]
-  2. one row kernel over z              lse, Σp, Σpz, argmax, loss, accept; dz = w·(softmax·Σp − p)
-  3. dh_c = dz @ W; dW += dz.T @ h_c    cuBLAS; dW accumulated in fp32
+Algorithm, over the flattened [K·N] rows in groups of G rows, each cut into chunks of C rows:
+  1. per chunk: z = h_c @ W.T            cuBLAS, fp32 out               [C, Vd]
+  2. per chunk: one row kernel over z    lse, Σpz, argmax, loss, accept; dz = w·(softmax·Σp − p)
+  3. per group: dh_g = dz @ W; dW += dz.T @ h_g    cuBLAS; dW accumulated in fp32
 With ``reduction="sum"`` the gradient is computed in the forward pass (3 GEMMs per row, never 4)
 and backward only scales it by grad_output. ``reduction="none"`` returns per-row losses with a
 real graph: the forward saves lse and Σp per row and the backward recomputes z chunk by chunk,
 so any function of the row losses (e.g. an LK-style objective) differentiates correctly.
 
 Memory contract: besides the outputs (dh, dW) only one z chunk [C, Vd] fp32, one dz group
-[G, Vd] in the input dtype (G a multiple of C: the dh/dW GEMMs run once per group, which cuts
-the fp32 dW read-modify-write traffic), the fp32 dW accumulator and O(K·N) row scalars.
-No host syncs.
+[G, Vd] in the input dtype (the dh/dW GEMMs run once per group, which cuts the fp32 dW
+read-modify-write traffic), the fp32 dW accumulator and O(K·N) row scalars. No host syncs.
 The row kernels come from ``kernels/fused_loss.py`` (Triton) or ``kernels/loss_torch.py``.
 """
 
@@ -32,9 +31,9 @@ log = logging.getLogger(__name__)
 
 _BACKENDS = {"triton": "kernels.fused_loss", "torch": "kernels.loss_torch"}
 # Buffer sizes (tuned on an H200, benchmarks/README.md): the fp32 logits chunk z [C, Vd] and
-# the dz group [G, Vd] that feeds the dh/dW GEMMs. Vd = 32000 gives C = 1024, G = 4096.
+# the dz group [G, Vd] that feeds the dh/dW GEMMs. Vd = 32000 gives C = 1024, G = 6144.
 Z_BYTES = 128 << 20
-DZ_BYTES = 256 << 20
+DZ_BYTES = 384 << 20
 
 
 class LossOutput(NamedTuple):
@@ -301,7 +300,7 @@ def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tenso
         reduction: "sum" (gradient formed in forward, backward once) or "none" (per-row
             ``row_loss`` with a recomputing backward, for objectives non-linear in it).
         chunk_size: logit rows per chunk (default: a ~128 MiB fp32 z buffer); the dh/dW GEMMs
-            take groups of chunks (a ~256 MiB dz buffer).
+            take groups of chunks (a ~384 MiB dz buffer).
 
     Returns:
         LossOutput(loss, draft_argmax, accept, row_loss); see its docstring.

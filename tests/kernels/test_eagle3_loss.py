@@ -285,7 +285,7 @@ def test_chunk_and_group_sizes():
     assert kernels.auto_chunk_size(32000, 10**6) == 1024      # 128 MiB fp32 z buffer
     assert kernels.auto_chunk_size(163840, 10**6) == 128
     assert kernels.auto_chunk_size(32000, 100) == 100
-    assert _group_rows(1024, 32000, 10**6) == 4096            # 256 MiB bf16 dz buffer
-    assert _group_rows(1000, 32000, 10**6) == 4000
+    assert _group_rows(1024, 32000, 10**6) == 6144            # 384 MiB bf16 dz buffer
+    assert _group_rows(1000, 32000, 10**6) == 6000
     assert _group_rows(1024, 32000, 1500) == 1500
     assert _group_rows(4096, 163840, 10**6) == 4096
