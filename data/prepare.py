@@ -498,10 +498,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="generation precision; auto = bf16 on GPU, fp32 on CPU")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     gen = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-               temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device)
+               temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device,
+               dtype=args.dtype)
     summary = prepare(args.input, args.target, args.out, max_length=args.max_length,
                       on_error=args.on_error, generate=args.generate,
                       chat_template=args.chat_template, template_kwargs=_parse_kv(args.template_arg),

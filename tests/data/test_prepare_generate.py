@@ -1,0 +1,130 @@
+"""data.generate: answering prompts with the target, multi-turn order, batching, resume."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from data.generate import generate_conversations, scan_done
+from data.prepare import PrepareError, prepare
+from data.shards import open_dataset
+from models.targets import load_target
+
+PROMPTS = [
+    {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Name a color."},
+                             {"role": "user", "content": "Now name another one."}]},
+    {"id": "c", "conversations": [{"from": "human", "value": "Say hi."}]},
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core runner, OpenMP spin-waiting of two threads
+    costs more than it gains for these tiny forwards. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_target("tiny-llama")
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def gen(tmp_path, tiny, out, **kw):
+    model, tok = tiny
+    src = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    kw = {"max_new_tokens": 4, "batch_size": 1, **kw}
+    return generate_conversations(src, "tiny-llama", out, model=model, tokenizer=tok, **kw)
+
+
+def test_every_user_turn_answered_in_order(tmp_path, tiny):
+    out = gen(tmp_path, tiny, tmp_path / "conv.jsonl", batch_size=2)
+    recs = {r["id"]: r for r in lines(out)}
+    assert sorted(recs) == ["a", "b", "c"]
+    roles = [m["role"] for m in recs["b"]["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert recs["b"]["messages"][3]["content"] == "Now name another one."
+    assert len(recs["b"]["generation"]["finish_reason"]) == 2
+    assert recs["c"]["messages"][0] == {"role": "user", "content": "Say hi."}
+    for r in recs.values():
+        assert all(m["content"] for m in r["messages"] if m["role"] == "assistant")
+        assert r["generation"]["max_new_tokens"] == 4
+
+
+def test_resume_skips_done_ids_and_discards_partial_line(tmp_path, tiny, caplog):
+    ref = lines(gen(tmp_path, tiny, tmp_path / "ref.jsonl"))
+    out = tmp_path / "crashed.jsonl"
+    kept = dict(ref[0], messages=ref[0]["messages"][:1] + [{"role": "assistant",
+                                                            "content": "KEPT"}])
+    partial = json.dumps(ref[1])[:40]                     # a crash in the middle of line 2
+    out.write_text(json.dumps(kept) + "\n" + partial)
+    with caplog.at_level(logging.WARNING, logger="data.generate"):
+        gen(tmp_path, tiny, out)
+    assert "discarding a partial last line" in caplog.text
+    got = lines(out)
+    assert [r["id"] for r in got] == ["a", "b", "c"]
+    assert got[0]["messages"][1]["content"] == "KEPT"     # not regenerated
+    assert got[1:] == ref[1:]                             # greedy: same answers as a clean run
+    assert scan_done(out) == {"a", "b", "c"}
+    gen(tmp_path, tiny, out)                              # nothing left: file unchanged
+    assert lines(out) == got
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path, tiny):
+    out = tmp_path / "bad.jsonl"
+    out.write_text('{"id": "a", "messages": []}\nnot json\n{"id": "b", "messages": []}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: corrupt line"):
+        gen(tmp_path, tiny, out)
+
+
+def test_bad_prompt_records(tmp_path, tiny):
+    model, tok = tiny
+    src = write_jsonl(tmp_path / "p.jsonl", [PROMPTS[0], PROMPTS[0],
+                                             {"id": "z", "messages": [
+                                                 {"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": "Yo"}]}])
+    with pytest.raises(PrepareError, match=r"p\.jsonl:2: duplicate_id"):
+        generate_conversations(src, "tiny-llama", tmp_path / "o.jsonl", model=model,
+                               tokenizer=tok, max_new_tokens=2)
+    out = generate_conversations(src, "tiny-llama", tmp_path / "o.jsonl", model=model,
+                                 tokenizer=tok, max_new_tokens=2, on_error="skip")
+    assert [r["id"] for r in lines(out)] == ["a"]
+
+
+def test_prepare_generate_end_to_end(tmp_path, tiny):
+    model, tok = tiny
+    src = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    summary = prepare(src, "tiny-llama", tmp_path / "ds", tokenizer=tok, generate=True,
+                      generate_kwargs={"model": model, "tokenizer": tok, "max_new_tokens": 3})
+    assert (tmp_path / "ds" / "generated.jsonl").exists()
+    ds = open_dataset(tmp_path / "ds")
+    assert len(ds) == 3 and summary["conversations"] == 3
+    # b: two generated turns, both trained (SmolLM2 template re-renders history unchanged)
+    assert int((ds[1]["loss_mask"][1:].int() - ds[1]["loss_mask"][:-1].int() == 1).sum()) == 2
+
+
+def test_left_padded_batches_match_single_prompts_on_smollm2(tmp_path):
+    model, tok = load_target("smollm2", dtype=torch.float32)   # what generation uses on a CPU
+    recs = [PROMPTS[0], {"id": "d", "messages": [
+        {"role": "user", "content": "What is the capital of France? Answer in one short "
+                                    "sentence, please, and nothing else."}]}]
+    src = write_jsonl(tmp_path / "p.jsonl", recs)
+    kw = dict(model=model, tokenizer=tok, max_new_tokens=7)
+    batched = lines(generate_conversations(src, "smollm2", tmp_path / "b.jsonl", batch_size=2, **kw))
+    single = lines(generate_conversations(src, "smollm2", tmp_path / "s.jsonl", batch_size=1, **kw))
+    assert "Paris" in batched[0]["messages"][-1]["content"]
+    assert [r["messages"] for r in batched] == [r["messages"] for r in single]
