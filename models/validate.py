@@ -252,6 +252,44 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
+def is_speculators_config(cfg: dict[str, Any]) -> bool:
+    """A speculators-format config.json (vLLM only), not layout A."""
+    return "speculators_model_type" in cfg or "transformer_layer_config" in cfg
+
+
+def speculators_findings(cfg: dict[str, Any]) -> tuple[list[Finding], dict[str, Any]]:
+    """(findings specific to a speculators config, the equivalent layout-A dict to check on).
+
+    The layer fields come from `transformer_layer_config`; the aux ids are vLLM's (both
+    spellings are derived so that only real problems of the ids are reported).
+    """
+    out = [finding("SPECULATORS_FORMAT", WARNING,
+                   "config.json is in the speculators format (speculators_model_type "
+                   f"{cfg.get('speculators_model_type')!r})",
+                   "vLLM loads it; SGLang cannot parse it at all",
+                   "serve SGLang from the layout-A export (eyas export writes both)")]
+    if cfg.get("norm_before_residual") is not False:
+        out.append(finding(
+            "NORM_BEFORE_RESIDUAL", ERROR,
+            f"norm_before_residual = {cfg.get('norm_before_residual', 'absent')!r} in a "
+            f"speculators config", "vLLM's speculators path defaults it to true: an absent "
+            "flag serves the normed-residual variant; loads fine, acceptance collapses",
+            'write "norm_before_residual": false (the function eyas trains)'))
+    layer = cfg.get("transformer_layer_config")
+    flat = dict(layer) if isinstance(layer, dict) else {}
+    vl = cfg.get("eagle_aux_hidden_state_layer_ids")
+    flat.update(architectures=["LlamaForCausalLMEagle3"], norm_before_residual=False,
+                draft_vocab_size=cfg.get("draft_vocab_size"),
+                target_hidden_size=cfg.get("target_hidden_size") or flat.get("hidden_size"),
+                torch_dtype=cfg.get("torch_dtype", flat.get("torch_dtype")))
+    if vl is not None:
+        flat["eagle_aux_hidden_state_layer_ids"] = vl
+        if isinstance(vl, list) and all(isinstance(i, int) for i in vl):
+            flat["eagle_config"] = {"use_aux_hidden_state": True,
+                                    "eagle_aux_hidden_state_layer_ids": [i - 1 for i in vl]}
+    return out, flat
+
+
 def resolve_target_config(target_config: dict[str, Any] | str | Path | None) -> dict | None:
     """A target config.json dict (its text part) from a dict, a preset name, a file or a dir."""
     if target_config is None:
@@ -292,10 +330,17 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
                         "both engines read the drafter's shape from config.json",
                         "re-export with `eyas export`")]
     tcfg = resolve_target_config(target_config)
-    findings = check_config(cfg, tcfg)
+    findings: list[Finding] = []
+    speculators = is_speculators_config(cfg)
+    if speculators:  # a vLLM-only export: check what it stands for, with layout-A rules
+        findings, cfg = speculators_findings(cfg)
+    findings += check_config(cfg, tcfg)
     tdir = TensorDir(path)
     findings += tdir.findings
-    findings += check_tensors(tdir, cfg, tcfg, check_values=check_values)
+    tensor_findings = check_tensors(tdir, cfg, tcfg, check_values=check_values)
+    if speculators:  # vLLM reads `layers.0.` natively; SGLang does not read this format at all
+        tensor_findings = [f for f in tensor_findings if f.code != "NAME_LAYERS0"]
+    findings += tensor_findings
     if numeric:
         if any(f.severity == ERROR for f in findings):
             log.warning("skipping the numerical check: fix the static errors first")

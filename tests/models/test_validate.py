@@ -260,3 +260,20 @@ def test_cli_exit_codes(clean, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)[0]["code"] == "LM_HEAD_MISSING"
     with pytest.raises(SystemExit):  # --target-config is required
         cli_main([str(clean)])
+
+
+def test_speculators_format_export(clean, tcfg, tmp_path):
+    """A vLLM-only speculators export: one warning (SGLang cannot read it), then the same rules
+    on what it stands for; a missing norm_before_residual there means true in vLLM."""
+    from models.export import write_speculators_export
+    spec = write_speculators_export(clean, tmp_path / "spec", verifier="tiny-llama",
+                                    target_config=tcfg, num_speculative_tokens=3)
+    assert codes(validate(spec, tcfg)) == {"SPECULATORS_FORMAT"}
+    layers0 = rewrite(spec, tmp_path / "l0", None,
+                      lambda t: _rename(t, lambda k: k.replace("midlayer.", "layers.0.")))
+    assert codes(validate(layers0, tcfg)) == {"SPECULATORS_FORMAT"}  # vLLM reads layers.0.
+    no_flag = rewrite(spec, tmp_path / "nf", lambda c: c.pop("norm_before_residual"))
+    assert codes(validate(no_flag, tcfg)) == {"SPECULATORS_FORMAT", "NORM_BEFORE_RESIDUAL"}
+    short = rewrite(spec, tmp_path / "mp",
+                    lambda c: c["transformer_layer_config"].update(max_position_embeddings=2048))
+    assert codes(validate(short, tcfg)) == {"SPECULATORS_FORMAT", "MAX_POS_SHORT"}
