@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 class AttentionImpl(str, Enum):
+    auto = "auto"
     flex = "flex"
     eager = "eager"
 
@@ -90,8 +91,9 @@ class DrafterConfig:
     """SwiGLU width; null = the target family's default."""
     max_position_embeddings: Optional[int] = None
     """Exported context length; null = the target's."""
-    attention: AttentionImpl = AttentionImpl.flex
-    """flex (flex_attention, compiled on GPU) or eager (reference path)."""
+    attention: AttentionImpl = AttentionImpl.auto
+    """flex (flex_attention, compiled on GPU), eager (dense reference; CPU training) or auto
+    (flex on CUDA, eager elsewhere: torch's flex_attention has no CPU backward)."""
     compile: bool = True
     """torch.compile the drafter layer on GPU (ignored on CPU)."""
     init_lm_head_from_target: bool = True

@@ -60,6 +60,17 @@ def run(cfg: DictConfig) -> dict:
     summary["dataset"] = str(datasets.train)
     result = pipeline.run_training(cfg, accelerator, datasets)
     summary.update(result)
+    if accelerator.is_main_process and summary.get("export"):
+        try:
+            spec = pipeline.run_speculative_check(cfg, summary["export"])
+        except pipeline.StageUnavailable as e:
+            log.warning("%s", e)
+            spec = None
+        if spec:
+            summary["speculative"] = spec
+            log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
+                     "for %d tokens, identical to greedy: %s", spec["tau"],
+                     spec["target_forwards"], spec["tokens_generated"], spec["tokens_identical"])
     accelerator.end_training()
     return summary
 
@@ -93,6 +104,10 @@ def main(cfg: DictConfig) -> None:
     if current_rank() == 0:
         if summary.get("export"):
             print(f"export: {summary['export']}")
+        if summary.get("speculative"):
+            spec = summary["speculative"]
+            print(f"speculative: tau {spec['tau']:.3f} on held-out prompts, identical to greedy: "
+                  f"{spec['tokens_identical']}")
         if summary.get("tau") is not None:
             print(f"tau: {summary['tau']:.3f}")
 

@@ -30,6 +30,10 @@ def _need(module: str, what: str):
         raise StageUnavailable(f"{what}: not implemented yet ({module} is missing: {e})") from e
 
 
+def _value(x) -> str:
+    return str(getattr(x, "value", x))
+
+
 def shipped_prompts(kind: str = "default") -> Path:
     return PACKAGE_ROOT / "data" / "prompts" / f"{kind}.jsonl"
 
@@ -58,6 +62,7 @@ def _embedded_key(cfg) -> str:
 def build_embedded_dataset(cfg) -> DatasetPaths:
     """Generate conversations with the target, tokenise, extract hidden states (cached)."""
     prepare = _need("data.prepare", "dataset (prepare)")
+    generate = _need("data.generate", "dataset (generate)")
     extract = _need("data.extract", "dataset (extract)")
     root = Path(cfg.data.cache_dir).expanduser() / "datasets" / _embedded_key(cfg)
     hidden = root / "hidden"
@@ -67,23 +72,22 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
         return DatasetPaths(train=hidden, eval=None, conversations=conversations)
     root.mkdir(parents=True, exist_ok=True)
     prompts = Path(cfg.data.prompts or shipped_prompts("default"))
-    log.info("embedded dataset: %s answers %d prompts from %s (generation is resumable)",
-             cfg.target.name, cfg.data.num_prompts, prompts.name)
-    prepare.generate_conversations(
-        prompts, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
-        batch_size=cfg.data.generation_batch_size, temperature=0.0, seed=cfg.train.seed,
-        max_prompts=cfg.data.num_prompts, cache_dir=cfg.data.cache_dir)
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    subset = root / "prompts.jsonl"
+    if not subset.is_file():
+        subset.write_text("\n".join(lines[:cfg.data.num_prompts]) + "\n")
+    log.info("embedded dataset: %s answers %d prompts from %s (resumable; cached in %s)",
+             cfg.target.name, min(len(lines), cfg.data.num_prompts), prompts.name, root)
+    generate.generate_conversations(
+        subset, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
+        batch_size=cfg.data.generation_batch_size, temperature=0.0, seed=cfg.train.seed)
     tokens = root / "tokens"
     if not (tokens / "manifest.json").is_file():
         prepare.prepare(conversations, cfg.target.name, tokens, max_length=cfg.data.max_length,
-                        on_error="skip", cache_dir=cfg.data.cache_dir)
+                        on_error="skip")
     extract.extract(tokens, cfg.target.name, hidden,
                     layers=None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids),
-                    aux_format=str(cfg.data.aux_format.value if hasattr(cfg.data.aux_format, "value")
-                                   else cfg.data.aux_format),
-                    teacher=str(cfg.data.teacher.value if hasattr(cfg.data.teacher, "value")
-                                else cfg.data.teacher),
-                    cache_dir=cfg.data.cache_dir)
+                    aux_format=_value(cfg.data.aux_format), teacher=_value(cfg.data.teacher))
     return DatasetPaths(train=hidden, eval=None, conversations=conversations)
 
 
@@ -102,3 +106,17 @@ def ensure_dataset(cfg) -> DatasetPaths:
 def run_training(cfg, accelerator, datasets: DatasetPaths):
     trainer = _need("train.trainer", "train")
     return trainer.train(cfg, accelerator, datasets)
+
+
+def run_speculative_check(cfg, export_dir: str | Path) -> dict | None:
+    """Real greedy speculative decoding with the target on held-out prompts (rank 0 only)."""
+    if not cfg.eval.speculative:
+        return None
+    evaluate = _need("train.evaluate", "speculative decoding check")
+    if not hasattr(evaluate, "speculative_eval"):
+        raise StageUnavailable("speculative decoding check: not implemented yet "
+                               "(train.evaluate.speculative_eval is missing)")
+    prompts = Path(cfg.eval.prompts or shipped_prompts("heldout"))
+    return evaluate.speculative_eval(export_dir, cfg.target.name, prompts,
+                                     k=cfg.drafter.ttt_steps, num_prompts=cfg.eval.num_prompts,
+                                     max_new_tokens=cfg.eval.max_new_tokens)

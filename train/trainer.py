@@ -121,7 +121,10 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
         raise ValueError(f"the warm-start drafter reads layers {config.aux_layer_ids} but the "
                          f"dataset stores {aux_ids}: re-extract with --layers "
                          f"{','.join(map(str, config.aux_layer_ids))}")
-    drafter = Eagle3Drafter(config, attention=_value(cfg.drafter.attention),
+    attention = _value(cfg.drafter.attention)
+    if attention == "auto":
+        attention = "flex" if device.type == "cuda" else "eager"
+    drafter = Eagle3Drafter(config, attention=attention,
                             compile_flex=bool(cfg.drafter.compile) and device.type == "cuda")
     embed, head = load_embedding_and_head(cfg.target.name, cfg.data.cache_dir)
     drafter.load_target_embedding(embed)

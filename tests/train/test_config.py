@@ -127,3 +127,29 @@ def test_dry_run_writes_rank_record(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads((tmp_path / "r" / "ranks" / "rank0.json").read_text())
     assert rec["world_size"] == 1 and rec["rank"] == 0
+
+
+@pytest.mark.parametrize("preset", _options("target"))
+def test_every_target_preset_builds_a_drafter_on_meta(preset):
+    import torch
+
+    from models.config import Eagle3Config
+    from models.drafter import Eagle3Drafter
+    from models.targets import load_target_config, text_config
+
+    cfg = _compose([f"target={preset}"])
+    check(cfg)
+    tcfg = load_target_config(cfg.target.name)
+    V = text_config(tcfg)["vocab_size"]
+    config = Eagle3Config.from_target(tcfg, draft_vocab_size=min(cfg.drafter.draft_vocab_size, V),
+                                      ttt_steps=cfg.drafter.ttt_steps)
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(config, attention="eager", compile_flex=False)
+    H, tH = config.hidden_size, config.target_hidden_size
+    assert drafter.fc.weight.shape == (H, 3 * tH)
+    assert drafter.midlayer.self_attn.q_proj.weight.shape[1] == 2 * H
+    assert drafter.lm_head.weight.shape == (config.draft_vocab_size, H)
+    assert drafter.embed_tokens.weight.shape == (V, H)
+    assert not drafter.embed_tokens.weight.requires_grad
+    assert config.to_config_dict()["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        i - 1 for i in config.aux_layer_ids]

@@ -1,0 +1,157 @@
+"""End-to-end training runs on CPU: real processes, real datasets, real checkpoints."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN = str(ROOT / "train" / "main.py")
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+
+SMALL = ["drafter.attention=eager", "drafter.ttt_steps=3", "drafter.draft_vocab_size=1024",
+         "data.token_budget=256", "data.num_workers=1", "optim.lr=1e-3", "optim.warmup_steps=0",
+         "optim.schedule=constant", "train.log_every=1", "data.eval_fraction=0.1"]
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _cmd(nproc: int, port: int):
+    if nproc == 1:
+        return [sys.executable, MAIN]
+    return [ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines",
+            "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+            str(port), MAIN]
+
+
+def run(run_dir: Path, dataset: Path, *overrides, nproc=1, port=29531, timeout=600, check=True):
+    args = [*_cmd(nproc, port), *SMALL, f"data.dataset={dataset}", f"hydra.run.dir={run_dir}",
+            *overrides]
+    r = subprocess.run(args, cwd=run_dir.parent, env=_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-6000:]
+    return r
+
+
+def losses(run_dir: Path) -> list[float]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in recs if "train/loss" in r]
+
+
+def ranks(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
+
+
+def _decreases(ls: list[float]) -> bool:
+    k = max(1, len(ls) // 4)
+    return sum(ls[-k:]) / k < 0.9 * sum(ls[:k]) / k
+
+
+def test_single_process_trains_exports_and_prints(tmp_path, smollm2_dataset):
+    r = run(tmp_path / "r", smollm2_dataset, "train.max_steps=16")
+    ls = losses(tmp_path / "r")
+    assert len(ls) == 16 and _decreases(ls), ls
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2] == f"export: {tmp_path / 'r' / 'export'}"
+    assert lines[-1].startswith("tau: ") and float(lines[-1].split()[1]) >= 1.0
+    cfg = json.loads((tmp_path / "r" / "export" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draft_vocab_size"] == 1024 and cfg["vocab_size"] == 49152
+
+
+def test_two_process_ddp_world_size_and_learning(tmp_path, smollm2_dataset):
+    run(tmp_path / "r", smollm2_dataset, "train.max_steps=12", nproc=2, port=29532)
+    rs = ranks(tmp_path / "r")
+    assert [x["world_size"] for x in rs] == [2, 2]
+    assert {x["distributed_type"] for x in rs} == {"MULTI_CPU"}
+    assert _decreases(losses(tmp_path / "r"))
+
+
+def test_two_process_deepspeed_zero2(tmp_path, smollm2_dataset):
+    run(tmp_path / "r", smollm2_dataset, "dist=zero2", "train.max_steps=12", nproc=2, port=29533,
+        timeout=900)
+    rs = ranks(tmp_path / "r")
+    assert [x["world_size"] for x in rs] == [2, 2]
+    assert {x["distributed_type"] for x in rs} == {"DEEPSPEED"}
+    assert _decreases(losses(tmp_path / "r"))
+    # DeepSpeed wrote its own sharded checkpoint format
+    assert list((tmp_path / "r" / "checkpoints").glob("step-*/pytorch_model/*optim_states.pt"))
+
+
+def _export_tensors(run_dir: Path) -> dict:
+    return load_file(str(run_dir / "export" / "model.safetensors"))
+
+
+def test_kill9_then_resume_matches_uninterrupted_run_bitwise(tmp_path, tiny_llama_dataset):
+    common = ["target=tiny_llama", "train.max_steps=10", "train.deterministic=true",
+              "train.eval_every=0"]
+    run(tmp_path / "a", tiny_llama_dataset, *common)
+    # run b: checkpoint every step, SIGKILL the process once step 4 is published
+    b = tmp_path / "b"
+    b.mkdir()
+    args = [sys.executable, MAIN, *SMALL, f"data.dataset={tiny_llama_dataset}",
+            f"hydra.run.dir={b}", *common, "train.save_every=1", "train.keep_last=2"]
+    p = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    latest = b / "checkpoints" / "latest"
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        if latest.is_file() and latest.read_text().strip() >= "step-000004":
+            break
+        if p.poll() is not None:
+            pytest.fail("run b ended before it could be killed")
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    killed_at = latest.read_text().strip()
+    assert killed_at < "step-000010"
+    assert not (b / "export").exists()
+    run(b, tiny_llama_dataset, *common, "train.save_every=1", "train.resume=latest")
+    ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), f"{name} differs after resume from {killed_at}"
+
+
+def test_resume_refuses_a_different_objective(tmp_path, tiny_llama_dataset):
+    common = ["target=tiny_llama", "train.max_steps=2"]
+    run(tmp_path / "r", tiny_llama_dataset, *common)
+    r = run(tmp_path / "r", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=4",
+            "loss.step_weight=0.5", "train.resume=latest", check=False)
+    assert r.returncode != 0
+    assert "loss.step_weight" in r.stderr and "refusing to resume" in r.stderr
+
+
+def test_wandb_offline_run_directory(tmp_path, tiny_llama_dataset):
+    run(tmp_path / "r", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=3",
+        "tracker=wandb", "tracker.mode=offline")
+    runs = list((tmp_path / "r" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    cfg = (runs[0] / "files" / "config.yaml").read_text()
+    assert "ttt_steps" in cfg and "token_budget" in cfg
+    summary = json.loads((runs[0] / "files" / "wandb-summary.json").read_text())
+    for key in ("train/loss", "train/acc_0", "train/cond_acc_0", "train/accept_len", "train/lr",
+                "train/grad_norm", "train/tokens_per_s", "train/data_wait"):
+        assert key in summary, key
+
+
+def test_multirun_trains_one_job_per_value(tmp_path, tiny_llama_dataset):
+    args = [sys.executable, MAIN, "--multirun", *SMALL, f"data.dataset={tiny_llama_dataset}",
+            "target=tiny_llama", "train.max_steps=2", "optim.lr=1e-3,2e-3", "export.enabled=false",
+            f"hydra.sweep.dir={tmp_path}/sweep"]
+    r = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    jobs = sorted((tmp_path / "sweep").glob("*/summary.json"))
+    assert len(jobs) == 2
