@@ -122,7 +122,7 @@ class _Shard:
         return self._base
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The stored tensor `name` as a zero-copy view (a copy only for a misaligned foreign file)."""
+        """Stored tensor `name` as a zero-copy view (copied only if misaligned: foreign files)."""
         e = self.header.tensors[name]
         raw = self.base[e.begin:e.end]
         if e.begin % e.dtype.itemsize:
@@ -162,7 +162,7 @@ class _Shard:
                 q = self.tensor(name)[lo:lo + length]
                 dequantize_fp8(q, self.tensor(AUX_SCALE)[lo:lo + length],
                                out=dst.view(q.shape))
-            elif spec["dtype"] == spec["stored_dtype"] and dst.is_contiguous():
+            elif spec["dtype"] == spec["stored_dtype"] and dst.is_contiguous():  # pread path
                 e = self.header.tensors[name]
                 row = e.nbytes // e.shape[0]
                 buf = memoryview(as_numpy_bytes(dst).reshape(-1).view(np.uint8))
@@ -199,7 +199,7 @@ class Dataset:
 
     def __init__(self, root: Path, manifest: dict[str, Any], lengths: np.ndarray,
                  shard_first: np.ndarray, *, check_finite: bool = False,
-                 max_open_shards: int = 1024):
+                 max_open_shards: int = 256):
         self.root = root
         self.manifest = manifest
         self.check_finite = check_finite
@@ -207,6 +207,7 @@ class Dataset:
         self._first = shard_first                                  # [S+1] first sample per shard
         self._all_lengths = lengths                                # [N] int64
         self._keep: np.ndarray | None = None                      # filtered view (skip mode)
+        self._sample_shard: np.ndarray | None = None              # [N] shard of each sample
         self.skipped: list[dict[str, Any]] = []
         self._cache: OrderedDict[int, _Shard] = OrderedDict()
         self._cache_lock = threading.Lock()
@@ -251,13 +252,26 @@ class Dataset:
 
     # ---- access ------------------------------------------------------------------------
     def locate(self, i: int) -> tuple[int, int]:
-        """(shard index, sample index inside the shard) of sample i; O(log shards)."""
+        """(shard index, sample index inside the shard) of sample i; O(1) table lookup."""
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sample {i} out of range for a dataset of {n} samples")
         g = int(i % n if self._keep is None else self._keep[i % n])
-        s = int(np.searchsorted(self._first, g, side="right")) - 1
+        if self._sample_shard is None:   # built on first use: 4 bytes per sample
+            counts = np.diff(self._first)
+            self._sample_shard = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+        s = int(self._sample_shard[g])
         return s, g - int(self._first[s])
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (e.g. for spawned worker processes): open shards are not carried over."""
+        state = self.__dict__.copy()
+        state["_cache"], state["_cache_lock"] = OrderedDict(), None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cache_lock = threading.Lock()
 
     def shard(self, s: int) -> _Shard:
         with self._cache_lock:
@@ -265,8 +279,7 @@ class Dataset:
             if sh is not None:
                 self._cache.move_to_end(s)
                 return sh
-        entry = dict(self._shard_entries[s], fields=self.fields,
-                     aux_format=self.aux_format)
+        entry = dict(self._shard_entries[s], fields=self.fields, aux_format=self.aux_format)
         lengths = self._all_lengths[self._first[s]:self._first[s + 1]]
         sh = _Shard(self.shard_path(s), entry, lengths)
         with self._cache_lock:
@@ -371,7 +384,7 @@ def _load_manifest(root: Path) -> dict[str, Any]:
 
 
 def open_dataset(path: str | os.PathLike, *, verify: str = "none", nonfinite: str = "error",
-                 check_finite: bool = False, max_open_shards: int = 1024) -> Dataset:
+                 check_finite: bool = False, max_open_shards: int = 256) -> Dataset:
     """Open the dataset in directory `path` (reads the manifest and the length index only).
 
     Args:

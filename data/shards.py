@@ -51,7 +51,8 @@ def _store_field(name: str, t: torch.Tensor, path: Path) -> torch.Tensor:
     """Cast a concatenated field [T, ...] to its stored dtype (see READ_DTYPES / FORMAT.md)."""
     if name in ID_FIELDS:
         if t.is_floating_point() or t.dtype == torch.bool:
-            raise DatasetError(f"field {name!r} must hold integer token ids, got {t.dtype}", path=path)
+            raise DatasetError(f"field {name!r} must hold integer token ids, got {t.dtype}",
+                               path=path)
         if t.numel() and (int(t.min()) < -_INT32_MAX - 1 or int(t.max()) > _INT32_MAX):
             raise DatasetError(f"field {name!r} has ids outside int32 range "
                                f"[{int(t.min())}, {int(t.max())}]", path=path)

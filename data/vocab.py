@@ -36,7 +36,8 @@ def _dataset_vocab_size(ds) -> int | None:
     m = ds.manifest
     cfg = m.get("target_config") or {}
     cfg = cfg.get("text_config") or cfg
-    for v in (cfg.get("vocab_size"), m.get("vocab_size"), (m.get("tokenizer") or {}).get("vocab_size")):
+    tok = m.get("tokenizer") or {}
+    for v in (cfg.get("vocab_size"), m.get("vocab_size"), tok.get("vocab_size")):
         if isinstance(v, int) and v > 0:
             return v
     return None
@@ -61,7 +62,7 @@ def count_tokens(dataset, target_vocab_size: int, count: str = "auto") -> np.nda
     if count == "target_argmax" and "target_argmax" not in dataset.fields:
         raise ValueError(f"count='target_argmax' needs a dataset with target_argmax; "
                          f"{dataset.root} has {sorted(dataset.fields)}; use count='next_token'")
-    names = ("loss_mask", "target_argmax") if count == "target_argmax" else ("loss_mask", "input_ids")
+    names = ("loss_mask", "target_argmax" if count == "target_argmax" else "input_ids")
     counts = np.zeros(target_vocab_size, dtype=np.int64)
     for i in progress(range(len(dataset)), desc="counting tokens", unit="sample"):
         s = dataset.sample(i, names)

@@ -18,7 +18,8 @@ LAYERS = [2, 4, 5]  # default_aux_layer_ids(8)
 
 def _sample(T, gen):
     return (torch.randint(0, 49152, (T,), generator=gen), torch.randint(0, 2, (T,), generator=gen),
-            torch.randn(T, 3 * TH, generator=gen).bfloat16(), torch.randn(T, TH, generator=gen).bfloat16())
+            torch.randn(T, 3 * TH, generator=gen).bfloat16(),
+            torch.randn(T, TH, generator=gen).bfloat16())
 
 
 def _write_specforge(root, lengths, *, renamed=False):
@@ -28,7 +29,8 @@ def _write_specforge(root, lengths, *, renamed=False):
     for idx, T in enumerate(lengths):
         ids, mask, aux, last = _sample(T, gen)
         if renamed:   # the offline dataset's in-memory names
-            d = {"input_ids": ids, "loss_mask": mask, "hidden_state": aux[None], "target": last[None]}
+            d = {"input_ids": ids, "loss_mask": mask, "hidden_state": aux[None],
+                 "target": last[None]}
         else:
             d = {"input_ids": ids, "loss_mask": mask, "hidden_state": last[None],
                  "aux_hidden_state": aux[None]}
@@ -93,7 +95,8 @@ def _write_speculators(root, lengths):
     for i, T in enumerate(lengths):
         ids = torch.randint(0, 49152, (T,), generator=gen)
         hs = (torch.randn(T, 4, TH, generator=gen) * 4).bfloat16()
-        save_file({"token_ids": ids, "hidden_states": hs}, str(root / "hidden_states" / f"hs_{i}.safetensors"))
+        save_file({"token_ids": ids, "hidden_states": hs},
+                  str(root / "hidden_states" / f"hs_{i}.safetensors"))
         ref.append((ids, hs))
     return ref
 
@@ -146,8 +149,10 @@ def test_speculators_v1_pt_layout(tmp_path):
     (tmp_path / "v1").mkdir()
     ids, mask = torch.randint(0, 100, (6,), generator=gen), torch.tensor([0, 0, 1, 1, 1, 0])
     states = [torch.randn(6, TH, generator=gen).bfloat16() for _ in range(4)]
-    torch.save({"input_ids": ids, "loss_mask": mask, "hidden_states": states}, tmp_path / "v1" / "data_0.pt")
-    import_hidden_states("speculators", tmp_path / "v1", tmp_path / "out", target=tmp_path / "target")
+    torch.save({"input_ids": ids, "loss_mask": mask, "hidden_states": states},
+               tmp_path / "v1" / "data_0.pt")
+    import_hidden_states("speculators", tmp_path / "v1", tmp_path / "out",
+                         target=tmp_path / "target")
     s = open_dataset(tmp_path / "out")[0]
     assert torch.equal(s["loss_mask"], mask.bool()) and torch.equal(s["aux"][:, 2], states[2])
     assert torch.equal(s["last"], _reference_norm(states[3], w, eps))

@@ -69,7 +69,8 @@ def test_hand_packing_exact(tmp_path):
     assert b0.positions.tolist() == [0, 1, 2, 3, 0, 1]
     assert b1.doc_ids.tolist() == [0, 0, 0, -1, -1, -1]
     assert b1.positions.tolist() == [0, 1, 2, 0, 0, 0]
-    assert b0.input_ids.tolist() == samples[2]["input_ids"].tolist() + samples[1]["input_ids"].tolist()
+    assert b0.input_ids.tolist() == (samples[2]["input_ids"].tolist()
+                                     + samples[1]["input_ids"].tolist())
     assert b1.input_ids.tolist()[3:] == [0, 0, 0] and b1.num_tokens == 3
     assert b0.aux.shape == (6, 3 * TH) and b0.aux.dtype == torch.bfloat16
     assert b0.doc_ids.dtype == torch.int32 and b0.positions.dtype == torch.int64
@@ -238,9 +239,10 @@ def test_indices_restrict_loader(tmp_path):
 
 
 def test_batch_to_and_plan_function():
-    b = Batch(input_ids=torch.zeros(4, dtype=torch.int64), loss_mask=torch.zeros(4, dtype=torch.bool),
-              doc_ids=torch.full((4,), -1, dtype=torch.int32), positions=torch.zeros(4, dtype=torch.int64),
-              num_tokens=0)
+    b = Batch(input_ids=torch.zeros(4, dtype=torch.int64),
+              loss_mask=torch.zeros(4, dtype=torch.bool),
+              doc_ids=torch.full((4,), -1, dtype=torch.int32),
+              positions=torch.zeros(4, dtype=torch.int64), num_tokens=0)
     c = b.to("cpu")
     assert c.aux is None and torch.equal(c.doc_ids, b.doc_ids) and c.num_tokens == 0
     if torch.cuda.is_available():

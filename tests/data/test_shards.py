@@ -353,3 +353,13 @@ def test_read_into_matches_getitem(tmp_path):
             assert torch.equal(out[k][:6], v[:6]), (fmt, k)
             assert not out[k][6:].any()
     assert np.array_equal(ds.sample_lengths, [5, 7])
+
+
+def test_dataset_pickles_without_open_shards(tmp_path):
+    import pickle
+    samples, _ = write_dataset(tmp_path, [[3], [4, 2]])
+    ds = open_dataset(tmp_path)
+    ds[2]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert not clone._cache and torch.equal(clone[2]["aux"], samples[2]["aux"])
+    assert clone.locate(1) == (1, 0) and clone.locate(-1) == (1, 1)

@@ -83,7 +83,8 @@ def test_save_load_round_trip(tmp_path):
     save_file({"d2t": d2t}, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match="needs tensors 'd2t' and 't2d'"):
         load_vocab(tmp_path / "bad.safetensors")
-    save_file({"d2t": torch.zeros(10, dtype=torch.int64), "t2d": t2d}, str(tmp_path / "z.safetensors"))
+    save_file({"d2t": torch.zeros(10, dtype=torch.int64), "t2d": t2d},
+              str(tmp_path / "z.safetensors"))
     with pytest.raises(ValueError, match="z.safetensors: d2t and t2d disagree"):
         load_vocab(tmp_path / "z.safetensors")
     with pytest.raises(ValueError):
@@ -97,7 +98,8 @@ def _count_dataset(root):
     mask = [torch.tensor([0, 1, 1, 1]), torch.tensor([1, 1, 0])]
     arg = [torch.tensor([9, 9, 8, 0]), torch.tensor([6, 7, 7])]
     ss = [{"input_ids": i, "loss_mask": m, "target_argmax": a,
-           "aux": torch.zeros(len(i), 3, 4, dtype=torch.bfloat16)} for i, m, a in zip(ids, mask, arg)]
+           "aux": torch.zeros(len(i), 3, 4, dtype=torch.bfloat16)}
+          for i, m, a in zip(ids, mask, arg)]
     write_manifest(root, {"kind": "hidden", "target_config": {"vocab_size": 10}},
                    [write_shard(root, 0, ss)])
     return open_dataset(root)
