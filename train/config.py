@@ -53,6 +53,12 @@ class DistBackend(str, Enum):
     deepspeed = "deepspeed"
 
 
+class ParamDtype(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
 class TrackerKind(str, Enum):
     wandb = "wandb"
     none = "none"
@@ -218,6 +224,9 @@ class TrainConfig:
     """Abort after this many skipped steps with NaN/inf loss or gradients."""
     deterministic: bool = False
     """torch deterministic algorithms (bitwise-reproducible resume on CPU)."""
+    param_dtype: ParamDtype = ParamDtype.auto
+    """Drafter parameter dtype: bf16 (fp32 master weights in the optimizer), fp32, or auto
+    (bf16 on CUDA; fp32 on CPU, where bf16 matmuls are emulated and several times slower)."""
     peak_tflops: Optional[float] = None
     """Accelerator peak for MFU in TFLOP/s; null = 989 (H100/H200 dense bf16) on CUDA."""
     dry_run: bool = False

@@ -28,7 +28,15 @@ log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-def deepspeed_config(dist_cfg, grad_accum: int, clip: float) -> dict:
+def param_dtype(cfg, device: torch.device) -> torch.dtype:
+    """The drafter's parameter dtype for `train.param_dtype` on this device."""
+    choice = str(getattr(cfg.train.param_dtype, "value", cfg.train.param_dtype))
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool) -> dict:
     """The DeepSpeed JSON for this run, with the 'auto' fields filled from the config."""
     name = dist_cfg.deepspeed_config or f"zero{dist_cfg.zero_stage}.json"
     path = Path(name) if Path(name).is_absolute() else CONF_DIR / "deepspeed" / name
@@ -40,8 +48,8 @@ def deepspeed_config(dist_cfg, grad_accum: int, clip: float) -> dict:
     ds["gradient_accumulation_steps"] = grad_accum
     ds["gradient_clipping"] = clip if clip > 0 else 0.0
     ds["train_micro_batch_size_per_gpu"] = 1
-    # eyas keeps bf16 parameters itself; DeepSpeed must not add another mixed-precision layer.
-    ds["bf16"] = {"enabled": False}
+    # bf16 parameters: DeepSpeed keeps the fp32 master weights and optimizer state itself.
+    ds["bf16"] = {"enabled": bf16}
     return ds
 
 
@@ -55,7 +63,9 @@ def build_accelerator(cfg, project_dir: str | Path, log_with=None) -> Accelerato
         log_with=log_with,
     )
     if cfg.dist.backend == DistBackend.deepspeed:
-        ds = deepspeed_config(cfg.dist, cfg.optim.grad_accum, cfg.optim.clip_grad_norm)
+        device = torch.device("cuda" if not on_cpu else "cpu")
+        ds = deepspeed_config(cfg.dist, cfg.optim.grad_accum, cfg.optim.clip_grad_norm,
+                              bf16=param_dtype(cfg, device) == torch.bfloat16)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
         if on_cpu:
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]

@@ -50,7 +50,7 @@ class TrainingModule(nn.Module):
         """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1."""
         d = self.drafter
         if last is not None:
-            p = kernels.teacher_probs(last, self.target_head_rows.to(last.dtype))
+            p = kernels.teacher_probs(last.to(self.target_head_rows.dtype), self.target_head_rows)
         elif topk_ids is not None:
             V = d.config.vocab_size
             t2d_index = torch.full((V,), -1, dtype=torch.int64, device=topk_ids.device)

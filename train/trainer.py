@@ -29,6 +29,7 @@ from models.metrics import accept_counts, add_counts, finalize
 from models.targets import load_embedding_and_head, load_target_config, text_config
 from train import checkpoint as ckpt
 from train.config import DistBackend, to_plain
+from train.dist import param_dtype
 from train.optim import build_optimizer, build_scheduler
 from train.step import TrainingModule, batch_inputs, resolve_loss_impl
 from train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
@@ -137,8 +138,9 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
         drafter.init_lm_head_from_target(head, d2t)
     else:
         drafter.set_vocab_map(d2t, t2d)
-    drafter.to(torch.bfloat16)
-    head_rows = head[torch.arange(d2t.numel()) + d2t].to(torch.bfloat16).contiguous()
+    dtype = param_dtype(cfg, device)
+    drafter.to(dtype)
+    head_rows = head[torch.arange(d2t.numel()) + d2t].to(dtype).contiguous()
     module = TrainingModule(drafter, head_rows, cfg.loss,
                             loss_impl=resolve_loss_impl(cfg.loss.impl, device),
                             ttt_steps=cfg.drafter.ttt_steps)
@@ -154,7 +156,8 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
         num_workers=cfg.data.num_workers, indices=eval_idx)
     per_epoch = math.ceil(len(train_loader) / cfg.optim.grad_accum)
     total = cfg.train.max_steps or per_epoch * cfg.train.epochs
-    optimizer = build_optimizer(module.parameters(), cfg.optim, master_weights=not deepspeed)
+    optimizer = build_optimizer(module.parameters(), cfg.optim,
+                                master_weights=not deepspeed and dtype != torch.float32)
     scheduler = build_scheduler(optimizer, cfg.optim, total)
     module, optimizer = accelerator.prepare(module, optimizer)
     accelerator.register_for_checkpointing(scheduler)
