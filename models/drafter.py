@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.attention import TTTAttention
+from models.attention import ATTENTION_KINDS, TTTAttention
 from models.config import Eagle3Config, rope_type
 from models.ttt import step_positions, step_tokens, structural_valid
 
@@ -155,6 +155,9 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, config: Eagle3Config, *, attention: str = "flex", compile_flex: bool = True,
                  flex_block_size: int = 128):
         super().__init__()
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention={attention!r}; choose one of {ATTENTION_KINDS} "
+                             f"(flex: GPU training, eager: CPU)")
         self.config, self.attention = config, attention
         self.compile_flex, self.flex_block_size = compile_flex, flex_block_size
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size

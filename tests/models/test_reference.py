@@ -5,7 +5,7 @@ Llama / DeepSeek-V3 targets), packed into one batch of several documents plus pa
 training forward's logits lm_head(hidden[k, t]) must equal what `models.reference.EngineDrafter`
 computes when it serves the same checkpoint (layout-A names, d2t scatter, KV cache, pre-norm
 feedback) for every start row t and draft step k:
-  * fp32: to 1e-5 (absolute, on logits of magnitude ~10);
+  * fp32: to 1e-5 relative to the logit scale (|Δ| <= 1e-5 · max|logit|; logits reach ~10-25);
   * bf16 (both sides in bf16, as trained and served): the training logits may be no further from
     the fp32 truth than BF16_FACTOR × the engine's own bf16 error + BF16_SLACK, and the greedy
     draft (argmax) agrees on at least BF16_ARGMAX_AGREE of the rows.
@@ -20,9 +20,19 @@ from models.reference import EngineDrafter, serve_packed
 from models.targets import default_aux_layer_ids, load_target
 
 K = 5
-FP32_ATOL = 1e-5
+FP32_TOL = 1e-5                          # × max(1, max |logit|): fp32 rounding of two orderings
 BF16_FACTOR, BF16_SLACK = 2.0, 0.05     # two independent bf16 computations differ by ~1x each
 BF16_ARGMAX_AGREE = 0.97                 # near-ties may flip under bf16 rounding
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The serving loop is ~10^3 tiny ops: one intra-op thread avoids thread-pool barriers, which
+    dominate on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"},
@@ -35,7 +45,7 @@ CHATS = [
 
 def _features(name: str, n_docs: int, pad: int = 5):
     """Packed batch (ids, aux bf16, doc_ids, positions) from the target's hidden states."""
-    model, tok = load_target(name)
+    model, tok = load_target(name, dtype=torch.float32)       # fp32 GEMMs: fast on CPU
     aux_ids = default_aux_layer_ids(model.config.num_hidden_layers)
     parts = []
     for chat in CHATS[:n_docs]:
@@ -91,8 +101,9 @@ def _check(name, n_docs):
     reached = ~torch.isnan(serve32[..., 0])
     assert torch.equal(reached, valid)                           # same rows, same steps
     assert valid.sum(1).tolist()[:2] == [len(ids) - 5 - n_docs, len(ids) - 5 - 2 * n_docs]
-    assert train32[valid].abs().max() > 1.0                      # logits with real spread
-    torch.testing.assert_close(train32[valid], serve32[valid], atol=FP32_ATOL, rtol=0)
+    scale = float(train32[valid].abs().max())
+    assert scale > 1.0                                           # logits with real spread
+    torch.testing.assert_close(train32[valid], serve32[valid], atol=FP32_TOL * scale, rtol=0)
 
     train16, _ = _training_logits(drafter, ids, aux, doc, pos, torch.bfloat16)
     serve16 = serve_packed(_engine(drafter, torch.bfloat16), ids, aux, doc, pos, K)
