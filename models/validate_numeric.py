@@ -68,7 +68,10 @@ def compare(cfg: dict[str, Any], tensors: Mapping[str, torch.Tensor], embedding:
     engine = EngineDrafter.from_tensors(cfg, f32, emb, dtype=torch.float32)
 
     dcfg = Eagle3Config.from_config_dict(cfg, ttt_steps=ttt_steps)
-    with torch.device("meta"):
+    # large drafters are built on the meta device (no init, no memory) and take the given
+    # tensors by reference; small ones directly (meta init costs seconds of first-use imports)
+    n_params = sum(t.numel() for t in f32.values()) + emb.numel()
+    with torch.device("meta" if n_params > 100_000_000 else "cpu"):
         drafter = Eagle3Drafter(dcfg, attention="eager")
     # the trainer's tensors as the export must hold them: bf16-rounded, then fp32 like the engine
     if trainer_state_dict is not None:
