@@ -9,7 +9,8 @@ serve it. The doctor collects what can be checked offline, before a server start
   engines will capture, the target the features were extracted from, the tokenizer and chat
   template the conversations were rendered with vs the target's;
 - how much of the data's assistant tokens (and of the target's own next-token choices) the
-  draft vocabulary can express at all: a draft token outside t2d is never accepted;
+  draft vocabulary can express at all: a draft token outside t2d is never accepted; and whether
+  the data was written by the target at all (its tokens vs the target's greedy choices);
 - the TTT depth trained (eyas_export.json) vs the number of speculative tokens served.
 """
 
@@ -30,7 +31,8 @@ from models.validate import (ERROR, WARNING, Finding, TensorDir, finding, read_c
 
 log = logging.getLogger(__name__)
 
-COVERAGE_WARN = 0.95  # below this share of assistant tokens in the draft vocabulary: a cause
+COVERAGE_WARN = 0.95   # below this share of the target's choices in the draft vocabulary: a cause
+AGREEMENT_WARN = 0.5   # below this share of trained tokens = target argmax: not target-written
 
 
 @dataclass
@@ -173,17 +175,19 @@ def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any
 
 
 def vocab_coverage(dataset: Any, t2d: torch.Tensor, max_samples: int = 2000) -> dict[str, Any]:
-    """Share of loss-masked tokens (and of the target's argmax for them) inside the draft vocab.
+    """Draft-vocabulary coverage of the trained tokens, and how target-like the data is.
 
-    Token t is trained on when loss_mask[t]; the target's prediction of it is target_argmax[t-1].
-    Reads up to `max_samples` samples spread evenly over the dataset.
+    For every trained token t (loss_mask[t]): is input_ids[t] in t2d (`token_coverage`); is the
+    target's own choice for that position, target_argmax[t-1], in t2d (`argmax_coverage`); and
+    does the text follow the target's choice, input_ids[t] == target_argmax[t-1]
+    (`target_agreement`). Reads up to `max_samples` samples spread evenly over the dataset.
     """
     from tqdm import tqdm
     n = len(dataset)
     idx = sorted(set(int(i) for i in torch.linspace(0, n - 1, min(n, max_samples)).round()))
     has_argmax = "target_argmax" in getattr(dataset, "fields", {})
     fields = ("input_ids", "loss_mask") + (("target_argmax",) if has_argmax else ())
-    tok_in = tok_all = arg_in = arg_all = 0
+    tok_in = tok_all = arg_in = arg_all = agree = 0
     for i in tqdm(idx, desc="draft vocab coverage", disable=not sys.stderr.isatty()):
         s = dataset.sample(i, fields)
         mask = s["loss_mask"].bool()
@@ -191,12 +195,14 @@ def vocab_coverage(dataset: Any, t2d: torch.Tensor, max_samples: int = 2000) -> 
         tok_in += int(t2d[ids].sum())
         tok_all += int(ids.numel())
         if has_argmax:
-            pred = s["target_argmax"][:-1][mask[1:]]   # target's choice for each masked token
+            pred = s["target_argmax"][:-1][mask[1:]]   # the target's choice for each trained token
             arg_in += int(t2d[pred].sum())
             arg_all += int(pred.numel())
+            agree += int((pred == s["input_ids"][1:][mask[1:]]).sum())
     return {"samples": len(idx), "tokens": tok_all,
             "token_coverage": tok_in / tok_all if tok_all else None,
-            "argmax_coverage": arg_in / arg_all if arg_all else None}
+            "argmax_coverage": arg_in / arg_all if arg_all else None,
+            "target_agreement": agree / arg_all if arg_all else None}
 
 
 def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tensor | None,
@@ -222,15 +228,29 @@ def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tens
         report.not_checked.append("draft vocabulary coverage: the dataset has no loss-masked "
                                   "tokens")
         return
-    worst = min(c for c in (cov["token_coverage"], cov["argmax_coverage"]) if c is not None)
+    # what a greedy target emits at serving is its own choice: that coverage bounds acceptance
+    key = cov["argmax_coverage"] if cov["argmax_coverage"] is not None else cov["token_coverage"]
     text = (f"the draft vocabulary covers {cov['token_coverage']:.1%} of {cov['tokens']} "
             f"assistant tokens" + (f" and {cov['argmax_coverage']:.1%} of the target's own "
                                    f"choices for them" if cov["argmax_coverage"] is not None
                                    else "") + f" ({cov['samples']} samples)")
-    if worst < COVERAGE_WARN:
+    agreement = cov["target_agreement"]
+    if agreement is not None and agreement < AGREEMENT_WARN:
+        report.add("DATA_OFF_POLICY", WARNING,
+                   f"only {agreement:.1%} of the trained tokens are the target's own greedy "
+                   f"choice: the conversations were not written by this target",
+                   "at serving the drafter continues the target's own text; trained on another "
+                   "model's (or human) text it sees a shifted distribution, and offline "
+                   "acceptance measured on this data overstates or misstates the served one",
+                   "regenerate the responses with the target (eyas prepare --generate) and "
+                   "re-extract")
+    elif agreement is not None:
+        report.checked.append(f"{agreement:.1%} of the trained tokens are the target's own "
+                              f"greedy choice (target-generated data)")
+    if key < COVERAGE_WARN:
         report.add("VOCAB_COVERAGE", WARNING, text,
                    f"a token outside the draft vocabulary can never be drafted: every position "
-                   f"where the target wants one is a rejection ({1 - worst:.1%} here)",
+                   f"where the target wants one is a rejection ({1 - key:.1%} here)",
                    "rebuild the draft vocabulary from data like the served traffic "
                    "(eyas vocab), force in special/template tokens, or use a larger "
                    "draft_vocab_size; a fine-tuned drafter must keep its own mapping")

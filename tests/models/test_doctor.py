@@ -50,8 +50,9 @@ def export(tcfg, ids, out: Path, **overrides) -> Path:
 
 
 def dataset(out: Path, ids: torch.Tensor, *, outside: float, aux_ids, template_sha,
-            hidden=64, n=6, T=40, seed=1) -> tuple[Path, list[dict]]:
-    """A hidden-state dataset whose loss-masked tokens lie outside `ids` with rate `outside`."""
+            hidden=64, n=6, T=40, seed=1, target_written=True) -> tuple[Path, list[dict]]:
+    """A hidden-state dataset whose loss-masked tokens lie outside `ids` with rate `outside`;
+    `target_written`: target_argmax[t] = input_ids[t+1] (greedy text of the target itself)."""
     g = torch.Generator().manual_seed(seed)
     out.mkdir()
     samples = []
@@ -66,6 +67,8 @@ def dataset(out: Path, ids: torch.Tensor, *, outside: float, aux_ids, template_s
             "loss_mask": torch.arange(T) >= T // 4,                   # assistant part
             "aux": torch.zeros(T, 3, hidden, dtype=torch.bfloat16),
             "target_argmax": torch.where(torch.rand(T, generator=g) < outside, other, inside)})
+        if target_written:
+            samples[-1]["target_argmax"] = torch.roll(samples[-1]["input_ids"], -1)
     meta = write_shard(out, 0, samples)
     write_manifest(out, {"kind": "hidden", "target": "tiny-llama", "aux_layer_ids": aux_ids,
                          "convention": "hf_hidden_states", "hidden_size": hidden,
@@ -85,6 +88,7 @@ def test_matching_export_and_data_have_nothing_to_report(tcfg, target_dir, draft
     assert report.findings == [], format_report(report, out)
     assert report.stats["coverage"]["token_coverage"] == 1.0
     assert report.stats["coverage"]["argmax_coverage"] == 1.0
+    assert report.stats["coverage"]["target_agreement"] == 1.0
     assert not report.not_checked, report.not_checked
     assert cli_main([str(out), "--target-config", str(target_dir), "--data", str(data),
                      "--num-speculative-tokens", "3"]) == 0
@@ -98,7 +102,8 @@ def test_broken_export_and_data_each_cause_is_named(tcfg, target_dir, draft_ids,
     cfg["max_position_embeddings"] = 2048                            # a contract violation too
     (out / "config.json").write_text(json.dumps(cfg))
     data, samples = dataset(tmp_path / "data", draft_ids, outside=0.3, aux_ids=[2, 4, 5],
-                            template_sha=template_sha256("another template"), hidden=64)
+                            template_sha=template_sha256("another template"),
+                            target_written=False)
     manifest = json.loads((data / "manifest.json").read_text())
     manifest["num_layers"] = 61                                       # extracted from another model
     (data / "manifest.json").write_text(json.dumps(manifest))
@@ -106,12 +111,12 @@ def test_broken_export_and_data_each_cause_is_named(tcfg, target_dir, draft_ids,
     report = diagnose(out, target_dir, data=data, num_speculative_tokens=5)
     codes = {f.code for f in report.findings}
     assert codes == {"MAX_POS_SHORT", "DATA_AUX_IDS", "DATA_TARGET", "DATA_TEMPLATE",
-                     "VOCAB_COVERAGE", "TTT_SHORT"}, format_report(report, out)
+                     "VOCAB_COVERAGE", "DATA_OFF_POLICY", "TTT_SHORT"}, format_report(report, out)
 
     # coverage, counted independently here
     t2d = torch.zeros(49152, dtype=torch.bool)
     t2d[draft_ids] = True
-    tok_in = tok_all = arg_in = arg_all = 0
+    tok_in = tok_all = arg_in = arg_all = agree = 0
     for s in samples:
         for t in range(len(s["input_ids"])):
             if s["loss_mask"][t]:
@@ -119,19 +124,21 @@ def test_broken_export_and_data_each_cause_is_named(tcfg, target_dir, draft_ids,
                 tok_all += 1
                 if t > 0:
                     arg_in += int(t2d[s["target_argmax"][t - 1]])
+                    agree += int(s["target_argmax"][t - 1] == s["input_ids"][t])
                     arg_all += 1
     cov = report.stats["coverage"]
     assert cov["tokens"] == tok_all and cov["token_coverage"] == pytest.approx(tok_in / tok_all)
     assert cov["argmax_coverage"] == pytest.approx(arg_in / arg_all)
-    assert 0.5 < cov["token_coverage"] < 0.9
+    assert cov["target_agreement"] == pytest.approx(agree / arg_all)
+    assert 0.5 < cov["argmax_coverage"] < 0.9 and cov["target_agreement"] < 0.5
 
     assert cli_main([str(out), "--target-config", str(target_dir), "--data", str(data),
                      "--num-speculative-tokens", "5"]) == 1
     text = capsys.readouterr().out
-    assert "6 likely cause(s)" in text
+    assert "7 likely cause(s)" in text
     for code in codes:
         assert code in text
-    assert "hidden_states[2, 4, 5]" in text and f"{cov['token_coverage']:.1%}" in text
+    assert "hidden_states[2, 4, 5]" in text and f"{cov['argmax_coverage']:.1%}" in text
 
 
 def test_off_by_one_hint_and_degraded_checks(tcfg, draft_ids, tmp_path):
