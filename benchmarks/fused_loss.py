@@ -205,7 +205,8 @@ def time_fn(fn, min_reps=3, max_reps=10, budget_s=1.5):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t_start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - t_start < budget_s):
+    while len(times) < max_reps and (len(times) < min_reps
+                                     or time.perf_counter() - t_start < budget_s):
         res = None
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
@@ -241,7 +242,8 @@ def bench_config(N, H, K, dist, methods, with_ref):
         rec = dict(N=N, H=H, K=K, dist=dist, method=name, floor_ms=round(floor, 2))
         try:
             ms, peak, (loss, dh, dW) = time_fn(lambda: METHODS[name](x))
-            rec.update(ms=round(ms, 2), peak_gib=round(peak, 2), pct_floor=round(100 * floor / ms, 1))
+            rec.update(ms=round(ms, 2), peak_gib=round(peak, 2),
+                       pct_floor=round(100 * floor / ms, 1))
             if ref is not None:
                 rec.update(dh_err=rel(dh, ref[1]), dW_err=rel(dW, ref[2]))
                 if loss is not None:
@@ -260,8 +262,10 @@ def bench_config(N, H, K, dist, methods, with_ref):
 
 def fmt_row(r):
     if r.get("ms") is None:
-        return f"{r['N']:>6} {r['H']:>5} {r['K']:>2} {r['dist']:<6} {r['method']:<12} {r.get('note')}"
-    err = "".join(f" {r[k]:9.1e}" if k in r else f" {'-':>9}" for k in ("loss_err", "dh_err", "dW_err"))
+        return (f"{r['N']:>6} {r['H']:>5} {r['K']:>2} {r['dist']:<6} {r['method']:<12} "
+                f"{r.get('note')}")
+    err = "".join(f" {r[k]:9.1e}" if k in r else f" {'-':>9}"
+                  for k in ("loss_err", "dh_err", "dW_err"))
     return (f"{r['N']:>6} {r['H']:>5} {r['K']:>2} {r['dist']:<6} {r['method']:<12} {r['ms']:9.2f} "
             f"{r['peak_gib']:7.2f} {r['pct_floor']:6.1f}%{err}   floor {r['floor_ms']:.1f}")
 
@@ -345,7 +349,8 @@ def sweep(N=16384, H=4096, K=7):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="benchmarks/fused_loss.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="benchmarks/fused_loss.py",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="main shape only (N=16384 H=4096 K=1,7)")
     ap.add_argument("--sweep", action="store_true", help="tune block/warps/chunk first")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")

@@ -53,7 +53,7 @@ def _loss_row(z_row, p_row, dz_row, sp, w, V, V_act,
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
     lse = m + tl.log(s)
-    # Pass 2 (z mostly from L2: few rows are in flight): teacher, Σpz, dz, acceptance.
+    # Pass 2 (re-reads z): teacher, Σpz, dz and acceptance.
     inv_sp = tl.where(sp > 0.0, 1.0 / tl.maximum(sp, 1e-30), 0.0)
     spz_vec = tl.zeros((BLOCK_V,), tl.float32)
     acc_vec = tl.zeros((BLOCK_V,), tl.float32)
@@ -181,7 +181,7 @@ def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept):
 
 
 def grad_rows(z, teacher, coef, lse, psum, row0, N, dz):
-    """dz = coef·(softmax(z)·Σp − p) for chunk rows ``row0 .. row0+len(z)`` (deferred backward)."""
+    """Deferred backward: dz = coef·(softmax(z)·Σp − p) for rows ``row0 .. row0+len(z)``."""
     c, V = z.shape
     _grad_rows_kernel[(c,)](
         z, z.stride(0), teacher, teacher.stride(0), coef, lse, psum,

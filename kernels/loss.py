@@ -5,7 +5,7 @@ the teacher + draft argmax (+ expected acceptance), without [K·N, Vd] logits.
 
 Algorithm, over the flattened [K·N] rows in groups of G rows, each cut into chunks of C rows:
   1. per chunk: z = h_c @ W.T            cuBLAS, fp32 out               [C, Vd]
-  2. per chunk: one row kernel over z    lse, Σpz, argmax, loss, accept; dz = w·(softmax·Σp − p)
+  2. per chunk: one row kernel over z    lse, Σpz, argmax, loss, accept, dz = w·(q·Σp − p)
   3. per group: dh_g = dz @ W; dW += dz.T @ h_g    cuBLAS; dW accumulated in fp32
 With ``reduction="sum"`` the gradient is computed in the forward pass (3 GEMMs per row, never 4)
 and backward only scales it by grad_output. ``reduction="none"`` returns per-row losses with a

@@ -24,7 +24,8 @@ def _inputs(K, N, H, V, seed=0, dev="cuda"):
 def _reference(h, W, p, w):
     K, N, _ = h.shape
     dev = h.device
-    idx = (torch.arange(N, device=dev)[None] + torch.arange(K, device=dev)[:, None]).clamp(max=N - 1)
+    idx = torch.arange(N, device=dev)[None] + torch.arange(K, device=dev)[:, None]
+    idx = idx.clamp(max=N - 1)                                                  # [K, N]
     rows, am = [], []
     for k in range(K):
         z = h[k].float() @ W.float().T
