@@ -116,11 +116,11 @@ def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
     """Read a trainer checkpoint: a state-dict file, or a directory (DDP or DeepSpeed + eyas.json).
 
     A run's `checkpoints/` directory resolves to the checkpoint its `latest` pointer names.
-    eyas.json (or eyas_state.json) keys read: the drafter config under `drafter` (or
-    `drafter_config`, `config`),
-    `ttt_steps` (anywhere), `vocab_map` (a file with d2t/t2d, relative to the checkpoint).
-    Without a `vocab_map`, `vocab_map.safetensors` / `vocab.safetensors` next to it, or the
-    state dict's own `d2t`/`t2d` buffers are used.
+    Keys read from eyas.json (or eyas_state.json): the drafter config under `drafter` (or
+    `drafter_config`, `config`; Eagle3Config.to_dict() or a config.json dict), `ttt_steps`
+    (anywhere, also as `drafter.ttt_steps`), `vocab_map` (a d2t/t2d safetensors file relative to
+    the checkpoint). Without `vocab_map`: `vocab_map.safetensors` / `vocab.safetensors` next to
+    it, else the state dict's own `d2t`/`t2d` buffers.
     """
     path = Path(path)
     if path.is_file():
