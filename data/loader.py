@@ -71,8 +71,10 @@ class _BufferPool:
                     slab["busy"] = True
                     return slab
             tensors = {k: torch.empty(shape, dtype=dt) for k, (shape, dt) in specs.items()}
+            T = next(iter(specs.values()))[0][0]
+            # clean_from: rows [clean_from, T) of every tensor are known to be zero
             slab = {"tensors": tensors, "base": {k: _use_count(t) for k, t in tensors.items()},
-                    "busy": True}
+                    "busy": True, "clean_from": T}
             if len(self.slabs) < self.limit:
                 self.slabs.append(slab)
             return slab
@@ -87,6 +89,8 @@ class Batch:
     """One packed micro-batch of T = token_budget tokens (CPU tensors unless moved).
 
     Documents are laid out back to back from index 0; the tail after `num_tokens` is padding.
+    A PackedLoader refills the memory of batches the caller has dropped: treat a Batch as
+    read-only (copy it, e.g. `.to(device)`, before editing it in place).
     """
 
     input_ids: torch.Tensor                   # [T] int64, padding id 0
@@ -259,12 +263,17 @@ class PackedLoader:
             bufs = {k: torch.empty(shape, dtype=dt, pin_memory=self.pin_memory)
                     for k, (shape, dt) in self._specs().items()}
         try:
-            return self._fill(bufs, docs, T)
+            batch = self._fill(bufs, docs, T, T if slab is None else slab["clean_from"])
+            if slab is not None:
+                slab["clean_from"] = batch.num_tokens
+            return batch
         finally:
             if slab is not None:
                 self._pool.release(slab)
 
-    def _fill(self, bufs: dict[str, torch.Tensor], docs: Sequence[int], T: int) -> Batch:
+    def _fill(self, bufs: dict[str, torch.Tensor], docs: Sequence[int], T: int,
+              clean_from: int) -> Batch:
+        """Pack `docs` into `bufs`; rows [clean_from, T) are already zero (recycled buffer)."""
         b = Batch(**bufs)
         pos = 0
         for d, i in enumerate(docs):
@@ -276,9 +285,11 @@ class PackedLoader:
             b.doc_ids[pos:pos + n] = d
             torch.arange(n, out=b.positions[pos:pos + n])
             pos += n
-        # padding: zero everything after the last document (doc id -1)
+        # padding: zeros after the last document (doc id -1). The large aux/last rows of a
+        # recycled buffer beyond its previous batch's end are still zero: not written again.
         for name in ("input_ids", "loss_mask", "positions", *self._fields):
-            getattr(b, name)[pos:].zero_()
+            end = max(pos, clean_from) if name in ("aux", "last") else T
+            getattr(b, name)[pos:end].zero_()
         b.doc_ids[pos:] = -1
         b.num_tokens = pos
         return b
