@@ -1,0 +1,333 @@
+"""Real speculative decoding with an exported EAGLE-3 drafter: greedy chains verified by the target.
+
+The target is a transformers causal LM; the drafter is the EXPORTED directory loaded the way vLLM
+loads it (`models.reference.EngineDrafter`: layout-A names, d2t scatter, the target's embedding).
+Batch size 1, one sequence at a time, each with its own KV caches. One request runs:
+
+    prefill   target over the prompt x_0..x_{P-1}            → aux[0..P-1], bonus x_P = argmax
+    round     drafter step 0 over the rows the target just processed: row i = (aux[i], x_{i+1}, i)
+              (the first round: every prompt row; later: the accepted rows of the last verify)
+              K-1 more draft steps from the last row: g = previous PRE-norm output, token = the
+              previous draft, position + 1                  → drafts d_1..d_K (target ids)
+              target over [x_L, d_1..d_K] at positions L..L+K (x_L = last committed token)
+                                                           → argmax y_0..y_K, aux of those rows
+              accept n = the longest prefix with d_j == y_{j-1}; emit d_1..d_n and the bonus y_n
+              target KV cache: drop the K-n rejected rows; drafter KV cache: its draft entries
+              were already rolled back, and the next round's step 0 adds rows L..L+n with the
+              target's new aux states paired with x_{L+1}..x_{L+n+1} (serving-contract §4)
+
+Every emitted token is a target argmax, so the output equals target-only greedy decoding up to
+floating point: a multi-token verify forward and a one-token decode forward use different
+kernels, and in bf16 a near-tie can flip (`greedy_decode` records each step's top-2 logit gap so
+a divergence can be attributed). In fp32 the sequences are identical.
+
+Counts per request: decode rounds (= verify forwards), tokens emitted per round (bonus included,
+cut at the first stop token and at max_new_tokens), and per draft position j the rounds that
+reached it (all earlier drafts accepted) and accepted it. τ = emitted decode tokens / rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from models.reference import EngineDrafter
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def drafter_aux_layer_ids(cfg: dict, num_target_layers: int) -> list[int]:
+    """The aux layers (HF hidden_states ids) a layout-A config asks for, read as vLLM reads them:
+    top-level `eagle_aux_hidden_state_layer_ids`, else SGLang's `eagle_config` ids + 1, else the
+    engines' default (2, N//2, N-3)."""
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and isinstance(cfg.get("eagle_config"), dict):
+        sg = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+        ids = None if sg is None else [int(i) + 1 for i in sg]
+    if ids is None:
+        from models.targets import default_aux_layer_ids
+        ids = default_aux_layer_ids(num_target_layers)
+        log.warning("drafter config names no aux layer ids; using the engines' default %s", ids)
+    ids = [int(i) for i in ids]
+    if len(ids) != 3 or not all(0 <= i < num_target_layers for i in ids):
+        raise ValueError(f"drafter aux layer ids {ids} do not fit a target with "
+                         f"{num_target_layers} layers (need three HF hidden_states ids < N)")
+    return ids
+
+
+def load_engine_drafter(drafter_dir: str | Path, target_embedding: Tensor,
+                        dtype: torch.dtype = torch.bfloat16) -> tuple[EngineDrafter, dict]:
+    """(EngineDrafter, config.json dict) of an exported drafter directory, loaded like vLLM.
+
+    target_embedding: the target's input embedding [V, H]. Errors name the directory.
+    """
+    from models.validate import TensorDir, read_config
+    path = Path(drafter_dir)
+    cfg = read_config(path)
+    tdir = TensorDir(path)
+    if not tdir.files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (an exported drafter holds "
+                                f"model.safetensors or shards)")
+    try:
+        engine = EngineDrafter.from_tensors(cfg, tdir.load_all(), target_embedding, dtype=dtype)
+    except ValueError as e:
+        raise ValueError(f"{path}: the engines would not load this drafter: {e}") from None
+    return engine, cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# The target as a verifier
+
+
+class TargetRunner:
+    """A transformers causal LM run on one sequence with a KV cache; returns argmax (+ aux) rows.
+
+    aux_layer_ids: HF hidden_states ids to capture (pre-hooks on those decoder layers, the same
+    hooks `data.extract` uses to build training data); None captures nothing (plain decoding).
+    """
+
+    def __init__(self, model, aux_layer_ids: list[int] | None = None):
+        from data.extract import Capture, find_text_model
+        self.model = model
+        self.text, layers, norm, self.head = find_text_model(model)
+        self.capture = Capture(layers, list(aux_layer_ids), norm) if aux_layer_ids else None
+        self.device = self.head.weight.device
+        self.cache = None
+        self.forwards = 0
+
+    def reset(self) -> None:
+        """A new sequence (empty KV cache)."""
+        from transformers import DynamicCache
+        self.cache = DynamicCache(config=self.model.config)
+
+    @property
+    def length(self) -> int:
+        """Positions held in the KV cache."""
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    def crop(self, n: int) -> None:
+        """Drop the last n positions of the KV cache (rejected drafts)."""
+        if n > 0:
+            self.cache.crop(-n)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], *, last_only: bool = False
+                ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Process `tokens` at the next positions. Returns (argmax [n] int64 CPU, aux [n, 3·tH]
+        or None, logits of the last row [V] fp32); last_only computes the head on that row only."""
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.text(input_ids=ids, cache=self.cache, use_cache=True)
+        self.forwards += 1
+        h = out.last_hidden_state[0]                                      # [n, tH] post-norm
+        logits = self.head(h[-1:] if last_only else h).float()            # [n or 1, V]
+        aux = None
+        if self.capture is not None:
+            aux = torch.cat([self.capture.aux[k][0] for k in self.capture.aux_ids], dim=-1)
+            self.capture.aux.clear()
+        return logits.argmax(-1).cpu(), aux, logits[-1]
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+@dataclass
+class Decoded:
+    """One request's output and counts."""
+
+    tokens: list[int]                        # generated ids (stop token included, if hit)
+    seconds: float                           # wall time: prefill + decode
+    target_forwards: int                     # prefill included
+    rounds: int = 0                          # decode forwards of the target (= verify forwards)
+    decode_tokens: int = 0                   # tokens emitted by decode rounds (all but the first)
+    reached: list[int] = field(default_factory=list)    # [K] rounds whose draft j was verified
+    accepted: list[int] = field(default_factory=list)   # [K] rounds that accepted draft j
+    drafter_forwards: int = 0
+    top2_gap: list[float] = field(default_factory=list)  # greedy only: logit gap per token
+
+
+def _finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> tuple[int, bool]:
+    """Append `new` to `out`, cut at max_new and after a stop token. (appended, finished)."""
+    n = 0
+    for t in new:
+        if len(out) >= max_new:
+            return n, True
+        out.append(t)
+        n += 1
+        if t in stop:
+            return n, True
+    return n, len(out) >= max_new
+
+
+def greedy_decode(target: TargetRunner, prompt: list[int], *, max_new_tokens: int,
+                  stop_ids: set[int]) -> Decoded:
+    """Target-only greedy decoding, one token per forward (the reference and the baseline)."""
+    if not prompt:
+        raise ValueError("empty prompt: nothing to condition on")
+    t0 = time.perf_counter()
+    target.reset()
+    start = target.forwards
+    arg, _, logits = target.forward(prompt, last_only=True)
+    out: list[int] = []
+    gaps = [float(torch.topk(logits, 2).values.diff().abs())]
+    _, done = _finish(out, [int(arg[-1])], max_new_tokens, stop_ids)
+    while not done:
+        arg, _, logits = target.forward(out[-1:], last_only=True)
+        gaps.append(float(torch.topk(logits, 2).values.diff().abs()))
+        _, done = _finish(out, [int(arg[-1])], max_new_tokens, stop_ids)
+    return Decoded(out, time.perf_counter() - t0, target.forwards - start, top2_gap=gaps)
+
+
+def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: list[int], *, k: int,
+                       max_new_tokens: int, stop_ids: set[int]) -> Decoded:
+    """Greedy chain speculation with K drafts per round (see the module docstring)."""
+    if k < 1:
+        raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
+    if not prompt:
+        raise ValueError("empty prompt: nothing to condition on")
+    if target.capture is None:
+        raise ValueError("the target runner captures no aux states: build it with the "
+                         "drafter's aux layer ids")
+    t0 = time.perf_counter()
+    target.reset()
+    drafter.reset()
+    start = target.forwards
+    res = Decoded([], 0.0, 0, reached=[0] * k, accepted=[0] * k)
+    arg, aux, _ = target.forward(prompt, last_only=True)                  # aux [P, 3·tH]
+    seq = list(prompt)
+    n_new, done = _finish(res.tokens, [int(arg[-1])], max_new_tokens, stop_ids)
+    seq += res.tokens
+    row0 = 0                                  # first position whose aux the drafter has not seen
+    while not done:
+        # drafter step 0 over the newly verified rows: (aux[i], x_{i+1}, position i)
+        n = aux.shape[0]
+        pos = torch.arange(row0, row0 + n)
+        nxt = torch.tensor(seq[row0 + 1:row0 + n + 1])
+        prenorm, logits = drafter.prefill(aux.to(drafter.dtype).cpu(), nxt, pos)
+        drafts = drafter.greedy_chain(prenorm[-1], logits[-1], row0 + n - 1, k).tolist()
+        res.drafter_forwards += k
+        # verify: the last committed token and the K drafts, at positions L..L+K
+        L = len(seq) - 1
+        if target.length != L:
+            raise RuntimeError(f"target KV cache holds {target.length} positions, expected {L}")
+        y, aux_v, _ = target.forward([seq[-1]] + drafts)                 # y [K+1]
+        res.rounds += 1
+        acc = 0
+        while acc < k and drafts[acc] == int(y[acc]):
+            acc += 1
+        for j in range(min(acc + 1, k)):
+            res.reached[j] += 1
+            res.accepted[j] += j < acc
+        target.crop(k - acc)
+        emitted = drafts[:acc] + [int(y[acc])]
+        n_new, done = _finish(res.tokens, emitted, max_new_tokens, stop_ids)
+        res.decode_tokens += n_new
+        seq += emitted[:n_new]
+        aux, row0 = aux_v[:acc + 1], L                                   # rows L..L+acc verified
+    res.seconds = time.perf_counter() - t0
+    res.target_forwards = target.forwards - start
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Many prompts: spec vs target-only, token identity, aggregate figures
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """End-of-sequence ids: the generation config's and the tokenizer's."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = set() if ids is None else {ids} if isinstance(ids, int) else set(ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[list[int]], *,
+                k: int, max_new_tokens: int, stop_ids: set[int], names: list[str] | None = None,
+                progress: bool = True) -> dict:
+    """Decode every prompt twice (target-only greedy, then speculative) and aggregate.
+
+    prompts: token id lists (chat template already applied). Returns the result dict of
+    `summarize` (tau, per-position acceptance, forwards, tokens/s, speedup, token identity).
+    """
+    from data.utils import progress as bar
+    n_layers = int(model.config.get_text_config().num_hidden_layers)
+    aux_ids = drafter_aux_layer_ids(drafter_cfg, n_layers)
+    plain, verifier = TargetRunner(model), TargetRunner(model, aux_ids)
+    names = names or [str(i) for i in range(len(prompts))]
+    try:
+        # warm-up: first calls allocate caches and pick kernels; keep that out of the timings
+        warm = prompts[0][: min(8, len(prompts[0]))]
+        greedy_decode(plain, warm, max_new_tokens=2, stop_ids=set())
+        speculative_decode(verifier, drafter, warm, k=k, max_new_tokens=2, stop_ids=set())
+        pairs = []
+        for name, prompt in bar(list(zip(names, prompts)), desc="specdec", unit="prompt",
+                                disable=None if progress else True):
+            base = greedy_decode(plain, prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+            spec = speculative_decode(verifier, drafter, prompt, k=k,
+                                      max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+            pairs.append((name, base, spec))
+    finally:
+        plain.close()
+        verifier.close()
+    return summarize(pairs, k)
+
+
+def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
+    """Aggregate (name, target-only, speculative) results into the evaluation JSON fields."""
+    rounds = sum(s.rounds for _, _, s in pairs)
+    decode_tokens = sum(s.decode_tokens for _, _, s in pairs)
+    reached = [sum(s.reached[j] for _, _, s in pairs) for j in range(k)]
+    accepted = [sum(s.accepted[j] for _, _, s in pairs) for j in range(k)]
+    gen = sum(len(s.tokens) for _, _, s in pairs)
+    base_gen = sum(len(b.tokens) for _, b, _ in pairs)
+    t_spec = sum(s.seconds for _, _, s in pairs)
+    t_base = sum(b.seconds for _, b, _ in pairs)
+    mismatches = []
+    for name, b, s in pairs:
+        if b.tokens != s.tokens:
+            j = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y),
+                     min(len(b.tokens), len(s.tokens)))
+            mismatches.append({"prompt": name, "index": j,
+                               "target_only": b.tokens[j] if j < len(b.tokens) else None,
+                               "speculative": s.tokens[j] if j < len(s.tokens) else None,
+                               "target_top2_logit_gap": b.top2_gap[j] if j < len(b.top2_gap)
+                               else None})
+    nan = float("nan")
+    spec_tps = gen / t_spec if t_spec > 0 else nan
+    base_tps = base_gen / t_base if t_base > 0 else nan
+    return {
+        "mode": "speculative", "k": k, "num_prompts": len(pairs),
+        "tau": decode_tokens / rounds if rounds else nan,
+        "per_position_acceptance": [a / r if r else nan for a, r in zip(accepted, reached)],
+        "per_position_accept_rate": [a / rounds if rounds else nan for a in accepted],
+        "mean_accepted_drafts": sum(accepted) / rounds if rounds else nan,
+        "tokens_identical": not mismatches, "mismatches": mismatches,
+        "tokens_generated": gen, "decode_rounds": rounds, "decode_tokens": decode_tokens,
+        "target_forwards": sum(s.target_forwards for _, _, s in pairs),
+        "drafter_forwards": sum(s.drafter_forwards for _, _, s in pairs),
+        "baseline_tokens_generated": base_gen,
+        "baseline_target_forwards": sum(b.target_forwards for _, b, _ in pairs),
+        "tokens_per_target_forward": gen / max(1, sum(s.target_forwards for _, _, s in pairs)),
+        "tokens_per_s": spec_tps, "baseline_tokens_per_s": base_tps,
+        "speedup": spec_tps / base_tps if base_tps and base_tps == base_tps else nan,
+        "seconds": t_spec, "baseline_seconds": t_base,
+        "counts": {"reached": reached, "accepted": accepted},
+        "per_prompt": [{"prompt": n, "tokens": len(s.tokens), "rounds": s.rounds,
+                        "decode_tokens": s.decode_tokens,
+                        "tau": s.decode_tokens / s.rounds if s.rounds else nan,
+                        "identical": b.tokens == s.tokens} for n, b, s in pairs],
+    }

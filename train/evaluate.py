@@ -1,0 +1,445 @@
+"""Acceptance you can trust before serving: offline chain τ on a hidden-state dataset, and real
+speculative decoding with the target.
+
+    offline_eval(drafter_dir_or_module, dataset_dir, k=K, token_budget=T)     -> dict
+    speculative_eval(drafter_dir, target, prompts_path, k=K, num_prompts=N, max_new_tokens=M)
+    eyas evaluate --drafter DIR --target MODEL --prompts FILE.jsonl --k K --out FILE.json
+    eyas evaluate --drafter DIR [--target MODEL] --data DATASET_DIR  --k K --out FILE.json
+
+Offline (eagle3-training.md §5; counts from `models.metrics`, exact int64, summed over ranks).
+The exported drafter is imported into the training module (`Eagle3Drafter`, target embedding)
+and run with the trainer's TTT forward; row (k, t) is CORRECT iff it counts (valid, assistant
+token t+1+k) and its draft argmax mapped through d2t equals the target argmax at t+1+k.
+
+    acc_k        = correct_k / counted_k                 cond_acc_k = alive_k / alive_{k-1}-counted
+    L_K(t)       = consecutive correct steps from step 0 at start row t, capped at K
+    tau_by_k[K'] = 1 + Σ_starts min(L_K(t), K') / #starts     (exact greedy chain, every start)
+    tau_independent_by_k[K'] = 1 + Σ_{k<K'} Π_{j≤k} acc_j    (SpecForge's estimate)
+    tau_trajectory_by_k[K']: walk each assistant span as a decoder does — start after its first
+        token, accept min(L(t), K') drafts + the bonus, jump there, stop at the span's last token
+        (a round never emits past it). On target-generated text this is exactly the τ real
+        decoding measures; `tau` averages over EVERY start instead, which weights easy stretches
+        more than a decoder visits them (a decoder crosses an easy stretch in few rounds), so
+        tau >= tau_trajectory typically.
+
+Real decoding: `models.specdec` (target via transformers, drafter via the engine reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from models.metrics import COUNT_KEYS, accept_counts, add_counts
+from models.objective import metric_mask
+from models.ttt import shifted_for_steps
+
+log = logging.getLogger(__name__)
+
+#: the offline counts: models.metrics' plus the trajectory walk's (per K' = 1..K)
+OFFLINE_KEYS = COUNT_KEYS + ("traj_rounds", "traj_tokens")
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting
+
+
+def trajectory_counts(alive: Tensor, mask0: Tensor) -> tuple[Tensor, Tensor]:
+    """Decoder-walk counts for every K' = 1..K: (rounds [K], emitted tokens [K]) int64.
+
+    alive [K, T] 0/1 (step k and all before it correct), mask0 [T] bool = mask(0, ·) (row t is a
+    chain start). Each maximal run [a, b] of starts is one assistant span (tokens a+1..b+1); the
+    walk starts at t = a and, while t < b, accepts L = min(L(t), K', b-t-1) drafts and emits L+1.
+    """
+    K = alive.shape[0]
+    lengths = alive.sum(0).cpu().numpy()                                  # [T] L_K(t)
+    m = mask0.cpu().numpy().astype(np.int8)
+    edges = np.diff(np.concatenate([[0], m, [0]]))
+    runs = zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1)   # [a, b] inclusive
+    rounds, tokens = np.zeros(K, dtype=np.int64), np.zeros(K, dtype=np.int64)
+    for a, b in runs:
+        seg = lengths[a:b + 1].tolist()
+        for kk in range(K):
+            t = 0
+            while t < b - a:
+                acc = min(seg[t], kk + 1, b - a - t - 1)
+                rounds[kk] += 1
+                tokens[kk] += acc + 1
+                t += acc + 1
+    dev = alive.device
+    return torch.from_numpy(rounds).to(dev), torch.from_numpy(tokens).to(dev)
+
+
+def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
+                 ) -> dict[str, Tensor]:
+    """`models.metrics.accept_counts` plus the trajectory counts (`trajectory_counts`).
+
+    draft_argmax [K, T] draft-vocab ids, d2t [Vd] offsets, target_argmax [T], mask [K, T] bool.
+    """
+    counts = accept_counts(draft_argmax, d2t, target_argmax, mask)
+    K = draft_argmax.shape[0]
+    drafted = draft_argmax + d2t[draft_argmax]
+    wanted = shifted_for_steps(target_argmax, K, -1)                      # argmax at t+1+k
+    alive = torch.cumprod((mask.bool() & (drafted == wanted)).to(torch.int64), dim=0)
+    counts["traj_rounds"], counts["traj_tokens"] = trajectory_counts(alive, mask[0].bool())
+    return counts
+
+
+def summarize_counts(counts: dict[str, Tensor]) -> dict[str, Any]:
+    """float64 metrics from (reduced) offline counts; a zero denominator gives NaN."""
+    c = {k: counts[k].detach().to("cpu", torch.float64) for k in OFFLINE_KEYS}
+    nan = float("nan")
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else nan
+
+    K = c["correct"].shape[0]
+    acc = [ratio(float(c["correct"][k]), float(c["total"][k])) for k in range(K)]
+    cond = [ratio(float(c["cond_correct"][k]), float(c["cond_total"][k])) for k in range(K)]
+    starts = float(c["chain_starts"])
+    alive_cum = torch.cumsum(c["cond_correct"], 0)                        # Σ_{k<K'} alive_k
+    tau_by_k = [ratio(starts + float(alive_cum[k]), starts) for k in range(K)]
+    prod, run, indep = 1.0, 0.0, []
+    for k in range(K):
+        prod *= acc[k]                                                    # NaN stays NaN
+        run += prod
+        indep.append(1.0 + run)
+    traj = [ratio(float(c["traj_tokens"][k]), float(c["traj_rounds"][k])) for k in range(K)]
+    return {
+        "k": K, "tau": tau_by_k[-1], "tau_by_k": tau_by_k, "acc": acc, "cond_acc": cond,
+        "acc_overall": ratio(float(c["correct"].sum()), float(c["total"].sum())),
+        "tau_independent": indep[-1], "tau_independent_by_k": indep,
+        "tau_trajectory": traj[-1], "tau_trajectory_by_k": traj,
+        "chain_starts": int(starts),
+        "counts": {k: [int(x) for x in counts[k].reshape(-1).tolist()] for k in OFFLINE_KEYS},
+    }
+
+
+def all_reduce_counts(counts: dict[str, Tensor]) -> dict[str, Tensor]:
+    """SUM the counts over ranks when torch.distributed is initialised (one collective)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return counts
+    flat = torch.cat([counts[k].reshape(-1).to(torch.int64) for k in OFFLINE_KEYS])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    out, i = {}, 0
+    for key in OFFLINE_KEYS:
+        n = counts[key].numel()
+        out[key] = flat[i:i + n].view(counts[key].shape)
+        i += n
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline evaluation
+
+
+@torch.no_grad()
+def draft_argmax(drafter, batch, k: int, *, chunk_rows: int = 4096) -> tuple[Tensor, Tensor]:
+    """(draft argmax [K, T] draft-vocab ids, metric mask [K, T]) of one packed batch, with the
+    trainer's TTT forward; lm_head logits (fp32) are formed `chunk_rows` rows at a time."""
+    out = drafter(batch.input_ids, batch.aux, batch.doc_ids, batch.positions, k)
+    hidden = out.hidden.reshape(-1, out.hidden.shape[-1])                 # [K·T, H]
+    arg = torch.cat([drafter.draft_logits(hidden[i:i + chunk_rows]).argmax(-1)
+                     for i in range(0, hidden.shape[0], chunk_rows)])
+    return arg.view(k, -1), metric_mask(out.valid, batch.loss_mask)
+
+
+def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
+                          cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                          device: str | torch.device = "cpu", attention: str | None = None):
+    """An exported drafter directory imported into the training module `Eagle3Drafter`.
+
+    target: preset or directory whose input embedding the drafter uses (memory-mapped).
+    attention: TTT attention kind (default: "flex" on CUDA, "lse-eager" on CPU).
+    """
+    from models.drafter import Eagle3Drafter
+    from models.export import t2d_from_d2t
+    from models.importer import import_drafter
+    from models.targets import load_embedding_and_head
+    dev = torch.device(device)
+    imp = import_drafter(drafter_dir)
+    cfg = imp.config
+    attention = attention or ("flex" if dev.type == "cuda" else "lse-eager")
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(cfg, attention=attention, compile_flex=dev.type == "cuda")
+    embed, _ = load_embedding_and_head(target, cache_dir)
+    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"{drafter_dir}: the drafter needs a target embedding [vocab_size, "
+                         f"hidden_size] = {[cfg.vocab_size, cfg.hidden_size]}, target {target} "
+                         f"has {list(embed.shape)}: wrong --target?")
+    d2t = imp.d2t if imp.d2t is not None else torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    t2d = imp.t2d if imp.t2d is not None else t2d_from_d2t(d2t, cfg.vocab_size)
+    state = dict(imp.state_dict, **{"embed_tokens.weight": embed, "d2t": d2t, "t2d": t2d})
+    drafter.load_state_dict(state, strict=True, assign=True)
+    return drafter.to(device=dev, dtype=dtype).eval()
+
+
+def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, token_budget: int,
+                 indices=None, rank: int = 0, world_size: int = 1,
+                 device: str | torch.device = "cpu", target: str | Path | None = None,
+                 cache_dir: str | Path | None = None, dtype: torch.dtype | None = None,
+                 num_workers: int = 1) -> dict[str, Any]:
+    """Exact offline acceptance of a drafter on a hidden-state dataset (module docstring).
+
+    drafter_dir_or_module: an exported layout-A directory (imported into `Eagle3Drafter` with
+    the target embedding), or an `Eagle3Drafter` already holding it. k: chain length K (TTT
+    steps run; may exceed the training K). token_budget: packed tokens per forward (longer
+    samples are truncated, with a warning). indices: dataset indices to use (default all).
+    rank/world_size: this process's share; counts are all-reduced (SUM) when torch.distributed
+    is initialised. target: whose embedding to use (default: the dataset manifest's target).
+    dtype: compute dtype for a directory (default bf16 on CUDA, fp32 on CPU; the exported
+    values are bf16 either way). Returns summarize_counts(...) plus run information.
+    """
+    from data.dataset import open_dataset
+    from data.loader import PackedLoader
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    dev = torch.device(device)
+    ds = open_dataset(dataset_dir)
+    for f in ("aux", "target_argmax"):
+        if f not in ds.fields:
+            raise ValueError(f"{dataset_dir}: dataset has no {f!r} field (fields: "
+                             f"{sorted(ds.fields)}); offline evaluation needs a hidden-state "
+                             f"dataset from `eyas extract`")
+    if isinstance(drafter_dir_or_module, (str, Path)):
+        tgt = target or ds.manifest.get("target")
+        if tgt is None:
+            raise ValueError(f"{dataset_dir}/manifest.json names no target: pass target=")
+        dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        drafter = load_training_drafter(drafter_dir_or_module, tgt, cache_dir=cache_dir,
+                                        dtype=dtype, device=dev)
+        name = str(drafter_dir_or_module)
+    else:
+        drafter, name = drafter_dir_or_module, type(drafter_dir_or_module).__name__
+    aux_ids = list(ds.manifest.get("aux_layer_ids") or [])
+    if aux_ids and list(drafter.config.aux_layer_ids) != aux_ids:
+        raise ValueError(f"the drafter reads aux layers {list(drafter.config.aux_layer_ids)} but "
+                         f"{dataset_dir} stores layers {aux_ids}: re-extract with --layers "
+                         f"{','.join(map(str, drafter.config.aux_layer_ids))}")
+    loader = PackedLoader(ds, token_budget, rank, world_size, seed=0, shuffle=False,
+                          num_workers=num_workers, indices=indices,
+                          load_fields=("aux", "target_argmax"))
+    was_training = drafter.training
+    drafter.eval()
+    counts, tokens, t0 = None, 0, time.perf_counter()
+    from data.utils import progress
+    for batch in progress(loader, total=len(loader), desc="offline eval", unit="batch"):
+        batch = batch.to(dev)
+        arg, mask = draft_argmax(drafter, batch, k)
+        counts = add_counts(counts, chain_counts(arg, drafter.d2t, batch.target_argmax, mask))
+        tokens += batch.num_tokens
+    drafter.train(was_training)
+    if counts is None:   # this rank had no batch: zeros, so the collective still matches
+        z = torch.zeros(k, dtype=torch.int64, device=dev)
+        counts = {key: (z.clone() if key in ("correct", "total", "cond_correct", "cond_total",
+                                             "traj_rounds", "traj_tokens") else z[0].clone())
+                  for key in OFFLINE_KEYS}
+    else:
+        counts = {key: counts[key] for key in OFFLINE_KEYS}
+    counts = all_reduce_counts(counts)
+    out = summarize_counts(counts)
+    out.update(mode="offline", drafter=name, dataset=str(dataset_dir), rank_tokens=tokens,
+               num_samples=len(loader.indices), seconds=time.perf_counter() - t0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Real speculative decoding
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
+                 ) -> list[tuple[str, list[int]]]:
+    """(id, prompt token ids) per JSONL record (OpenAI `messages` or ShareGPT), first N records.
+
+    Trailing assistant messages are dropped (the target answers the last user turn itself);
+    the target's chat template is applied with add_generation_prompt=True.
+    """
+    from data.prepare import RecordError, iter_jsonl, normalise_record
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such prompts file (JSONL with OpenAI `messages`)")
+    out: list[tuple[str, list[int]]] = []
+    for lineno, rec in iter_jsonl(path):
+        if num_prompts is not None and len(out) >= num_prompts:
+            break
+        try:
+            if isinstance(rec, RecordError):
+                raise rec
+            conv = normalise_record(rec, default_id=f"{path.name}:{lineno}")
+        except RecordError as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from None
+        msgs = list(conv.messages)
+        while msgs and msgs[-1]["role"] == "assistant":
+            msgs.pop()
+        if not msgs or msgs[-1]["role"] not in ("user", "tool"):
+            raise ValueError(f"{path}:{lineno}: record {conv.id!r} has no user (or tool) turn to "
+                             f"answer")
+        text = tokenizer.apply_chat_template(msgs, tools=conv.tools, tokenize=False,
+                                             add_generation_prompt=True)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        out.append((conv.id, ids))
+    if not out:
+        raise ValueError(f"{path}: no prompt records")
+    return out
+
+
+def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: str | Path, *,
+                     k: int, num_prompts: int | None, max_new_tokens: int,
+                     cache_dir: str | Path | None = None, dtype: str = "bf16",
+                     model=None, tokenizer=None, progress: bool = True) -> dict[str, Any]:
+    """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
+
+    drafter_dir: the exported drafter (loaded like vLLM, `models.reference.EngineDrafter`);
+    target: preset or model directory (`models.targets.load_target`), or pass an already loaded
+    `model` + `tokenizer`. dtype: "bf16" (as served) or "fp32" (token identity is exact; in bf16
+    a near-tie may flip, see `mismatches[*].target_top2_logit_gap`). CPU, batch size 1.
+    Returns models.specdec.summarize's dict plus the run settings.
+    """
+    from models.specdec import load_engine_drafter, run_prompts, stop_token_ids
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if model is None or tokenizer is None:
+        from models.targets import load_target
+        model, tokenizer = load_target(target, dtype=DTYPES[dtype], cache_dir=cache_dir)
+    elif next(model.parameters()).dtype != DTYPES[dtype]:
+        model = model.to(DTYPES[dtype])
+    prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
+    tcfg = model.config.get_text_config()
+    embed = model.get_input_embeddings().weight.detach()
+    engine, cfg = load_engine_drafter(drafter_dir, embed, dtype=DTYPES[dtype])
+    if int(cfg.get("target_hidden_size") or -1) != int(tcfg.hidden_size):
+        raise ValueError(f"{drafter_dir}/config.json target_hidden_size="
+                         f"{cfg.get('target_hidden_size')} but target {target} has hidden size "
+                         f"{tcfg.hidden_size}: this drafter was trained for another target")
+    t0 = time.perf_counter()
+    res = run_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
+                      max_new_tokens=max_new_tokens, stop_ids=stop_token_ids(model, tokenizer),
+                      names=[n for n, _ in prompts], progress=progress)
+    res.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_path),
+               dtype=dtype, max_new_tokens=max_new_tokens, wall_seconds=time.perf_counter() - t0)
+    if not res["tokens_identical"]:
+        log.warning("%d of %d prompts diverge from target-only greedy decoding (first: %s)%s",
+                    len(res["mismatches"]), len(prompts), res["mismatches"][0],
+                    "; bf16 near-ties (see target_top2_logit_gap) can flip between one-token "
+                    "and multi-token forwards: use --dtype fp32 for an exact check"
+                    if dtype == "bf16" else "")
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _json_safe(x):
+    """NaN/inf → None (strict JSON), recursively."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def format_table(res: dict[str, Any]) -> str:
+    """The short stdout table of an offline or speculative result."""
+    lines = []
+    if res["mode"] == "offline":
+        lines.append(f"offline chain acceptance, {res['chain_starts']} chain starts, "
+                     f"{res['num_samples']} samples")
+        lines.append(f"{'K':>3} {'tau':>7} {'tau_traj':>9} {'tau_indep':>10} {'acc_k':>7} "
+                     f"{'cond_acc_k':>11}")
+        for j in range(res["k"]):
+            lines.append(f"{j + 1:>3} {_fmt(res['tau_by_k'][j]):>7} "
+                         f"{_fmt(res['tau_trajectory_by_k'][j]):>9} "
+                         f"{_fmt(res['tau_independent_by_k'][j]):>10} {_fmt(res['acc'][j]):>7} "
+                         f"{_fmt(res['cond_acc'][j]):>11}")
+        return "\n".join(lines)
+    lines.append(f"speculative decoding, K={res['k']}, {res['num_prompts']} prompts, "
+                 f"{res['dtype']}: tokens identical to target-only greedy: "
+                 f"{res['tokens_identical']}")
+    lines.append(f"  tau {_fmt(res['tau'])}   tokens {res['tokens_generated']}   target forwards "
+                 f"{res['target_forwards']} (target-only: {res['baseline_target_forwards']})")
+    lines.append(f"  tokens/s {_fmt(res['tokens_per_s'], '.1f')} vs target-only "
+                 f"{_fmt(res['baseline_tokens_per_s'], '.1f')}   speedup "
+                 f"{_fmt(res['speedup'], '.2f')}x")
+    lines.append(f"  {'pos':>3} {'acceptance':>10} {'rate':>6}")
+    for j, (a, r) in enumerate(zip(res["per_position_acceptance"],
+                                   res["per_position_accept_rate"])):
+        lines.append(f"  {j + 1:>3} {_fmt(a):>10} {_fmt(r):>6}")
+    return "\n".join(lines)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
+    p = argparse.ArgumentParser(
+        prog="eyas evaluate",
+        description="Measure a drafter before serving it. With --prompts: real greedy "
+        "speculative decoding with the target (CPU, batch 1; the exported drafter is run the "
+        "way vLLM runs it), checked token for token against target-only greedy decoding. With "
+        "--data: exact offline chain acceptance on a hidden-state dataset (every K' <= K).")
+    p.add_argument("--drafter", required=True, help="exported drafter directory (layout A)")
+    p.add_argument("--target", default=None, help="target preset or model directory (needed "
+                   "with --prompts; with --data the dataset manifest's target is the default)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help="prompts JSONL (OpenAI `messages`); the target's chat "
+                     "template is applied with add_generation_prompt")
+    src.add_argument("--data", help="hidden-state dataset directory (from eyas extract)")
+    p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
+    p.add_argument("--out", required=True, help="results JSON file (written atomically)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts (default all)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="compute dtype (default: bf16 with --prompts, as served, where fp32 "
+                   "makes token identity exact; with --data bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--token-budget", type=int, default=2048, help="--data: packed tokens per "
+                   "forward")
+    p.add_argument("--eval-fraction", type=float, default=None, help="--data: use only the "
+                   "held-out split the trainer makes (data.eval_fraction, with --seed)")
+    p.add_argument("--seed", type=int, default=0, help="--data: seed of the held-out split")
+    p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
+    p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
+    args = p.parse_args(argv)
+    if args.k < 1:
+        p.error("--k must be >= 1")
+    if args.prompts:
+        if not args.target:
+            p.error("--prompts needs --target")
+        res = speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
+                               num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                               cache_dir=args.cache_dir, dtype=args.dtype or "bf16")
+    else:
+        indices = None
+        if args.eval_fraction is not None:
+            from data.dataset import open_dataset
+            from data.packing import split_indices
+            indices = split_indices(len(open_dataset(args.data)), args.eval_fraction,
+                                    args.seed)[1]
+        res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
+                           indices=indices, device=args.device, target=args.target,
+                           cache_dir=args.cache_dir,
+                           dtype=DTYPES[args.dtype] if args.dtype else None)
+    from data.utils import atomic_write_json
+    atomic_write_json(args.out, _json_safe(res))
+    print(format_table(res))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main())
