@@ -1,9 +1,11 @@
 """Real-shape drafters (Llama-3.1-8B, Kimi-K2.5 targets): the exporter's output passes the
-validator. Random bf16 weights of the exact shapes; ~1 GB and ~2 GB on disk: slow-marked."""
+validator. Random bf16 weights of the exact shapes, ~1 GB and ~2 GB on disk, ~1 min: run with
+EYAS_SLOW=1. The config rules on the same shapes run always (milliseconds)."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -13,6 +15,7 @@ from models.config import Eagle3Config
 from models.export import export_drafter
 from models.targets import load_target_config, text_config
 from models.validate import CORE_TENSORS, TensorDir, expected_shapes, validate
+from models.validate_static import check_config
 
 EXPECTED = {  # preset -> (vLLM aux ids, SGLang aux ids, fc shape, lm_head shape)
     "llama-3.1-8b": ([2, 16, 29], [1, 15, 28], (4096, 3 * 4096), (32000, 4096)),
@@ -20,7 +23,20 @@ EXPECTED = {  # preset -> (vLLM aux ids, SGLang aux ids, fc shape, lm_head shape
 }
 
 
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+def test_real_shape_configs_pass_the_config_rules(preset):
+    tcfg = load_target_config(preset)
+    c = Eagle3Config.from_target(tcfg, draft_vocab_size=32000).to_config_dict()
+    assert check_config(c, text_config(tcfg)) == []
+    vl, sg, fc, lm = EXPECTED[preset]
+    assert c["eagle_aux_hidden_state_layer_ids"] == vl
+    assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == sg
+    assert expected_shapes(c)["fc.weight"] == fc and expected_shapes(c)["lm_head.weight"] == lm
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("EYAS_SLOW") != "1",
+                    reason="writes ~3 GB of real-shape exports (~1 min): set EYAS_SLOW=1")
 @pytest.mark.parametrize("preset", sorted(EXPECTED))
 def test_real_shape_export_passes_the_validator(preset, tmp_path):
     tcfg = load_target_config(preset)
