@@ -1,0 +1,200 @@
+"""Real speculative decoding (models.specdec) against target-only greedy decoding.
+
+Target: the tiny random Llama preset in fp32 (one-token and multi-token forwards then agree to
+float noise, so greedy outputs must be identical token for token). Drafters:
+  * an exported random-weight drafter, loaded through the engine reference like vLLM loads it
+    (acceptance ~0, identity must hold);
+  * a scripted drafter: the same engine reference (its KV cache, prefill/step bookkeeping), with
+    the logits of the row at position q replaced by the true greedy token at q+2 except at
+    chosen indices. Every acceptance length 0..K occurs and the expected counts follow from a
+    10-line simulation of the decoding rule; the rows the drafter is fed (position, paired
+    token, aux features) are checked against a full forward of the final sequence.
+"""
+
+import json
+
+import pytest
+import torch
+
+from models.config import Eagle3Config
+from models.drafter import Eagle3Drafter
+from models.export import export_drafter
+from models.reference import EngineDrafter
+from models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
+                            load_engine_drafter, run_prompts, speculative_decode,
+                            stop_token_ids)
+from models.targets import default_aux_layer_ids, load_target
+from models.validate import TensorDir
+
+K = 3
+QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour."]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # batch-1 decoding of tiny models gains nothing from intra-op threads, and on a shared
+    # 2-core machine oversubscribed OpenMP threads make every op 10-70x slower
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = load_target("tiny-llama", dtype=torch.float32)
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False))
+               for q in QUESTIONS]
+    return model, tok, prompts
+
+
+@pytest.fixture(scope="module")
+def random_export(tiny, tmp_path_factory):
+    model, _, _ = tiny
+    cfg = Eagle3Config.from_target(model.config.to_dict(), draft_vocab_size=4096,
+                                   aux_layer_ids=default_aux_layer_ids(8))
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg, attention="eager")
+    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:4096]).values - torch.arange(4096)
+    d.set_vocab_map(d2t)
+    return export_drafter(d.state_dict(), cfg, d2t, None, tmp_path_factory.mktemp("x") / "rand",
+                          target_config=model.config.to_dict())
+
+
+def test_random_drafter_is_token_identical(tiny, random_export):
+    model, tok, prompts = tiny
+    emb = model.get_input_embeddings().weight.detach()
+    engine, cfg = load_engine_drafter(random_export, emb, dtype=torch.float32)
+    res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=12,
+                      stop_ids=stop_token_ids(model, tok), progress=False)
+    assert res["tokens_identical"], res["mismatches"]
+    n = len(prompts)
+    assert res["tokens_generated"] == res["baseline_tokens_generated"]
+    # one prefill per prompt + one verify forward per round; the prefill yields one token
+    assert res["target_forwards"] == res["decode_rounds"] + n
+    assert res["decode_tokens"] == res["tokens_generated"] - n
+    assert res["drafter_forwards"] == K * res["decode_rounds"]
+    assert res["counts"]["reached"][0] == res["decode_rounds"]
+    assert res["tau"] == pytest.approx(1 + res["mean_accepted_drafts"], abs=0.05)
+    json.dumps(res)   # plain types only
+
+
+class ScriptedDrafter(EngineDrafter):
+    """The engine reference whose row at position q predicts truth[q+2], except where q+2 is in
+    `wrong` (then truth[q+2] + 1). Records every step-0 row it is fed."""
+
+    truth: list[int]
+    wrong: set[int]
+
+    def _scripted(self, positions) -> torch.Tensor:
+        logits = torch.full((len(positions), self.V), float("-inf"))
+        for r, q in enumerate(positions):
+            want = self.truth[q + 2]
+            logits[r, (want + 1) % self.V if q + 2 in self.wrong else want] = 0.0
+        return logits
+
+    def prefill(self, aux, next_tokens, positions):
+        self.rows.append((aux.clone(), next_tokens.clone(), positions.clone()))
+        p, _ = super().prefill(aux, next_tokens, positions)
+        return p, self._scripted(positions.tolist())
+
+    def step(self, prev_prenorm, token, position):
+        p, _ = super().step(prev_prenorm, token, position)
+        return p, self._scripted([int(position)])[0]
+
+
+def expected_counts(prompt_len: int, n_new: int, wrong: set[int], k: int):
+    """The decoding rule by hand: drafts d_1..d_K of a round after committed index c guess
+    indices c+1..c+K; a round accepts the leading correct ones and emits them + the bonus."""
+    c, rounds, emitted, reached, accepted = prompt_len, 0, 0, [0] * k, [0] * k
+    lengths = set()
+    end = prompt_len + n_new - 1                                         # last generated index
+    while c < end:
+        n = 0
+        while n < k and c + 1 + n not in wrong:
+            n += 1
+        lengths.add(n)
+        for j in range(min(n + 1, k)):
+            reached[j] += 1
+            accepted[j] += j < n
+        rounds += 1
+        emitted += min(n + 1, end - c)
+        c += n + 1
+    return rounds, emitted, reached, accepted, lengths
+
+
+@pytest.mark.parametrize("pattern", ["perfect", "mixed"])
+def test_scripted_drafter_exact_acceptance(tiny, random_export, pattern):
+    model, tok, prompts = tiny
+    prompt, n_new = prompts[2], 20
+    emb = model.get_input_embeddings().weight.detach()
+    cfg = json.loads((random_export / "config.json").read_text())
+    plain = TargetRunner(model)
+    ref = greedy_decode(plain, prompt, max_new_tokens=n_new + K + 2, stop_ids=set()).tokens
+    truth = prompt + ref
+    P = len(prompt)
+    # mixed: misses chosen so that rounds accept 0, 1, 2 and 3 drafts
+    wrong = set() if pattern == "perfect" else {P + 1, P + 3, P + 4, P + 9, P + 11, P + 12, P + 15}
+    tensors = TensorDir(random_export).load_all()
+    drafter = ScriptedDrafter.from_tensors(cfg, tensors, emb, dtype=torch.float32)
+    drafter.truth, drafter.wrong, drafter.rows = truth, wrong, []
+    aux_ids = drafter_aux_layer_ids(cfg, 8)
+    verifier = TargetRunner(model, aux_ids)
+    res = speculative_decode(verifier, drafter, prompt, k=K, max_new_tokens=n_new, stop_ids=set())
+    assert res.tokens == ref[:n_new]
+    rounds, emitted, reached, accepted, lengths = expected_counts(P, n_new, wrong, K)
+    assert (res.rounds, res.decode_tokens, res.reached, res.accepted) == \
+        (rounds, emitted, reached, accepted)
+    assert res.target_forwards == rounds + 1
+    assert lengths == ({K} if pattern == "perfect" else {0, 1, 2, 3})
+
+    # the drafter saw every verified position exactly once, in order, paired with token i+1,
+    # with the target's aux states at i (compared with one full forward of the final text)
+    aux = torch.cat([r[0] for r in drafter.rows])
+    nxt = torch.cat([r[1] for r in drafter.rows])
+    pos = torch.cat([r[2] for r in drafter.rows])
+    L = pos.numel()
+    assert torch.equal(pos, torch.arange(L))
+    assert drafter.cache_len == L
+    seq = torch.tensor(truth[:L + 1])
+    assert torch.equal(nxt, seq[1:])
+    with torch.no_grad():
+        hs = model(seq[None], output_hidden_states=True).hidden_states
+    full = torch.cat([hs[a][0, :L] for a in aux_ids], dim=-1)
+    torch.testing.assert_close(aux, full, rtol=1e-4, atol=1e-4)
+    verifier.close()
+
+
+def test_bf16_divergence_is_reported_with_its_logit_gap(random_export):
+    """bf16: one-token and multi-token forwards may round differently. Any divergence must be
+    reported with the target's top-2 logit gap at that step, and only a near-tie may flip."""
+    model, tok = load_target("tiny-llama", dtype=torch.bfloat16)
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False))
+               for q in QUESTIONS[:2]]
+    engine, cfg = load_engine_drafter(random_export, model.get_input_embeddings().weight.detach(),
+                                      dtype=torch.bfloat16)
+    res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=10,
+                      stop_ids=set(), progress=False)
+    assert res["tokens_identical"] == (not res["mismatches"])
+    for m in res["mismatches"]:
+        assert m["target_top2_logit_gap"] < 0.1, m      # bf16 logits of magnitude ~1-10
+
+
+def test_engine_loading_errors_name_the_directory(tiny, random_export, tmp_path):
+    model, _, _ = tiny
+    emb = model.get_input_embeddings().weight.detach()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_engine_drafter(tmp_path, emb)
+    (tmp_path / "config.json").write_text((random_export / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_engine_drafter(tmp_path, emb)
+    with pytest.raises(ValueError, match=str(random_export)):
+        load_engine_drafter(random_export, emb[:, :32])              # wrong target width
+    runner = TargetRunner(model, [2, 4, 5])
+    with pytest.raises(ValueError, match="k .* must be >= 1"):
+        speculative_decode(runner, None, [1, 2], k=0, max_new_tokens=4, stop_ids=set())
+    with pytest.raises(ValueError, match="empty prompt"):
+        speculative_decode(runner, None, [], k=2, max_new_tokens=4, stop_ids=set())
+    runner.close()
