@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.metrics import COUNT_KEYS, accept_counts, add_counts
+from models.metrics import COUNT_KEYS, accept_counts
 from models.objective import metric_mask
 from models.ttt import shifted_for_steps
 
@@ -235,7 +235,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     for batch in progress(loader, total=len(loader), desc="offline eval", unit="batch"):
         batch = batch.to(dev)
         arg, mask = draft_argmax(drafter, batch, k)
-        counts = add_counts(counts, chain_counts(arg, drafter.d2t, batch.target_argmax, mask))
+        new = chain_counts(arg, drafter.d2t, batch.target_argmax, mask)
+        counts = new if counts is None else {key: counts[key] + new[key] for key in OFFLINE_KEYS}
         tokens += batch.num_tokens
     drafter.train(was_training)
     if counts is None:   # this rank had no batch: zeros, so the collective still matches
@@ -243,8 +244,6 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
         counts = {key: (z.clone() if key in ("correct", "total", "cond_correct", "cond_total",
                                              "traj_rounds", "traj_tokens") else z[0].clone())
                   for key in OFFLINE_KEYS}
-    else:
-        counts = {key: counts[key] for key in OFFLINE_KEYS}
     counts = all_reduce_counts(counts)
     out = summarize_counts(counts)
     out.update(mode="offline", drafter=name, dataset=str(dataset_dir), rank_tokens=tokens,

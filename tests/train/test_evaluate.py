@@ -1,0 +1,242 @@
+"""Offline evaluation (train.evaluate): τ by hand, against a brute-force decoder walk, against the
+trainer's own counts, across ranks, and the `eyas evaluate` CLI in both modes."""
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from data.dataset import open_dataset
+from data.loader import PackedLoader
+from data.prompts import prompts_path
+from models.config import Eagle3Config
+from models.drafter import Eagle3Drafter
+from models.export import export_drafter
+from models.metrics import COUNT_KEYS, accept_counts
+from models.objective import metric_mask
+from models.targets import load_embedding_and_head, load_target_config
+from models.ttt import structural_valid
+from train.evaluate import (chain_counts, cli_main, draft_argmax, offline_eval,
+                            summarize_counts)
+from train.step import TrainingModule, batch_inputs
+
+K = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)       # tiny shapes; avoids oversubscription on a shared 2-core box
+    yield
+    torch.set_num_threads(n)
+
+
+def _pattern(T, loss_mask, correct, doc_ids=None):
+    """Inputs of chain_counts realising a correctness table {(k, t): bool} (unlisted: wrong)."""
+    doc_ids = torch.zeros(T, dtype=torch.int32) if doc_ids is None else doc_ids
+    mask = metric_mask(structural_valid(doc_ids, K), torch.tensor(loss_mask, dtype=torch.bool))
+    target = torch.arange(T) % 7 + 10                                    # target ids 10..16
+    shifted = torch.stack([torch.cat([target[1 + k:], torch.zeros(1 + k, dtype=torch.long)])
+                           for k in range(K)])                           # argmax at t+1+k
+    draft = shifted + 20                                                 # wrong everywhere...
+    for (k, t), ok in correct.items():
+        if ok:
+            draft[k, t] = shifted[k, t]                                  # ...except listed rows
+    return draft, torch.zeros(64, dtype=torch.long), target, mask
+
+
+def test_tau_by_hand():
+    # one document, prompt 0..3, assistant tokens 4..9; chain starts t = 3..8.
+    # correct(k, t) below; L(t) = 3, 1, 0, 2, 2 (step 2 of t=7 leaves the text), 1
+    table = {(0, 3): 1, (0, 4): 1, (0, 5): 0, (0, 6): 1, (0, 7): 1, (0, 8): 1,
+             (1, 2): 1, (1, 3): 1, (1, 4): 0, (1, 5): 1, (1, 6): 1, (1, 7): 1,
+             (2, 1): 0, (2, 2): 0, (2, 3): 1, (2, 4): 1, (2, 5): 1, (2, 6): 0}
+    c = chain_counts(*_pattern(10, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1], table))
+    assert c["total"].tolist() == [6, 6, 6]
+    assert c["correct"].tolist() == [5, 5, 3]
+    assert c["cond_correct"].tolist() == [5, 3, 1]
+    assert c["cond_total"].tolist() == [6, 4, 2]
+    assert int(c["chain_starts"]) == 6
+    r = summarize_counts(c)
+    assert r["acc"] == pytest.approx([5 / 6, 5 / 6, 3 / 6])
+    assert r["cond_acc"] == pytest.approx([5 / 6, 3 / 4, 1 / 2])
+    assert r["tau_by_k"] == pytest.approx([11 / 6, 14 / 6, 15 / 6])     # (6 + Σ min(L, K')) / 6
+    assert r["tau"] == r["tau_by_k"][-1]
+    assert r["tau_independent_by_k"] == pytest.approx(
+        [1 + 5 / 6, 1 + 5 / 6 + 25 / 36, 1 + 5 / 6 + 25 / 36 + 25 / 72])
+    # decoder walk: token 4 comes from the prefill, rounds emit 5..9.  K'=1: t=3 (+2), t=5 (+1),
+    # t=6 (+2) -> 3 rounds; K'=2: t=3 (+3), t=6 (+2); K'=3: t=3 (+4), t=7 (+1, the span ends)
+    assert c["traj_rounds"].tolist() == [3, 2, 2]
+    assert c["traj_tokens"].tolist() == [5, 5, 5]
+    assert r["tau_trajectory_by_k"] == pytest.approx([5 / 3, 2.5, 2.5])
+
+
+def _walk_bruteforce(draft, target, loss_mask, doc_ids, kk):
+    """A greedy chain decoder over every assistant span, written from the definitions."""
+    T = len(target)
+    rounds = tokens = 0
+    for s in range(1, T):
+        # a span: maximal run of loss_mask = 1 inside one document, tokens s..e
+        if not loss_mask[s] or (loss_mask[s - 1] and doc_ids[s - 1] == doc_ids[s]) \
+                or doc_ids[s - 1] != doc_ids[s]:
+            continue
+        e = s
+        while e + 1 < T and loss_mask[e + 1] and doc_ids[e + 1] == doc_ids[s]:
+            e += 1
+        c = s                                  # committed index; the prefill produced token s
+        while c < e:
+            t, n = c - 1, 0                    # chain start row t = c - 1 drafts c+1, c+2, ...
+            while n < kk and c + 1 + n <= e and draft[n][t] == target[t + 1 + n]:
+                n += 1
+            rounds += 1
+            tokens += min(n + 1, e - c)
+            c += n + 1
+    return rounds, tokens
+
+
+def test_trajectory_matches_a_bruteforce_decoder():
+    rng = random.Random(0)
+    for trial in range(30):
+        lengths = [rng.randint(2, 14) for _ in range(rng.randint(1, 4))]
+        T = sum(lengths) + rng.randint(0, 3)
+        doc = torch.full((T,), -1, dtype=torch.int32)
+        lm, pos = [0] * T, 0
+        for d, n in enumerate(lengths):
+            doc[pos:pos + n] = d
+            for i in range(pos + rng.randint(1, n - 1), pos + n):    # assistant tail, maybe 2 turns
+                lm[i] = int(rng.random() < 0.9)
+            pos += n
+        table = {(k, t): rng.random() < 0.7 for k in range(K) for t in range(T)}
+        draft, d2t, target, mask = _pattern(T, lm, table, doc)
+        c = chain_counts(draft, d2t, target, mask)
+        for kk in range(1, K + 1):
+            got = (int(c["traj_rounds"][kk - 1]), int(c["traj_tokens"][kk - 1]))
+            assert got == _walk_bruteforce(draft.tolist(), target.tolist(), lm, doc.tolist(), kk), \
+                (trial, kk)
+
+
+def _drafter(cfg_dict, vocab=4096, seed=0):
+    cfg = Eagle3Config.from_target(cfg_dict, draft_vocab_size=vocab, aux_layer_ids=[2, 4, 5])
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(cfg, attention="lse-eager")
+    d.reset_parameters(std=0.05)
+    embed, head = load_embedding_and_head("tiny-llama")
+    d.load_target_embedding(embed.float())
+    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:vocab]).values - torch.arange(vocab)
+    d.init_lm_head_from_target(head.float(), d2t)
+    with torch.no_grad():   # bf16 values, as exported, so a directory round trip is exact
+        for p in d.parameters():
+            p.copy_(p.bfloat16().float())
+    return d.eval()
+
+
+def test_offline_counts_equal_the_trainers(tiny_llama_dataset):
+    drafter = _drafter(load_target_config("tiny-llama"))
+    head = load_embedding_and_head("tiny-llama")[1].float()
+    rows = head[torch.arange(4096) + drafter.d2t]
+    loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=True,
+                               chunk_size=None)
+    module = TrainingModule(drafter, rows, loss_cfg, loss_impl="torch", ttt_steps=K)
+    loader = PackedLoader(open_dataset(tiny_llama_dataset), 384, 0, 1, seed=0, shuffle=False,
+                          num_workers=0)
+    chains = 0
+    for batch in loader:
+        arg, mask = draft_argmax(drafter, batch, K)
+        # make some chains correct: every 6th row t gets targets equal to its drafts at k = 0..2
+        drafted = arg + drafter.d2t[arg]
+        for t in range(0, batch.num_tokens - K - 1, 6):
+            for k in range(K):
+                batch.target_argmax[t + 1 + k] = drafted[k, t]
+        mine = chain_counts(arg, drafter.d2t, batch.target_argmax, mask)
+        with torch.no_grad():
+            res = module(**batch_inputs(batch))
+        theirs = accept_counts(res.draft_argmax, drafter.d2t, batch.target_argmax,
+                               res.metric_mask)
+        assert torch.equal(res.draft_argmax, arg) and torch.equal(res.metric_mask, mask)
+        for key in COUNT_KEYS:
+            assert torch.equal(mine[key], theirs[key]), key
+        chains += int(mine["cond_correct"][K - 1])
+    assert chains > 10                       # full-length chains were counted, not only misses
+
+
+def test_offline_eval_directory_module_and_rank_split(tiny_llama_dataset, tmp_path):
+    drafter = _drafter(load_target_config("tiny-llama"), seed=1)
+    out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
+                         tmp_path / "export", target_config=load_target_config("tiny-llama"))
+    by_module = offline_eval(drafter, tiny_llama_dataset, k=K, token_budget=256)
+    by_dir = offline_eval(out, tiny_llama_dataset, k=K, token_budget=256)
+    assert by_dir["counts"] == by_module["counts"]
+    assert by_dir["chain_starts"] > 100
+    parts = [offline_eval(out, tiny_llama_dataset, k=K, token_budget=256, rank=r, world_size=2)
+             for r in range(2)]
+    summed = {key: [a + b for a, b in zip(parts[0]["counts"][key], parts[1]["counts"][key])]
+              for key in by_dir["counts"]}
+    assert summed == by_dir["counts"]
+    assert 0 < parts[0]["chain_starts"] < by_dir["chain_starts"]
+    sub = offline_eval(out, tiny_llama_dataset, k=2, token_budget=256, indices=[0, 5, 7])
+    assert sub["num_samples"] == 3 and len(sub["tau_by_k"]) == 2
+
+
+_RANK_MAIN = """
+import json, sys, torch, torch.distributed as dist
+from train.evaluate import offline_eval
+rank, port, out, ds = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+res = offline_eval(out, ds, k=3, token_budget=256, rank=rank, world_size=2)
+dist.destroy_process_group()
+print(json.dumps(res["counts"]))
+"""
+
+
+def test_counts_are_all_reduced_across_processes(tiny_llama_dataset, tmp_path):
+    """Two gloo processes, each evaluating its share: both report the single-process counts."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    drafter = _drafter(load_target_config("tiny-llama"), seed=2)
+    out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
+                         tmp_path / "export", target_config=load_target_config("tiny-llama"))
+    single = offline_eval(out, tiny_llama_dataset, k=K, token_budget=256)["counts"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, str(r), str(port), str(out),
+                               str(tiny_llama_dataset)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert got[0] == got[1] == single
+
+
+def test_cli_offline_and_speculative(tiny_llama_dataset, tmp_path, capsys):
+    drafter = _drafter(load_target_config("tiny-llama"), seed=3)
+    out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
+                         tmp_path / "export", target_config=load_target_config("tiny-llama"))
+    f = tmp_path / "offline.json"
+    assert cli_main(["--drafter", str(out), "--data", str(tiny_llama_dataset), "--k", "3",
+                     "--out", str(f), "--token-budget", "256", "--eval-fraction", "0.25"]) == 0
+    res = json.loads(f.read_text())
+    for key in ("tau", "tau_by_k", "acc", "cond_acc", "tau_independent", "tau_trajectory"):
+        assert key in res
+    assert res["num_samples"] == 6 and len(res["tau_by_k"]) == 3
+    assert "tau_traj" in capsys.readouterr().out
+
+    f = tmp_path / "spec.json"
+    assert cli_main(["--drafter", str(out), "--target", "tiny-llama", "--prompts",
+                     str(prompts_path("heldout")), "--k", "2", "--out", str(f),
+                     "--max-new-tokens", "5", "--num-prompts", "2", "--dtype", "fp32"]) == 0
+    res = json.loads(f.read_text())
+    assert res["tokens_identical"] is True and res["num_prompts"] == 2
+    assert len(res["per_position_acceptance"]) == 2
+    for key in ("tau", "target_forwards", "tokens_generated", "tokens_per_s",
+                "baseline_tokens_per_s", "speedup"):
+        assert res[key] is not None, key
+    assert "speedup" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["--drafter", str(out), "--prompts", "x.jsonl", "--k", "2", "--out", "y"])
