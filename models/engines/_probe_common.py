@@ -178,6 +178,7 @@ def run_jobs(argv: list[str], engine: str, version: str,
              check_one: Callable[[dict[str, Any]], dict[str, Any]]) -> int:
     """Main loop of a probe: one JSON line per job, flushed as soon as the job ends."""
     jobs = json.loads(Path(argv[1]).read_text())["jobs"]
+    print("eyas-probe: engine imported", engine, version, flush=True)  # check.READY_LINE
     with open(argv[2], "a") as out:
         for job in jobs:
             t0 = time.time()

@@ -73,13 +73,20 @@ def _server_args(job: dict[str, Any]) -> ServerArgs:
                       skip_tokenizer_init=True)
 
 
-def _aux_layers(target_hf_config, draft_hf_config) -> list[int] | None:
-    """The layers SGLang's target captures (HF hidden_states indices), by the target class's own
-    `set_eagle3_layers_to_capture` applied to the ids the draft worker reads."""
+def _aux_layers(target_hf_config, draft_hf_config) -> list[int]:
+    """The target layers SGLang captures (HF hidden_states indices): the target class's own
+    `set_eagle3_layers_to_capture` applied to the ids the draft worker reads from
+    `eagle_config` (spec_aux_hidden_state.py); the layer loop captures them in ascending order.
+    [] when `use_aux_hidden_state` is false (fc is then skipped)."""
     from sglang.srt.models.registry import ModelRegistry
     ec = getattr(draft_hf_config, "eagle_config", None)
     try:
-        ids = ec["eagle_aux_hidden_state_layer_ids"]  # as spec_aux_hidden_state.py reads it
+        if ec.get("use_aux_hidden_state", True) is False:
+            return []
+    except Exception:
+        pass
+    try:
+        ids = ec["eagle_aux_hidden_state_layer_ids"]
     except Exception:
         ids = None
     text = getattr(target_hf_config, "text_config", None) or target_hf_config
@@ -88,7 +95,7 @@ def _aux_layers(target_hf_config, draft_hf_config) -> list[int] | None:
     stub = SimpleNamespace(pp_group=SimpleNamespace(is_last_rank=True), config=text,
                            model=SimpleNamespace())
     types.MethodType(cls.set_eagle3_layers_to_capture, stub)(ids)
-    return list(stub.model.layers_to_capture)
+    return sorted(set(int(i) for i in stub.model.layers_to_capture))
 
 
 def _from_target(model) -> dict[str, str]:
@@ -107,6 +114,7 @@ def _smoke(model, V: int) -> dict[str, Any]:
     """Draft logits = lm_head(norm(h)) on random rows; hot_token_id (= d2t + arange) in [0, V)."""
     out: dict[str, Any] = {}
     hot = getattr(model, "hot_token_id", None)
+    out["has_mapping"] = hot is not None
     if hot is not None:
         ids = hot.long()
         out["mapped_min"], out["mapped_max"] = int(ids.min()), int(ids.max())
@@ -148,7 +156,8 @@ def check_one(job: dict[str, Any]) -> dict[str, Any]:
                        "draft_vocab_size": getattr(dh, "draft_vocab_size", None),
                        "vocab_size": getattr(dh, "vocab_size", None), "target_vocab_size": V,
                        "norm_before_residual_applied": False,  # not implemented by SGLang
-                       "max_model_len": draft_cfg.context_len}
+                       "max_model_len": draft_cfg.context_len,
+                       "target_num_layers": int(target_cfg.num_hidden_layers)}
     try:
         rec["resolved"]["aux_layer_ids"] = _aux_layers(target_cfg.hf_config, dh)
     except Exception as e:

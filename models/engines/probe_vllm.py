@@ -83,12 +83,20 @@ def _ensure_distributed() -> None:
         _dist_ready = True
 
 
-def _aux_layers(spec: SpeculativeConfig) -> list[int] | None:
-    """The aux layer ids vLLM's model runner hands the target (HF hidden_states indices)."""
+def _aux_layers(spec: SpeculativeConfig, target_layers: int) -> list[int]:
+    """The target layers vLLM captures (HF hidden_states indices): the ids its model runner
+    reads from the draft config, else the target's default (2, N//2, N-3); the target model
+    sorts and de-duplicates them (SupportsEagle3._set_aux_hidden_state_layers). [] when
+    `use_aux_hidden_state` is false (fc is then skipped)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    ec = getattr(spec.draft_model_config.hf_config, "eagle_config", None) or {}
+    if isinstance(ec, dict) and ec.get("use_aux_hidden_state", True) is False:
+        return []
     ids = GPUModelRunner._get_eagle3_aux_layers_from_config(
         SimpleNamespace(speculative_config=spec))
-    return list(ids) if ids else None
+    if not ids:
+        ids = (2, target_layers // 2, target_layers - 3)
+    return sorted(set(int(i) for i in ids))
 
 
 def _from_target(model, target_hidden: int) -> dict[str, str]:
@@ -110,6 +118,7 @@ def _smoke(model, V: int, Vd: int, H: int) -> dict[str, Any]:
     hidden = torch.randn(4, H, generator=g).to(torch.bfloat16)
     out: dict[str, Any] = {}
     d2t = getattr(model, "draft_id_to_target_id", None)
+    out["has_mapping"] = d2t is not None
     if d2t is not None:
         ids = torch.arange(d2t.numel()) + d2t.data.long()
         out["mapped_min"], out["mapped_max"] = int(ids.min()), int(ids.max())
@@ -145,7 +154,8 @@ def check_one(job: dict[str, Any]) -> dict[str, Any]:
         "architectures": list(getattr(dcfg, "architectures", None) or []),
         "draft_vocab_size": getattr(dcfg, "draft_vocab_size", None),
         "vocab_size": getattr(dcfg, "vocab_size", None), "target_vocab_size": V,
-        "aux_layer_ids": _aux_layers(spec),
+        "aux_layer_ids": _aux_layers(spec, target.get_total_num_hidden_layers()),
+        "target_num_layers": target.get_total_num_hidden_layers(),
         "norm_before_residual": bool(getattr(dcfg, "norm_before_residual", False)),
         "max_model_len": spec.draft_model_config.max_model_len,
     }

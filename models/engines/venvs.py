@@ -134,16 +134,16 @@ def base_python() -> str:
 
 
 def find_uv(root: Path) -> Path | None:
-    """`uv` from PATH, else from `<root>/uv-bootstrap` (pip-installed there on first use).
-
-    Returns None when uv cannot be installed (then plain pip is used)."""
+    """`uv` from PATH, else from `<root>/uv-bootstrap` or the default root's (pip-installed
+    into `<root>/uv-bootstrap` on first use). None when uv cannot be installed (pip is used)."""
     on_path = shutil.which("uv")
     if on_path:
         return Path(on_path)
+    for boot in dict.fromkeys([root / "uv-bootstrap", default_root() / "uv-bootstrap"]):
+        if (boot / READY).is_file() and (boot / "bin" / "uv").is_file():
+            return boot / "bin" / "uv"
     boot = root / "uv-bootstrap"
     uv = boot / "bin" / "uv"
-    if (boot / READY).is_file() and uv.is_file():
-        return uv
     with file_lock(root / "uv-bootstrap.lock"):
         if (boot / READY).is_file() and uv.is_file():
             return uv
