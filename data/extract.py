@@ -176,7 +176,7 @@ def chunked_argmax_topk(h: torch.Tensor, head: nn.Module, *, topk: int = 0,
             if best_v is None:
                 best_v, best_i = m, i
             else:
-                better = m > best_v                                         # strict: lower id wins ties
+                better = m > best_v                         # strict: the lower id wins ties
                 best_v, best_i = torch.where(better, m, best_v), torch.where(better, i, best_i)
             if topk:
                 lf = logits.float()
@@ -195,7 +195,8 @@ def chunked_argmax_topk(h: torch.Tensor, head: nn.Module, *, topk: int = 0,
             o = top_i.argsort(dim=-1)
             top_v, top_i = top_v.gather(-1, o), top_i.gather(-1, o)
             o = top_v.argsort(dim=-1, descending=True, stable=True)
-            vals[r0:r0 + row_chunk], ids[r0:r0 + row_chunk] = top_v.gather(-1, o), top_i.gather(-1, o)
+            vals[r0:r0 + row_chunk] = top_v.gather(-1, o)
+            ids[r0:r0 + row_chunk] = top_i.gather(-1, o)
     return arg, ids, vals
 
 
@@ -214,6 +215,22 @@ def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
     if start < len(lengths):
         ranges.append([start, len(lengths)])
     return ranges
+
+
+def length_groups(lengths: list[int], ids: list[int], batch_tokens: int,
+                  pad: bool = False) -> list[list[int]]:
+    """Sample ids grouped into forwards: longest first, B samples while B x longest <=
+    batch_tokens; only samples of equal length share a forward unless `pad`."""
+    order = sorted(ids, key=lambda i: -lengths[i])
+    groups, k = [], 0
+    while k < len(order):
+        m, top = 1, lengths[order[k]]
+        while (k + m < len(order) and (m + 1) * top <= batch_tokens
+               and (pad or lengths[order[k + m]] == top)):
+            m += 1
+        groups.append(order[k:k + m])
+        k += m
+    return groups
 
 
 def _bytes_per_token(hidden: int, aux_format: str, teacher: str, topk: int) -> int:
@@ -239,24 +256,46 @@ def _write_plan(out: Path, plan: dict[str, Any]) -> None:
         old = json.loads(path.read_text())
         diff = [k for k in _RESUME_KEYS if old.get(k) != plan.get(k)]
         if diff:
-            raise ExtractError(
-                f"{path}: this output directory was started with different settings "
-                f"({', '.join(f'{k}: {old.get(k)!r} -> {plan.get(k)!r}' for k in diff if k != 'shards')}"
-                f"{' shard plan changed (shard_tokens / max_samples)' if 'shards' in diff else ''}); "
-                f"re-run with the same settings to resume, or choose a new --out")
+            what = [f"{k}: {old.get(k)!r} -> {plan.get(k)!r}" for k in diff if k != "shards"]
+            if "shards" in diff:
+                what.append("the shard plan (shard_tokens / max_samples)")
+            raise ExtractError(f"{path}: this output directory was started with different "
+                               f"settings ({'; '.join(what)}); re-run with the same settings to "
+                               f"resume, or choose a new --out")
         return
     atomic_write_json(path, plan)
 
 
+def _pending_shards(out: Path, ranges: list[list[int]], rank: int, world_size: int
+                    ) -> tuple[list[int], list[int]]:
+    """(shards this rank must compute, shards already complete) among i = rank (mod world)."""
+    from data.shards import read_shard_meta, shard_name
+    todo, resumed = [], []
+    for j in range(rank, len(ranges), world_size):
+        path, want = out / shard_name(j), ranges[j][1] - ranges[j][0]
+        if path.exists():
+            got = read_shard_meta(path)["n_samples"]
+            if got == want:
+                resumed.append(j)
+                continue
+            log.warning("%s holds %d samples, the plan says %d: recomputing it", path, got, want)
+        todo.append(j)
+    if resumed:
+        log.info("rank %d: %d shard(s) already complete, %d to compute", rank, len(resumed),
+                 len(todo))
+    return todo, resumed
+
+
 @torch.no_grad()
 def _run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
-               pad_id: int, teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
+               teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
                logit_tf: tuple) -> list[dict[str, torch.Tensor]]:
-    """Forward one padded batch; per sample the output fields as CPU tensors."""
+    """Forward one batch (right padded with id 0 if lengths differ); per sample its output
+    fields as CPU tensors."""
     dev = text.embed_tokens.weight.device
     lens = [int(s["input_ids"].shape[0]) for s in batch]
     L = max(lens)
-    x = torch.full((len(batch), L), pad_id, dtype=torch.long)
+    x = torch.zeros(len(batch), L, dtype=torch.long)
     mask = torch.zeros(len(batch), L, dtype=torch.long)
     for b, s in enumerate(batch):
         x[b, :lens[b]] = s["input_ids"]
@@ -318,7 +357,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
 
     Returns a summary dict (shards computed/resumed, tokens, tokens/s).
     """
-    from data.shards import open_dataset, read_shard_meta, shard_name, write_shard
+    from data.shards import open_dataset, write_shard
     from data.utils import progress
 
     if teacher not in TEACHERS:
@@ -363,24 +402,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     out.mkdir(parents=True, exist_ok=True)
     _write_plan(out, plan)
 
-    mine = [j for j in range(len(plan["shards"])) if j % world_size == rank]
-    todo, resumed = [], []
-    for j in mine:
-        a, b = plan["shards"][j]
-        path = out / shard_name(j)
-        if path.exists():
-            meta = read_shard_meta(path)
-            if meta["n_samples"] == b - a:
-                resumed.append(j)
-                continue
-            log.warning("%s holds %d samples, the plan says %d: recomputing it", path,
-                        meta["n_samples"], b - a)
-        todo.append(j)
-    if resumed:
-        log.info("rank %d: %d shard(s) already complete, %d to compute", rank, len(resumed),
-                 len(todo))
-
-    pad_id = 0
+    todo, resumed = _pending_shards(out, plan["shards"], rank, world_size)
     logit_tf = _logit_transform(model.config)
     capture = Capture(dec_layers, aux_ids, norm)
     total = sum(sum(lengths[a:b]) for a, b in (plan["shards"][j] for j in todo))
@@ -389,29 +411,21 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     try:
         for j in todo:
             a, b = plan["shards"][j]
-            order = sorted(range(a, b), key=lambda i: -lengths[i])   # longest first
             results: dict[int, dict] = {}
-            k = 0
-            while k < len(order):   # B samples while B x longest <= batch_tokens
-                m, top_len = 1, lengths[order[k]]
-                while (k + m < len(order) and (m + 1) * top_len <= batch_tokens
-                       and (pad_batches or lengths[order[k + m]] == top_len)):
-                    m += 1
-                idx = order[k:k + m]
+            for idx in length_groups(lengths, list(range(a, b)), batch_tokens, pad_batches):
                 batch = [tokens.sample(i, fields=("input_ids", "loss_mask")) for i in idx]
                 top = max(int(s["input_ids"].max()) for s in batch)
                 if top >= vocab:
                     raise ExtractError(f"{tokens_dir}: token id {top} in samples {idx} is outside "
                                        f"the target's vocabulary ({vocab}); was the dataset "
                                        f"prepared with another tokenizer?")
-                outs = _run_batch(text, capture, head, batch, pad_id=pad_id, teacher=teacher,
-                                  topk=topk, row_chunk=row_chunk, vocab_chunk=vocab_chunk,
+                outs = _run_batch(text, capture, head, batch, teacher=teacher, topk=topk,
+                                  row_chunk=row_chunk, vocab_chunk=vocab_chunk,
                                   logit_tf=logit_tf)
                 results.update(zip(idx, outs))
                 ntok = sum(lengths[i] for i in idx)
                 done_tokens += ntok
                 bar.update(ntok)
-                k += m
             write_shard(out, j, [results[i] for i in range(a, b)], aux_format=aux_format)
             rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(shard=j, tok_s=f"{rate:.0f}")

@@ -3,32 +3,24 @@
 Input: JSONL, one conversation per line, in either of two shapes:
 - OpenAI: ``{"id": ..., "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...,
   "reasoning_content"?: str, "tool_calls"?: [...]}, ...], "tools"?: [...]}``
-- ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|"system"|"tool"|..., "value": ...}]}``
+- ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|"system"|"tool"|...,
+  "value": ...}]}``
 
 Each conversation is rendered with the target tokenizer's chat template (or a shipped/explicit
-one, see data/templates) and tokenised once. The loss mask is 1 exactly on the characters the
-model generates in assistant turns: reasoning, content, tool calls and the end-of-turn marker;
-0 on system/user/tool turns, on the assistant header (the generation prompt) and on anything a
-template writes after the end-of-turn marker (e.g. Qwen's newline).
-
-How the assistant spans are found (works for any template, no `{% generation %}` tags needed):
-for assistant message i, ``P = render(messages[:i], add_generation_prompt=True)`` and
-``F = render(messages[:i+1])``; the span is ``F[len(P):]`` up to and including the last
-end-of-turn string in it (`EOT_STRINGS` or `eot_strings=`). If P is not a prefix of F (a template
-whose generation prompt differs from the header it writes for stored turns), the span starts at
-the longest common prefix of P and F instead. Tokens are masked by their character offsets.
-
-Templates that re-render earlier turns differently (Qwen3 drops the reasoning of earlier turns)
-make ``F`` for an early turn not a prefix of the whole conversation. Then a conversation cannot be
-one sample with every assistant turn masked: with ``on_nonprefix="split"`` (default) it becomes
-one sample per assistant turn (that turn masked, its history rendered as the template renders it
-at inference); with ``"raise"`` it is an error naming the turn.
+one) and tokenised once; `data.templates.TemplateRenderer` finds the assistant spans (module doc
+there). The loss mask is 1 exactly on what the model generates in assistant turns: reasoning,
+content, tool calls and the end-of-turn marker; 0 on system/user/tool turns, on the assistant
+header (the generation prompt) and on anything a template writes after the end-of-turn marker.
+Templates that re-render earlier turns differently (Qwen3 drops earlier reasoning) turn one
+conversation into one sample per assistant turn (``on_nonprefix="split"``, the default) or fail
+(``"raise"``). An assistant message before any user turn is context, not trained.
 
 Malformed records are never dropped silently: ``on_error="raise"`` stops at the first one with
 ``file:line: reason: detail``; ``"skip"`` counts them per reason, logs the counts and stores them in
 the summary and the manifest. Reasons: bad_json, not_an_object, no_messages, bad_message,
-missing_role, unknown_role, bad_content, empty_assistant, no_assistant, template_error,
-no_end_of_turn, non_prefix_render, too_long.
+missing_role, unknown_role, bad_content, empty_assistant, no_assistant, template_error (incl. a
+template that drops tool calls), no_end_of_turn, non_prefix_render, too_long. Reasoning a template
+does not render is counted (``reasoning_not_rendered``) and logged.
 
 Output (via data.shards): a dataset of kind "tokens"; each sample holds ``input_ids [T]`` and
 ``loss_mask [T]``; the manifest records the tokenizer identity (name, chat-template sha256,
@@ -43,11 +35,16 @@ import json
 import logging
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from data.templates import (EOT_STRINGS, Conversation, RecordError, TemplateRenderer,
+                            tokenizer_identity)
+
+__all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
+           "PrepareError", "TemplateRenderer"]
 
 log = logging.getLogger(__name__)
 
@@ -59,33 +56,11 @@ SHAREGPT_ROLES = {
     "model": "assistant", "function_call": "assistant", "tool": "tool", "function": "tool",
     "observation": "tool", "function_response": "tool", "ipython": "tool",
 }
-# End-of-turn markers of common templates; the generated span ends after the last one found.
-EOT_STRINGS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<｜end▁of▁sentence｜>",
-               "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "[EOS]", "</s>")
 ERROR_MODES = ("raise", "skip")
-
-
-class RecordError(ValueError):
-    """A malformed or unusable record. `reason` is a short key used for the skip counts."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 class PrepareError(ValueError):
     """A record failed in on_error="raise" mode; the message starts with file:line."""
-
-
-@dataclass
-class Conversation:
-    """A normalised record: OpenAI-style messages plus optional tool definitions."""
-
-    id: str
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +76,8 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | RecordError]]:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                yield lineno, RecordError("bad_json", f"not valid JSON ({e.msg} at column {e.colno})")
+                yield lineno, RecordError("bad_json",
+                                          f"not valid JSON ({e.msg} at column {e.colno})")
                 continue
             if not isinstance(obj, dict):
                 yield lineno, RecordError("not_an_object",
@@ -111,13 +87,14 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | RecordError]]:
 
 
 def _content_text(content: Any, where: str) -> str | None:
-    """Message content as a string: str as is, a list of {"type": "text"} parts joined, None kept."""
+    """Message content as a string: str as is, {"type": "text"} parts joined, None kept."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for p in content:
-            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+            if not (isinstance(p, dict) and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)):
                 kind = p.get("type") if isinstance(p, dict) else type(p).__name__
                 raise RecordError("bad_content", f"{where}: content part of type {kind!r} is not "
                                   f"supported (text parts only)")
@@ -170,148 +147,6 @@ def normalise_record(rec: dict[str, Any], default_id: str) -> Conversation:
     tools = rec.get("tools")
     extra = {k: v for k, v in rec.items() if k not in ("id", "messages", "conversations", "tools")}
     return Conversation(str(rec.get("id", default_id)), messages, tools or None, extra)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rendering and masking
-
-
-@dataclass
-class TemplateRenderer:
-    """Renders conversations with one tokenizer + chat template and computes assistant masks."""
-
-    tokenizer: Any
-    chat_template: str | None = None          # None: the tokenizer's own
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
-    eot_strings: tuple[str, ...] = EOT_STRINGS
-    on_nonprefix: str = "split"
-    warned_lcp: bool = False
-    reasoning_dropped: int = 0        # assistant turns whose reasoning the template omits
-
-    def __post_init__(self):
-        if self.chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; pass chat_template= (a shipped "
-                             "name such as 'llama-3.1' or a .jinja path)")
-        if self.on_nonprefix not in ("split", "raise"):
-            raise ValueError(f"on_nonprefix must be 'split' or 'raise', got {self.on_nonprefix!r}")
-        eos = getattr(self.tokenizer, "eos_token", None)
-        if eos and eos not in self.eot_strings:
-            self.eot_strings = (*self.eot_strings, eos)
-
-    @property
-    def template_text(self) -> str:
-        return self.chat_template or self.tokenizer.chat_template
-
-    def render(self, conv: Conversation, messages: list[dict], generation_prompt: bool) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=conv.tools, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=generation_prompt, **self.template_kwargs)
-        except Exception as e:  # jinja errors, raise_exception() in templates, type errors
-            raise RecordError("template_error", f"rendering {len(messages)} message(s) failed: "
-                              f"{type(e).__name__}: {e}") from None
-
-    def _span(self, conv: Conversation, i: int) -> tuple[str, int, int]:
-        """(F = render(messages[:i+1]), start, end) of assistant message i's generated text."""
-        prompt = self.render(conv, conv.messages[:i], True)
-        full = self.render(conv, conv.messages[:i + 1], False)
-        if full.startswith(prompt):
-            start = len(prompt)
-        else:
-            history = self.render(conv, conv.messages[:i], False)
-            if not full.startswith(history):
-                raise RecordError("non_prefix_render", f"assistant message {i}: the rendered "
-                                  f"history before it is not a prefix of the rendered turn")
-            start = len(history)
-            while start < min(len(prompt), len(full)) and prompt[start] == full[start]:
-                start += 1
-            if not self.warned_lcp:
-                log.warning("the template's generation prompt is not a prefix of how it renders a "
-                            "stored assistant turn; assistant spans start at their longest common "
-                            "prefix (first seen in record %s)", conv.id)
-                self.warned_lcp = True
-        tail = full[start:]
-        end = max((tail.rfind(s) + len(s) for s in self.eot_strings if s in tail), default=-1)
-        if end < 0:
-            raise RecordError("no_end_of_turn", f"assistant message {i}: none of the end-of-turn "
-                              f"strings {list(self.eot_strings)} occurs in its rendered text "
-                              f"{tail[-80:]!r}; pass eot_strings=[...] for this template")
-        self._check_rendered(conv, i, tail[:end])
-        return full, start, start + end
-
-    def _check_rendered(self, conv: Conversation, i: int, text: str) -> None:
-        """Tool calls the template drops are an error; dropped reasoning is counted and logged."""
-        m = conv.messages[i]
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function", call) if isinstance(call, dict) else {}
-            name = fn.get("name") if isinstance(fn, dict) else None
-            if not name or name not in text:
-                raise RecordError("template_error", f"assistant message {i} has a tool call "
-                                  f"{name!r} that the chat template does not render; use a "
-                                  f"template with tool-call support")
-        reasoning = (m.get("reasoning_content") or "").strip()
-        if reasoning and reasoning not in text:
-            self.reasoning_dropped += 1
-            if self.reasoning_dropped == 1:
-                log.warning("the chat template does not render reasoning_content (first seen in "
-                            "record %s); that reasoning is not trained on", conv.id)
-
-    def samples(self, conv: Conversation) -> list[tuple[str, list[tuple[int, int]]]]:
-        """[(rendered text, [(start, end) char spans to train on])]: one entry, or one per turn."""
-        # an assistant message before any user/tool message answers nothing: context, not trained
-        roles = [m["role"] for m in conv.messages]
-        first = next((j for j, r in enumerate(roles) if r in ("user", "tool")), len(roles))
-        turns = [i for i, r in enumerate(roles) if r == "assistant" and i > first]
-        if not turns:
-            raise RecordError("no_assistant", "the conversation has no assistant turn after a "
-                              "user turn to train on")
-        whole = self.render(conv, conv.messages, False)
-        spans = [self._span(conv, i) for i in turns]
-        bad = [i for i, (f, _, _) in zip(turns, spans) if not whole.startswith(f)]
-        if not bad:
-            return [(whole, [(s, e) for _, s, e in spans])]
-        if self.on_nonprefix == "raise":
-            raise RecordError("non_prefix_render", f"the template renders assistant message "
-                              f"{bad[0]} differently once later turns follow (e.g. it drops earlier "
-                              f"reasoning); use on_nonprefix='split' to train one sample per turn")
-        return [(f, [(s, e)]) for f, s, e in spans]
-
-    def tokenize(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool], int]:
-        """(input ids, loss mask, number of forced splits) of one rendered text.
-
-        The text is tokenised as a whole; a token is trained on iff its first character lies in
-        a span. Where a token straddles a span boundary (e.g. a template's special marker that
-        the tokenizer does not know merges with the next character), the text is cut at that
-        boundary and the pieces are tokenised separately, so the mask stays exact.
-        """
-        ids, offsets = self._encode(text, 0, len(text))
-        cuts = sorted({c for sp in spans for c in sp
-                       if any(a < c < b for a, b in offsets)})
-        if cuts:
-            ids, offsets = [], []
-            for a, b in zip([0, *cuts], [*cuts, len(text)]):
-                piece_ids, piece_offsets = self._encode(text, a, b)
-                ids += piece_ids
-                offsets += piece_offsets
-        mask = [any(s <= a < e for s, e in spans) for a, _ in offsets]
-        return ids, mask, len(cuts)
-
-    def _encode(self, text: str, a: int, b: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids of text[a:b] and their absolute character offsets."""
-        tok = self.tokenizer
-        if not getattr(tok, "is_fast", False):
-            raise ValueError("loss masks need character offsets: load the target's fast "
-                             "tokenizer (tokenizer.json)")
-        enc = tok(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
-        return list(enc["input_ids"]), [(a + s, a + e) for s, e in enc["offset_mapping"]]
-
-
-def tokenizer_identity(tokenizer, template_text: str, template_name: str | None) -> dict[str, Any]:
-    """What identifies the token stream: tokenizer name, vocabulary size, chat-template hash."""
-    from data.templates import template_sha256
-    return {"name_or_path": str(getattr(tokenizer, "name_or_path", "")),
-            "vocab_size": len(tokenizer), "chat_template": template_name or "tokenizer",
-            "chat_template_sha256": template_sha256(template_text)}
 
 
 def _file_sha256(path: Path) -> str:
@@ -507,7 +342,8 @@ def cli_main(argv: list[str] | None = None) -> int:
                dtype=args.dtype)
     summary = prepare(args.input, args.target, args.out, max_length=args.max_length,
                       on_error=args.on_error, generate=args.generate,
-                      chat_template=args.chat_template, template_kwargs=_parse_kv(args.template_arg),
+                      chat_template=args.chat_template,
+                      template_kwargs=_parse_kv(args.template_arg),
                       on_nonprefix=args.on_nonprefix, shard_samples=args.shard_samples,
                       generate_kwargs=gen)
     print(json.dumps(summary, indent=1))

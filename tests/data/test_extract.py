@@ -98,7 +98,8 @@ def test_round_trip_is_bitwise_the_targets_forward(tmp_path, tokens_dir, name, t
     if name == "tiny-llama":   # HF's hidden_states[-1] is the post-norm state lm_head consumes
         ids = ds[0]["input_ids"][None]
         with torch.no_grad():
-            assert torch.equal(model.model(ids).last_hidden_state[0], reference(model, ids[0])[0][-1])
+            post_norm = model.model(ids).last_hidden_state[0]
+        assert torch.equal(post_norm, reference(model, ids[0])[0][-1])
 
 
 def test_padded_batches_are_close_not_exact(tmp_path, tokens_dir):

@@ -181,7 +181,8 @@ BAD = {
     "no_assistant": {"messages": [{"role": "user", "content": "Hi"}]},
     "too_long": chat("word " * 80, "Yo"),
 }
-BAD_SHAREGPT = {"conversations": [{"from": "wizard", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]}
+BAD_SHAREGPT = {"conversations": [{"from": "wizard", "value": "Hi"},
+                                  {"from": "gpt", "value": "Yo"}]}
 
 
 @pytest.mark.parametrize("reason", sorted(BAD))

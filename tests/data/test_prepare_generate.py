@@ -124,7 +124,9 @@ def test_left_padded_batches_match_single_prompts_on_smollm2(tmp_path):
                                     "sentence, please, and nothing else."}]}]
     src = write_jsonl(tmp_path / "p.jsonl", recs)
     kw = dict(model=model, tokenizer=tok, max_new_tokens=7)
-    batched = lines(generate_conversations(src, "smollm2", tmp_path / "b.jsonl", batch_size=2, **kw))
-    single = lines(generate_conversations(src, "smollm2", tmp_path / "s.jsonl", batch_size=1, **kw))
+    batched = lines(generate_conversations(src, "smollm2", tmp_path / "b.jsonl", batch_size=2,
+                                           **kw))
+    single = lines(generate_conversations(src, "smollm2", tmp_path / "s.jsonl", batch_size=1,
+                                          **kw))
     assert "Paris" in batched[0]["messages"][-1]["content"]
     assert [r["messages"] for r in batched] == [r["messages"] for r in single]
