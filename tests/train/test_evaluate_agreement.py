@@ -1,0 +1,139 @@
+"""Offline τ vs real speculative decoding on SmolLM2-135M-Instruct (fp32), same prompts, same drafter.
+
+Pipeline, with eyas' own parts end to end:
+  1. the target answers held-out prompts greedily (models.specdec.greedy_decode);
+  2. prompt + answer become a token dataset, and `data.extract.extract` (the training capture
+     path) turns it into a hidden-state dataset (aux bf16, target argmax);
+  3. a drafter with real, nontrivial acceptance: random layout-A layers (bf16 values) whose
+     lm_head is fitted by least squares on the TTT features of these rows, each labelled with
+     the target's token (3 of 4 rows) or a wrong one (1 of 4), so every chain length occurs;
+  4. it is exported (layout A) and evaluated twice: `offline_eval` on the hidden-state dataset
+     (imported into the training module, TTT forward) and real decoding (`speculative_decode`,
+     drafter loaded like vLLM into the engine reference, target verifying K drafts per round).
+
+What must agree, and why they may differ:
+  * the speculative output is token-identical to target-only greedy decoding (fp32);
+  * `tau_trajectory` (the offline decoder walk over each answer) equals the real τ up to
+    numerics: the dataset stores aux in bf16 while live decoding feeds fp32 aux, and the TTT
+    forward and the incremental engine differ by float noise; only a near-tie can flip a draft.
+    Tolerance TRAJ_TOL (relative);
+  * `tau` (mean over EVERY start position) is a different average: a decoder visits start
+    positions after each accepted chain, i.e. fewer of them inside well-predicted stretches,
+    so the two agree only as far as acceptance is uniform along the text. Tolerance ALL_TOL.
+"""
+
+import pytest
+import torch
+
+from data.dataset import open_dataset
+from data.extract import extract
+from data.loader import PackedLoader
+from data.prompts import prompts_path
+from data.shards import write_manifest, write_shard
+from models.config import Eagle3Config
+from models.drafter import Eagle3Drafter
+from models.export import export_drafter
+from models.objective import metric_mask
+from models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
+                            load_engine_drafter, speculative_decode, stop_token_ids)
+from models.targets import default_aux_layer_ids, load_target
+from train.evaluate import load_prompts, offline_eval
+
+N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512
+TRAJ_TOL = 0.01
+ALL_TOL = 0.15
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)       # batch-1 decoding; avoids oversubscription on a shared box
+    yield
+    torch.set_num_threads(n)
+
+
+def _fitted_drafter(model, ds, seed=0, ridge=0.1):
+    """Random drafter layers (bf16 values) + an lm_head fitted by ridge regression on the TTT
+    features of the dataset's assistant rows: 3/4 labelled with the target's token, 1/4 wrong."""
+    g = torch.Generator().manual_seed(seed)
+    tcfg = model.config.to_dict()
+    loader = PackedLoader(ds, int(ds.sample_lengths.sum()), 0, 1, seed=0, shuffle=False,
+                          num_workers=0)
+    (batch,) = list(loader)
+    V = tcfg["vocab_size"]
+    seen = torch.unique(torch.cat([batch.input_ids, batch.target_argmax]))   # sorted
+    extra = torch.randperm(V, generator=g)
+    extra = extra[~torch.isin(extra, seen)][:VD - len(seen)]
+    ids = torch.sort(torch.cat([seen, extra])).values                         # [VD] target ids
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=VD,
+                                   aux_layer_ids=default_aux_layer_ids(tcfg["num_hidden_layers"]))
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(cfg, attention="eager")
+    d.load_target_embedding(model.get_input_embeddings().weight.detach().float())
+    d.set_vocab_map(ids - torch.arange(VD))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(p.bfloat16().float())
+        out = d(batch.input_ids, batch.aux, batch.doc_ids, batch.positions, K)
+    mask = metric_mask(out.valid, batch.loss_mask)                      # [K, T]
+    X = out.hidden[mask].double()                                       # [N, H] normed features
+    to_draft = torch.full((V,), -1, dtype=torch.long)
+    to_draft[ids] = torch.arange(VD)
+    wanted = torch.stack([torch.cat([batch.target_argmax[1 + k:],
+                                     torch.zeros(1 + k, dtype=torch.long)]) for k in range(K)])
+    label = to_draft[wanted[mask]]                                      # [N] draft ids
+    assert bool((label >= 0).all())
+    wrong = torch.rand(label.shape, generator=g) < 0.25
+    label = torch.where(wrong, (label + 1) % VD, label)
+    Y = torch.nn.functional.one_hot(label, VD).double()                 # [N, Vd]
+    W = torch.linalg.solve(X.T @ X + ridge * torch.eye(X.shape[1], dtype=X.dtype), X.T @ Y).T
+    state = d.state_dict()
+    state["lm_head.weight"] = (4.0 * W).float()                         # margins ~4 >> bf16 noise
+    return state, cfg
+
+
+@pytest.fixture(scope="module")
+def smol_case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("agree")
+    model, tok = load_target("smollm2", dtype=torch.float32)
+    prompts = [p for _, p in load_prompts(prompts_path("heldout"), tok, num_prompts=N_PROMPTS)]
+    stop = stop_token_ids(model, tok)
+    plain = TargetRunner(model)
+    answers = [greedy_decode(plain, p, max_new_tokens=N_NEW, stop_ids=stop).tokens
+               for p in prompts]
+    samples = [{"input_ids": torch.tensor(p + a),
+                "loss_mask": torch.tensor([False] * len(p) + [True] * len(a))}
+               for p, a in zip(prompts, answers)]
+    write_manifest(root / "tokens", {"kind": "tokens"}, [write_shard(root / "tokens", 0, samples)])
+    extract(root / "tokens", "smollm2", root / "hidden", model=model)
+    ds = open_dataset(root / "hidden")
+    state, cfg = _fitted_drafter(model, ds)
+    export = export_drafter(state, cfg, None, None, root / "drafter",
+                            target_config=model.config.to_dict())
+    return model, tok, prompts, answers, stop, root, export
+
+
+def test_offline_tau_agrees_with_real_decoding(smol_case):
+    model, tok, prompts, answers, stop, root, export = smol_case
+    off = offline_eval(export, root / "hidden", k=K, token_budget=1024)
+
+    emb = model.get_input_embeddings().weight.detach()
+    engine, cfg = load_engine_drafter(export, emb, dtype=torch.float32)
+    verifier = TargetRunner(model, drafter_aux_layer_ids(cfg, model.config.num_hidden_layers))
+    rounds = emitted = 0
+    full_chains = 0
+    try:
+        for p, a in zip(prompts, answers):
+            res = speculative_decode(verifier, engine, p, k=K, max_new_tokens=N_NEW, stop_ids=stop)
+            assert res.tokens == a                           # token-identical to greedy
+            rounds += res.rounds
+            emitted += res.decode_tokens
+            full_chains += res.accepted[K - 1]
+    finally:
+        verifier.close()
+    real = emitted / rounds
+    assert real > 1.8 and full_chains > 0                   # multi-token acceptance happened
+    assert off["tau_trajectory"] == pytest.approx(real, rel=TRAJ_TOL), (off, real)
+    assert off["tau"] == pytest.approx(real, rel=ALL_TOL), (off["tau"], real)
+    assert off["tau_by_k"][-1] == off["tau"] and len(off["tau_by_k"]) == K
+    assert 1.0 <= off["tau_by_k"][0] <= off["tau_by_k"][1] <= off["tau_by_k"][2]
