@@ -16,6 +16,7 @@ COMMANDS = {
     "export": ("models.export", "turn a training checkpoint into a directory vLLM and SGLang load"),
     "validate": ("models.validate", "check an exported drafter against the serving contract"),
     "doctor": ("models.doctor", "explain the likely causes of low acceptance"),
+    "engines": ("models.engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
     "evaluate": ("train.evaluate", "offline acceptance on a dataset, or real speculative decoding"),
 }
 

@@ -1,0 +1,37 @@
+"""The umbrella `eyas` command: every subcommand exists and explains itself."""
+
+import subprocess
+import sys
+
+import pytest
+
+from train.cli import COMMANDS, main
+
+
+def test_help_lists_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in out
+
+
+def test_unknown_subcommand_fails(capsys):
+    assert main(["train-me"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_subcommand_help(name, capsys):
+    try:
+        code = main([name, "--help"])
+    except SystemExit as e:  # argparse exits after printing help
+        code = e.code
+    assert code in (0, None)
+    captured = capsys.readouterr()
+    assert "usage" in (captured.out + captured.err).lower()
+
+
+def test_console_script_runs():
+    r = subprocess.run([sys.executable, "-m", "train.cli", "--help"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "evaluate" in r.stdout
