@@ -115,19 +115,26 @@ def dense_step0(q: Tensor, k0: Tensor, v0: Tensor, mask: Tensor, scale: float) -
 
 
 def merge_diagonal(out0: Tensor, lse0: Tensor, q: Tensor, diag_k: list[Tensor],
-                   diag_v: list[Tensor], scale: float) -> Tensor:
+                   diag_v: list[Tensor], scale: float, merge: Callable | None = None) -> Tensor:
     """Add the diagonal keys of steps 1..k to a step-0 attention result by log-sum-exp (fp32).
 
     out0 [nh,T,d], lse0 [nh,T]: attention over the step-0 keys; q [nh,T,d]; diag_k/diag_v: k
     tensors [nkv,T,d] (row t's own keys at steps 1..k). Returns out [nh,T,d] fp32.
+    `merge` replaces `merge_stacked` (its compiled twin).
     """
     if not diag_k:
         return out0.float()
-    nkv, T, d = diag_k[0].shape
+    return (merge or merge_stacked)(out0, lse0, q, torch.stack(diag_k), torch.stack(diag_v),
+                                    scale)
+
+
+def merge_stacked(out0: Tensor, lse0: Tensor, q: Tensor, ks: Tensor, vs: Tensor,
+                  scale: float) -> Tensor:
+    """`merge_diagonal` on stacked diagonal keys/values ks, vs [k, nkv, T, d] → [nh,T,d] fp32."""
+    k, nkv, T, d = ks.shape
     g = q.shape[0] // nkv
     qf = q.float().view(nkv, g, T, d)
-    ks = torch.stack(diag_k).float()                                      # [k, nkv, T, d]
-    vs = torch.stack(diag_v).float()                                      # [k, nkv, T, d]
+    ks, vs = ks.float(), vs.float()                                      # [k, nkv, T, d]
     s = torch.einsum("ngtd,jntd->jngt", qf, ks) * scale                   # [k, nkv, g, T]
     l0 = lse0.float().view(1, nkv, g, T)
     lse = torch.logsumexp(torch.cat([l0, s]), dim=0)                      # [nkv, g, T]
@@ -136,6 +143,22 @@ def merge_diagonal(out0: Tensor, lse0: Tensor, q: Tensor, diag_k: list[Tensor],
     out = w0[..., None] * out0.float().view(nkv, g, T, d)
     out = out + torch.einsum("jngt,jntd->ngtd", w, vs)                    # [nkv, g, T, d]
     return out.reshape(nkv * g, T, d)
+
+
+_COMPILED_MERGE: Callable | None = None
+
+
+def _merge_and_cast(out0: Tensor, lse0: Tensor, q: Tensor, ks: Tensor, vs: Tensor,
+                    scale: float) -> Tensor:
+    return merge_stacked(out0, lse0, q, ks, vs, scale).to(q.dtype)
+
+
+def compiled_merge() -> Callable:
+    """torch.compile of the merge (+ cast to q's dtype): one graph for k = 1, one for k >= 2."""
+    global _COMPILED_MERGE
+    if _COMPILED_MERGE is None:
+        _COMPILED_MERGE = torch.compile(_merge_and_cast, dynamic=None)
+    return _COMPILED_MERGE
 
 
 def eager_ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor,
@@ -160,10 +183,11 @@ class TTTAttention:
     """
 
     def __init__(self, doc_ids: Tensor, kind: str = "flex", *, head_dim: int,
-                 compile_flex: bool = True, block_size: int = 128):
+                 compile_flex: bool = True, block_size: int = 128, compile_merge: bool = False):
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"attention={kind!r}; choose one of {ATTENTION_KINDS}")
         self.kind, self.doc_ids, self.compile_flex = kind, doc_ids, compile_flex
+        self.compile_merge = compile_merge
         self.scale = 1.0 / math.sqrt(head_dim)
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
@@ -187,4 +211,9 @@ class TTTAttention:
                                     self.scale, self.compile_flex)
         else:
             out0, lse0 = dense_step0(q, self.keys[0], self.values[0], self.mask0, self.scale)
+        if step == 0:                                # no diagonal yet: out0 is the attention
+            return out0.to(q.dtype)
+        if self.compile_merge:                       # fused fp32 merge, output already in q's dtype
+            return merge_diagonal(out0, lse0, q, self.keys[1:], self.values[1:], self.scale,
+                                  merge=compiled_merge())
         return merge_diagonal(out0, lse0, q, self.keys[1:], self.values[1:], self.scale).to(q.dtype)

@@ -22,16 +22,24 @@ One step computes exactly serving-contract §4 (`models.reference` re-derives it
     hidden = norm(p)                                          # lm_head input (the loss applies lm_head)
 
 Norms and softmax run in fp32; parameters may be bf16.
+
+Speed (GPU): with `compile_layer` the two halves of a step around the attention kernel,
+`attention_inputs` (norms, cat, q/k/v projections, RoPE) and `layer_output` (o_proj, residuals,
+post-attention norm, SwiGLU MLP, final norm), are each one torch.compile graph: the element-wise
+work fuses into a few kernels around the cuBLAS GEMMs, and the backward keeps the GEMM inputs
+instead of every fp32 intermediate. Eager and compiled paths run the same Python functions.
+`checkpoint_mlp` recomputes the MLP of each step in the backward (saves 2·T·I bf16 per step).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from models.attention import ATTENTION_KINDS, TTTAttention
@@ -63,9 +71,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight · x / sqrt(mean(x²) + eps), statistics in fp32, rounded to x's dtype before the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
@@ -144,22 +157,77 @@ class Midlayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))                          # [T, H]
 
 
+# ---------------------------------------------------------------------- one step, in pieces
+# The drafter's unroll runs a step as attention_inputs -> TTTAttention -> layer_output (the same
+# math as Midlayer.forward followed by the final norm); the pieces are what torch.compile fuses.
+def attention_inputs(layer: Midlayer, embeds: Tensor, g: Tensor, positions: Tensor,
+                     inv_freq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q [nh,T,d], k [nkv,T,d] (RoPE applied) and v [nkv,T,d] of one step."""
+    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(g)], dim=-1)     # [T, 2H]
+    a = layer.self_attn
+    T = x.shape[0]
+    q = a.q_proj(x).view(T, a.nh, a.hd).transpose(0, 1)
+    k = a.k_proj(x).view(T, a.nkv, a.hd).transpose(0, 1)
+    v = a.v_proj(x).view(T, a.nkv, a.hd).transpose(0, 1)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def attention_residual(layer: Midlayer, attn_out: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """h = g + o_proj(attention) and the MLP input post_attention_layernorm(h), both [T, H]."""
+    T = g.shape[0]
+    h = g + layer.self_attn.o_proj(attn_out.transpose(0, 1).reshape(T, -1))
+    return h, layer.post_attention_layernorm(h)
+
+
+def mlp_residual(layer: Midlayer, h: Tensor, x: Tensor, final_norm: RMSNorm
+                 ) -> tuple[Tensor, Tensor]:
+    """p = h + mlp(x) (fed back as the next step's g) and the lm_head input final_norm(p)."""
+    p = h + layer.mlp(x)
+    return p, final_norm(p)
+
+
+def layer_output(layer: Midlayer, attn_out: Tensor, g: Tensor, final_norm: RMSNorm
+                 ) -> tuple[Tensor, Tensor]:
+    """(p, final_norm(p)) of one step from the attention output attn_out [nh,T,d]."""
+    h, x = attention_residual(layer, attn_out, g)
+    return mlp_residual(layer, h, x, final_norm)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def compiled(fn: Callable) -> Callable:
+    """torch.compile(fn), one per function for the whole process.
+
+    Static shapes for the first batch length T; a second T switches to a symbolic T (torch's
+    automatic dynamic shapes), so varying T costs one more compile, not one per length."""
+    c = _COMPILED.get(fn.__name__)
+    if c is None:
+        c = _COMPILED[fn.__name__] = torch.compile(fn, dynamic=None)
+    return c
+
+
 # ---------------------------------------------------------------------- the drafter
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter (layout A) with the TTT unroll as its forward.
 
     attention: "flex" (GPU training; compiled when `compile_flex` and on CUDA), "eager" (dense
     fp32 reference; CPU training) or "lse-eager" (see models.attention).
+    compile_layer: torch.compile the element-wise work of each step on CUDA (default: follows
+    `compile_flex`). checkpoint_mlp: recompute each step's MLP in the backward (less memory).
     """
 
     def __init__(self, config: Eagle3Config, *, attention: str = "flex", compile_flex: bool = True,
-                 flex_block_size: int = 128):
+                 flex_block_size: int = 128, compile_layer: bool | None = None,
+                 checkpoint_mlp: bool = False):
         super().__init__()
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention={attention!r}; choose one of {ATTENTION_KINDS} "
                              f"(flex: GPU training, eager: CPU)")
         self.config, self.attention = config, attention
         self.compile_flex, self.flex_block_size = compile_flex, flex_block_size
+        self.compile_layer = compile_flex if compile_layer is None else bool(compile_layer)
+        self.checkpoint_mlp = bool(checkpoint_mlp)
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
@@ -200,21 +268,39 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"doc_ids {tuple(doc_ids.shape)} and positions "
                              f"{tuple(positions.shape)} must both be [T]=[{T}]")
         valid = structural_valid(doc_ids, K)                                # [K, T]
+        fused = self.compile_layer and input_ids.is_cuda
         attn = TTTAttention(doc_ids, self.attention, head_dim=self.config.head_dim,
-                            compile_flex=self.compile_flex, block_size=self.flex_block_size)
+                            compile_flex=self.compile_flex, block_size=self.flex_block_size,
+                            compile_merge=fused)
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta,
-                                 self.config.rope_scaling)
+                                 self.config.rope_scaling).to(input_ids.device)
+        pre = compiled(attention_inputs) if fused else attention_inputs
+        post = compiled(layer_output) if fused else layer_output
         g = self.fc(aux.to(self.fc.weight.dtype))                           # [T, H]
         hidden, prenorm = [], []
         for k in range(K):
             embeds = self.embed_tokens(step_tokens(input_ids, k)).to(g.dtype)   # [T, H]
-            p = self.midlayer(embeds, g, step_positions(positions, k), inv_freq, attn)
-            hidden.append(self.norm(p))                                     # [T, H]
+            q, kk, v = pre(self.midlayer, embeds, g, step_positions(positions, k), inv_freq)
+            out = attn(q, kk, v)                                            # [nh, T, d]
+            if self.checkpoint_mlp and torch.is_grad_enabled():
+                p, normed = self._checkpointed_output(out, g, fused)
+            else:
+                p, normed = post(self.midlayer, out, g, self.norm)          # [T, H] each
+            hidden.append(normed)
             prenorm.append(p)
             g = p                                                           # pre-norm feedback
         return DrafterOutput(hidden=torch.stack(hidden),
                              prenorm=torch.stack(prenorm) if return_prenorm else None,
                              valid=valid)
+
+    def _checkpointed_output(self, attn_out: Tensor, g: Tensor, fused: bool
+                             ) -> tuple[Tensor, Tensor]:
+        """layer_output with the MLP (its [T, I] activations) recomputed in the backward."""
+        res = compiled(attention_residual) if fused else attention_residual
+        mlp = compiled(mlp_residual) if fused else mlp_residual
+        h, x = res(self.midlayer, attn_out, g)
+        return torch.utils.checkpoint.checkpoint(mlp, self.midlayer, h, x, self.norm,
+                                                 use_reentrant=False)
 
     def forward_batch(self, batch, ttt_steps: int | None = None, **kwargs) -> DrafterOutput:
         """`forward` on a packed `data.loader.Batch` (or anything with those attributes)."""

@@ -4,6 +4,11 @@ Under DDP the model keeps bf16 parameters (half the memory and bandwidth of fp32
 `MasterAdamW` keeps an fp32 copy of each for the update, so small updates are not lost to
 bf16 rounding. Under DeepSpeed ZeRO the engine does the same itself (bf16 enabled in its
 config), so a plain torch AdamW is handed to it.
+
+On CUDA the update is one fused Triton pass per tensor (`kernels.adamw.master_adamw_`: reads
+the bf16 gradient directly, writes master, moments and the bf16 parameter) instead of an fp32
+copy of every gradient + torch's fused AdamW + a copy back; the optimizer state is the same
+torch AdamW state either way.
 """
 
 from __future__ import annotations
@@ -20,23 +25,29 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW over fp32 master copies of (bf16) parameters.
 
     `param_groups` are the model's own parameters, so accelerate, clipping and LR schedulers
-    work unchanged; `step()` moves their gradients onto the fp32 masters, runs torch AdamW
-    (fused on CUDA) there and writes the result back rounded to the parameter dtype.
+    work unchanged; `step()` updates the fp32 masters from the parameters' gradients and writes
+    the result back rounded to the parameter dtype. impl: "triton" (fused kernel), "torch"
+    (fp32 gradient copies + torch AdamW, fused on CUDA) or "auto" (triton on CUDA).
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, impl: str = "auto"):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"MasterAdamW impl must be auto, triton or torch, got {impl!r}")
         self.masters = [[p.detach().float().clone() for p in g["params"]]
                         for g in self.param_groups]
         fused = all(p.is_cuda for g in self.param_groups for p in g["params"])
         groups = [dict(params=m, **{k: v for k, v in g.items() if k != "params"})
                   for g, m in zip(self.param_groups, self.masters)]
         self.inner = torch.optim.AdamW(groups, fused=fused or None)
+        self.impl = ("triton" if fused and _has_triton() else "torch") if impl == "auto" else impl
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.impl == "triton":
+            return self._fused_step()
         for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
                                                self.masters):
             for key in ("lr", "betas", "eps", "weight_decay"):
@@ -48,6 +59,31 @@ class MasterAdamW(torch.optim.Optimizer):
             for p, m in zip(group["params"], masters):
                 p.copy_(m)
                 m.grad = None
+
+    def _fused_step(self):
+        """The same update through kernels.adamw (state kept in torch AdamW's layout)."""
+        from kernels.adamw import master_adamw_
+        for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
+                                               self.masters):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                inner_group[key] = group[key]
+            todo = [(p, m) for p, m in zip(group["params"], masters) if p.grad is not None]
+            for _, m in todo:
+                st = self.inner.state[m]
+                if not st:                           # torch AdamW's own (fused) initial state
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=m.device)
+                    st["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                elif st["step"].device != m.device or st["step"].dtype != torch.float32:
+                    st["step"] = st["step"].to(m.device, torch.float32)   # e.g. a CPU checkpoint
+            if group.get("amsgrad") or group.get("maximize"):
+                raise NotImplementedError("MasterAdamW(impl='triton') has no amsgrad/maximize")
+            states = [self.inner.state[m] for _, m in todo]
+            b1, b2 = group["betas"]
+            master_adamw_([p for p, _ in todo], [p.grad for p, _ in todo], [m for _, m in todo],
+                          [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                          [s["step"] for s in states], lr=group["lr"], beta1=b1, beta2=b2,
+                          eps=group["eps"], weight_decay=group["weight_decay"])
 
     def state_dict(self):
         return {"inner": self.inner.state_dict(),
@@ -66,6 +102,14 @@ class MasterAdamW(torch.optim.Optimizer):
                     p.copy_(m)
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
 
 
 def build_optimizer(params, optim_cfg, *, master_weights: bool) -> torch.optim.Optimizer:

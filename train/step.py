@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 import kernels
 from models.drafter import Eagle3Drafter
@@ -44,6 +45,8 @@ class TrainingModule(nn.Module):
         """ZeRO-3: gather lm_head.weight during this module's forward (used outside lm_head)."""
         from deepspeed.zero import register_external_parameter
         register_external_parameter(self, self.drafter.lm_head.weight)
+        # ZeRO-3 gathers partitioned parameters in module hooks, which compiled graphs bypass
+        self.drafter.compile_layer = False
 
     def teacher(self, last: Tensor | None, topk_ids: Tensor | None,
                 topk_logits: Tensor | None) -> Tensor:
@@ -68,13 +71,16 @@ class TrainingModule(nn.Module):
                 loss_mask: Tensor, target_argmax: Tensor, last: Tensor | None = None,
                 topk_ids: Tensor | None = None, topk_logits: Tensor | None = None) -> StepOutput:
         d = self.drafter
-        out = d(input_ids, aux, doc_ids, positions, self.ttt_steps)          # hidden [K, T, H]
+        # (the record_function names group GPU kernels in a profile: benchmarks/train_step.py)
+        with record_function("eyas.drafter"):
+            out = d(input_ids, aux, doc_ids, positions, self.ttt_steps)      # hidden [K, T, H]
         w = row_weights(out.valid, loss_mask, target_argmax, d.t2d,
                         step_weight=self.step_weight, normalisation=self.normalisation,
                         position_mask=self.position_mask)                     # [K, T] fp32
-        teacher = self.teacher(last, topk_ids, topk_logits)                   # [T, Vd]
-        res = kernels.eagle3_loss(out.hidden, d.lm_head.weight, teacher, w, impl=self.loss_impl,
-                                  chunk_size=self.chunk_size)
+        with record_function("eyas.loss"):
+            teacher = self.teacher(last, topk_ids, topk_logits)               # [T, Vd]
+            res = kernels.eagle3_loss(out.hidden, d.lm_head.weight, teacher, w,
+                                      impl=self.loss_impl, chunk_size=self.chunk_size)
         return StepOutput(loss=res.loss, draft_argmax=res.draft_argmax,
                           metric_mask=metric_mask(out.valid, loss_mask))
 

@@ -1,0 +1,138 @@
+"""Where the GPU time of a training step goes: torch.profiler, kernels grouped by role.
+
+    profile_steps(step_fn, n) -> {"step_ms", "per_step_ms": {category: ms}, "top_kernels": [...]}
+
+Each GPU kernel of n profiled steps (synchronised one by one) goes to the first category
+that matches:
+  optimizer   launched inside `Optimizer.step` or the clip (`bench.clip`, `clip_grad_norm_`)
+  loss        launched inside `eyas.loss` (teacher, lm_head GEMMs, row kernels: train/step.py)
+              or a loss kernel by name (its backward only rescales the stored gradient)
+  attention   flex-attention kernels (inductor templates `triton_tem_*`, `flex`)
+  matmul      cuBLAS / CUTLASS GEMMs (the drafter's projections, their gradients, fc)
+  elementwise everything else: norms, RoPE, SwiGLU, the diagonal merge, casts, copies, memsets
+  idle        step wall time minus the union of kernel intervals (launch gaps, host syncs)
+The launch → kernel link is the profiler's correlation id; ranges are the host-side
+record_function annotations enclosing the launch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import json
+import os
+import re
+import tempfile
+import time
+
+import torch
+
+MATMUL = re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm\d\d_|s16816|hmma|splitk|ampere_|"
+                    r"dot_|matmul", re.I)
+ATTENTION = re.compile(r"flex|triton_tem|attention|fmha|flash", re.I)
+LOSS_NAMES = re.compile(r"_loss_rows|_grad_rows|_scale_cast", re.I)
+CATEGORIES = ("matmul", "attention", "loss", "elementwise", "optimizer", "idle")
+
+
+def _categorise(name: str, ranges: set[str]) -> str:
+    if any(r.startswith("Optimizer.step") or r in ("bench.clip",) or "clip_grad" in r
+           for r in ranges):
+        return "optimizer"
+    if "eyas.loss" in ranges or LOSS_NAMES.search(name):
+        return "loss"
+    if ATTENTION.search(name):
+        return "attention"
+    if MATMUL.search(name):
+        return "matmul"
+    return "elementwise"
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -1e30
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total / 1e3
+
+
+def breakdown(trace: dict, windows: list[tuple[float, float]]) -> dict:
+    """Categorised GPU time of a chrome trace, restricted to the step windows (µs)."""
+    ev = trace["traceEvents"] if isinstance(trace, dict) else trace
+    launches, annotations = {}, collections.defaultdict(list)
+    kernels = []
+    for e in ev:
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat", "")
+        if cat in ("cuda_runtime", "cuda_driver"):
+            corr = e.get("args", {}).get("correlation")
+            if corr is not None:
+                launches[corr] = (e["tid"], e["ts"])
+        elif cat == "user_annotation" or (cat == "cpu_op" and "clip_grad" in e.get("name", "")):
+            annotations[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append(e)
+    for tid in annotations:
+        annotations[tid].sort()
+    starts = {tid: [a[0] for a in v] for tid, v in annotations.items()}
+
+    def ranges_at(tid, ts) -> set[str]:
+        out = set()
+        lst = annotations.get(tid, [])
+        i = bisect.bisect_right(starts.get(tid, []), ts)
+        for a, b, name in lst[:i]:
+            if a <= ts <= b:
+                out.add(name)
+        return out
+
+    per = collections.defaultdict(float)
+    names = collections.defaultdict(float)
+    spans = []
+    wall = sum(b - a for a, b in windows) / 1e3
+    for k in kernels:
+        a, b = k["ts"], k["ts"] + k["dur"]
+        if not any(wa <= a <= wb for wa, wb in windows):
+            continue
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        ranges = ranges_at(*launch) if launch else set()
+        c = _categorise(k.get("name", ""), ranges)
+        per[c] += k["dur"] / 1e3
+        names[(c, k.get("name", "")[:90])] += k["dur"] / 1e3
+        spans.append((a, b))
+    busy = _union_ms(spans)
+    n = max(len(windows), 1)
+    per_step = {c: per.get(c, 0.0) / n for c in CATEGORIES if c != "idle"}
+    per_step["idle"] = max(0.0, wall - busy) / n
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:25]
+    return {"step_ms": wall / n, "busy_ms": busy / n, "per_step_ms": per_step,
+            "top_kernels": [{"category": c, "name": nm, "ms_per_step": v / n}
+                            for (c, nm), v in top]}
+
+
+def profile_steps(step_fn, n: int) -> dict:
+    """Profile n calls step_fn(i) (each synchronised) and return `breakdown` of them."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    windows = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            torch.cuda.synchronize()
+            with record_function("bench.step") as _:
+                step_fn(i)
+                torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
+        if e.get("ph") == "X" and e.get("name") == "bench.step":
+            windows.append((e["ts"], e["ts"] + e["dur"]))
+    t = time.perf_counter()
+    out = breakdown(trace, sorted(windows))
+    out["parse_s"] = time.perf_counter() - t
+    return out

@@ -1,0 +1,306 @@
+"""Benchmark the FULL drafter training step: forward, backward, clip, optimizer step.
+
+The step is the trainer's own path (train.step.TrainingModule: TTT unroll → teacher → fused
+loss; train.optim: MasterAdamW on bf16 parameters; the trainer's clip, metrics counts and its
+host syncs), on drafters of real shapes with random weights and synthetic packed batches of
+several documents (random aux / last / target_argmax, documents of 64-1536 tokens filling T).
+
+Reported per case (median of the timed steps after warm-up): step ms (CUDA events split it
+into forward / backward / optimizer), tokens/s (T per step), MFU with two FLOP counts,
+peak memory, and a torch.profiler breakdown of GPU time (matmul / attention / loss kernels /
+elementwise / optimizer / idle; benchmarks/profile_breakdown.py).
+  mfu_eyas   train.tracking.flops_per_token (attention over the documents actually packed,
+             fc counted 4×, teacher over the draft vocabulary)
+  mfu_sf     SpecForge-compatible: 6 × trainable matmul params × K + 6 × fc + 2·tH·V (teacher
+             logits over the full target vocabulary) + causal attention over the whole packed
+             sequence (context T/2, fwd+bwd 12·ctx·heads·head_dim per step)
+Both against the dense bf16 peak (989 TFLOP/s for H100/H200, `--peak-tflops`).
+
+Cases (`--cases`, comma list): base (eager element-wise, optimizer via fp32 gradient copies
++ torch fused AdamW: the step before compile/fusion), compile (torch.compile of each step's
+element-wise work), fused (compile + one-pass Triton master AdamW: the default),
+nosync (fused without the per-micro-batch `.item()` NaN check), ckpt (fused + the MLP of each
+step recomputed in backward).
+
+The real trainer end to end (accelerate + DeepSpeed ZeRO-2 on shards on disk): see
+benchmarks/train_e2e.py (`python benchmarks/train_step.py --trainer ...` forwards to it).
+
+Usage:
+  python benchmarks/train_step.py --target llama-3.1-8b --tokens 4096 --cases base,compile,fused
+  python benchmarks/train_step.py --target kimi-k2.5 --tokens 2048,4096,8192,32768 --cases fused
+  CPU smoke run: --target tiny-llama --tokens 256 --ttt 3 --cases base --device cpu --iters 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data.loader import Batch  # noqa: E402
+from models.config import Eagle3Config  # noqa: E402
+from models.drafter import Eagle3Drafter  # noqa: E402
+from models.metrics import accept_counts  # noqa: E402
+from models.targets import load_target_config, text_config  # noqa: E402
+from train.optim import MasterAdamW, build_scheduler  # noqa: E402
+from train.step import TrainingModule, batch_inputs  # noqa: E402
+from train.tracking import flops_per_token  # noqa: E402
+
+GIB = 1 << 30
+CASES = {  # name: (compile_layer, optimizer impl, per-micro-batch NaN sync, checkpoint_mlp)
+    "base": (False, "torch", True, False),
+    "compile": (True, "torch", True, False),
+    "fused": (True, "auto", True, False),
+    "nosync": (True, "auto", False, False),
+    "ckpt": (True, "auto", True, True),
+}
+
+
+# ------------------------------------------------------------------------------ inputs
+def doc_lengths(T: int, seed: int) -> list[int]:
+    """Random document lengths in [64, 1536] summing to exactly T."""
+    g = torch.Generator().manual_seed(seed)
+    out, left = [], T
+    while left > 0:
+        n = min(left, int(torch.randint(64, 1537, (1,), generator=g)))
+        out.append(n)
+        left -= n
+    return out
+
+
+def make_batch(cfg: Eagle3Config, T: int, vocab_ids: torch.Tensor, device, seed: int) -> Batch:
+    """A full packed Batch: 20 % of each document is prompt (loss_mask 0), 90 % of the target
+    argmaxes fall inside the draft vocabulary `vocab_ids` (the position mask drops the rest)."""
+    lengths = doc_lengths(T, seed)
+    g = torch.Generator(device=device).manual_seed(seed)
+    doc = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    mask = torch.cat([torch.arange(n) >= n // 5 for n in lengths])
+    V, tH = cfg.vocab_size, cfg.target_hidden_size
+    ids = torch.randint(0, V, (T,), device=device, generator=g)
+    pick = vocab_ids[torch.randint(0, vocab_ids.numel(), (T,), device=device, generator=g)]
+    argmax = torch.where(torch.rand(T, device=device, generator=g) < 0.9, pick,
+                         torch.randint(0, V, (T,), device=device, generator=g))
+    return Batch(input_ids=ids, loss_mask=mask.to(device), doc_ids=doc.to(device),
+                 positions=pos.to(device),
+                 aux=torch.randn(T, 3 * tH, device=device, generator=g).bfloat16(),
+                 last=torch.randn(T, tH, device=device, generator=g).bfloat16(),
+                 target_argmax=argmax, num_tokens=T)
+
+
+def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
+    """(TrainingModule, MasterAdamW, scheduler, draft vocab ids) for one case, on `device`."""
+    compile_layer, impl, _, ckpt = CASES[case]
+    torch.manual_seed(seed)
+    on_cuda = device.type == "cuda"
+    with torch.device(device):
+        drafter = Eagle3Drafter(cfg, attention="flex" if on_cuda else "eager",
+                                compile_flex=on_cuda, compile_layer=compile_layer and on_cuda,
+                                checkpoint_mlp=ckpt)
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    drafter.to(dtype)
+    drafter.embed_tokens.weight.normal_()
+    V, Vd, tH = cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd].sort().values
+    drafter.set_vocab_map(ids - torch.arange(Vd))
+    head_rows = (torch.randn(Vd, tH, device=device) * 4 * tH ** -0.5).to(dtype)
+    loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=True,
+                               chunk_size=None)
+    module = TrainingModule(drafter, head_rows, loss_cfg,
+                            loss_impl="triton" if on_cuda else "torch", ttt_steps=K)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = MasterAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                      impl=impl if on_cuda else "torch")
+    optim_cfg = SimpleNamespace(warmup_steps=0, warmup_ratio=0.0, schedule="constant")
+    return module, opt, build_scheduler(opt, optim_cfg, 1000), ids.to(device)
+
+
+# ------------------------------------------------------------------------------ the step
+def train_step(module, opt, sched, batch: Batch, nan_sync: bool, events=None) -> float:
+    """One optimizer step exactly as train/trainer.py runs it (grad_accum 1, DDP path)."""
+    rec = (lambda i: events[i].record()) if events else (lambda i: None)
+    rec(0)
+    res = module(**batch_inputs(batch))
+    bad = (~torch.isfinite(res.loss)).float()
+    if nan_sync and bad.item():                      # the trainer's per-micro-batch check
+        raise RuntimeError("non-finite loss in the benchmark")
+    rec(1)
+    res.loss.backward()
+    rec(2)
+    accept_counts(res.draft_argmax.detach(), module.drafter.d2t, batch.target_argmax,
+                  res.metric_mask)                   # the trainer's metrics window
+    params = [p for p in module.parameters() if p.requires_grad]
+    with torch.profiler.record_function("bench.clip"):
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, 0.5))   # the trainer's step sync
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    rec(3)
+    return gnorm
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
+             profile_steps: int) -> dict:
+    module, opt, sched, vocab_ids = build(cfg, case, device, K)
+    batches = [make_batch(cfg, T, vocab_ids, device, seed=s) for s in (0, 1)]
+    nan_sync = CASES[case][2]
+    on_cuda = device.type == "cuda"
+    t0 = time.perf_counter()
+    first = None
+    for i in range(warmup):
+        gn = train_step(module, opt, sched, batches[i % 2], nan_sync)
+        first = first or gn                      # same seed in every case: a parity check
+    _sync(device)
+    warm_s = time.perf_counter() - t0
+    static = torch.cuda.memory_allocated() if on_cuda else 0      # params + masters + moments
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    step_ms, split = [], []
+    for i in range(iters):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if on_cuda else None
+        _sync(device)
+        t = time.perf_counter()
+        train_step(module, opt, sched, batches[i % 2], nan_sync, ev)
+        _sync(device)
+        step_ms.append((time.perf_counter() - t) * 1e3)
+        if ev:
+            split.append([ev[j].elapsed_time(ev[j + 1]) for j in range(3)])
+    peak = torch.cuda.max_memory_allocated() if on_cuda else 0
+    ms = statistics.median(step_ms)
+    out = dict(case=case, tokens=T, ttt_steps=K, step_ms=ms, step_ms_all=step_ms,
+               tokens_per_s=T / (ms / 1e3), warmup_s=warm_s, first_grad_norm=first,
+               peak_gib=peak / GIB,
+               static_gib=static / GIB, activations_gib=(peak - static) / GIB,
+               doc_lengths=[doc_lengths(T, s) for s in (0, 1)])
+    if split:
+        med = [statistics.median(x[j] for x in split) for j in range(3)]
+        out.update(fwd_ms=med[0], bwd_ms=med[1], opt_ms=med[2])
+    if profile_steps and on_cuda:
+        from benchmarks.profile_breakdown import profile_steps as prof
+        out["profile"] = prof(lambda i: train_step(module, opt, sched, batches[i % 2], nan_sync),
+                              profile_steps)
+    del module, opt, sched, batches
+    if on_cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------ FLOPs
+def specforge_flops_per_token(cfg: Eagle3Config, K: int, T: int) -> float:
+    """SpecForge-compatible count (module docstring): 6·P·K + 6·fc + 2·tH·V + causal attention."""
+    H, tH, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    p_step = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * cfg.draft_vocab_size
+    attention = K * 12 * (T / 2) * nh * hd
+    return 6 * p_step * K + 6 * 3 * tH * H + 2 * tH * cfg.vocab_size + attention
+
+
+def drafter_config(target: str, K: int, draft_vocab: int) -> Eagle3Config:
+    tcfg = load_target_config(target)
+    vd = min(draft_vocab, int(text_config(tcfg)["vocab_size"]))
+    return Eagle3Config.from_target(tcfg, draft_vocab_size=vd, ttt_steps=K)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--trainer" in argv:
+        argv.remove("--trainer")
+        from benchmarks.train_e2e import main as e2e
+        return e2e(argv)
+    ap = argparse.ArgumentParser(prog="train_step", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="llama-3.1-8b", help="target preset the drafter is shaped for")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--tokens", default="4096", help="comma list of packed tokens per step (T)")
+    ap.add_argument("--ttt", type=int, default=7, help="TTT steps (K)")
+    ap.add_argument("--cases", default="base,compile,fused", help=f"comma list of {list(CASES)}")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="profile this many extra steps (GPU time breakdown) of --profile-cases")
+    ap.add_argument("--profile-cases", default=None, help="comma list (default: the last case)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    for knob in ("cache_size_limit", "recompile_limit"):   # several drafters/shapes per process
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    cfg = drafter_config(args.target, args.ttt, args.draft_vocab)
+    cases = args.cases.split(",")
+    for c in cases:
+        if c not in CASES:
+            ap.error(f"unknown case {c!r}; choose from {list(CASES)}")
+    profiled = args.profile_cases.split(",") if args.profile_cases else cases[-1:]
+    rows = []
+    for T in [int(x) for x in args.tokens.split(",")]:
+        for case in cases:
+            try:
+                r = run_case(cfg, case, T, args.ttt, args.iters, args.warmup, device,
+                             args.profile if case in profiled else 0)
+            except torch.OutOfMemoryError as e:
+                r = dict(case=case, tokens=T, ttt_steps=args.ttt, error=f"OOM: {e}"[:300])
+                torch.cuda.empty_cache()
+            if "error" not in r:
+                mean_doc = statistics.mean(n for ls in r["doc_lengths"] for n in ls)
+                f_e = flops_per_token(cfg, args.ttt, mean_doc)
+                f_s = specforge_flops_per_token(cfg, args.ttt, T)
+                peak = args.peak_tflops * 1e12
+                r.update(flops_per_token_eyas=f_e, flops_per_token_sf=f_s,
+                         mfu_eyas=f_e * r["tokens_per_s"] / peak,
+                         mfu_sf=f_s * r["tokens_per_s"] / peak,
+                         us_per_token=1e6 / r["tokens_per_s"])
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items()
+                              if k not in ("doc_lengths", "step_ms_all", "profile")}),
+                  file=sys.stderr, flush=True)
+            if args.json:   # after every case: a later OOM or time-out keeps what was measured
+                Path(args.json).write_text(json.dumps(dict(
+                    target=args.target, config=cfg.to_dict(), torch=torch.__version__,
+                    device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    results=rows), indent=1))
+    print(format_table(args.target, cfg, rows))
+    return 0
+
+
+def format_table(target: str, cfg: Eagle3Config, rows: list[dict]) -> str:
+    head = ("| T | case | step ms | fwd / bwd / opt ms | tokens/s | µs/token | MFU sf | MFU eyas "
+            "| peak GiB | static GiB |")
+    lines = [f"{target}: H={cfg.hidden_size} heads={cfg.num_attention_heads}/"
+             f"{cfg.num_key_value_heads} I={cfg.intermediate_size} Vd={cfg.draft_vocab_size} "
+             f"V={cfg.vocab_size}", head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['tokens']} | {r['case']} | {r['error'][:60]} |")
+            continue
+        split = (f"{r['fwd_ms']:.1f} / {r['bwd_ms']:.1f} / {r['opt_ms']:.1f}"
+                 if "fwd_ms" in r else "–")
+        lines.append(f"| {r['tokens']} | {r['case']} | {r['step_ms']:.1f} | {split} | "
+                     f"{r['tokens_per_s']:.0f} | {r['us_per_token']:.2f} | "
+                     f"{100 * r['mfu_sf']:.1f}% | {100 * r['mfu_eyas']:.1f}% | "
+                     f"{r['peak_gib']:.2f} | {r['static_gib']:.2f} |")
+    for r in rows:
+        if r.get("profile"):
+            p = r["profile"]
+            lines.append(f"profile T={r['tokens']} {r['case']}: " + ", ".join(
+                f"{k} {v:.1f} ms ({100 * v / p['step_ms']:.0f}%)"
+                for k, v in p["per_step_ms"].items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
