@@ -106,7 +106,8 @@ class LoadRecorder:
         self._by_id: dict[int, str] = {}
         self._ranges: list[tuple[int, int, str]] = []
         self.reached: dict[str, set[str]] = {}
-        self.unmatched: list[dict[str, Any]] = []  # loads of tensors not traced to a checkpoint name
+        # loads of tensors not traced to a checkpoint name
+        self.unmatched: list[dict[str, Any]] = []
 
     def wrap_iterator(self, it: Iterable[tuple[str, torch.Tensor]]
                       ) -> Iterator[tuple[str, torch.Tensor]]:

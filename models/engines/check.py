@@ -3,21 +3,21 @@
 `check_engines(export_dir, target_config)` runs `probe_<engine>.py` in each engine's private
 venv (venvs.py; created on first use), over the export and a directory holding only the
 target's config.json (no target weights, no tokenizer), and turns the probe's raw facts into
-an `EngineReport` per engine with `Finding`s (the same type `eyas validate` reports):
+an `EngineReport` per engine with `Finding`s (the same type `eyas validate` reports).
 
-| code                   | meaning                                                                  |
-|------------------------|--------------------------------------------------------------------------|
-| ENGINE_LOAD_ERROR      | the engine raised while reading the config or loading the weights         |
-| ENGINE_CRASH           | the engine killed the probe process (segfault, abort, out of memory)      |
-| ENGINE_DROPPED         | checkpoint tensors that reached no parameter, silently                   |
-| ENGINE_UNWRITTEN       | parameters never written that the engine does not take from the target    |
-| ENGINE_LM_HEAD_FROM_TARGET | no lm_head loaded: the engine serves the target's head instead         |
-| ENGINE_NONFINITE       | NaN/inf in a loaded parameter                                             |
-| ENGINE_SMOKE           | logits not finite / of the wrong width, or draft ids mapped outside [0, V) |
-| ENGINE_AUX_LAYERS      | the engine feeds other target layers than trained (eyas_export.json), none, ones past the target's depth, or the two engines feed different ones |
-| ENGINE_NORM_BEFORE_RESIDUAL | the engines compute different functions (vLLM applies the flag, SGLang not) |
-| ENGINE_EMBED_SOURCE    | (warning) one engine uses the shipped embedding, the other the target's   |
-| ENGINE_UNAVAILABLE     | the engine's venv could not be created or the probe failed (no verdict)    |
+Finding codes (all errors except ENGINE_EMBED_SOURCE, a warning):
+  ENGINE_LOAD_ERROR     the engine raised while reading the config or loading the weights
+  ENGINE_CRASH          the engine killed the probe process (segfault, abort, out of memory)
+  ENGINE_DROPPED        checkpoint tensors that reached no parameter, silently
+  ENGINE_UNWRITTEN      parameters never written that the engine does not take from the target
+  ENGINE_LM_HEAD_FROM_TARGET  no lm_head loaded: the engine serves the target's head instead
+  ENGINE_NONFINITE      NaN/inf in a loaded parameter
+  ENGINE_SMOKE          logits not finite or of the wrong width, no or out-of-range id mapping
+  ENGINE_AUX_LAYERS     the engine feeds other target layers than trained (eyas_export.json),
+                        none, ones past the target's depth, or the two engines differ
+  ENGINE_NORM_BEFORE_RESIDUAL  vLLM applies the flag, SGLang does not: different functions
+  ENGINE_EMBED_SOURCE   one engine uses the shipped embedding, the other the target's
+  ENGINE_UNAVAILABLE    the engine's venv could not be created or the probe failed (no verdict)
 
 The target's embed_tokens is supposed to be unwritten: both engines take it from the target
 (reported in `from_target`, not a finding).
@@ -153,7 +153,7 @@ def run_probe(engine: str, jobs: list[dict[str, Any]], python: Path, workdir: Pa
 # ---------------------------------------------------------------------------------------------
 
 def _trained_aux_ids(export_dir: Path) -> list[int] | None:
-    """The aux ids (HF hidden_states indices) the drafter was trained with, from eyas_export.json."""
+    """Aux ids (HF hidden_states indices) the drafter was trained on, from eyas_export.json."""
     meta = export_dir / "eyas_export.json"
     try:
         ids = json.loads(meta.read_text()).get("aux_layer_ids")

@@ -96,7 +96,7 @@ def _setup(argv: list[str]) -> int:
             continue
         info = ready_info(path) or {}
         print(f"{engine} {versions[engine]}: {path}  (torch {info.get('torch')}, installed in "
-              f"{info.get('setup_s', '?')} s by {info.get('installer')}, "
+              f"{info.get('setup_s', info.get('install_s'))} s by {info.get('installer')}, "
               f"{info.get('disk_bytes', 0) / 1e9:.1f} GB; this call {time.time() - t0:.0f} s)")
     return rc
 
@@ -107,13 +107,14 @@ def _list(argv: list[str]) -> int:
     args = p.parse_args(argv)
     root = venv_dir("vllm", "x", args.venv_root).parent
     print(f"engine venvs under {root}")
-    for path in sorted(root.glob("*-*")) if root.is_dir() else []:
+    paths = sorted(p for e in ENGINES for p in root.glob(f"{e}-*") if p.is_dir())
+    for path in paths:
         info = ready_info(path)
         state = "ready" if info else "INCOMPLETE (rebuilt on next use)"
-        print(f"  {path.name:<20} {state}  {disk_usage(path) / 1e9:.1f} GB (not counting files "
-              f"shared with other venvs)")
+        print(f"  {path.name:<20} {state:<10} {disk_usage(path) / 1e9:5.1f} GB (alone; files "
+              f"hard-linked with the other venvs and the uv cache are shared)")
     if root.is_dir():
-        print(f"  total on disk: {disk_usage(root) / 1e9:.1f} GB")
+        print(f"  total on disk (venvs + uv cache): {disk_usage(root) / 1e9:.1f} GB")
     return 0
 
 

@@ -99,14 +99,15 @@ def _aux_layers(target_hf_config, draft_hf_config) -> list[int]:
 
 
 def _from_target(model) -> dict[str, str]:
-    """Parameters SGLang's EAGLE worker replaces with the target's (eagle_worker_v2.init_lm_head)."""
+    """Parameters SGLang's EAGLE worker takes from the target (eagle_worker_v2.init_lm_head)."""
     out = {}
     cfg = model.config
     if getattr(model, "load_lm_head_from_target", False):
         out["lm_head.weight"] = "the target's lm_head (draft_vocab_size is null)"
         out["model.embed_tokens.weight"] = "the target's embed_tokens"
     elif not (hasattr(cfg, "target_hidden_size") and cfg.target_hidden_size != cfg.hidden_size):
-        out["model.embed_tokens.weight"] = "the target's embed_tokens"   # LlamaForCausalLM.set_embed
+        # LlamaForCausalLM.set_embed: shared unless the widths differ
+        out["model.embed_tokens.weight"] = "the target's embed_tokens"
     return out
 
 

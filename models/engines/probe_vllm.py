@@ -3,7 +3,7 @@
     <vllm-venv>/bin/python -I probe_vllm.py JOBS.json OUT.jsonl
 
 The call sequence is vLLM's drafter-loading path (engine-loaders.md §vLLM): ModelConfig(target)
-→ SpeculativeConfig(method="eagle3", model=draft) → VllmConfig → get_model(draft_model_config),
+→ SpeculativeConfig(method="eagle3", model=draft) → VllmConfig → get_model(draft config),
 which builds `Eagle3LlamaForCausalLM`, runs its `load_weights` over the safetensors and then
 `process_weights_after_loading`. Two substitutions make it run without a GPU or vLLM's CPU build:
 the post-load CPU GEMM repacking is replaced by its plain `F.linear` fallback, and
@@ -20,7 +20,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-os.environ["VLLM_TARGET_DEVICE"] = "cpu"   # before importing vllm: no platform is detected otherwise
+# before importing vllm: otherwise no platform is detected ("Invalid attention backend for None")
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # -I drops the script dir

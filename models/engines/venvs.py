@@ -5,7 +5,7 @@ venv and is only ever run as a subprocess (`<venv>/bin/python -I probe_<engine>.
 
     <root>/                       default ~/.cache/eyas/engines (outside any checkout)
       vllm-0.33.0/                ~9.4 GB: the CUDA wheels of torch, vLLM and their deps
-      sglang-0.5.23/              ~9.5 GB alone; ~3.8 GB extra when hard-linked from the shared cache
+      sglang-0.5.23/              ~10 GB alone; ~3.5 GB extra next to vLLM (shared hard links)
       uv-cache/                   uv's download/wheel cache; venv files are hard links into it
       uv-bootstrap/               a tiny venv holding `uv` when no `uv` is on PATH
       <name>.lock                 flock serialising the build of <name>

@@ -67,13 +67,17 @@ def verdict_table(rows: Sequence[tuple[str, Sequence[str], dict[str, EngineRepor
             who, key = "eyas engine probe", "probe only"
         elif codes:
             who, key = "eyas validator only", "validator only"
+        elif all(c == "silent" for c in cats.values()):
+            who, key = "— (clean: nothing to catch)", None
         else:
             who, key = "nothing", "none"
-        counts[key] += 1
+        if key:
+            counts[key] += 1
         vcodes = ", ".join(f"`{c}`" for c in sorted(codes)) or "—"
         lines.append("| " + " | ".join([f"`{case}`", vcodes] + cells + [who]) + " |")
     lines.append("")
-    lines.append(f"{len(rows)} exports: an engine's own loader raises on {counts['engine raises']}"
+    lines.append(f"{sum(counts.values())} broken exports: an engine's own loader raises on "
+                 f"{counts['engine raises']}"
                  f", only the eyas probe around the engines' loaders catches "
                  f"{counts['probe only']}, only the static validator catches "
                  f"{counts['validator only']}"
