@@ -50,7 +50,7 @@ def verdict_table(rows: Sequence[tuple[str, Sequence[str], dict[str, EngineRepor
     engines = [e for e in ENGINE_NAMES if any(e in r for _, _, r in rows)]
     versions = {e: next(r[e].version for _, _, r in rows if e in r) for e in engines}
     head = ["fault", "`eyas validate`"] + [f"{ENGINE_NAMES[e]} {versions[e]}" for e in engines]
-    lines = [title] if title else []
+    lines = [title.rstrip("\n"), ""] if title else []
     lines += ["| " + " | ".join(head + ["caught by"]) + " |",
               "|" + "---|" * (len(head) + 1)]
     counts = {"engine raises": 0, "probe only": 0, "validator only": 0, "none": 0}

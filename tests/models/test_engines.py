@@ -73,6 +73,13 @@ SILENT = {"layers0", "d2t_not_increasing", "t2d_mismatch", "d2t_int32", "fp32_fp
           "max_pos_2048", "aux_descending"}
 
 
+TABLE_TITLE = (
+    "### What vLLM's and SGLang's own loaders catch\n\n"
+    "Each deliberately broken export of the validator's tests (tiny-llama target) loaded on CPU "
+    "by `eyas engines check`. Regenerate: `EYAS_ENGINE_VERDICTS=benchmarks/engine_verdicts.md "
+    "pytest -m engines tests/models/test_engines.py`.\n")
+
+
 def smollm2_export(out: Path) -> Path:
     """A drafter for the SmolLM2 target as a training run builds it, random weights, exported."""
     tcfg = load_target_config("smollm2")
@@ -172,7 +179,7 @@ def test_verdict_table(verdicts, exports, tmp_path):
     _, broken = exports
     rows = [(case, sorted(codes), verdicts[case]) for case, (_, codes) in broken.items()]
     rows = [("clean (tiny-llama)", [], verdicts["tiny-llama"])] + rows
-    table = verdict_table(rows, title="### What vLLM's and SGLang's own loaders catch")
+    table = verdict_table(rows, title=TABLE_TITLE)
     assert table.count("\n| `") == len(rows)
     for case in RAISES["vllm"] | RAISES["sglang"]:
         assert f"| `{case}` |" in table and "**raises**" in table.split(f"| `{case}` |")[1]
