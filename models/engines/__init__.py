@@ -3,7 +3,7 @@
     from models.engines import check_engines
     reports = check_engines("out/drafter", "llama-3.1-8b")      # {"vllm": EngineReport, ...}
 
-    eyas engines setup                      # create the engine venvs (~13 GB, minutes, once)
+    eyas engines setup                      # create the engine venvs (~14 GB, minutes, once)
     eyas engines check DIR --target-config T [--engines vllm,sglang]
 
 The engines never run inside eyas's interpreter: each lives in its own virtual environment

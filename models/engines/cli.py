@@ -30,7 +30,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="SGLang release to install/use (default %(default)s)")
     p.add_argument("--venv-root", default=None,
                    help=f"where the engine venvs live (default {default_root()}; ~9.5 GB per "
-                        "engine, ~13 GB for both with the shared uv cache)")
+                        "engine, ~14 GB for both with the shared uv cache)")
 
 
 def _check_parser(prog: str) -> argparse.ArgumentParser:
@@ -122,7 +122,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     """`eyas engines setup|check|list …`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = ("usage: eyas engines {setup,check,list} [--help]\n\n"
-             "  setup  create the vLLM/SGLang venvs (~13 GB, a few minutes, once)\n"
+             "  setup  create the vLLM/SGLang venvs (~14 GB, a few minutes, once)\n"
              "  check  load an exported drafter with the engines' own loaders on CPU\n"
              "  list   show the venvs and their disk use")
     if not argv or argv[0] in ("-h", "--help"):

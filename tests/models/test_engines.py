@@ -1,7 +1,7 @@
 """Exports loaded by vLLM's and SGLang's own loaders on CPU (models/engines).
 
 Marker `engines` (deselected by default): `pytest -m engines`. The first run creates the engine
-venvs (~13 GB under ~/.cache/eyas/engines, a few minutes); later runs reuse them. The verdict
+venvs (~14 GB under ~/.cache/eyas/engines, a few minutes); later runs reuse them. The verdict
 table is written to $EYAS_ENGINE_VERDICTS when set (benchmarks/engine_verdicts.md).
 
 Clean exports (SmolLM2 drafter built like a training run's, real-shape Llama-3.1-8B and
