@@ -378,6 +378,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-values", action="store_true",
                    help="skip the NaN/inf scan of the weights (headers and vocab map only)")
     p.add_argument("--json", action="store_true", help="print findings as JSON")
+    p.add_argument("--engines", default=None,
+                   help="also load DIR with these engines' own loaders on CPU, in their own "
+                        "venvs, e.g. vllm,sglang (see `eyas engines --help`)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     findings = validate(args.dir, args.target_config, check_values=not args.no_values,
@@ -386,6 +389,11 @@ def cli_main(argv: list[str] | None = None) -> int:
         print(json.dumps([f.__dict__ for f in findings], indent=2))
     else:
         print(format_findings(findings))
+    if args.engines:
+        from models.engines import engines_cli_main
+        engines = engines_cli_main([args.dir, "--target-config", args.target_config,
+                                    "--engines", args.engines])
+        return max(1 if findings else 0, engines)
     return 1 if findings else 0
 
 

@@ -66,6 +66,10 @@ def run(cfg: DictConfig) -> dict:
         except pipeline.StageUnavailable as e:
             log.warning("%s", e)
             spec = None
+        try:
+            summary["engines"] = pipeline.run_engine_check(cfg, summary["export"])
+        except Exception as e:  # the engines are a check, not part of training
+            log.warning("engine check could not run: %s", e)
         if spec:
             summary["speculative"] = spec
             log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
@@ -110,6 +114,8 @@ def main(cfg: DictConfig) -> None:
                   f"{spec['tokens_identical']}")
         if summary.get("tau") is not None:
             print(f"tau: {summary['tau']:.3f}")
+        if summary.get("engines"):
+            print("engines: " + " ".join(f"{e}={v}" for e, v in summary["engines"].items()))
 
 
 if __name__ == "__main__":

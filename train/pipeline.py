@@ -120,3 +120,22 @@ def run_speculative_check(cfg, export_dir: str | Path) -> dict | None:
     return evaluate.speculative_eval(export_dir, cfg.target.name, prompts,
                                      k=cfg.drafter.ttt_steps, num_prompts=cfg.eval.num_prompts,
                                      max_new_tokens=cfg.eval.max_new_tokens)
+
+
+def run_engine_check(cfg, export_dir: str | Path) -> dict[str, str] | None:
+    """Load the export with vLLM's and SGLang's own loaders, if their venvs already exist.
+
+    Returns {engine: verdict} ("ok", or the first finding's code), or None when neither venv
+    is installed (`eyas engines setup` creates them; the main job never builds them itself).
+    """
+    from models.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
+    present = [e for e in DEFAULT_VERSIONS if ready_info(venv_dir(e))]
+    if not present:
+        log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
+        return None
+    from models.engines import check_engines
+    from models.targets import load_target_config
+    reports = check_engines(export_dir, load_target_config(cfg.target.name), engines=present,
+                            setup=False)
+    return {e: ("ok" if r.ok else (r.findings[0].code if r.findings else "failed"))
+            for e, r in reports.items()}
