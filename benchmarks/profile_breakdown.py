@@ -112,15 +112,20 @@ def breakdown(trace: dict, windows: list[tuple[float, float]]) -> dict:
 
 
 def profile_steps(step_fn, n: int) -> dict:
-    """Profile n calls step_fn(i) (each synchronised) and return `breakdown` of them."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    """Profile n calls step_fn(i) (each synchronised) and return `breakdown` of them.
+
+    Two more steps run first under the profiler's wait/warm-up phases: the first profiled
+    iteration otherwise loses GPU events while the tracer starts."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
     windows = []
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(n):
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=1, warmup=1, active=n, repeat=1)) as prof:
+        for i in range(n + 2):
             torch.cuda.synchronize()
             with record_function("bench.step") as _:
                 step_fn(i)
                 torch.cuda.synchronize()
+            prof.step()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -130,7 +135,10 @@ def profile_steps(step_fn, n: int) -> dict:
     finally:
         os.unlink(path)
     for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
-        if e.get("ph") == "X" and e.get("name") == "bench.step":
+        # the host range only: the trace mirrors every range on the GPU timeline
+        # ("gpu_user_annotation"), which must not count as a second step
+        if (e.get("ph") == "X" and e.get("name") == "bench.step"
+                and e.get("cat") == "user_annotation"):
             windows.append((e["ts"], e["ts"] + e["dur"]))
     t = time.perf_counter()
     out = breakdown(trace, sorted(windows))

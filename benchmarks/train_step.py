@@ -201,7 +201,7 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
 
 # ------------------------------------------------------------------------------ FLOPs
 def specforge_flops_per_token(cfg: Eagle3Config, K: int, T: int) -> float:
-    """SpecForge-compatible count (module docstring): 6·P·K + 6·fc + 2·tH·V + causal attention."""
+    """SpecForge-compatible count (module docstring): 6·P·K + 6·fc + 2·tH·V + attention."""
     H, tH, I = cfg.hidden_size, cfg.target_hidden_size, cfg.intermediate_size
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     p_step = 2 * H * (nh + 2 * nkv) * hd + nh * hd * H + 3 * H * I + H * cfg.draft_vocab_size
@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks.train_e2e import main as e2e
         return e2e(argv)
     ap = argparse.ArgumentParser(prog="train_step", description=__doc__.split("\n")[0])
-    ap.add_argument("--target", default="llama-3.1-8b", help="target preset the drafter is shaped for")
+    ap.add_argument("--target", default="llama-3.1-8b",
+                    help="target preset the drafter is shaped for")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--tokens", default="4096", help="comma list of packed tokens per step (T)")
     ap.add_argument("--ttt", type=int, default=7, help="TTT steps (K)")

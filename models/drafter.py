@@ -75,7 +75,7 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """weight · x / sqrt(mean(x²) + eps), statistics in fp32, rounded to x's dtype before the weight."""
+    """weight · x / sqrt(mean(x²) + eps): fp32 statistics, rounded to x's dtype before the weight."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

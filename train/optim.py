@@ -42,10 +42,35 @@ class MasterAdamW(torch.optim.Optimizer):
         groups = [dict(params=m, **{k: v for k, v in g.items() if k != "params"})
                   for g, m in zip(self.param_groups, self.masters)]
         self.inner = torch.optim.AdamW(groups, fused=fused or None)
-        self.impl = ("triton" if fused and _has_triton() else "torch") if impl == "auto" else impl
+        self.requested_impl = impl
+
+    @property
+    def impl(self) -> str:
+        """The implementation the next step uses ("auto" resolves on the parameters' device)."""
+        if self.requested_impl != "auto":
+            return self.requested_impl
+        on_cuda = all(p.is_cuda for g in self.param_groups for p in g["params"])
+        return "triton" if on_cuda and _has_triton() else "torch"
+
+    def _follow_parameters(self) -> None:
+        """Keep masters and moments on their parameters' device.
+
+        The optimizer may be built before the model is moved (accelerate.prepare moves the
+        parameters in place afterwards): masters built on the CPU then follow the parameters.
+        The step counters stay where torch AdamW keeps them (the fused path moves its own)."""
+        for group, masters in zip(self.param_groups, self.masters):
+            for p, m in zip(group["params"], masters):
+                if m.device == p.device:
+                    continue
+                m.data = m.data.to(p.device)
+                st = self.inner.state.get(m, {})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in st:
+                        st[key] = st[key].to(p.device)
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._follow_parameters()
         if self.impl == "triton":
             return self._fused_step()
         for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
@@ -92,6 +117,7 @@ class MasterAdamW(torch.optim.Optimizer):
                                  for g in self.param_groups]}
 
     def load_state_dict(self, state):
+        self._follow_parameters()
         self.inner.load_state_dict(state["inner"])
         with torch.no_grad():
             for ms, saved in zip(self.masters, state["masters"]):

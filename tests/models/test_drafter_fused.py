@@ -23,7 +23,8 @@ def _batch(device="cpu", T=40):
     lens = [9, 14, 4, 10]
     doc = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lens)]
                     + [torch.full((T - sum(lens),), -1, dtype=torch.int32)])
-    pos = torch.cat([torch.arange(n) for n in lens] + [torch.zeros(T - sum(lens), dtype=torch.long)])
+    pad = torch.zeros(T - sum(lens), dtype=torch.long)
+    pos = torch.cat([torch.arange(n) for n in lens] + [pad])
     ids = torch.randint(1, 49152, (T,), generator=g)
     aux = torch.randn(T, 3 * 64, generator=g)
     return [x.to(device) for x in (ids, aux, doc, pos)]
