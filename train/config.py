@@ -102,6 +102,8 @@ class DrafterConfig:
     (flex on CUDA, eager elsewhere: torch's flex_attention has no CPU backward)."""
     compile: bool = True
     """torch.compile the drafter layer on GPU (ignored on CPU)."""
+    checkpoint_mlp: bool = False
+    """Recompute the MLP in backward: ~2.3 GiB less at the Llama-8B shape, ~13% slower."""
     init_lm_head_from_target: bool = True
     """Initialise draft lm_head row i from the target head row of token i + d2t[i]."""
     warm_start: Optional[str] = None

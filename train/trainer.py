@@ -126,7 +126,8 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
     if attention == "auto":
         attention = "flex" if device.type == "cuda" else "eager"
     drafter = Eagle3Drafter(config, attention=attention,
-                            compile_flex=bool(cfg.drafter.compile) and device.type == "cuda")
+                            compile_flex=bool(cfg.drafter.compile) and device.type == "cuda",
+                            checkpoint_mlp=bool(cfg.drafter.checkpoint_mlp))
     embed, head = load_embedding_and_head(cfg.target.name, cfg.data.cache_dir)
     drafter.load_target_embedding(embed)
     if warm is not None:
@@ -156,6 +157,7 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
         num_workers=cfg.data.num_workers, indices=eval_idx)
     per_epoch = math.ceil(len(train_loader) / cfg.optim.grad_accum)
     total = cfg.train.max_steps or per_epoch * cfg.train.epochs
+    module.to(device)  # the optimizer's fp32 master copies must live where the parameters do
     optimizer = build_optimizer(module.parameters(), cfg.optim,
                                 master_weights=not deepspeed and dtype != torch.float32)
     scheduler = build_scheduler(optimizer, cfg.optim, total)
