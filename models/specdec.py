@@ -255,13 +255,13 @@ def stop_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[list[int]], *,
-                k: int, max_new_tokens: int, stop_ids: set[int], names: list[str] | None = None,
-                progress: bool = True) -> dict:
-    """Decode every prompt twice (target-only greedy, then speculative) and aggregate.
+def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[list[int]], *,
+                   k: int, max_new_tokens: int, stop_ids: set[int], names: list[str] | None = None,
+                   progress: bool = True) -> list[tuple[str, Decoded, Decoded]]:
+    """Decode every prompt twice, interleaved: target-only greedy, then speculative.
 
-    prompts: token id lists (chat template already applied). Returns the result dict of
-    `summarize` (tau, per-position acceptance, forwards, tokens/s, speedup, token identity).
+    prompts: token id lists (chat template already applied). Returns [(name, greedy, spec)].
+    A short warm-up of both paths runs first (first calls allocate and pick kernels).
     """
     from data.utils import progress as bar
     n_layers = int(model.config.get_text_config().num_hidden_layers)
@@ -269,7 +269,6 @@ def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[
     plain, verifier = TargetRunner(model), TargetRunner(model, aux_ids)
     names = names or [str(i) for i in range(len(prompts))]
     try:
-        # warm-up: first calls allocate caches and pick kernels; keep that out of the timings
         warm = prompts[0][: min(8, len(prompts[0]))]
         greedy_decode(plain, warm, max_new_tokens=2, stop_ids=set())
         speculative_decode(verifier, drafter, warm, k=k, max_new_tokens=2, stop_ids=set())
@@ -283,7 +282,17 @@ def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[
     finally:
         plain.close()
         verifier.close()
-    return summarize(pairs, k)
+    return pairs
+
+
+def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[list[int]], *,
+                k: int, max_new_tokens: int, stop_ids: set[int], names: list[str] | None = None,
+                progress: bool = True) -> dict:
+    """`decode_prompts` then `summarize`: tau, per-position acceptance, forwards, tokens/s,
+    speedup and token identity of the speculative output against target-only greedy."""
+    return summarize(decode_prompts(model, drafter, drafter_cfg, prompts, k=k,
+                                    max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                    names=names, progress=progress), k)
 
 
 def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
