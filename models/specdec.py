@@ -150,6 +150,7 @@ class Decoded:
 
     tokens: list[int]                        # generated ids (stop token included, if hit)
     seconds: float                           # wall time: prefill + decode
+    cpu_seconds: float                       # process CPU time over the same span
     target_forwards: int                     # prefill included
     rounds: int = 0                          # decode forwards of the target (= verify forwards)
     decode_tokens: int = 0                   # tokens emitted by decode rounds (all but the first)
@@ -177,7 +178,7 @@ def greedy_decode(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     """Target-only greedy decoding, one token per forward (the reference and the baseline)."""
     if not prompt:
         raise ValueError("empty prompt: nothing to condition on")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     target.reset()
     start = target.forwards
     arg, _, logits = target.forward(prompt, last_only=True)
@@ -188,7 +189,8 @@ def greedy_decode(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
         arg, _, logits = target.forward(out[-1:], last_only=True)
         gaps.append(float(torch.topk(logits, 2).values.diff().abs()))
         _, done = _finish(out, [int(arg[-1])], max_new_tokens, stop_ids)
-    return Decoded(out, time.perf_counter() - t0, target.forwards - start, top2_gap=gaps)
+    return Decoded(out, time.perf_counter() - t0, time.process_time() - c0,
+                   target.forwards - start, top2_gap=gaps)
 
 
 def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: list[int], *, k: int,
@@ -201,11 +203,11 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
     if target.capture is None:
         raise ValueError("the target runner captures no aux states: build it with the "
                          "drafter's aux layer ids")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     target.reset()
     drafter.reset()
     start = target.forwards
-    res = Decoded([], 0.0, 0, reached=[0] * k, accepted=[0] * k)
+    res = Decoded([], 0.0, 0.0, 0, reached=[0] * k, accepted=[0] * k)
     arg, aux, _ = target.forward(prompt, last_only=True)                  # aux [P, 3·tH]
     seq = list(prompt)
     n_new, done = _finish(res.tokens, [int(arg[-1])], max_new_tokens, stop_ids)
@@ -237,7 +239,7 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
         res.decode_tokens += n_new
         seq += emitted[:n_new]
         aux, row0 = aux_v[:acc + 1], L                                   # rows L..L+acc verified
-    res.seconds = time.perf_counter() - t0
+    res.seconds, res.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     res.target_forwards = target.forwards - start
     return res
 
@@ -305,6 +307,8 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
     base_gen = sum(len(b.tokens) for _, b, _ in pairs)
     t_spec = sum(s.seconds for _, _, s in pairs)
     t_base = sum(b.seconds for _, b, _ in pairs)
+    c_spec = sum(s.cpu_seconds for _, _, s in pairs)
+    c_base = sum(b.cpu_seconds for _, b, _ in pairs)
     mismatches = []
     for name, b, s in pairs:
         if b.tokens != s.tokens:
@@ -334,6 +338,9 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
         "tokens_per_s": spec_tps, "baseline_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps if base_tps and base_tps == base_tps else nan,
         "seconds": t_spec, "baseline_seconds": t_base,
+        # process CPU time: the fair comparison on a shared machine (with one torch thread)
+        "cpu_seconds": c_spec, "baseline_cpu_seconds": c_base,
+        "speedup_cpu": (gen / c_spec) / (base_gen / c_base) if c_spec > 0 and c_base > 0 else nan,
         "counts": {"reached": reached, "accepted": accepted},
         "per_prompt": [{"prompt": n, "tokens": len(s.tokens), "rounds": s.rounds,
                         "decode_tokens": s.decode_tokens,

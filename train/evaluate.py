@@ -379,7 +379,8 @@ def format_table(res: dict[str, Any]) -> str:
                  f"{res['target_forwards']} (target-only: {res['baseline_target_forwards']})")
     lines.append(f"  tokens/s {_fmt(res['tokens_per_s'], '.1f')} vs target-only "
                  f"{_fmt(res['baseline_tokens_per_s'], '.1f')}   speedup "
-                 f"{_fmt(res['speedup'], '.2f')}x")
+                 f"{_fmt(res['speedup'], '.2f')}x   (by CPU time: "
+                 f"{_fmt(res['speedup_cpu'], '.2f')}x)")
     lines.append(f"  {'pos':>3} {'acceptance':>10} {'rate':>6}")
     for j, (a, r) in enumerate(zip(res["per_position_acceptance"],
                                    res["per_position_accept_rate"])):
