@@ -198,3 +198,25 @@ def test_engine_loading_errors_name_the_directory(tiny, random_export, tmp_path)
     with pytest.raises(ValueError, match="empty prompt"):
         speculative_decode(runner, None, [], k=2, max_new_tokens=4, stop_ids=set())
     runner.close()
+
+
+def test_mla_moe_target_is_token_identical(tmp_path):
+    """The DeepSeek-V3 architecture (MLA attention, MoE layers): same loop, same identity."""
+    model, tok = load_target("tiny-deepseek-v3", dtype=torch.float32)
+    tcfg = model.config.to_dict()
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=4096,
+                                   aux_layer_ids=default_aux_layer_ids(8))
+    torch.manual_seed(1)
+    d = Eagle3Drafter(cfg, attention="eager")
+    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:4096]).values - torch.arange(4096)
+    d.set_vocab_map(d2t)
+    out = export_drafter(d.state_dict(), cfg, d2t, None, tmp_path / "ds", target_config=tcfg)
+    engine, dcfg = load_engine_drafter(out, model.get_input_embeddings().weight.detach(),
+                                       dtype=torch.float32)
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=False))
+               for q in QUESTIONS[:2]]
+    res = run_prompts(model, engine, dcfg, prompts, k=K, max_new_tokens=10,
+                      stop_ids=stop_token_ids(model, tok), progress=False)
+    assert res["tokens_identical"], res["mismatches"]
+    assert res["target_forwards"] == res["decode_rounds"] + 2
