@@ -55,7 +55,7 @@ def random_drafter(model, out: Path, k: int) -> Path:
 
 
 def hidden_dataset(model, target: str, prompts, answers, root: Path) -> Path:
-    """prompt + target answer per record → token dataset → hidden-state dataset (data.extract)."""
+    """prompt + target answer per record → token dataset → hidden-state dataset (extract)."""
     from data.extract import extract
     from data.shards import write_manifest, write_shard
     samples = [{"input_ids": torch.tensor(p + a),

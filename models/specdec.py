@@ -210,7 +210,7 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
     res = Decoded([], 0.0, 0.0, 0, reached=[0] * k, accepted=[0] * k)
     arg, aux, _ = target.forward(prompt, last_only=True)                  # aux [P, 3·tH]
     seq = list(prompt)
-    n_new, done = _finish(res.tokens, [int(arg[-1])], max_new_tokens, stop_ids)
+    _, done = _finish(res.tokens, [int(arg[-1])], max_new_tokens, stop_ids)
     seq += res.tokens
     row0 = 0                                  # first position whose aux the drafter has not seen
     while not done:

@@ -355,7 +355,8 @@ def json_safe(x):
 
 
 def _fmt(x, spec: str = ".3f") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+    missing = x is None or (isinstance(x, float) and not math.isfinite(x))
+    return "n/a" if missing else format(x, spec)
 
 
 def format_table(res: dict[str, Any]) -> str:

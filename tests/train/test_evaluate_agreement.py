@@ -1,4 +1,4 @@
-"""Offline τ vs real speculative decoding on SmolLM2-135M-Instruct (fp32), same prompts, same drafter.
+"""Offline τ vs real speculative decoding on SmolLM2-135M-Instruct (fp32): same text, same drafter.
 
 Pipeline, with eyas' own parts end to end:
   1. the target answers held-out prompts greedily (models.specdec.greedy_decode);
