@@ -156,6 +156,7 @@ class Decoded:
     decode_tokens: int = 0                   # tokens emitted by decode rounds (all but the first)
     reached: list[int] = field(default_factory=list)    # [K] rounds whose draft j was verified
     accepted: list[int] = field(default_factory=list)   # [K] rounds that accepted draft j
+    histogram: list[int] = field(default_factory=list)  # [K+1] rounds that accepted n drafts
     drafter_forwards: int = 0
     top2_gap: list[float] = field(default_factory=list)  # greedy only: logit gap per token
 
@@ -207,7 +208,7 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
     target.reset()
     drafter.reset()
     start = target.forwards
-    res = Decoded([], 0.0, 0.0, 0, reached=[0] * k, accepted=[0] * k)
+    res = Decoded([], 0.0, 0.0, 0, reached=[0] * k, accepted=[0] * k, histogram=[0] * (k + 1))
     arg, aux, _ = target.forward(prompt, last_only=True)                  # aux [P, 3·tH]
     seq = list(prompt)
     _, done = _finish(res.tokens, [int(arg[-1])], max_new_tokens, stop_ids)
@@ -233,6 +234,7 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
         for j in range(min(acc + 1, k)):
             res.reached[j] += 1
             res.accepted[j] += j < acc
+        res.histogram[acc] += 1
         target.crop(k - acc)
         emitted = drafts[:acc] + [int(y[acc])]
         n_new, done = _finish(res.tokens, emitted, max_new_tokens, stop_ids)
@@ -303,6 +305,7 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
     decode_tokens = sum(s.decode_tokens for _, _, s in pairs)
     reached = [sum(s.reached[j] for _, _, s in pairs) for j in range(k)]
     accepted = [sum(s.accepted[j] for _, _, s in pairs) for j in range(k)]
+    histogram = [sum(s.histogram[j] for _, _, s in pairs) for j in range(k + 1)]
     gen = sum(len(s.tokens) for _, _, s in pairs)
     base_gen = sum(len(b.tokens) for _, b, _ in pairs)
     t_spec = sum(s.seconds for _, _, s in pairs)
@@ -342,6 +345,7 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
         "cpu_seconds": c_spec, "baseline_cpu_seconds": c_base,
         "speedup_cpu": (gen / c_spec) / (base_gen / c_base) if c_spec > 0 and c_base > 0 else nan,
         "counts": {"reached": reached, "accepted": accepted},
+        "accept_length_histogram": histogram,      # rounds that accepted 0..K drafts
         "per_prompt": [{"prompt": n, "tokens": len(s.tokens), "rounds": s.rounds,
                         "decode_tokens": s.decode_tokens,
                         "tau": s.decode_tokens / s.rounds if s.rounds else nan,

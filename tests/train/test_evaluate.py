@@ -179,24 +179,26 @@ def test_offline_eval_directory_module_and_rank_split(tiny_llama_dataset, tmp_pa
     assert sub["num_samples"] == 3 and len(sub["tau_by_k"]) == 2
 
 
-_RANK_MAIN = """
+_RANK1 = """
 import json, sys, torch, torch.distributed as dist
 from train.evaluate import offline_eval
-rank, port, out, ds = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+port, out, ds = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-res = offline_eval(out, ds, k=3, token_budget=256, rank=rank, world_size=2)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+res = offline_eval(out, ds, k=3, token_budget=256, rank=1, world_size=2)
 dist.destroy_process_group()
 print(json.dumps(res["counts"]))
 """
 
 
 def test_counts_are_all_reduced_across_processes(tiny_llama_dataset, tmp_path):
-    """Two gloo processes, each evaluating its share: both report the single-process counts."""
+    """Rank 0 here, rank 1 in a subprocess (gloo): both report the single-process counts."""
     import os
     import socket
     import subprocess
     import sys
+
+    import torch.distributed as dist
     drafter = _drafter(load_target_config("tiny-llama"), seed=2)
     out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
                          tmp_path / "export", target_config=load_target_config("tiny-llama"))
@@ -204,14 +206,21 @@ def test_counts_are_all_reduced_across_processes(tiny_llama_dataset, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK_MAIN, str(r), str(port), str(out),
-                               str(tiny_llama_dataset)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=dict(os.environ))
-             for r in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
-    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
-    assert got[0] == got[1] == single
+    child = subprocess.Popen([sys.executable, "-c", _RANK1, str(port), str(out),
+                              str(tiny_llama_dataset)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=2, timeout=__import__("datetime").timedelta(minutes=4))
+        mine = offline_eval(out, tiny_llama_dataset, k=K, token_budget=256, rank=0,
+                            world_size=2)["counts"]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        stdout, stderr = child.communicate(timeout=300)
+    assert child.returncode == 0, stderr[-2000:]
+    theirs = json.loads(stdout.strip().splitlines()[-1])
+    assert mine == theirs == single
 
 
 def test_cli_offline_and_speculative(tiny_llama_dataset, tmp_path, capsys):

@@ -17,9 +17,11 @@ What must agree, and why they may differ:
     numerics: the dataset stores aux in bf16 while live decoding feeds fp32 aux, and the TTT
     forward and the incremental engine differ by float noise; only a near-tie can flip a draft.
     Tolerance TRAJ_TOL (relative);
-  * `tau` (mean over EVERY start position) is a different average: a decoder visits start
-    positions after each accepted chain, i.e. fewer of them inside well-predicted stretches,
-    so the two agree only as far as acceptance is uniform along the text. Tolerance ALL_TOL.
+  * `tau` (mean over EVERY start position, what the trainer logs) is a different average: a
+    decoder visits only the positions right after each accepted chain, so its R rounds are a
+    sample of the starts (fewer of them inside well-predicted stretches when acceptance varies
+    along the text). With R ~ 40 rounds here that sampling error dominates: the test allows
+    ALL_SE standard errors of the real per-round length (std(L+1) / sqrt(R)).
 """
 
 import pytest
@@ -41,7 +43,7 @@ from train.evaluate import load_prompts, offline_eval
 
 N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512
 TRAJ_TOL = 0.01
-ALL_TOL = 0.15
+ALL_SE = 3.0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,19 +123,21 @@ def test_offline_tau_agrees_with_real_decoding(smol_case):
     engine, cfg = load_engine_drafter(export, emb, dtype=torch.float32)
     verifier = TargetRunner(model, drafter_aux_layer_ids(cfg, model.config.num_hidden_layers))
     rounds = emitted = 0
-    full_chains = 0
+    hist = [0] * (K + 1)
     try:
         for p, a in zip(prompts, answers):
             res = speculative_decode(verifier, engine, p, k=K, max_new_tokens=N_NEW, stop_ids=stop)
             assert res.tokens == a                           # token-identical to greedy
             rounds += res.rounds
             emitted += res.decode_tokens
-            full_chains += res.accepted[K - 1]
+            hist = [a + b for a, b in zip(hist, res.histogram)]
     finally:
         verifier.close()
     real = emitted / rounds
-    assert real > 1.8 and full_chains > 0                   # multi-token acceptance happened
+    assert real > 1.8 and all(h > 0 for h in hist), hist    # every chain length 0..K occurred
     assert off["tau_trajectory"] == pytest.approx(real, rel=TRAJ_TOL), (off, real)
-    assert off["tau"] == pytest.approx(real, rel=ALL_TOL), (off["tau"], real)
+    lengths = torch.repeat_interleave(torch.arange(1, K + 2).double(), torch.tensor(hist))
+    se = float(lengths.std()) / rounds ** 0.5
+    assert abs(off["tau"] - real) <= ALL_SE * se, (off["tau"], real, se)
     assert off["tau_by_k"][-1] == off["tau"] and len(off["tau_by_k"]) == K
     assert 1.0 <= off["tau_by_k"][0] <= off["tau_by_k"][1] <= off["tau_by_k"][2]
