@@ -253,6 +253,8 @@ class EvalConfig:
     """Held-out prompts (messages JSONL); null = the shipped held-out prompts."""
     num_prompts: int = 16
     """How many held-out prompts to decode."""
+    engines: bool = True
+    """Load the export with vLLM's and SGLang's own loaders when their venvs exist."""
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
 

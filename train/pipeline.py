@@ -128,6 +128,8 @@ def run_engine_check(cfg, export_dir: str | Path) -> dict[str, str] | None:
     Returns {engine: verdict} ("ok", or the first finding's code), or None when neither venv
     is installed (`eyas engines setup` creates them; the main job never builds them itself).
     """
+    if not cfg.eval.engines:
+        return None
     from models.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
     present = [e for e in DEFAULT_VERSIONS if ready_info(venv_dir(e))]
     if not present:

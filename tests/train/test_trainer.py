@@ -18,7 +18,8 @@ ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 
 SMALL = ["drafter.attention=eager", "drafter.ttt_steps=3", "drafter.draft_vocab_size=1024",
          "data.token_budget=256", "data.num_workers=1", "optim.lr=1e-3", "optim.warmup_steps=0",
-         "optim.schedule=constant", "train.log_every=1", "data.eval_fraction=0.1"]
+         "optim.schedule=constant", "train.log_every=1", "data.eval_fraction=0.1",
+         "eval.speculative=false", "eval.engines=false"]
 
 
 def _env():
