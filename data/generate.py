@@ -98,8 +98,11 @@ def _stop_ids(model, tokenizer) -> list[int]:
 def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, max_new_tokens: int,
                     temperature: float, top_p: float) -> list[tuple[str, str, int]]:
     """[(text, finish_reason, n_new_tokens)] for prompts (already rendered, left padded here)."""
-    tokenizer.padding_side = "left"
-    enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+    finally:
+        tokenizer.padding_side = side
     enc = {k: v.to(model.device) for k, v in enc.items()}
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 \
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
