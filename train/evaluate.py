@@ -18,9 +18,10 @@ token t+1+k) and its draft argmax mapped through d2t equals the target argmax at
     tau_trajectory_by_k[K']: walk each assistant span as a decoder does — start after its first
         token, accept min(L(t), K') drafts + the bonus, jump there, stop at the span's last token
         (a round never emits past it). On target-generated text this is exactly the τ real
-        decoding measures; `tau` averages over EVERY start instead, which weights easy stretches
-        more than a decoder visits them (a decoder crosses an easy stretch in few rounds), so
-        tau >= tau_trajectory typically.
+        greedy decoding measures (tests/train/test_evaluate_agreement.py).
+    `tau` averages over EVERY start instead: the same in expectation when acceptance does not
+        vary along the text; where it does, a decoder crosses easy stretches in few rounds and
+        so samples them less, and `tau` is the higher of the two.
 
 Real decoding: `models.specdec` (target via transformers, drafter via the engine reference).
 """
