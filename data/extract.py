@@ -328,7 +328,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             layers: list[int] | None = None, aux_format: str = "bf16", teacher: str = "last",
             topk: int = 32, batch_tokens: int = 8192, shard_tokens: int | None = None,
             shard_bytes: int = 1 << 30, max_samples: int | None = None,
-            device: str | torch.device = "cpu", device_map: str | None = None,
+            device: str | torch.device | None = None, device_map: str | None = None,
             rank: int = 0, world_size: int = 1, finalize_manifest: bool | None = None,
             pad_batches: bool = False, row_chunk: int = 1024, vocab_chunk: int = 65536,
             model: nn.Module | None = None) -> dict[str, Any]:
@@ -348,8 +348,9 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             values then differ from the unpadded forward by bf16 rounding).
         shard_tokens: tokens per output shard; None = shard_bytes / bytes per token.
         max_samples: use only the first N samples of the token dataset.
-        device / device_map: where the target runs ("cuda:0", "cpu") or "auto" to spread one
-            large target over all visible GPUs.
+        device / device_map: where the target runs ("cuda:0", "cpu"; None: the first GPU if
+            there is one, else the CPU), or device_map "auto" to spread one large target over
+            all visible GPUs.
         rank, world_size: data parallel: this process does shards i = rank (mod world_size).
         finalize_manifest: write the manifest at the end (default: when world_size == 1).
         row_chunk, vocab_chunk: logits chunk (tokens x vocabulary rows) for argmax/top-k.
@@ -373,6 +374,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
                                f"data.prepare")
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     if model is None:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = _load_model(target, device, device_map)
     text, dec_layers, norm, head = find_text_model(model)
     num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))

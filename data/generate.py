@@ -121,7 +121,7 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
 def generate_conversations(prompts_path: str | Path, target: str | Path, out_path: str | Path, *,
                            max_new_tokens: int = 512, batch_size: int = 16,
                            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                           device: str | torch.device = "cpu", dtype: str = "auto",
+                           device: str | torch.device | None = None, dtype: str = "auto",
                            chat_template: str | None = None,
                            template_kwargs: dict[str, Any] | None = None, on_error: str = "raise",
                            chunk_records: int | None = None, model=None,
@@ -137,7 +137,8 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
         chat_template, template_kwargs: as in data.prepare.prepare.
         on_error: "raise" or "skip" for malformed prompt records (counted and logged).
         chunk_records: records per resumable unit (default 4 x batch_size).
-        device, dtype: where and in which precision the target generates. "auto": bfloat16
+        device, dtype: where and in which precision the target generates (device None: the
+            first GPU if there is one, else the CPU). dtype "auto": bfloat16
             on a GPU, float32 on a CPU (most CPUs emulate bf16 matmuls, ~4x slower); the text
             is what matters here, the features are extracted in bf16 later.
         model, tokenizer: already loaded ones (skip loading `target`).
@@ -186,6 +187,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
 
     if model is None or tokenizer is None:
         from models.targets import load_target
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
             dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
         model, tokenizer = load_target(target, dtype=getattr(torch, dtype), device=device)

@@ -332,7 +332,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="generation precision; auto = bf16 on GPU, fp32 on CPU")
     args = p.parse_args(argv)
