@@ -407,8 +407,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     src.add_argument("--data", help="hidden-state dataset directory (from eyas extract)")
     p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
     p.add_argument("--out", required=True, help="results JSON file (written atomically)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--num-prompts", type=int, default=None, help="first N prompts (default all)")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="--prompts: tokens generated per prompt (default 64)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="--prompts: the first N prompts (default all)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="compute dtype (--prompts default fp32: exact token identity, and faster "
                    "than bf16 on CPUs without bf16 units; bf16 = the serving numerics. --data "
