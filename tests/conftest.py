@@ -7,6 +7,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread: on a 2-core machine a second OpenMP thread spin-waits whenever any other
+# process or thread is busy, which makes small CPU ops 20x slower (measured).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton kernels run on CPU tensors only through the interpreter; it must be on before
 # triton is imported. GPU runs (CUDA present) compile the kernels instead.
 try:

@@ -25,6 +25,15 @@ USAGE = "usage: eyas <command> [--help] [args...]\n\ncommands:\n" + "\n".join(
     "\n\ntraining: accelerate launch train/main.py [hydra overrides]   (or ./launch.sh --help)")
 
 
+def _cpu_threads() -> None:
+    """Leave a core free on small CPU machines (OpenMP threads spin-wait on busy cores)."""
+    import os
+
+    import torch
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -37,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     module_name = COMMANDS[name][0]
     from train.log import setup_logging
     setup_logging()
+    _cpu_threads()
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:

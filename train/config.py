@@ -77,8 +77,9 @@ class TargetConfig:
     deepseek-v3, kimi-k2.5) or a local Hugging Face model directory."""
     aux_layer_ids: Optional[List[int]] = None
     """Aux layers as HF `hidden_states[k]` ids (= vLLM ids); null = 2, N//2, N-3."""
-    dtype: str = "bfloat16"
-    """dtype the target runs in for generation and extraction."""
+    dtype: str = "auto"
+    """dtype the target runs in for generation and extraction: bfloat16, float32, or auto
+    (bfloat16 on CUDA; float32 on CPU, where bf16 matmuls are emulated ~10x slower)."""
 
 
 @dataclass
@@ -229,6 +230,9 @@ class TrainConfig:
     param_dtype: ParamDtype = ParamDtype.auto
     """Drafter parameter dtype: bf16 (fp32 master weights in the optimizer), fp32, or auto
     (bf16 on CUDA; fp32 on CPU, where bf16 matmuls are emulated and several times slower)."""
+    cpu_threads: Optional[int] = None
+    """torch intra-op threads per process on CPU; null = cores / processes - 1 (at least 1):
+    an OpenMP thread that shares a core with busy work spin-waits and slows everything."""
     peak_tflops: Optional[float] = None
     """Accelerator peak for MFU in TFLOP/s; null = 989 (H100/H200 dense bf16) on CUDA."""
     dry_run: bool = False

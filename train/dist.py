@@ -28,6 +28,16 @@ log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+def set_cpu_threads(threads: int | None, processes_per_node: int) -> int:
+    """Intra-op threads of this process on CPU (see train.cpu_threads)."""
+    import os
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // max(1, processes_per_node) - 1)
+    torch.set_num_threads(threads)
+    log.info("CPU: %d torch thread(s) per process", threads)
+    return threads
+
+
 def param_dtype(cfg, device: torch.device) -> torch.dtype:
     """The drafter's parameter dtype for `train.param_dtype` on this device."""
     choice = str(getattr(cfg.train.param_dtype, "value", cfg.train.param_dtype))
@@ -72,6 +82,8 @@ def build_accelerator(cfg, project_dir: str | Path, log_with=None) -> Accelerato
     elif on_cpu:
         kwargs["cpu"] = True
     acc = Accelerator(**kwargs)
+    if on_cpu:
+        set_cpu_threads(cfg.train.cpu_threads, acc.num_processes)
     expected = DistributedType.DEEPSPEED if cfg.dist.backend == DistBackend.deepspeed else None
     if expected and acc.distributed_type != expected:
         raise RuntimeError(f"dist.backend=deepspeed but accelerate set up "

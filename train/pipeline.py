@@ -53,7 +53,7 @@ def _embedded_key(cfg) -> str:
     h = hashlib.sha256()
     h.update(prompts.read_bytes())
     ids = None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids)
-    h.update(json.dumps([cfg.target.name, ids, cfg.data.num_prompts, cfg.data.max_new_tokens,
+    h.update(json.dumps([cfg.target.name, cfg.target.dtype, ids, cfg.data.num_prompts, cfg.data.max_new_tokens,
                          cfg.data.max_length, str(cfg.data.aux_format), str(cfg.data.teacher),
                          cfg.train.seed]).encode())
     return h.hexdigest()[:16]
@@ -78,16 +78,28 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
         subset.write_text("\n".join(lines[:cfg.data.num_prompts]) + "\n")
     log.info("embedded dataset: %s answers %d prompts from %s (resumable; cached in %s)",
              cfg.target.name, min(len(lines), cfg.data.num_prompts), prompts.name, root)
+    import torch
+
+    from models.targets import load_target
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+             "fp32": torch.float32}.get(cfg.target.dtype)
+    if dtype is None:
+        raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected auto, bfloat16 or float32")
+    model, tokenizer = load_target(cfg.target.name, dtype=dtype, device=device)
     generate.generate_conversations(
         subset, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
-        batch_size=cfg.data.generation_batch_size, temperature=0.0, seed=cfg.train.seed)
+        batch_size=cfg.data.generation_batch_size, temperature=0.0, seed=cfg.train.seed,
+        model=model, tokenizer=tokenizer)
     tokens = root / "tokens"
     if not (tokens / "manifest.json").is_file():
         prepare.prepare(conversations, cfg.target.name, tokens, max_length=cfg.data.max_length,
                         on_error="skip")
     extract.extract(tokens, cfg.target.name, hidden,
                     layers=None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids),
-                    aux_format=_value(cfg.data.aux_format), teacher=_value(cfg.data.teacher))
+                    aux_format=_value(cfg.data.aux_format), teacher=_value(cfg.data.teacher),
+                    model=model, device=device)
     return DatasetPaths(train=hidden, eval=None, conversations=conversations)
 
 

@@ -23,7 +23,8 @@ ANSWERS = [
 
 def build_hidden_dataset(out: Path, target: str, n: int, seed: int = 0) -> Path:
     """Chat-templated conversations run through the real target; aux/last/argmax captured."""
-    model, tok = load_target(target)
+    # fp32 forward: bf16 matmuls are emulated on most CPUs; the stored states are bf16 anyway
+    model, tok = load_target(target, dtype=torch.float32)
     cfg = load_target_config(target)
     ids = default_aux_layer_ids(cfg["num_hidden_layers"])
     prompts = [json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()[:n]] \
