@@ -38,7 +38,8 @@ def run(cfg: DictConfig) -> dict:
 
     check(cfg)
     out = Path(cfg.output_dir)
-    accelerator = build_accelerator(cfg, out)
+    tracker = str(getattr(cfg.tracker.kind, "value", cfg.tracker.kind))
+    accelerator = build_accelerator(cfg, out, log_with="wandb" if tracker == "wandb" else None)
     setup_logging(rank=accelerator.process_index)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
