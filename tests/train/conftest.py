@@ -63,3 +63,19 @@ def smollm2_dataset(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_dataset(tmp_path_factory):
     return build_hidden_dataset(tmp_path_factory.mktemp("hs") / "tiny", "tiny-llama", 24)
+
+
+@pytest.fixture(scope="session")
+def nan_dataset(tmp_path_factory, tiny_llama_dataset):
+    """The tiny dataset with NaN aux states in every sample (written without the finite check)."""
+    from data.dataset import open_dataset
+    src = open_dataset(tiny_llama_dataset)
+    out = tmp_path_factory.mktemp("hs") / "nan"
+    samples = []
+    for i in range(len(src)):
+        s = {k: v.clone() for k, v in src[i].items()}
+        s["aux"][:, 1] = float("nan")
+        samples.append(s)
+    metas = [write_shard(out, 0, samples, check_finite=False)]
+    write_manifest(out, dict(src.manifest), metas)
+    return out

@@ -156,3 +156,27 @@ def test_multirun_trains_one_job_per_value(tmp_path, tiny_llama_dataset):
     assert r.returncode == 0, r.stderr[-4000:]
     jobs = sorted((tmp_path / "sweep").glob("*/summary.json"))
     assert len(jobs) == 2
+
+
+def test_nonfinite_losses_are_skipped_then_abort(tmp_path, nan_dataset):
+    r = run(tmp_path / "r", nan_dataset, "target=tiny_llama", "train.max_steps=6",
+            "train.max_nonfinite_steps=2", check=False)
+    assert r.returncode != 0
+    assert "NaN/inf" in r.stderr and "train.max_nonfinite_steps=2" in r.stderr
+    assert r.stderr.count("micro-batch skipped") == 3
+    assert not list((tmp_path / "r").glob("checkpoints/step-*"))
+
+
+def test_warm_start_keeps_the_drafters_vocab_map(tmp_path, tiny_llama_dataset):
+    run(tmp_path / "a", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=8")
+    first = losses(tmp_path / "a")
+    export = tmp_path / "a" / "export"
+    # a different draft vocab size would rebuild the map; the warm start must keep the export's
+    run(tmp_path / "b", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=2",
+        f"drafter.warm_start={export}", "drafter.draft_vocab_size=512")
+    a = load_file(str(export / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "export" / "model.safetensors"))
+    assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
+    assert not (tmp_path / "b" / "vocab.safetensors").exists()
+    # it starts from the trained weights, not from scratch
+    assert losses(tmp_path / "b")[0] < first[0]
