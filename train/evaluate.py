@@ -19,9 +19,10 @@ token t+1+k) and its draft argmax mapped through d2t equals the target argmax at
         token, accept min(L(t), K') drafts + the bonus, jump there, stop at the span's last token
         (a round never emits past it). On target-generated text this is exactly the τ real
         greedy decoding measures (tests/train/test_evaluate_agreement.py).
-    `tau` averages over EVERY start instead: the same in expectation when acceptance does not
-        vary along the text; where it does, a decoder crosses easy stretches in few rounds and
-        so samples them less, and `tau` is the higher of the two.
+    `tau` averages over EVERY start instead (as the trainer logs it): it includes the start at
+        each span's last token (a decoder has stopped there) and weights positions equally,
+        where a decoder samples the positions after each accepted chain (fewer inside easy
+        stretches). The two agree when acceptance is uniform along the text.
 
 Real decoding: `models.specdec` (target via transformers, drafter via the engine reference).
 """
