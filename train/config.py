@@ -255,7 +255,7 @@ class EvalConfig:
     """After export, run real greedy speculative decoding with the target on held-out prompts."""
     prompts: Optional[str] = None
     """Held-out prompts (messages JSONL); null = the shipped held-out prompts."""
-    num_prompts: int = 16
+    num_prompts: int = 8
     """How many held-out prompts to decode."""
     engines: bool = True
     """Load the export with vLLM's and SGLang's own loaders when their venvs exist."""
