@@ -119,9 +119,9 @@ class DataConfig:
     """Held-out hidden-state dataset; null = split eval_fraction off `dataset`."""
     prompts: Optional[str] = None
     """Prompts for the embedded default (messages JSONL); null = the shipped prompts."""
-    num_prompts: int = 256
+    num_prompts: int = 96
     """How many shipped prompts the embedded default answers with the target."""
-    max_new_tokens: int = 128
+    max_new_tokens: int = 96
     """Length cap of generated assistant turns for the embedded default."""
     generation_batch_size: int = 16
     """Prompts per generate() call when building the embedded default."""
