@@ -43,12 +43,14 @@ class LossOutput(NamedTuple):
     draft_argmax: [K, N] int64, argmax of the draft logits (first index on ties), every row.
     accept: [K, N] fp32 Σ_v min(p/Σp, softmax) on weighted rows (0 elsewhere), or None.
     row_loss: [K, N] fp32 w·CE per row with a graph (``reduction="none"``), else None.
+    step_loss: [K] fp32 Σ_t w·CE per TTT step, without a graph (for logging loss_k).
     """
 
     loss: torch.Tensor
     draft_argmax: torch.Tensor
     accept: torch.Tensor | None
     row_loss: torch.Tensor | None
+    step_loss: torch.Tensor | None = None
 
 
 @dataclass
@@ -187,11 +189,12 @@ class _GradInForward(torch.autograd.Function):
         ctx.shapes = (hidden.shape, weight.dtype)
         argmax = stats.argmax.view(K, N)
         accept = stats.accept.view(K, N) if with_accept else stats.loss.new_empty(0)
-        ctx.mark_non_differentiable(argmax, accept)
-        return stats.loss.sum(), argmax, accept
+        step_loss = stats.loss.view(K, N).sum(1)
+        ctx.mark_non_differentiable(argmax, accept, step_loss)
+        return stats.loss.sum(), argmax, accept, step_loss
 
     @staticmethod
-    def backward(ctx, g_loss, _g_argmax, _g_accept):
+    def backward(ctx, g_loss, _g_argmax, _g_accept, _g_step):
         if ctx.grads is None:
             raise RuntimeError("eagle3_loss(reduction='sum') supports one backward pass per "
                                "forward (its gradient is stored, not recomputed)")
@@ -320,10 +323,12 @@ def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tenso
     if reduction == "none":
         row_loss, argmax, accept = _Deferred.apply(hidden, weight, teacher, row_weight,
                                                    backend, with_accept, chunk)
-        return LossOutput(row_loss.sum(), argmax, accept if with_accept else None, row_loss)
+        return LossOutput(row_loss.sum(), argmax, accept if with_accept else None, row_loss,
+                          row_loss.detach().sum(1))
     grad_on = torch.is_grad_enabled()
     grad_h = grad_on and hidden.requires_grad
     grad_w = grad_on and weight.requires_grad
-    loss, argmax, accept = _GradInForward.apply(hidden, weight, teacher, row_weight, backend,
-                                                with_accept, chunk, grad_h, grad_w)
-    return LossOutput(loss, argmax, accept if with_accept else None, None)
+    loss, argmax, accept, step_loss = _GradInForward.apply(hidden, weight, teacher, row_weight,
+                                                           backend, with_accept, chunk, grad_h,
+                                                           grad_w)
+    return LossOutput(loss, argmax, accept if with_accept else None, None, step_loss)

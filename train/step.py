@@ -22,6 +22,7 @@ from models.objective import metric_mask, row_weights
 class StepOutput:
     loss: Tensor            # 0-dim fp32, already weighted and normalised
     draft_argmax: Tensor    # [K, T] int64 draft-vocabulary ids
+    step_loss: Tensor       # [K] fp32 weighted loss of each TTT step (no graph)
     metric_mask: Tensor     # [K, T] bool rows that count for metrics (valid · loss_mask)
 
 
@@ -81,7 +82,7 @@ class TrainingModule(nn.Module):
             teacher = self.teacher(last, topk_ids, topk_logits)               # [T, Vd]
             res = kernels.eagle3_loss(out.hidden, d.lm_head.weight, teacher, w,
                                       impl=self.loss_impl, chunk_size=self.chunk_size)
-        return StepOutput(loss=res.loss, draft_argmax=res.draft_argmax,
+        return StepOutput(loss=res.loss, draft_argmax=res.draft_argmax, step_loss=res.step_loss,
                           metric_mask=metric_mask(out.valid, loss_mask))
 
 

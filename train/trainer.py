@@ -315,10 +315,12 @@ class _Window:
 
     def reset(self):
         self.loss, self.n, self.tokens, self.counts, self.wait = 0.0, 0, 0, None, 0.0
+        self.step_loss = 0.0
         self.gnorm, self.t0 = None, time.perf_counter()
 
     def add(self, res, batch, d2t):
         self.loss += res.loss.detach().float()
+        self.step_loss = self.step_loss + res.step_loss.detach().float()
         self.n += 1
         self.tokens += batch.num_tokens
         self.counts = add_counts(self.counts, accept_counts(res.draft_argmax.detach(), d2t,
@@ -333,6 +335,8 @@ class _Window:
                "tokens_per_s": float(tokens) / dt, "data_wait": self.wait / dt,
                "grad_norm": self.gnorm if self.gnorm is not None else float("nan")}
         if self.counts is not None:
+            per_step = accelerator.reduce(self.step_loss / self.n, "mean")      # [K]
+            rec.update({f"loss_{k}": float(v) for k, v in enumerate(per_step)})
             counts = {k: accelerator.reduce(v, "sum") for k, v in self.counts.items()}
             rec.update(finalize(counts))
         else:

@@ -142,7 +142,8 @@ def test_wandb_offline_run_directory(tmp_path, tiny_llama_dataset):
     assert len(runs) == 1
     # an offline run keeps config and history as protobuf records in run-<id>.wandb
     record = next(runs[0].glob("run-*.wandb")).read_bytes()
-    for key in (b"ttt_steps", b"token_budget", b"train/loss", b"train/acc_0", b"train/cond_acc_0",
+    for key in (b"ttt_steps", b"token_budget", b"train/loss", b"train/loss_0", b"train/loss_2",
+                b"train/acc_0", b"train/cond_acc_0",
                 b"train/accept_len", b"train/lr", b"train/grad_norm", b"train/tokens_per_s",
                 b"train/data_wait", b"eval/accept_len"):
         assert key in record, key
