@@ -333,6 +333,11 @@ def check(cfg: DictConfig | Any) -> None:
         fail("train.epochs", cfg.train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
 
 
+def enum_value(x: Any) -> str:
+    """The string of a config enum field (plain strings pass through)."""
+    return str(getattr(x, "value", x))
+
+
 def to_plain(cfg: DictConfig) -> dict:
     """Resolved config as plain Python types (for trackers and checkpoint records)."""
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]

@@ -13,9 +13,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from data.prompts import prompts_path
+from train.config import enum_value as _value
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger(__name__)
 
 
 class StageUnavailable(RuntimeError):
@@ -30,14 +31,6 @@ def _need(module: str, what: str):
         raise StageUnavailable(f"{what}: not implemented yet ({module} is missing: {e})") from e
 
 
-def _value(x) -> str:
-    return str(getattr(x, "value", x))
-
-
-def shipped_prompts(kind: str = "default") -> Path:
-    return PACKAGE_ROOT / "data" / "prompts" / f"{kind}.jsonl"
-
-
 @dataclass
 class DatasetPaths:
     train: Path
@@ -46,7 +39,7 @@ class DatasetPaths:
 
 
 def _embedded_key(cfg) -> str:
-    prompts = Path(cfg.data.prompts or shipped_prompts("default"))
+    prompts = Path(cfg.data.prompts or prompts_path("default"))
     if not prompts.is_file():
         raise StageUnavailable(f"dataset: the prompts file {prompts} does not exist "
                                f"(set data.prompts=FILE.jsonl)")
@@ -71,7 +64,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
         log.info("embedded dataset: cached at %s", hidden)
         return DatasetPaths(train=hidden, eval=None, conversations=conversations)
     root.mkdir(parents=True, exist_ok=True)
-    prompts = Path(cfg.data.prompts or shipped_prompts("default"))
+    prompts = Path(cfg.data.prompts or prompts_path("default"))
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     subset = root / "prompts.jsonl"
     if not subset.is_file():
@@ -128,7 +121,7 @@ def run_speculative_check(cfg, export_dir: str | Path) -> dict | None:
     if not hasattr(evaluate, "speculative_eval"):
         raise StageUnavailable("speculative decoding check: not implemented yet "
                                "(train.evaluate.speculative_eval is missing)")
-    prompts = Path(cfg.eval.prompts or shipped_prompts("heldout"))
+    prompts = Path(cfg.eval.prompts or prompts_path("heldout"))
     return evaluate.speculative_eval(export_dir, cfg.target.name, prompts,
                                      k=cfg.drafter.ttt_steps, num_prompts=cfg.eval.num_prompts,
                                      max_new_tokens=cfg.eval.max_new_tokens)

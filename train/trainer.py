@@ -29,6 +29,7 @@ from models.metrics import accept_counts, add_counts, finalize
 from models.targets import load_embedding_and_head, load_target_config, text_config
 from train import checkpoint as ckpt
 from train.config import DistBackend, to_plain
+from train.config import enum_value as _value
 from train.dist import param_dtype
 from train.optim import build_optimizer, build_scheduler
 from train.step import TrainingModule, batch_inputs, resolve_loss_impl
@@ -50,10 +51,6 @@ class Setup:
     target_config: dict
     total_steps: int
     flops_per_token: float
-
-
-def _value(x) -> str:
-    return str(getattr(x, "value", x))
 
 
 def _vocab(cfg, accelerator, train_ds, V: int, out: Path, warm) -> tuple[torch.Tensor, torch.Tensor]:
