@@ -64,11 +64,15 @@ class RowStats:
     psum: torch.Tensor      # fp32, Σp
 
     @classmethod
-    def empty(cls, R: int, device, with_accept: bool) -> RowStats:
+    def empty(cls, R: int, device, with_accept: bool, listed: bool = False) -> RowStats:
+        """Buffers for R rows; ``listed``: only some rows get written, the rest read as
+        loss 0, argmax −1, accept 0, lse 0, Σp 0."""
         f32 = dict(device=device, dtype=torch.float32)
-        return cls(torch.empty(R, **f32), torch.empty(R, device=device, dtype=torch.int64),
-                   torch.zeros(R, **f32) if with_accept else None,
-                   torch.empty(R, **f32), torch.empty(R, **f32))
+        new = torch.zeros if listed else torch.empty
+        argmax = (torch.full((R,), -1, device=device, dtype=torch.int64) if listed
+                  else torch.empty(R, device=device, dtype=torch.int64))
+        return cls(new(R, **f32), argmax, torch.zeros(R, **f32) if with_accept else None,
+                   new(R, **f32), new(R, **f32))
 
 
 # --------------------------------------------------------------------------- GEMM helpers
@@ -120,57 +124,78 @@ def _group_rows(chunk: int, vocab: int, rows: int) -> int:
 
 
 # --------------------------------------------------------------------------- chunk driver
-def _chunk_loop(h2d, weight, chunk, row_op, grad_h: bool, grad_w: bool):
+def _chunk_loop(h2d, weight, chunk, row_op, grad_h: bool, grad_w: bool, rows=None):
     """Drive the GEMMs around ``row_op(z [c, Vd] fp32, row0, dz [c, Vd] | None)``.
 
     For each group of G rows: z = h @ W.T per chunk of C rows, row_op writes those dz rows,
-    then dh = dz @ W and dW += dz.T @ h for the whole group. Returns (dh | None, dW fp32 | None).
+    then dh = dz @ W and dW += dz.T @ h for the whole group. With ``rows`` ([M] int64 global
+    row ids) only those rows of ``h2d`` enter the GEMMs: each group is gathered into a [G, H]
+    buffer, its dh rows are scattered back and the other dh rows stay zero; ``row0`` then
+    counts listed rows. Returns (dh | None, dW fp32 | None).
     """
     R, H = h2d.shape
+    M = R if rows is None else rows.shape[0]
     Vd = weight.shape[0]
     dev = h2d.device
     want_grad = grad_h or grad_w
-    C = min(chunk, R)
-    G = _group_rows(C, Vd, R) if want_grad else C
-    dh = torch.empty_like(h2d) if grad_h else None
+    C = max(1, min(chunk, M))
+    G = _group_rows(C, Vd, M) if want_grad else C
+    if grad_h:
+        dh = torch.empty_like(h2d) if rows is None else torch.zeros_like(h2d)
+    else:
+        dh = None
     dW = torch.zeros(Vd, H, device=dev, dtype=torch.float32) if grad_w else None
     z_buf = torch.empty(C, Vd, device=dev, dtype=torch.float32)
     dz_buf = torch.empty(G, Vd, device=dev, dtype=h2d.dtype) if want_grad else None
+    hg_buf = dh_buf = None
+    if rows is not None:
+        hg_buf = torch.empty(G, H, device=dev, dtype=h2d.dtype)
+        if grad_h:                       # dh rows of a group: z_buf's bytes when they fit
+            flat = z_buf.view(-1).view(h2d.dtype)
+            dh_buf = flat[:G * H].view(G, H) if flat.numel() >= G * H else torch.empty_like(hg_buf)
     wt = weight.t()                                                  # [H, Vd] view
-    for g0 in range(0, R, G):
-        g1 = min(R, g0 + G)
+    for g0 in range(0, M, G):
+        g1 = min(M, g0 + G)
+        if rows is None:
+            hg = h2d[g0:g1]
+        else:
+            hg = torch.index_select(h2d, 0, rows[g0:g1], out=hg_buf[:g1 - g0])
         for r0 in range(g0, g1, C):
             c = min(C, g1 - r0)
             z = z_buf[:c]
-            _mm_f32(h2d[r0:r0 + c], wt, z)                           # [c, Vd] fp32
+            _mm_f32(hg[r0 - g0:r0 - g0 + c], wt, z)                  # [c, Vd] fp32
             row_op(z, r0, dz_buf[r0 - g0:r0 - g0 + c] if want_grad else None)
-        if grad_h:
-            torch.mm(dz_buf[:g1 - g0], weight, out=dh[g0:g1])        # [G, H]
+        dzg = dz_buf[:g1 - g0] if want_grad else None
+        if grad_h and rows is None:
+            torch.mm(dzg, weight, out=dh[g0:g1])                     # [G, H]
+        elif grad_h:                                                 # z_buf is free here
+            torch.mm(dzg, weight, out=dh_buf[:g1 - g0])
+            dh.index_copy_(0, rows[g0:g1], dh_buf[:g1 - g0])
         if grad_w:
-            _addmm_f32_(dW, dz_buf[:g1 - g0].t(), h2d[g0:g1])        # [Vd, H] += [Vd, G] @ [G, H]
+            _addmm_f32_(dW, dzg.t(), hg)                             # [Vd, H] += [Vd, G] @ [G, H]
     return dh, dW
 
 
 def _forward_chunks(backend, h2d, weight, teacher, w_flat, N, chunk, with_accept,
-                    grad_h: bool, grad_w: bool):
+                    grad_h: bool, grad_w: bool, rows=None):
     """Row stats for all rows (+ gradients); returns (RowStats, dh | None, dW fp32 | None)."""
-    stats = RowStats.empty(h2d.shape[0], h2d.device, with_accept)
+    stats = RowStats.empty(h2d.shape[0], h2d.device, with_accept, listed=rows is not None)
     tsum = teacher.sum(1, dtype=torch.float32)                       # [N] Σp per teacher row
 
     def row_op(z, r0, dz):
-        backend.loss_rows(z, teacher, tsum, w_flat, r0, N, stats, dz, with_accept)
+        backend.loss_rows(z, teacher, tsum, w_flat, r0, N, stats, dz, with_accept, rows)
 
-    dh, dW = _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w)
+    dh, dW = _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w, rows)
     return stats, dh, dW
 
 
 def _backward_chunks(backend, h2d, weight, teacher, coef, lse, psum, N, chunk,
-                     grad_h: bool, grad_w: bool):
+                     grad_h: bool, grad_w: bool, rows=None):
     """Deferred backward: recompute z per chunk, dz = coef·(softmax·Σp − p); (dh, dW fp32)."""
     def row_op(z, r0, dz):
-        backend.grad_rows(z, teacher, coef, lse, psum, r0, N, dz)
+        backend.grad_rows(z, teacher, coef, lse, psum, r0, N, dz, rows)
 
-    return _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w)
+    return _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w, rows)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -179,11 +204,11 @@ class _GradInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher, row_weight, backend, with_accept, chunk,
-                grad_h, grad_w):
+                grad_h, grad_w, rows):
         K, N, H = hidden.shape
         stats, dh, dW = _forward_chunks(backend, hidden.reshape(K * N, H), weight, teacher,
                                         row_weight.reshape(-1), N, chunk, with_accept,
-                                        grad_h, grad_w)
+                                        grad_h, grad_w, rows)
         ctx.grads = (dh, dW)
         ctx.backend = backend
         ctx.shapes = (hidden.shape, weight.dtype)
@@ -207,20 +232,20 @@ class _GradInForward(torch.autograd.Function):
         if dW is not None:                                          # fp32 -> weight dtype
             out = dW if w_dtype == torch.float32 else torch.empty_like(dW, dtype=w_dtype)
             dW = ctx.backend.scale_cast(dW, g, out)
-        return dh, dW, None, None, None, None, None, None, None
+        return dh, dW, None, None, None, None, None, None, None, None
 
 
 class _Deferred(torch.autograd.Function):
     """reduction="none": per-row losses; backward recomputes logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, teacher, row_weight, backend, with_accept, chunk):
+    def forward(ctx, hidden, weight, teacher, row_weight, backend, with_accept, chunk, rows):
         K, N, H = hidden.shape
         stats, _, _ = _forward_chunks(backend, hidden.reshape(K * N, H), weight, teacher,
                                       row_weight.reshape(-1), N, chunk, with_accept,
-                                      False, False)
+                                      False, False, rows)
         ctx.save_for_backward(hidden, weight, teacher, row_weight, stats.lse, stats.psum)
-        ctx.cfg = (backend, chunk)
+        ctx.cfg = (backend, chunk, rows)
         argmax = stats.argmax.view(K, N)
         accept = stats.accept.view(K, N) if with_accept else stats.loss.new_empty(0)
         ctx.mark_non_differentiable(argmax, accept)
@@ -229,15 +254,15 @@ class _Deferred(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_rows, _g_argmax, _g_accept):
         hidden, weight, teacher, row_weight, lse, psum = ctx.saved_tensors
-        backend, chunk = ctx.cfg
+        backend, chunk, rows = ctx.cfg
         K, N, H = hidden.shape
         grad_h, grad_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         coef = (g_rows.float() * row_weight).reshape(-1).contiguous()   # [K*N]
         dh, dW = _backward_chunks(backend, hidden.reshape(K * N, H), weight, teacher, coef,
-                                  lse, psum, N, chunk, grad_h, grad_w)
+                                  lse, psum, N, chunk, grad_h, grad_w, rows)
         dh = dh.view(K, N, H) if dh is not None else None
         dW = dW.to(weight.dtype) if dW is not None else None
-        return dh, dW, None, None, None, None, None
+        return dh, dW, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------- public API
@@ -255,7 +280,7 @@ def _load_backend(impl: str, device: torch.device):
     return backend
 
 
-def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size):
+def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows):
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [K, N, H], got shape {tuple(hidden.shape)}")
     K, N, H = hidden.shape
@@ -282,11 +307,16 @@ def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size):
         raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64
+                             or rows.device != hidden.device):
+        raise ValueError(f"rows must be a 1-D int64 tensor of global row ids k*N+t on "
+                         f"{hidden.device}, got {tuple(rows.shape)} {rows.dtype} on {rows.device}")
 
 
 def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor,
                 row_weight: torch.Tensor, *, impl: str = "triton", with_accept: bool = False,
-                reduction: str = "sum", chunk_size: int | None = None) -> LossOutput:
+                reduction: str = "sum", chunk_size: int | None = None,
+                rows: torch.Tensor | None = None) -> LossOutput:
     """Fused lm_head + soft cross-entropy + argmax for all K TTT steps.
 
     Args:
@@ -304,15 +334,21 @@ def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tenso
             ``row_loss`` with a recomputing backward, for objectives non-linear in it).
         chunk_size: logit rows per chunk (default: a ~128 MiB fp32 z buffer); the dh/dW GEMMs
             take groups of chunks (a ~384 MiB dz buffer).
+        rows: optional [M] int64 global row ids (k·N + t, distinct) to compute. Only these rows
+            enter the GEMMs, so masked rows cost nothing; every other row gets loss 0,
+            draft_argmax −1, accept 0 and no gradient. Every row with a nonzero weight must be
+            listed (not checked: that would need a device sync). Callers that know the mask on
+            the host build it there (``models.objective.metric_rows``).
 
     Returns:
         LossOutput(loss, draft_argmax, accept, row_loss); see its docstring.
     """
-    _validate(hidden, weight, teacher, row_weight, reduction, chunk_size)
+    _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows)
     backend = _load_backend(impl, hidden.device)
     K, N, H = hidden.shape
     Vd = weight.shape[0]
-    chunk = chunk_size or auto_chunk_size(Vd, K * N)
+    chunk = chunk_size or auto_chunk_size(Vd, K * N if rows is None else max(1, rows.numel()))
+    rows = None if rows is None else rows.contiguous()
     hidden = hidden.contiguous()
     weight = weight.contiguous()
     if teacher.stride(1) != 1:
@@ -322,7 +358,7 @@ def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tenso
     log.debug("eagle3_loss impl=%s K=%d N=%d H=%d Vd=%d chunk=%d", impl, K, N, H, Vd, chunk)
     if reduction == "none":
         row_loss, argmax, accept = _Deferred.apply(hidden, weight, teacher, row_weight,
-                                                   backend, with_accept, chunk)
+                                                   backend, with_accept, chunk, rows)
         return LossOutput(row_loss.sum(), argmax, accept if with_accept else None, row_loss,
                           row_loss.detach().sum(1))
     grad_on = torch.is_grad_enabled()
@@ -330,5 +366,5 @@ def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tenso
     grad_w = grad_on and weight.requires_grad
     loss, argmax, accept, step_loss = _GradInForward.apply(hidden, weight, teacher, row_weight,
                                                            backend, with_accept, chunk, grad_h,
-                                                           grad_w)
+                                                           grad_w, rows)
     return LossOutput(loss, argmax, accept if with_accept else None, None, step_loss)

@@ -14,18 +14,24 @@ import torch
 from kernels.loss import LossOutput, eagle3_loss
 
 
-def _teacher_index(row0: int, c: int, N: int, device) -> torch.Tensor:
-    """Teacher row min(t + k, N − 1) of global rows row0 .. row0+c (row = k·N + t)."""
-    rows = torch.arange(row0, row0 + c, device=device)                  # [c] global rows
-    k = torch.div(rows, N, rounding_mode="floor")
-    return torch.clamp(rows - k * N + k, max=N - 1)
+def _global_rows(row0: int, c: int, device, rows) -> torch.Tensor:
+    """[c] global rows of chunk rows row0 .. row0+c (listed in ``rows``, or contiguous)."""
+    if rows is not None:
+        return rows[row0:row0 + c]
+    return torch.arange(row0, row0 + c, device=device)
 
 
-def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept):
+def _teacher_index(g: torch.Tensor, N: int) -> torch.Tensor:
+    """Teacher row min(t + k, N − 1) of global rows g (row = k·N + t)."""
+    k = torch.div(g, N, rounding_mode="floor")
+    return torch.clamp(g - k * N + k, max=N - 1)
+
+
+def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept, rows=None):
     """Torch version of ``kernels.fused_loss.loss_rows`` (same arguments, same outputs)."""
     c = z.shape[0]
-    sl = slice(row0, row0 + c)
-    t_row = _teacher_index(row0, c, N, z.device)
+    sl = _global_rows(row0, c, z.device, rows)
+    t_row = _teacher_index(sl, N)
     w = w_flat[sl]                                                         # [c]
     active = w != 0
     p = torch.where(active[:, None], teacher.index_select(0, t_row).float(), 0.0)   # [c, Vd]
@@ -46,13 +52,13 @@ def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept):
         out.accept[sl] = torch.where(active[:, None], torch.minimum(p * inv_sp, q), 0.0).sum(1)
 
 
-def grad_rows(z, teacher, coef, lse, psum, row0, N, dz):
+def grad_rows(z, teacher, coef, lse, psum, row0, N, dz, rows=None):
     """Torch version of ``kernels.fused_loss.grad_rows``."""
     c = z.shape[0]
-    sl = slice(row0, row0 + c)
+    sl = _global_rows(row0, c, z.device, rows)
     cf = coef[sl].unsqueeze(1)                                             # [c, 1]
     active = cf != 0
-    t_row = _teacher_index(row0, c, N, z.device)
+    t_row = _teacher_index(sl, N)
     p = torch.where(active, teacher.index_select(0, t_row).float(), 0.0)
     q = torch.exp(z - lse[sl].unsqueeze(1))
     dz.copy_(torch.where(active, cf * (q * psum[sl].unsqueeze(1) - p), 0.0))
@@ -67,7 +73,8 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, out: torch.Tensor,
 
 
 def eagle3_loss_torch(hidden, weight, teacher, row_weight, *, with_accept=False,
-                      reduction="sum", chunk_size=None) -> LossOutput:
+                      reduction="sum", chunk_size=None, rows=None) -> LossOutput:
     """``kernels.eagle3_loss`` with ``impl="torch"`` (same signature minus ``impl``)."""
     return eagle3_loss(hidden, weight, teacher, row_weight, impl="torch",
-                       with_accept=with_accept, reduction=reduction, chunk_size=chunk_size)
+                       with_accept=with_accept, reduction=reduction, chunk_size=chunk_size,
+                       rows=rows)
