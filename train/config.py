@@ -125,6 +125,12 @@ class DataConfig:
     """Length cap of generated assistant turns for the embedded default."""
     generation_batch_size: int = 16
     """Prompts per generate() call when building the embedded default."""
+    samples_per_prompt: int = 1
+    """Answers per prompt for the embedded default: answer 0 greedy, the others sampled."""
+    temperature: float = 0.7
+    """Sampling temperature of answers 1.. (answer 0 is always greedy, what decoding serves)."""
+    top_p: float = 0.95
+    """Nucleus (top-p) cutoff of the sampled answers 1.. of the embedded default."""
     max_length: int = 2048
     """Longest conversation kept when tokenising (tokens)."""
     cache_dir: str = "~/.cache/eyas"
@@ -312,6 +318,14 @@ def check(cfg: DictConfig | Any) -> None:
         fail("data.token_budget", cfg.data.token_budget, ">= 16", "data.token_budget=2048")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         fail("data.eval_fraction", cfg.data.eval_fraction, "in [0, 1)", "data.eval_fraction=0.05")
+    if cfg.data.samples_per_prompt < 1:
+        fail("data.samples_per_prompt", cfg.data.samples_per_prompt, "an integer >= 1",
+             "data.samples_per_prompt=1")
+    if cfg.data.samples_per_prompt > 1 and cfg.data.temperature <= 0:
+        fail("data.temperature", cfg.data.temperature, "> 0 when data.samples_per_prompt > 1 "
+             "(answers after the first are sampled)", "data.temperature=0.7")
+    if not 0.0 < cfg.data.top_p <= 1.0:
+        fail("data.top_p", cfg.data.top_p, "in (0, 1]", "data.top_p=0.95")
     if cfg.optim.lr <= 0:
         fail("optim.lr", cfg.optim.lr, "> 0", "optim.lr=1e-4")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):

@@ -46,14 +46,45 @@ def _embedded_key(cfg) -> str:
     h = hashlib.sha256()
     h.update(prompts.read_bytes())
     ids = None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids)
-    h.update(json.dumps([cfg.target.name, cfg.target.dtype, ids, cfg.data.num_prompts, cfg.data.max_new_tokens,
-                         cfg.data.max_length, str(cfg.data.aux_format), str(cfg.data.teacher),
-                         cfg.train.seed]).encode())
+    fields = [cfg.target.name, cfg.target.dtype, ids, cfg.data.num_prompts, cfg.data.max_new_tokens,
+              cfg.data.max_length, str(cfg.data.aux_format), str(cfg.data.teacher), cfg.train.seed]
+    if cfg.data.samples_per_prompt > 1:   # appended only then: one-answer caches keep their key
+        fields += [cfg.data.samples_per_prompt, cfg.data.temperature, cfg.data.top_p]
+    h.update(json.dumps(fields).encode())
     return h.hexdigest()[:16]
 
 
+def _write_atomic(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _sampled_prompts(prepare, subset: Path, extra: int) -> list[str]:
+    """Each record of `subset` `extra` times, ids `<id>#s1` .. `<id>#s<extra>`.
+
+    The base id is the one data.generate gives the record in `subset` (its "id", else
+    `<file name>:<line>`), so answer j of prompt X is stored as `X#sj` next to the greedy `X`.
+    """
+    out = []
+    for lineno, rec in prepare.iter_jsonl(subset):
+        if isinstance(rec, prepare.RecordError):
+            raise prepare.PrepareError(f"{subset}:{lineno}: {rec}")
+        try:
+            base = prepare.normalise_record(rec, default_id=f"{subset.name}:{lineno}").id
+        except prepare.RecordError as e:
+            raise prepare.PrepareError(f"{subset}:{lineno}: {e}") from None
+        out += [json.dumps({**rec, "id": f"{base}#s{j}"}, ensure_ascii=False)
+                for j in range(1, extra + 1)]
+    return out
+
+
 def build_embedded_dataset(cfg) -> DatasetPaths:
-    """Generate conversations with the target, tokenise, extract hidden states (cached)."""
+    """Generate conversations with the target, tokenise, extract hidden states (cached).
+
+    Each prompt is answered `data.samples_per_prompt` times into one conversations file: answer
+    0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
+    """
     prepare = _need("data.prepare", "dataset (prepare)")
     generate = _need("data.generate", "dataset (generate)")
     extract = _need("data.extract", "dataset (extract)")
@@ -68,9 +99,11 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     subset = root / "prompts.jsonl"
     if not subset.is_file():
-        subset.write_text("\n".join(lines[:cfg.data.num_prompts]) + "\n")
-    log.info("embedded dataset: %s answers %d prompts from %s (resumable; cached in %s)",
-             cfg.target.name, min(len(lines), cfg.data.num_prompts), prompts.name, root)
+        _write_atomic(subset, lines[:cfg.data.num_prompts])
+    samples = cfg.data.samples_per_prompt
+    log.info("embedded dataset: %s answers %d prompts from %s %d time(s) each (resumable; "
+             "cached in %s)", cfg.target.name, min(len(lines), cfg.data.num_prompts),
+             prompts.name, samples, root)
     import torch
 
     from models.targets import load_target
@@ -85,6 +118,14 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
         subset, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
         batch_size=cfg.data.generation_batch_size, temperature=0.0, seed=cfg.train.seed,
         model=model, tokenizer=tokenizer)
+    if samples > 1:   # answers 1.. of each prompt, sampled, appended to the same file
+        sampled = root / "prompts.sampled.jsonl"
+        if not sampled.is_file():
+            _write_atomic(sampled, _sampled_prompts(prepare, subset, samples - 1))
+        generate.generate_conversations(
+            sampled, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
+            batch_size=cfg.data.generation_batch_size, temperature=cfg.data.temperature,
+            top_p=cfg.data.top_p, seed=cfg.train.seed, model=model, tokenizer=tokenizer)
     tokens = root / "tokens"
     if not (tokens / "manifest.json").is_file():
         prepare.prepare(conversations, cfg.target.name, tokens, max_length=cfg.data.max_length,

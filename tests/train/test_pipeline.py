@@ -1,0 +1,116 @@
+"""The embedded dataset build: several answers per prompt (greedy, then sampled); cache keys."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from data.prompts import prompts_path
+from data.shards import open_dataset
+from train.config import ConfigError, check, register
+from train.pipeline import _embedded_key, build_embedded_dataset
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread for these tiny forwards on a shared 2-core runner (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cfg(*overrides):
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="config", overrides=["target=tiny_llama", *overrides])
+
+
+def _old_key(cfg) -> str:
+    """The key formula before samples_per_prompt existed (caches built then must stay valid)."""
+    h = hashlib.sha256()
+    h.update(prompts_path("default").read_bytes())
+    h.update(json.dumps([cfg.target.name, cfg.target.dtype, None, cfg.data.num_prompts,
+                         cfg.data.max_new_tokens, cfg.data.max_length, str(cfg.data.aux_format),
+                         str(cfg.data.teacher), cfg.train.seed]).encode())
+    return h.hexdigest()[:16]
+
+
+def _records(path: Path) -> dict[str, dict]:
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    out = {r["id"]: r for r in recs}
+    assert len(out) == len(recs), "duplicate ids in the conversations file"
+    return out
+
+
+def test_key_unchanged_for_one_sample_and_distinct_for_several():
+    one = _cfg("data.num_prompts=3", "data.max_new_tokens=8")
+    assert _embedded_key(one) == _old_key(one)
+    # sampling settings do not matter (nor enter the key) while there is only the greedy answer
+    assert _embedded_key(_cfg("data.num_prompts=3", "data.max_new_tokens=8",
+                              "data.temperature=1.3", "data.top_p=0.5")) == _old_key(one)
+    keys = {_embedded_key(_cfg("data.num_prompts=3", "data.max_new_tokens=8", *o)) for o in (
+        ["data.samples_per_prompt=2"], ["data.samples_per_prompt=3"],
+        ["data.samples_per_prompt=2", "data.temperature=1.0"],
+        ["data.samples_per_prompt=2", "data.top_p=0.5"])}
+    assert len(keys) == 4 and _old_key(one) not in keys
+
+
+def test_samples_per_prompt_appends_sampled_answers(tmp_path):
+    base = ["data.num_prompts=3", "data.max_new_tokens=8", f"data.cache_dir={tmp_path}"]
+    one = build_embedded_dataset(_cfg(*base))
+    two = build_embedded_dataset(_cfg(*base, "data.samples_per_prompt=2"))
+    assert one.train != two.train
+
+    greedy, both = _records(one.conversations), _records(two.conversations)
+    ids = [json.loads(line)["id"] for line in prompts_path("default").read_text().splitlines()[:3]]
+    assert sorted(greedy) == sorted(ids)
+    assert sorted(both) == sorted(ids + [f"{i}#s1" for i in ids])
+    for i in ids:
+        # answer 0 is the same greedy text a one-sample build writes
+        assert both[i]["messages"] == greedy[i]["messages"]
+        assert both[i]["generation"]["temperature"] == 0.0
+        gen = both[f"{i}#s1"]["generation"]
+        assert (gen["temperature"], gen["top_p"]) == (0.7, 0.95)
+        assert both[f"{i}#s1"]["messages"][:-1] == greedy[i]["messages"][:-1]
+    # sampled answers are not the greedy ones (a random tiny target is near uniform)
+    assert any(both[f"{i}#s1"]["messages"][-1] != greedy[i]["messages"][-1] for i in ids)
+    # greedy records were written first, then the sampled pass appended
+    order = [json.loads(line)["id"] for line in two.conversations.read_text().splitlines()]
+    assert set(order[:3]) == set(ids)
+    assert len(open_dataset(one.train)) == 3 and len(open_dataset(two.train)) == 6
+
+
+def test_sampled_ids_without_record_ids_follow_generate(tmp_path):
+    """Records without an "id" get `<file name>:<line>` (as data.generate), then `#sJ`."""
+    src = tmp_path / "mine.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
+                           for q in ("Say hi.", "Name a color.")))
+    from data import prepare
+    from train.pipeline import _sampled_prompts
+    out = [json.loads(x) for x in _sampled_prompts(prepare, src, 2)]
+    assert [r["id"] for r in out] == ["mine.jsonl:1#s1", "mine.jsonl:1#s2",
+                                      "mine.jsonl:2#s1", "mine.jsonl:2#s2"]
+    assert out[1]["messages"] == [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    (["data.samples_per_prompt=0"], "data.samples_per_prompt=1"),
+    (["data.samples_per_prompt=2", "data.temperature=0"], "data.temperature=0.7"),
+    (["data.top_p=0"], "data.top_p=0.95"),
+    (["data.top_p=1.5"], "data.top_p=0.95"),
+])
+def test_bad_sampling_settings_name_the_fix(overrides, fix):
+    with pytest.raises(ConfigError) as e:
+        check(_cfg(*overrides))
+    key = overrides[-1].split("=")[0]
+    assert f"{key}=" in str(e.value) and f"Fix: {fix}" in str(e.value)
+
+
+def test_greedy_only_accepts_temperature_zero():
+    check(_cfg("data.temperature=0"))   # samples_per_prompt=1: nothing is sampled
