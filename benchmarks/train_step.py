@@ -20,7 +20,8 @@ Cases (`--cases`, comma list): base (eager element-wise, optimizer via fp32 grad
 + torch fused AdamW: the step before compile/fusion), compile (torch.compile of each step's
 element-wise work), fused (compile + one-pass Triton master AdamW: the default),
 nosync (fused without the per-micro-batch `.item()` NaN check), ckpt (fused + the MLP of each
-step recomputed in backward).
+step recomputed in backward), rows (fused, the loss rows listed on the host as the trainer
+does with loss.skip_masked_rows: masked rows skip the lm_head GEMMs), rows+ckpt (both).
 
 The real trainer end to end (accelerate + DeepSpeed ZeRO-2 on shards on disk): see
 benchmarks/train_e2e.py (`python benchmarks/train_step.py --trainer ...` forwards to it).
@@ -50,18 +51,22 @@ from data.loader import Batch  # noqa: E402
 from models.config import Eagle3Config  # noqa: E402
 from models.drafter import Eagle3Drafter  # noqa: E402
 from models.metrics import accept_counts  # noqa: E402
+from models.objective import metric_rows  # noqa: E402
 from models.targets import load_target_config, text_config  # noqa: E402
 from train.optim import MasterAdamW, build_scheduler  # noqa: E402
 from train.step import TrainingModule, batch_inputs  # noqa: E402
 from train.tracking import flops_per_token  # noqa: E402
 
 GIB = 1 << 30
-CASES = {  # name: (compile_layer, optimizer impl, per-micro-batch NaN sync, checkpoint_mlp)
-    "base": (False, "torch", True, False),
-    "compile": (True, "torch", True, False),
-    "fused": (True, "auto", True, False),
-    "nosync": (True, "auto", False, False),
-    "ckpt": (True, "auto", True, True),
+CASES = {  # name: (compile_layer, optimizer impl, per-micro-batch NaN sync, checkpoint_mlp,
+           #        loss rows listed on the host)
+    "base": (False, "torch", True, False, False),
+    "compile": (True, "torch", True, False, False),
+    "fused": (True, "auto", True, False, False),
+    "nosync": (True, "auto", False, False, False),
+    "ckpt": (True, "auto", True, True, False),
+    "rows": (True, "auto", True, False, True),
+    "rows+ckpt": (True, "auto", True, True, True),
 }
 
 
@@ -99,7 +104,7 @@ def make_batch(cfg: Eagle3Config, T: int, vocab_ids: torch.Tensor, device, seed:
 
 def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
     """(TrainingModule, MasterAdamW, scheduler, draft vocab ids) for one case, on `device`."""
-    compile_layer, impl, _, ckpt = CASES[case]
+    compile_layer, impl, _, ckpt, _ = CASES[case]
     torch.manual_seed(seed)
     on_cuda = device.type == "cuda"
     with torch.device(device):
@@ -125,11 +130,12 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
 
 
 # ------------------------------------------------------------------------------ the step
-def train_step(module, opt, sched, batch: Batch, nan_sync: bool, events=None) -> float:
+def train_step(module, opt, sched, batch: Batch, nan_sync: bool, events=None,
+               rows=None) -> float:
     """One optimizer step exactly as train/trainer.py runs it (grad_accum 1, DDP path)."""
     rec = (lambda i: events[i].record()) if events else (lambda i: None)
     rec(0)
-    res = module(**batch_inputs(batch))
+    res = module(**batch_inputs(batch, rows))
     bad = (~torch.isfinite(res.loss)).float()
     if nan_sync and bad.item():                      # the trainer's per-micro-batch check
         raise RuntimeError("non-finite loss in the benchmark")
@@ -157,12 +163,15 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
              profile_steps: int) -> dict:
     module, opt, sched, vocab_ids = build(cfg, case, device, K)
     batches = [make_batch(cfg, T, vocab_ids, device, seed=s) for s in (0, 1)]
+    # the trainer lists rows from the host copy of the batch (train.step.to_device)
+    rows = [metric_rows(b.doc_ids.cpu(), b.loss_mask.cpu(), K).to(device) if CASES[case][4]
+            else None for b in batches]
     nan_sync = CASES[case][2]
     on_cuda = device.type == "cuda"
     t0 = time.perf_counter()
     first = None
     for i in range(warmup):
-        gn = train_step(module, opt, sched, batches[i % 2], nan_sync)
+        gn = train_step(module, opt, sched, batches[i % 2], nan_sync, rows=rows[i % 2])
         first = first or gn                      # same seed in every case: a parity check
     _sync(device)
     warm_s = time.perf_counter() - t0
@@ -174,7 +183,7 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if on_cuda else None
         _sync(device)
         t = time.perf_counter()
-        train_step(module, opt, sched, batches[i % 2], nan_sync, ev)
+        train_step(module, opt, sched, batches[i % 2], nan_sync, ev, rows=rows[i % 2])
         _sync(device)
         step_ms.append((time.perf_counter() - t) * 1e3)
         if ev:
@@ -182,6 +191,7 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
     peak = torch.cuda.max_memory_allocated() if on_cuda else 0
     ms = statistics.median(step_ms)
     out = dict(case=case, tokens=T, ttt_steps=K, step_ms=ms, step_ms_all=step_ms,
+               rows_listed=None if rows[0] is None else rows[0].numel() / (K * T),
                tokens_per_s=T / (ms / 1e3), warmup_s=warm_s, first_grad_norm=first,
                peak_gib=peak / GIB,
                static_gib=static / GIB, activations_gib=(peak - static) / GIB,
@@ -191,8 +201,8 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
         out.update(fwd_ms=med[0], bwd_ms=med[1], opt_ms=med[2])
     if profile_steps and on_cuda:
         from benchmarks.profile_breakdown import profile_steps as prof
-        out["profile"] = prof(lambda i: train_step(module, opt, sched, batches[i % 2], nan_sync),
-                              profile_steps)
+        out["profile"] = prof(lambda i: train_step(module, opt, sched, batches[i % 2], nan_sync,
+                                                   rows=rows[i % 2]), profile_steps)
     del module, opt, sched, batches
     if on_cuda:
         torch.cuda.empty_cache()

@@ -46,7 +46,8 @@ def accept_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask
                          f"{tuple(mask.shape)} (want [K, T]), target_argmax "
                          f"{tuple(target_argmax.shape)} (want [T])")
     mask = mask.bool()
-    drafted = draft_argmax + d2t[draft_argmax]                            # [K, T] target ids
+    am = draft_argmax.clamp_min(0)                  # −1 marks rows the loss skipped (masked)
+    drafted = am + d2t[am]                                                # [K, T] target ids
     wanted = shifted_for_steps(target_argmax, K, -1)                      # [K, T] argmax at t+1+k
     correct = mask & (drafted == wanted)                                  # [K, T]
     alive = torch.cumprod(correct.to(torch.int64), dim=0)                 # [K, T] 0/1

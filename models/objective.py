@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.ttt import shifted_for_steps
+from models.ttt import shifted_for_steps, structural_valid
 
 NORMALISATIONS = ("valid", "specforge")
 
@@ -27,6 +27,17 @@ NORMALISATIONS = ("valid", "specforge")
 def metric_mask(valid: Tensor, loss_mask: Tensor) -> Tensor:
     """[K, T] bool rows that count for loss and metrics: valid(k,t) · loss_mask[t+1+k] (no position mask)."""
     return valid & shifted_for_steps(loss_mask.bool(), valid.shape[0], False)
+
+
+def metric_rows(doc_ids: Tensor, loss_mask: Tensor, ttt_steps: int) -> Tensor:
+    """[M] int64 ascending ids k·T + t of the `metric_mask` rows, from the batch alone.
+
+    The trainer calls it on the host copy of a batch, so the fused loss can skip the lm_head
+    GEMMs of every other row (``kernels.eagle3_loss(rows=...)``) without a device sync. Every
+    row with a nonzero `row_weights` entry is listed (the position mask only removes rows).
+    """
+    mask = metric_mask(structural_valid(doc_ids, ttt_steps), loss_mask)   # [K, T]
+    return mask.reshape(-1).nonzero().flatten()
 
 
 def row_weights(valid: Tensor, loss_mask: Tensor, target_argmax: Tensor, t2d: Tensor, *,

@@ -15,7 +15,7 @@ from torch.profiler import record_function
 
 import kernels
 from models.drafter import Eagle3Drafter
-from models.objective import metric_mask, row_weights
+from models.objective import metric_mask, metric_rows, row_weights
 
 
 @dataclass
@@ -70,7 +70,10 @@ class TrainingModule(nn.Module):
 
     def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,
                 loss_mask: Tensor, target_argmax: Tensor, last: Tensor | None = None,
-                topk_ids: Tensor | None = None, topk_logits: Tensor | None = None) -> StepOutput:
+                topk_ids: Tensor | None = None, topk_logits: Tensor | None = None,
+                rows: Tensor | None = None) -> StepOutput:
+        """One TTT unroll and its loss. ``rows`` (`models.objective.metric_rows`, optional):
+        the only rows whose lm_head GEMMs run; draft_argmax is −1 on the others."""
         d = self.drafter
         # (the record_function names group GPU kernels in a profile: benchmarks/train_step.py)
         with record_function("eyas.drafter"):
@@ -81,17 +84,25 @@ class TrainingModule(nn.Module):
         with record_function("eyas.loss"):
             teacher = self.teacher(last, topk_ids, topk_logits)               # [T, Vd]
             res = kernels.eagle3_loss(out.hidden, d.lm_head.weight, teacher, w,
-                                      impl=self.loss_impl, chunk_size=self.chunk_size)
+                                      impl=self.loss_impl, chunk_size=self.chunk_size, rows=rows)
         return StepOutput(loss=res.loss, draft_argmax=res.draft_argmax, step_loss=res.step_loss,
                           metric_mask=metric_mask(out.valid, loss_mask))
 
 
-def batch_inputs(batch) -> dict:
+def batch_inputs(batch, rows: Tensor | None = None) -> dict:
     """The keyword arguments of TrainingModule.forward from a data.loader.Batch."""
     return dict(input_ids=batch.input_ids, aux=batch.aux, doc_ids=batch.doc_ids,
                 positions=batch.positions, loss_mask=batch.loss_mask,
                 target_argmax=batch.target_argmax, last=batch.last, topk_ids=batch.topk_ids,
-                topk_logits=batch.topk_logits)
+                topk_logits=batch.topk_logits, rows=rows)
+
+
+def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool) -> dict:
+    """Forward kwargs on ``device`` for a host batch; with ``skip_masked_rows`` the loss rows
+    are listed here, on the host, so the loss skips masked rows without a device sync."""
+    rows = metric_rows(batch.doc_ids, batch.loss_mask, ttt_steps) if skip_masked_rows else None
+    batch = batch.to(device)
+    return batch, batch_inputs(batch, None if rows is None else rows.to(device, non_blocking=True))
 
 
 def resolve_loss_impl(impl: str, device: torch.device) -> str:

@@ -32,7 +32,7 @@ from train.config import DistBackend, to_plain
 from train.config import enum_value as _value
 from train.dist import param_dtype
 from train.optim import build_optimizer, build_scheduler
-from train.step import TrainingModule, batch_inputs, resolve_loss_impl
+from train.step import TrainingModule, resolve_loss_impl, to_device
 from train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class Setup:
     target_config: dict
     total_steps: int
     flops_per_token: float
+    ttt_steps: int = 7
+    skip_masked_rows: bool = True  # list the loss rows on the host (loss.skip_masked_rows)
 
 
 def _vocab(cfg, accelerator, train_ds, V: int, out: Path, warm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +168,8 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
              "%d micro-batches/epoch/rank, %d optimizer steps", drafter.num_trainable_parameters() / 1e6,
              d2t.numel(), V, aux_ids, cfg.drafter.ttt_steps, len(train_loader), total)
     return Setup(module, optimizer, scheduler, train_loader, eval_loader, config, d2t, t2d,
-                 target_cfg, total, fpt)
+                 target_cfg, total, fpt, cfg.drafter.ttt_steps,
+                 bool(getattr(cfg.loss, "skip_masked_rows", True)))
 
 
 def _drafter(module):
@@ -183,8 +186,8 @@ def evaluate(s: Setup, accelerator) -> dict[str, float]:
     counts = None
     d2t = _drafter(s.module).d2t
     for batch in s.eval_loader:
-        batch = batch.to(accelerator.device)
-        res = s.module(**batch_inputs(batch))
+        batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
+        res = s.module(**inputs)
         counts = add_counts(counts, accept_counts(res.draft_argmax, d2t, batch.target_argmax,
                                                   res.metric_mask))
     s.module.train()
@@ -223,9 +226,9 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
         t_wait = time.perf_counter()
         for batch in it:
             window.wait += time.perf_counter() - t_wait
-            batch = batch.to(accelerator.device)
+            batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
             with accelerator.accumulate(s.module):
-                res = s.module(**batch_inputs(batch))
+                res = s.module(**inputs)
                 bad = accelerator.reduce((~torch.isfinite(res.loss)).float(), "max")
                 if bad.item():
                     nonfinite += 1

@@ -71,3 +71,59 @@ def test_reference_loss_by_definition_and_against_the_fused_entry_point():
     g_fused = torch.autograd.grad(fused.loss, [hidden, weight])
     for a, b in zip(g_ref, g_fused):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_metric_rows_by_hand_cover_every_weighted_row():
+    from models.objective import metric_rows
+    # metric_mask = VALID · loss_mask[t+1+k]: k=0 → [1,1,1,0,1,0], k=1 → [1,1,0,0,0,0]
+    rows = metric_rows(DOC, LOSS_MASK, 2)
+    assert rows.dtype == torch.int64
+    assert rows.tolist() == [0, 1, 2, 4, 6, 7]
+    w = row_weights(VALID, LOSS_MASK, TARGET_ARGMAX, T2D).reshape(-1)
+    listed = torch.zeros_like(w, dtype=torch.bool)
+    listed[rows] = True
+    assert not (w != 0)[~listed].any()                  # position mask only removes rows
+
+
+def test_training_module_listed_rows_match_all_rows():
+    """TrainingModule with host-listed rows: same loss and gradients, argmax −1 off the mask."""
+    from models.config import Eagle3Config
+    from models.drafter import Eagle3Drafter
+    from models.objective import metric_rows
+    from train.step import TrainingModule
+    from types import SimpleNamespace
+    torch.manual_seed(0)
+    cfg = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=64, vocab_size=96, draft_vocab_size=48,
+                       target_hidden_size=24, head_dim=8, aux_layer_ids=[2, 4, 6])
+    drafter = Eagle3Drafter(cfg, attention="eager")
+    drafter.embed_tokens.weight.data.normal_()
+    ids = torch.randperm(96)[:48].sort().values
+    drafter.set_vocab_map(ids - torch.arange(48))
+    loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=True,
+                               chunk_size=7)
+    module = TrainingModule(drafter, torch.randn(48, 24), loss_cfg, loss_impl="torch",
+                            ttt_steps=3)
+    T = 20
+    doc = torch.tensor([0] * 8 + [1] * 9 + [-1] * 3, dtype=torch.int32)
+    pos = torch.cat([torch.arange(8), torch.arange(9), torch.zeros(3, dtype=torch.long)])
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+                        dtype=torch.bool)
+    inputs = dict(input_ids=torch.randint(0, 96, (T,)), aux=torch.randn(T, 72),
+                  doc_ids=doc, positions=pos, loss_mask=mask,
+                  target_argmax=torch.randint(0, 96, (T,)), last=torch.randn(T, 24))
+    results = []
+    for rows in (None, metric_rows(doc, mask, 3)):
+        module.zero_grad(set_to_none=True)
+        out = module(**inputs, rows=rows)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        results.append((out, grads))
+    (full, g_full), (listed, g_listed) = results
+    torch.testing.assert_close(listed.loss, full.loss, rtol=1e-6, atol=1e-7)
+    assert g_full.keys() == g_listed.keys() and len(g_full) > 5
+    for name in g_full:
+        torch.testing.assert_close(g_listed[name], g_full[name], rtol=1e-5, atol=1e-7)
+    m = full.metric_mask
+    assert torch.equal(listed.draft_argmax[m], full.draft_argmax[m])
+    assert (listed.draft_argmax[~m] == -1).all()
