@@ -104,7 +104,8 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
     finally:
         tokenizer.padding_side = side
     enc = {k: v.to(model.device) for k, v in enc.items()}
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 \
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) \
+        if temperature > 0 \
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=stop,
                          pad_token_id=tokenizer.pad_token_id, **sampling)

@@ -161,6 +161,8 @@ class LossConfig:
     """Drop rows whose target argmax is outside the draft vocabulary."""
     chunk_size: Optional[int] = None
     """Rows per fused-loss chunk; null = the kernel's default."""
+    skip_masked_rows: bool = True
+    """List the rows that count (valid · loss_mask) on the host; the others skip the lm_head GEMMs."""
 
 
 @dataclass

@@ -169,7 +169,7 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
              d2t.numel(), V, aux_ids, cfg.drafter.ttt_steps, len(train_loader), total)
     return Setup(module, optimizer, scheduler, train_loader, eval_loader, config, d2t, t2d,
                  target_cfg, total, fpt, cfg.drafter.ttt_steps,
-                 bool(getattr(cfg.loss, "skip_masked_rows", True)))
+                 bool(cfg.loss.skip_masked_rows))
 
 
 def _drafter(module):

@@ -104,3 +104,26 @@ def test_gpu_teacher_probs():
     ref = torch.softmax(last.float() @ rows.float().T, -1)
     assert _rel(p, ref) < 1e-2
 
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_gpu_listed_rows_equal_all_rows(one_pass, monkeypatch):
+    """Listed rows (the weighted ones) give the full loss and gradients; argmax −1 elsewhere."""
+    from kernels import fused_loss
+    monkeypatch.setattr(fused_loss, "ONE_PASS_MAX_V", 32768 if one_pass else 0)
+    h, W, p, w = _inputs(K=3, N=900, H=256, V=32000, seed=2)
+    rows = (w.reshape(-1) != 0).nonzero().flatten()
+    res = []
+    for listed in (None, rows):
+        hh, WW = h.clone().requires_grad_(), W.clone().requires_grad_()
+        out = eagle3_loss(hh, WW, p, w, impl="triton", chunk_size=256, with_accept=True,
+                          rows=listed)
+        out.loss.backward()
+        res.append((out, hh.grad, WW.grad))
+    (a, dha, dWa), (b, dhb, dWb) = res
+    assert abs(a.loss.item() - b.loss.item()) < 1e-5 * abs(a.loss.item())
+    m = w != 0
+    assert torch.equal(a.draft_argmax[m], b.draft_argmax[m]) and (b.draft_argmax[~m] == -1).all()
+    torch.testing.assert_close(a.accept, b.accept, rtol=1e-5, atol=1e-6)
+    assert _rel(dhb, dha) < 1e-3 and _rel(dWb, dWa) < 1e-3
+    assert not dhb[~m].any()
