@@ -8,7 +8,6 @@ Methods, on the same inputs, side by side:
   specforge  SpecForge-style: materialised fp32 logits + fp32 target_p, a loss-only Triton
              kernel writing the gradient in place, argmax as an extra torch pass
   eyas       kernels.eagle3_loss(impl="triton"), one call for all K steps (+accept: with_accept);
-             eyas-2pass streams each logit row twice (the whole-row kernel switched off);
              eyas+rows lists the weighted rows (known on the host in training), so the GEMMs
              skip masked rows; its floor is the 3-GEMM floor scaled by the listed fraction
 Reported: median ms, peak extra memory (GiB, over the inputs; gradients included), relative
@@ -170,21 +169,12 @@ def run_eyas(x, with_accept=False, chunk_size=None, listed=False):
     return out.loss, h.grad, W.grad
 
 
-def run_eyas_two_pass(x):
-    saved, fused_loss.ONE_PASS_MAX_V = fused_loss.ONE_PASS_MAX_V, 0
-    try:
-        return run_eyas(x)
-    finally:
-        fused_loss.ONE_PASS_MAX_V = saved
-
-
 METHODS = {
     "naive": run_naive,
     "compile": lambda x: run_naive(x, compiled=True),
     "liger": run_liger,
     "specforge": run_specforge,
     "eyas": run_eyas,
-    "eyas-2pass": run_eyas_two_pass,
     "eyas+accept": lambda x: run_eyas(x, with_accept=True),
     "eyas+rows": lambda x: run_eyas(x, listed=True),
 }
@@ -339,20 +329,12 @@ def sweep(N=16384, H=4096, K=7):
         print(f"row kernel block={blk:5d} warps={nw:2d} accept={acc:d}: "
               f"{ms:.3f} ms ({gbs:.0f} GB/s of z+p+dz)", flush=True)
 
-    one_pass = fused_loss.ONE_PASS_MAX_V, fused_loss.ONE_PASS_WARPS
-    fused_loss.ONE_PASS_MAX_V = 0
     for blk, nw in itertools.product((2048, 4096, 8192), (8, 16)):
         kernel_ms(blk, nw, False)
     best = min(res["kernel"], key=lambda r: r["ms"])
     kernel_ms(best["block"], best["warps"], True)
     fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS = best["block"], best["warps"]
-    fused_loss.ONE_PASS_MAX_V = 1 << 20                 # whole row on chip, by warps
-    for nw in (8, 16, 32):
-        fused_loss.ONE_PASS_WARPS = nw
-        kernel_ms(triton.next_power_of_2(VD), nw, False)
-    kernel_ms(triton.next_power_of_2(VD), 32, True)
-    fused_loss.ONE_PASS_MAX_V, fused_loss.ONE_PASS_WARPS = one_pass
-    fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS = best["block"], best["warps"]
+
     import kernels.loss as kl
     dz_bytes = kl.DZ_BYTES
     for C, G in [(1024, 1024), (2048, 2048), (4096, 4096), (512, 4096), (1024, 4096),
@@ -390,8 +372,7 @@ def main(argv=None):
         return 2
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "block_v": fused_loss.MAX_BLOCK_V,
-           "num_warps": fused_loss.NUM_WARPS, "one_pass_max_v": fused_loss.ONE_PASS_MAX_V,
-           "one_pass_warps": fused_loss.ONE_PASS_WARPS, "z_bytes": kernels.loss.Z_BYTES,
+           "num_warps": fused_loss.NUM_WARPS, "z_bytes": kernels.loss.Z_BYTES,
            "dz_bytes": kernels.loss.DZ_BYTES}
     if args.sweep:
         out["sweep"] = sweep()

@@ -4,7 +4,9 @@
 #      up to 384 new tokens each), hidden states are extracted, a drafter trains on them
 #      (K = 7) and is exported; a short real speculative-decoding check runs at the end;
 #   2. the held-out prompts (never trained on) are answered greedily and extracted;
-#   3. offline acceptance of the export on that held-out hidden-state dataset (exact chain tau).
+#   3. offline acceptance of each export on that held-out hidden-state dataset (exact chain tau).
+# Extra arguments go to the main job: `--multirun optim.lr=1e-3,3e-3` trains one drafter per
+# value (OUT/sweep/N/export), each evaluated in step 3.
 # Real speculative decoding on all held-out prompts then runs on a CPU:
 #   eyas evaluate --drafter OUT/run/export --target smollm2 \
 #       --prompts data/prompts/heldout.jsonl --k 7 --max-new-tokens 128 --out real.json
@@ -18,10 +20,10 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 export EYAS_RUN_ID=smollm2-quality
 
-"$py" train/main.py hydra.run.dir="$out/run" \
+"$py" train/main.py hydra.run.dir="$out/run" hydra.sweep.dir="$out/sweep" \
   data.num_prompts=645 data.max_new_tokens=384 data.samples_per_prompt=2 \
   data.generation_batch_size=256 data.token_budget=8192 \
-  train.epochs=10 optim.lr=3e-4 train.eval_every=50 train.log_every=25 \
+  train.epochs=20 optim.lr=1e-3 train.eval_every=100 train.log_every=25 \
   eval.num_prompts=16 eval.max_new_tokens=128 eval.engines=false "$@" 2>&1 | tee "$out/main.log"
 
 heldout=${HELDOUT:-$("$py" -c "from data.prompts import prompts_path; print(prompts_path('heldout'))")}
@@ -29,5 +31,8 @@ heldout=${HELDOUT:-$("$py" -c "from data.prompts import prompts_path; print(prom
   --out "$out/heldout-tokens" --max-new-tokens "${HELDOUT_MAX_NEW_TOKENS:-384}" --batch-size 64
 "$py" -m train.cli extract --tokens "$out/heldout-tokens" --target smollm2 \
   --out "$out/heldout-hidden"
-"$py" -m train.cli evaluate --drafter "$out/run/export" --data "$out/heldout-hidden" --k 7 \
-  --out "$out/offline.json"
+for export in "$out"/run/export "$out"/sweep/*/export; do
+  [ -d "$export" ] || continue
+  "$py" -m train.cli evaluate --drafter "$export" --data "$out/heldout-hidden" --k 7 \
+    --out "$(dirname "$export")/offline.json"
+done

@@ -19,9 +19,8 @@ row min(t + k, N − 1), so the K shifted teachers are never materialised. Offse
 When the caller lists the rows to compute (``rows``), chunk row i is global row rows[row0 + i]
 and the logits hold only those rows (the GEMMs skip the others).
 
-Vocabularies up to ``ONE_PASS_MAX_V`` keep the whole logit row in registers and read it once
-(max, sum-exp, argmax, then the teacher pass); wider ones stream it twice in ``MAX_BLOCK_V``
-blocks.
+Each row is streamed twice in ``MAX_BLOCK_V`` blocks. (Holding a whole 32768-wide row on chip
+to read it once measured 37% slower per chunk on an H200: the row spills out of registers.)
 """
 
 from __future__ import annotations
@@ -33,11 +32,8 @@ import triton.language as tl
 # Widest vocabulary block one loop iteration loads; smaller vocabularies use next_pow2(Vd).
 # Tuned on an H200 (benchmarks/README.md); tests lower it to exercise multi-block streaming.
 # (Persistent grids of 1-4 programs per SM, tried for L2 reuse, measured 10-200% slower.)
-MAX_BLOCK_V = 4096
+MAX_BLOCK_V = 8192
 NUM_WARPS = 16
-# Whole-row variant: next_pow2(Vd) up to this many columns are held on chip (0 disables it).
-ONE_PASS_MAX_V = 32768
-ONE_PASS_WARPS = 32
 
 
 @triton.jit
@@ -82,31 +78,6 @@ def _loss_row(z_row, p_row, dz_row, sp, w, V, V_act,
 
 
 @triton.jit
-def _loss_row_one_pass(z_row, p_row, dz_row, sp, w, V, V_act,
-                       BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, WITH_ACCEPT: tl.constexpr):
-    """`_loss_row` for V <= BLOCK_V: the row is loaded once and stays in registers."""
-    cols = tl.arange(0, BLOCK_V)
-    z = tl.load(z_row + cols, mask=cols < V, other=float("-inf"))
-    m = tl.max(z, 0)
-    best_idx = tl.argmax(z, 0, tie_break_left=True).to(tl.int64)
-    e = tl.exp(z - m)                                # 0 on padding columns
-    s = tl.sum(e, 0)
-    lse = m + tl.log(s)
-    lmask = cols < V_act                             # no teacher loads for inactive rows
-    p = tl.load(p_row + cols, mask=lmask, other=0.0).to(tl.float32)
-    spz = tl.sum(p * tl.where(lmask, z, 0.0), 0)   # z is -inf on padding columns
-    q = e / s
-    if WRITE_GRAD:
-        g = tl.where(lmask, w * (q * sp - p), 0.0)
-        tl.store(dz_row + cols, g.to(dz_row.dtype.element_ty), mask=cols < V)
-    acc = 0.0
-    if WITH_ACCEPT:
-        inv_sp = tl.where(sp > 0.0, 1.0 / tl.maximum(sp, 1e-30), 0.0)
-        acc = tl.sum(tl.where(lmask, tl.minimum(p * inv_sp, q), 0.0), 0)
-    return best_idx, lse, spz, acc
-
-
-@triton.jit
 def _loss_rows_kernel(
     z_ptr, z_stride,          # [C, Vd] fp32 logits of this chunk (row stride z_stride)
     p_ptr, p_stride,          # [N, Vd] teacher probabilities (bf16/fp32), unnormalised allowed
@@ -123,7 +94,6 @@ def _loss_rows_kernel(
     WRITE_GRAD: tl.constexpr,
     WITH_ACCEPT: tl.constexpr,
     HAS_ROWS: tl.constexpr,
-    ONE_PASS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)                 # chunk row; int64 offsets from here
     if HAS_ROWS:
@@ -136,14 +106,9 @@ def _loss_rows_kernel(
     active = w != 0.0
     V_act = tl.where(active, V, 0)                   # columns to read: none for inactive rows
     sp = tl.where(active, tl.load(tsum_ptr + t_row), 0.0)
-    if ONE_PASS:
-        best_idx, lse, spz, acc = _loss_row_one_pass(
-            z_ptr + r * z_stride, p_ptr + t_row * p_stride, dz_ptr + r * dz_stride,
-            sp, w, V, V_act, BLOCK_V, WRITE_GRAD, WITH_ACCEPT)
-    else:
-        best_idx, lse, spz, acc = _loss_row(
-            z_ptr + r * z_stride, p_ptr + t_row * p_stride, dz_ptr + r * dz_stride,
-            sp, w, V, V_act, BLOCK_V, WRITE_GRAD, WITH_ACCEPT)
+    best_idx, lse, spz, acc = _loss_row(
+        z_ptr + r * z_stride, p_ptr + t_row * p_stride, dz_ptr + r * dz_stride,
+        sp, w, V, V_act, BLOCK_V, WRITE_GRAD, WITH_ACCEPT)
     tl.store(argmax_ptr + row, best_idx)
     tl.store(lse_ptr + row, lse)
     tl.store(psum_ptr + row, sp)
@@ -221,15 +186,13 @@ def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept, rows=None
     write_grad = dz is not None
     dz_arg = dz if write_grad else z                 # never written when WRITE_GRAD is off
     acc_arg = out.accept if with_accept else out.loss
-    one_pass = triton.next_power_of_2(V) <= ONE_PASS_MAX_V
     _loss_rows_kernel[(c,)](
         z, z.stride(0), teacher, teacher.stride(0), tsum, w_flat,
         dz_arg, dz_arg.stride(0),
         out.loss, out.argmax, acc_arg, out.lse, out.psum,
         w_flat if rows is None else rows, row0, N, V,
-        BLOCK_V=triton.next_power_of_2(V) if one_pass else _block_v(V),
-        WRITE_GRAD=write_grad, WITH_ACCEPT=with_accept, HAS_ROWS=rows is not None,
-        ONE_PASS=one_pass, num_warps=ONE_PASS_WARPS if one_pass else NUM_WARPS,
+        BLOCK_V=_block_v(V), WRITE_GRAD=write_grad, WITH_ACCEPT=with_accept,
+        HAS_ROWS=rows is not None, num_warps=NUM_WARPS,
     )
 
 

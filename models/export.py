@@ -226,7 +226,11 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     cfg = complete_config(cfg)
     ttt_steps = ttt_steps if ttt_steps is not None else cfg_ttt
     tcfg = resolve_target_config(target_config)
-    sd = normalise_names(state_dict)
+    # a trainer's state dict may live on an accelerator: everything below works on CPU copies
+    sd = {k: v.detach().cpu() if torch.is_tensor(v) else v
+          for k, v in normalise_names(state_dict).items()}
+    d2t = d2t.detach().cpu() if torch.is_tensor(d2t) else d2t
+    t2d = t2d.detach().cpu() if torch.is_tensor(t2d) else t2d
     V, Vd = cfg.get("vocab_size"), cfg.get("draft_vocab_size")
     if not isinstance(V, int) or not isinstance(Vd, int):
         raise ExportError(f"config needs int vocab_size and draft_vocab_size, got {V!r}, {Vd!r}")

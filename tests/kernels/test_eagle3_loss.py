@@ -21,10 +21,8 @@ TOL_BF16 = 1e-2   # bf16 inputs: dz is rounded to bf16 (the interpreter truncate
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    """Stream the vocabulary in 128-wide blocks so V=300 takes three (the last partial); the
-    whole-row variant is off here and switched on by the tests that cover it."""
+    """Stream the vocabulary in 128-wide blocks so V=300 takes three (the last partial)."""
     monkeypatch.setattr(fused_loss, "MAX_BLOCK_V", 128)
-    monkeypatch.setattr(fused_loss, "ONE_PASS_MAX_V", 0)
 
 
 def reference(h, W, p, w):
@@ -293,29 +291,6 @@ def test_chunk_and_group_sizes():
     assert _group_rows(4096, 163840, 10**6) == 4096
 
 
-# --------------------------------------------------------------------------- whole-row kernel
-@pytest.mark.parametrize("dtype,teacher_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)])
-def test_one_pass_row_kernel_matches_reference(dtype, teacher_dtype, monkeypatch):
-    """V=300 fits one 512-wide block: the row is read once (padding columns masked)."""
-    monkeypatch.setattr(fused_loss, "ONE_PASS_MAX_V", 512)
-    h, W, p, w = make_inputs(dtype=dtype, teacher_dtype=teacher_dtype, seed=7)
-    out, dh, dW, (rows, am, acc, dh_ref, dW_ref) = run_both(
-        "triton", h, W, p, w, grad_out=0.7, chunk_size=5, with_accept=True)
-    tol = TOL_F32 if dtype == torch.float32 else TOL_BF16
-    assert math.isclose(out.loss.item(), rows.sum().item(), rel_tol=1e-5)
-    assert torch.equal(out.draft_argmax, am)
-    torch.testing.assert_close(out.accept, acc, rtol=1e-5, atol=1e-6)
-    assert rel_err(dh, dh_ref) < tol and rel_err(dW, dW_ref) < tol
-    torch.testing.assert_close(out.step_loss, rows.sum(1), rtol=1e-5, atol=1e-7)
-
-
-def test_one_pass_ties_and_saturation(monkeypatch):
-    monkeypatch.setattr(fused_loss, "ONE_PASS_MAX_V", 512)
-    test_argmax_ties_take_first_index("triton")
-    test_saturated_rows_point_mass_teacher("triton")
-
-
 # --------------------------------------------------------------------------- listed rows
 def listed_rows(w, extra=3, seed=0):
     """Global ids of the weighted rows plus a few zero-weight ones (metric-only rows)."""
@@ -325,14 +300,12 @@ def listed_rows(w, extra=3, seed=0):
     return torch.cat([(flat != 0).nonzero().flatten(), pick]).sort().values
 
 
-@pytest.mark.parametrize("impl,one_pass", [("triton", False), ("triton", True),
-                                           ("torch", False)])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("chunk,group", [(3, 6), (1, 40)])
-def test_listed_rows_skip_unlisted_rows(impl, one_pass, chunk, group, monkeypatch):
+def test_listed_rows_skip_unlisted_rows(impl, chunk, group, monkeypatch):
     """Only listed rows enter the GEMMs; results equal the full computation on those rows and
     unlisted rows read loss 0, argmax −1, accept 0, dh 0. Small groups keep dh in z's buffer,
     large ones need a separate one."""
-    monkeypatch.setattr(fused_loss, "ONE_PASS_MAX_V", 512 if one_pass else 0)
     monkeypatch.setattr(kernels.loss, "DZ_BYTES", group * 300 * 2)
     h, W, p, w = make_inputs(K=3, N=7, H=64, V=300, seed=8)
     rows = listed_rows(w)
