@@ -20,11 +20,13 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 export EYAS_RUN_ID=smollm2-quality
 
-"$py" train/main.py hydra.run.dir="$out/run" hydra.sweep.dir="$out/sweep" \
+flags=() overrides=()                       # Hydra wants its flags before the overrides
+for a in "$@"; do case $a in -*) flags+=("$a") ;; *) overrides+=("$a") ;; esac; done
+"$py" train/main.py "${flags[@]}" hydra.run.dir="$out/run" hydra.sweep.dir="$out/sweep" \
   data.num_prompts=645 data.max_new_tokens=384 data.samples_per_prompt=2 \
   data.generation_batch_size=256 data.token_budget=8192 \
   train.epochs=20 optim.lr=1e-3 train.eval_every=100 train.log_every=25 \
-  eval.num_prompts=16 eval.max_new_tokens=128 eval.engines=false "$@" 2>&1 | tee "$out/main.log"
+  eval.num_prompts=16 eval.max_new_tokens=128 eval.engines=false "${overrides[@]}" 2>&1 | tee "$out/main.log"
 
 heldout=${HELDOUT:-$("$py" -c "from data.prompts import prompts_path; print(prompts_path('heldout'))")}
 "$py" -m train.cli prepare --generate --input "$heldout" --target smollm2 \
