@@ -8,6 +8,7 @@ lm_head weight is registered as an external parameter of this module for that re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -97,12 +98,19 @@ def batch_inputs(batch, rows: Tensor | None = None) -> dict:
                 topk_logits=batch.topk_logits, rows=rows)
 
 
-def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool) -> dict:
+def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool) -> tuple[Any, dict]:
     """Forward kwargs on ``device`` for a host batch; with ``skip_masked_rows`` the loss rows
     are listed here, on the host, so the loss skips masked rows without a device sync."""
-    rows = metric_rows(batch.doc_ids, batch.loss_mask, ttt_steps) if skip_masked_rows else None
+    rows = None
+    if skip_masked_rows:
+        rows = metric_rows(batch.doc_ids, batch.loss_mask, ttt_steps)
+        if torch.device(device).type == "cuda":
+            # a copy from pageable memory would block the host until the GPU drains the stream
+            rows = rows.pin_memory().to(device, non_blocking=True)
+        else:
+            rows = rows.to(device)
     batch = batch.to(device)
-    return batch, batch_inputs(batch, None if rows is None else rows.to(device, non_blocking=True))
+    return batch, batch_inputs(batch, rows)
 
 
 def resolve_loss_impl(impl: str, device: torch.device) -> str:
