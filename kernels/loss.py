@@ -7,6 +7,8 @@ Algorithm, over the flattened [K·N] rows in groups of G rows, each cut into chu
   1. per chunk: z = h_c @ W.T            cuBLAS, fp32 out               [C, Vd]
   2. per chunk: one row kernel over z    lse, Σpz, argmax, loss, accept, dz = w·(q·Σp − p)
   3. per group: dh_g = dz @ W; dW += dz.T @ h_g    cuBLAS; dW accumulated in fp32
+Given ``rows`` (the ids of the rows that count, listed by a caller that knows the mask on the
+host), only those rows are gathered into the GEMMs, a group at a time: masked rows cost nothing.
 With ``reduction="sum"`` the gradient is computed in the forward pass (3 GEMMs per row, never 4)
 and backward only scales it by grad_output. ``reduction="none"`` returns per-row losses with a
 real graph: the forward saves lse and Σp per row and the backward recomputes z chunk by chunk,

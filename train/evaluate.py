@@ -88,7 +88,8 @@ def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask:
     """
     counts = accept_counts(draft_argmax, d2t, target_argmax, mask)
     K = draft_argmax.shape[0]
-    drafted = draft_argmax + d2t[draft_argmax]
+    am = draft_argmax.clamp_min(0)                  # −1: a row the loss skipped (masked)
+    drafted = am + d2t[am]
     wanted = shifted_for_steps(target_argmax, K, -1)                      # argmax at t+1+k
     alive = torch.cumprod((mask.bool() & (drafted == wanted)).to(torch.int64), dim=0)
     counts["traj_rounds"], counts["traj_tokens"] = trajectory_counts(alive, mask[0].bool())

@@ -114,7 +114,9 @@ def main(cfg: DictConfig) -> None:
             print(f"speculative: tau {spec['tau']:.3f} on held-out prompts, identical to greedy: "
                   f"{spec['tokens_identical']}")
         if summary.get("tau") is not None:
-            print(f"tau: {summary['tau']:.3f}")
+            walk = summary.get("tau_trajectory")
+            print(f"tau: {summary['tau']:.3f}" + (f" (decoder walk {walk:.3f})"
+                                                   if walk is not None else ""))
         if summary.get("engines"):
             print("engines: " + " ".join(f"{e}={v}" for e, v in summary["engines"].items()))
 

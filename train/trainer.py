@@ -179,7 +179,13 @@ def _drafter(module):
 
 @torch.no_grad()
 def evaluate(s: Setup, accelerator) -> dict[str, float]:
-    """Exact acceptance counts over the held-out split, summed over ranks, then ratios."""
+    """Exact acceptance counts over the held-out split, summed over ranks, then ratios.
+
+    ``accept_len`` averages the chain over every start position (models.metrics);
+    ``accept_len_trajectory`` walks the text as a greedy decoder does (train.evaluate), which
+    is what real speculative decoding measures on target-generated text.
+    """
+    from train.evaluate import chain_counts
     if s.eval_loader is None:
         return {}
     s.module.eval()
@@ -188,13 +194,16 @@ def evaluate(s: Setup, accelerator) -> dict[str, float]:
     for batch in s.eval_loader:
         batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
         res = s.module(**inputs)
-        counts = add_counts(counts, accept_counts(res.draft_argmax, d2t, batch.target_argmax,
-                                                  res.metric_mask))
+        new = chain_counts(res.draft_argmax, d2t, batch.target_argmax, res.metric_mask)
+        counts = new if counts is None else {k: counts[k] + new[k] for k in new}
     s.module.train()
     if counts is None:
         return {}
     counts = {k: accelerator.reduce(v, reduction="sum") for k, v in counts.items()}
-    return finalize(counts)
+    out = finalize(counts)
+    rounds, tokens = float(counts["traj_rounds"][-1]), float(counts["traj_tokens"][-1])
+    out["accept_len_trajectory"] = tokens / rounds if rounds > 0 else float("nan")
+    return out
 
 
 def train(cfg, accelerator, datasets) -> dict[str, Any]:
@@ -269,8 +278,9 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
                 last_eval = evaluate(s, accelerator)
                 if last_eval:
                     logger.log(step, last_eval, prefix="eval")
-                    log.info("eval step %d: accept_len %.3f, acc_0 %.3f", step,
-                             last_eval["accept_len"], last_eval["acc_0"])
+                    log.info("eval step %d: accept_len %.3f (decoder walk %.3f), acc_0 %.3f",
+                             step, last_eval["accept_len"], last_eval["accept_len_trajectory"],
+                             last_eval["acc_0"])
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or done:
                 metric = last_eval.get("accept_len") if is_eval else None
                 metric = metric if metric is not None and math.isfinite(metric) else None
@@ -290,7 +300,8 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
     bar.close()
     logger.close()
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": nonfinite, "eval": last_eval,
-                               "tau": last_eval.get("accept_len")}
+                               "tau": last_eval.get("accept_len"),
+                               "tau_trajectory": last_eval.get("accept_len_trajectory")}
     if cfg.export.enabled:
         summary["export"] = str(export_final(cfg, accelerator, s, out / "export"))
     if accelerator.is_main_process:
