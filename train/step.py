@@ -99,8 +99,9 @@ def batch_inputs(batch, rows: Tensor | None = None) -> dict:
 
 
 def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool) -> tuple[Any, dict]:
-    """Forward kwargs on ``device`` for a host batch; with ``skip_masked_rows`` the loss rows
-    are listed here, on the host, so the loss skips masked rows without a device sync."""
+    """(batch on ``device``, TrainingModule.forward kwargs) for a host batch. With
+    ``skip_masked_rows`` the loss rows are listed here, on the host, so the loss skips masked
+    rows without a device sync."""
     rows = None
     if skip_masked_rows:
         rows = metric_rows(batch.doc_ids, batch.loss_mask, ttt_steps)
