@@ -12,9 +12,8 @@ Per token t of every sample (see data/FORMAT.md for the stored layout):
 - ``topk_ids / topk_logits [T, k]`` (teacher "topk"/"both"): the k largest logits (float32 of
   the target's bf16 logits, soft-capping/scale applied where the config has them).
 
-The decoder stack is found robustly: the module that owns ``embed_tokens``, a ``layers``
-ModuleList and a final ``norm`` (Llama, Qwen, DeepSeek-V3/Kimi MLA+MoE, and multimodal wrappers
-whose text model sits under ``language_model``). Only that text model is run (no logits).
+Only the target's text model is run (no logits); finding it, the hooks and the chunked argmax
+live in ``data/capture.py``.
 
 Batching: the samples of one output shard are sorted by length and run up to `batch_tokens`
 tokens per forward. By default a forward holds only samples of EQUAL length (no padding), which
@@ -50,6 +49,10 @@ from typing import Any
 import torch
 from torch import nn
 
+# the capture layer; its names are re-exported here for callers of data.extract
+from data.capture import (Capture, ExtractError, check_aux_layers,  # noqa: F401
+                          chunked_argmax_topk, find_text_model, logit_transform)
+
 log = logging.getLogger(__name__)
 
 PLAN_NAME = "extract_plan.json"
@@ -57,147 +60,6 @@ TEACHERS = ("last", "topk", "both")
 # plan keys that must match for a re-run to resume into an existing output directory
 _RESUME_KEYS = ("target", "aux_layer_ids", "teacher", "topk", "aux_format", "shards",
                 "tokens_checksum")
-
-
-class ExtractError(ValueError):
-    """A bad target, layer choice, dataset or output directory; the message says how to fix it."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Finding the pieces of the target
-
-
-def find_text_model(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module, nn.Module]:
-    """(text model, its decoder layers, its final norm, the lm_head) of a causal LM.
-
-    The text model is the module owning ``embed_tokens``, a ``layers`` ModuleList and ``norm``;
-    when several qualify (multimodal wrappers), the one under ``language_model``/``text_model``.
-    """
-    found = [(name, m) for name, m in model.named_modules()
-             if isinstance(getattr(m, "layers", None), nn.ModuleList)
-             and isinstance(getattr(m, "norm", None), nn.Module)
-             and isinstance(getattr(m, "embed_tokens", None), nn.Module)]
-    if len(found) > 1:
-        text = [(n, m) for n, m in found if "language_model" in n or "text_model" in n]
-        found = text or found
-    if len(found) != 1:
-        names = [n or "<root>" for n, _ in found]
-        raise ExtractError(
-            f"cannot find the decoder stack of {type(model).__name__}: expected exactly one "
-            f"submodule with `embed_tokens`, a `layers` ModuleList and a final `norm`, found "
-            f"{names or 'none'}")
-    _, text = found[0]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or not hasattr(head, "weight"):
-        raise ExtractError(f"{type(model).__name__} has no output embedding (lm_head) to compute "
-                           f"the target's logits")
-    return text, text.layers, text.norm, head
-
-
-def check_aux_layers(layers: list[int] | tuple[int, ...] | None, num_layers: int) -> list[int]:
-    """The aux layer ids (HF hidden_states indices): `layers` validated, or the default."""
-    from models.targets import default_aux_layer_ids
-    if layers is None:
-        return default_aux_layer_ids(num_layers)
-    ids = [int(x) for x in layers]
-    if len(ids) != 3 or not (1 <= ids[0] < ids[1] < ids[2] < num_layers):
-        raise ExtractError(
-            f"aux layer ids {ids} are invalid for a target with {num_layers} decoder layers: "
-            f"expected three HF hidden_states indices 1 <= a < b < c < {num_layers} (the "
-            f"default is {default_aux_layer_ids(num_layers)}); fix the override "
-            f"(--layers a,b,c / target.aux_layer_ids)")
-    if ids[0] < 2:
-        log.warning("aux layer id %d < 2: SGLang's DeepSeek path expects the lowest id >= 2 "
-                    "(serving-contract.md §2)", ids[0])
-    return ids
-
-
-class Capture:
-    """Forward hooks that keep the inputs of the aux layers and the output of the final norm."""
-
-    def __init__(self, layers: nn.ModuleList, aux_ids: list[int], norm: nn.Module):
-        self.aux: dict[int, torch.Tensor] = {}
-        self.last: torch.Tensor | None = None
-        self.handles = [layers[k].register_forward_pre_hook(self._pre(k), with_kwargs=True)
-                        for k in aux_ids]
-        self.handles.append(norm.register_forward_hook(self._norm))
-        self.aux_ids = aux_ids
-
-    def _pre(self, k: int):
-        def hook(module, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            self.aux[k] = h.detach().clone()        # [B, L, tH], the residual entering layer k
-        return hook
-
-    def _norm(self, module, args, output):
-        self.last = (output[0] if isinstance(output, tuple) else output).detach()   # [B, L, tH]
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-# ---------------------------------------------------------------------------------------------
-# Teacher: argmax (and top-k) over the full vocabulary without [T, V] logits
-
-
-def _logit_transform(config) -> tuple[float | None, float | None]:
-    text = getattr(config, "get_text_config", lambda: config)()
-    return getattr(text, "logit_scale", None), getattr(text, "final_logit_softcapping", None)
-
-
-@torch.no_grad()
-def chunked_argmax_topk(h: torch.Tensor, head: nn.Module, *, topk: int = 0,
-                        row_chunk: int = 1024, vocab_chunk: int = 65536,
-                        logit_scale: float | None = None, softcap: float | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """argmax [N] (and top-k ids [N, k] int64, logits [N, k] float32) of ``head(h)``, h [N, tH].
-
-    Peak memory is row_chunk x vocab_chunk logits. Ties resolve to the lowest id, like
-    ``logits.argmax(-1)``. With vocab_chunk >= V the head module itself is called.
-    """
-    W = head.weight                                   # [V, tH]
-    bias = getattr(head, "bias", None)
-    V = W.shape[0]
-    arg = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
-    ids = torch.empty(h.shape[0], topk, dtype=torch.long, device=h.device) if topk else None
-    vals = torch.empty(h.shape[0], topk, dtype=torch.float32, device=h.device) if topk else None
-    for r0 in range(0, h.shape[0], row_chunk):
-        x = h[r0:r0 + row_chunk]
-        best_v = best_i = top_v = top_i = None
-        for v0 in range(0, V, vocab_chunk):
-            if vocab_chunk >= V:
-                logits = head(x)                                            # [n, V]
-            else:
-                logits = nn.functional.linear(
-                    x, W[v0:v0 + vocab_chunk], None if bias is None else bias[v0:v0 + vocab_chunk])
-            m, i = logits.max(dim=-1)                                       # first max in chunk
-            i = i + v0
-            if best_v is None:
-                best_v, best_i = m, i
-            else:
-                better = m > best_v                         # strict: the lower id wins ties
-                best_v, best_i = torch.where(better, m, best_v), torch.where(better, i, best_i)
-            if topk:
-                lf = logits.float()
-                if logit_scale is not None:
-                    lf = lf * logit_scale
-                if softcap is not None:
-                    lf = torch.tanh(lf / softcap) * softcap
-                cv, ci = lf.topk(min(topk, lf.shape[-1]), dim=-1)
-                ci = ci + v0
-                if top_v is not None:
-                    cv, j = torch.cat([top_v, cv], -1).topk(topk, dim=-1)
-                    ci = torch.cat([top_i, ci], -1).gather(-1, j)
-                top_v, top_i = cv, ci
-        arg[r0:r0 + row_chunk] = best_i
-        if topk:   # order: value descending, ties by ascending id (top-1 == argmax)
-            o = top_i.argsort(dim=-1)
-            top_v, top_i = top_v.gather(-1, o), top_i.gather(-1, o)
-            o = top_v.argsort(dim=-1, descending=True, stable=True)
-            vals[r0:r0 + row_chunk] = top_v.gather(-1, o)
-            ids[r0:r0 + row_chunk] = top_i.gather(-1, o)
-    return arg, ids, vals
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,7 +267,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     _write_plan(out, plan)
 
     todo, resumed = _pending_shards(out, plan["shards"], rank, world_size)
-    logit_tf = _logit_transform(model.config)
+    logit_tf = logit_transform(model.config)
     capture = Capture(dec_layers, aux_ids, norm)
     total = sum(sum(lengths[a:b]) for a, b in (plan["shards"][j] for j in todo))
     bar = progress(None, total=total, unit="tok", unit_scale=True, desc=f"extract[{rank}]")

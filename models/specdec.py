@@ -96,7 +96,7 @@ class TargetRunner:
     """
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None):
-        from data.extract import Capture, find_text_model
+        from data.capture import Capture, find_text_model
         self.model = model
         self.text, layers, norm, self.head = find_text_model(model)
         self.capture = Capture(layers, list(aux_layer_ids), norm) if aux_layer_ids else None

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from data.extract import (ExtractError, check_aux_layers, chunked_argmax_topk, extract, finalize,
-                          find_text_model)
+from data.capture import ExtractError, check_aux_layers, chunked_argmax_topk, find_text_model
+from data.extract import extract, finalize
 from data.prepare import prepare
 from data.shards import open_dataset, shard_name
 from models.targets import load_target, load_tokenizer
