@@ -151,7 +151,7 @@ def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
 # Writing
 # ---------------------------------------------------------------------------------------------
 
-def _atomic_write_dir(out_dir: Path, build, overwrite: bool) -> Path:
+def atomic_write_dir(out_dir: Path, build, overwrite: bool) -> Path:
     """build(tmp) then rename tmp -> out_dir; an existing out_dir is replaced only if allowed."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
@@ -308,79 +308,14 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
                 raise ExportError("the export breaks the serving contract:\n"
                                   + format_findings([f for f in findings if f.severity == ERROR]))
 
-    out = _atomic_write_dir(Path(out_dir), build, overwrite)
+    out = atomic_write_dir(Path(out_dir), build, overwrite)
     log.info("exported drafter to %s", out)
     if speculators:
+        from models.export_speculators import write_speculators_export
         write_speculators_export(out, Path(f"{out}-speculators"), verifier=verifier,
                                  target_config=tcfg,
                                  num_speculative_tokens=num_speculative_tokens or ttt_steps or 3,
                                  overwrite=overwrite)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The optional vLLM-only speculators-format config
-# ---------------------------------------------------------------------------------------------
-
-_EAGLE_KEYS = ("architectures", "eagle_config", "eagle_aux_hidden_state_layer_ids",
-               "draft_vocab_size", "target_hidden_size", "norm_before_residual", "torch_dtype")
-
-
-def speculators_config(cfg: dict[str, Any], *, verifier: str,
-                       verifier_architectures: list[str] | None = None,
-                       num_speculative_tokens: int = 3) -> dict[str, Any]:
-    """The speculators-format (`speculators_model_type: eagle3`) config of a layout-A config.
-
-    vLLM reads `transformer_layer_config` as the Llama layer config, `draft_vocab_size`,
-    `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (as is) and
-    `norm_before_residual` (default TRUE there, so it is written false), and takes the default
-    `num_speculative_tokens` from the first proposal method.
-    """
-    layer = {k: v for k, v in cfg.items() if k not in _EAGLE_KEYS}
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": layer,
-        "draft_vocab_size": cfg["draft_vocab_size"],
-        "target_hidden_size": cfg.get("target_hidden_size", cfg["hidden_size"]),
-        "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": int(num_speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier,
-                         "architectures": list(verifier_architectures or [])},
-        },
-        "torch_dtype": "bfloat16",
-    }
-
-
-def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str | None,
-                             target_config: dict | None, num_speculative_tokens: int,
-                             overwrite: bool = False) -> Path:
-    """`out_dir` = speculators config.json + the layout-A weights (hard-linked when possible)."""
-    if not verifier:
-        raise ExportError("a speculators-format export names its verifier (the target model path "
-                          "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
-    cfg = json.loads((Path(layout_a_dir) / "config.json").read_text())
-    spec = speculators_config(cfg, verifier=verifier,
-                              verifier_architectures=(target_config or {}).get("architectures"),
-                              num_speculative_tokens=num_speculative_tokens)
-
-    def build(tmp: Path) -> None:
-        (tmp / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
-        for f in Path(layout_a_dir).iterdir():
-            if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
-                try:
-                    os.link(f, tmp / f.name)
-                except OSError:
-                    shutil.copy2(f, tmp / f.name)
-
-    out = _atomic_write_dir(out_dir, build, overwrite)
-    log.info("wrote the vLLM-only speculators-format export to %s", out)
     return out
 
 

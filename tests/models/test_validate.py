@@ -265,7 +265,7 @@ def test_cli_exit_codes(clean, tmp_path, capsys):
 def test_speculators_format_export(clean, tcfg, tmp_path):
     """A vLLM-only speculators export: one warning (SGLang cannot read it), then the same rules
     on what it stands for; a missing norm_before_residual there means true in vLLM."""
-    from models.export import write_speculators_export
+    from models.export_speculators import write_speculators_export
     spec = write_speculators_export(clean, tmp_path / "spec", verifier="tiny-llama",
                                     target_config=tcfg, num_speculative_tokens=3)
     assert codes(validate(spec, tcfg)) == {"SPECULATORS_FORMAT"}
