@@ -31,26 +31,37 @@ from models.ttt import shifted_for_steps
 COUNT_KEYS = ("correct", "total", "cond_correct", "cond_total", "accept_len_sum", "chain_starts")
 
 
-def accept_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
-                  ) -> dict[str, Tensor]:
-    """Exact int64 counts (see module docstring) of one batch.
+def chain_alive(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
+                ) -> tuple[Tensor, Tensor]:
+    """(correct, alive) [K, T]: bool correct(k, t) and int64 alive(k, t) (module docstring).
 
-    draft_argmax [K, T] int64 draft-vocabulary ids (e.g. LossOutput.draft_argmax), d2t [Vd] int64
-    offsets, target_argmax [T] int64 (target's prediction of token t+1 at index t), mask [K, T]
-    bool (`models.objective.metric_mask(valid, loss_mask)`). Returns correct/total/cond_correct/
-    cond_total [K] and accept_len_sum/chain_starts [] (all int64, summable across ranks).
+    draft_argmax [K, T] int64 draft-vocabulary ids (−1 marks a row the loss skipped, which
+    never counts), d2t [Vd] int64 offsets, target_argmax [T] int64, mask [K, T] bool.
     """
     K, T = draft_argmax.shape
     if mask.shape != (K, T) or target_argmax.shape != (T,):
         raise ValueError(f"shapes: draft_argmax {tuple(draft_argmax.shape)}, mask "
                          f"{tuple(mask.shape)} (want [K, T]), target_argmax "
                          f"{tuple(target_argmax.shape)} (want [T])")
-    mask = mask.bool()
-    am = draft_argmax.clamp_min(0)                  # −1 marks rows the loss skipped (masked)
+    am = draft_argmax.clamp_min(0)
     drafted = am + d2t[am]                                                # [K, T] target ids
     wanted = shifted_for_steps(target_argmax, K, -1)                      # [K, T] argmax at t+1+k
-    correct = mask & (drafted == wanted)                                  # [K, T]
-    alive = torch.cumprod(correct.to(torch.int64), dim=0)                 # [K, T] 0/1
+    correct = mask.bool() & (drafted == wanted)                           # [K, T]
+    return correct, torch.cumprod(correct.to(torch.int64), dim=0)
+
+
+def accept_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor,
+                  chain: tuple[Tensor, Tensor] | None = None) -> dict[str, Tensor]:
+    """Exact int64 counts (see module docstring) of one batch.
+
+    draft_argmax [K, T] int64 draft-vocabulary ids (e.g. LossOutput.draft_argmax), d2t [Vd] int64
+    offsets, target_argmax [T] int64 (target's prediction of token t+1 at index t), mask [K, T]
+    bool (`models.objective.metric_mask(valid, loss_mask)`); chain: `chain_alive` of the same
+    arguments when the caller already has it. Returns correct/total/cond_correct/cond_total [K]
+    and accept_len_sum/chain_starts [] (all int64, summable across ranks).
+    """
+    correct, alive = chain or chain_alive(draft_argmax, d2t, target_argmax, mask)
+    mask = mask.bool()
     before = torch.cat([torch.ones_like(alive[:1]), alive[:-1]])          # alive(k-1, t)
     starts = mask[0].sum()
     return {

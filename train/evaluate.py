@@ -40,9 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.metrics import COUNT_KEYS, accept_counts
+from models.metrics import COUNT_KEYS, accept_counts, chain_alive
 from models.objective import metric_mask
-from models.ttt import shifted_for_steps
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +85,9 @@ def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask:
 
     draft_argmax [K, T] draft-vocab ids, d2t [Vd] offsets, target_argmax [T], mask [K, T] bool.
     """
-    counts = accept_counts(draft_argmax, d2t, target_argmax, mask)
-    K = draft_argmax.shape[0]
-    am = draft_argmax.clamp_min(0)                  # −1: a row the loss skipped (masked)
-    drafted = am + d2t[am]
-    wanted = shifted_for_steps(target_argmax, K, -1)                      # argmax at t+1+k
-    alive = torch.cumprod((mask.bool() & (drafted == wanted)).to(torch.int64), dim=0)
+    chain = chain_alive(draft_argmax, d2t, target_argmax, mask)
+    counts = accept_counts(draft_argmax, d2t, target_argmax, mask, chain=chain)
+    alive = chain[1]
     counts["traj_rounds"], counts["traj_tokens"] = trajectory_counts(alive, mask[0].bool())
     return counts
 
