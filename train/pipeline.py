@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.prompts import prompts_path
+from data.utils import atomic_write_bytes
 from train.config import enum_value as _value
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,8 @@ def _embedded_key(cfg) -> str:
     return h.hexdigest()[:16]
 
 
-def _write_atomic(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    tmp.replace(path)
+def _write_lines(path: Path, lines: list[str]) -> None:
+    atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode("utf-8"))
 
 
 def _sampled_prompts(prepare, subset: Path, extra: int) -> list[str]:
@@ -99,7 +98,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     subset = root / "prompts.jsonl"
     if not subset.is_file():
-        _write_atomic(subset, lines[:cfg.data.num_prompts])
+        _write_lines(subset, lines[:cfg.data.num_prompts])
     samples = cfg.data.samples_per_prompt
     log.info("embedded dataset: %s answers %d prompts from %s %d time(s) each (resumable; "
              "cached in %s)", cfg.target.name, min(len(lines), cfg.data.num_prompts),
@@ -121,7 +120,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     if samples > 1:   # answers 1.. of each prompt, sampled, appended to the same file
         sampled = root / "prompts.sampled.jsonl"
         if not sampled.is_file():
-            _write_atomic(sampled, _sampled_prompts(prepare, subset, samples - 1))
+            _write_lines(sampled, _sampled_prompts(prepare, subset, samples - 1))
         generate.generate_conversations(
             sampled, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
             batch_size=cfg.data.generation_batch_size, temperature=cfg.data.temperature,

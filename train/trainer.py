@@ -31,6 +31,7 @@ from train import checkpoint as ckpt
 from train.config import DistBackend, to_plain
 from train.config import enum_value as _value
 from train.dist import param_dtype
+from train.evaluate import chain_counts
 from train.optim import build_optimizer, build_scheduler
 from train.step import TrainingModule, resolve_loss_impl, to_device
 from train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
@@ -51,8 +52,8 @@ class Setup:
     target_config: dict
     total_steps: int
     flops_per_token: float
-    ttt_steps: int = 7
-    skip_masked_rows: bool = True  # list the loss rows on the host (loss.skip_masked_rows)
+    ttt_steps: int
+    skip_masked_rows: bool      # list the loss rows on the host (loss.skip_masked_rows)
 
 
 def _vocab(cfg, accelerator, train_ds, V: int, out: Path, warm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +186,6 @@ def evaluate(s: Setup, accelerator) -> dict[str, float]:
     ``accept_len_trajectory`` walks the text as a greedy decoder does (train.evaluate), which
     is what real speculative decoding measures on target-generated text.
     """
-    from train.evaluate import chain_counts
     if s.eval_loader is None:
         return {}
     s.module.eval()
