@@ -9,6 +9,7 @@ import sys
 # subcommand -> (module with cli_main, one-line help)
 COMMANDS = {
     "prepare": ("data.prepare", "tokenise conversations (or generate them with the target) into a token dataset"),
+    "synthesize": ("data.synthesize", "sample user prompts from the target itself (more, different prompts)"),
     "extract": ("data.extract", "run the target over a token dataset and store its hidden states"),
     "import": ("data.importers", "convert SpecForge/speculators hidden states into an eyas dataset"),
     "vocab": ("data.vocab", "build the draft vocabulary map (d2t/t2d) from a dataset"),

@@ -131,6 +131,14 @@ class DataConfig:
     """Sampling temperature of answers 1.. (answer 0 is always greedy, what decoding serves)."""
     top_p: float = 0.95
     """Nucleus (top-p) cutoff of the sampled answers 1.. of the embedded default."""
+    synthetic_prompts: int = 0
+    """Extra prompts the embedded default samples from the target itself (data.synthesize),
+    answered like the shipped ones; the held-out prompts are never among them."""
+    synthetic_temperature: float = 1.0
+    """Sampling temperature of those synthetic prompts."""
+    extract_pad_batches: bool = False
+    """Extraction pads samples of different lengths into one forward (much faster on a GPU;
+    the features then differ from unpadded forwards by kernel rounding only)."""
     max_length: int = 2048
     """Longest conversation kept when tokenising (tokens)."""
     cache_dir: str = "~/.cache/eyas"
@@ -326,6 +334,12 @@ def check(cfg: DictConfig | Any) -> None:
     if cfg.data.samples_per_prompt > 1 and cfg.data.temperature <= 0:
         fail("data.temperature", cfg.data.temperature, "> 0 when data.samples_per_prompt > 1 "
              "(answers after the first are sampled)", "data.temperature=0.7")
+    if cfg.data.synthetic_prompts < 0:
+        fail("data.synthetic_prompts", cfg.data.synthetic_prompts, "an integer >= 0",
+             "data.synthetic_prompts=0")
+    if cfg.data.synthetic_prompts > 0 and cfg.data.synthetic_temperature <= 0:
+        fail("data.synthetic_temperature", cfg.data.synthetic_temperature,
+             "> 0 (prompts are sampled)", "data.synthetic_temperature=1.0")
     if not 0.0 < cfg.data.top_p <= 1.0:
         fail("data.top_p", cfg.data.top_p, "in (0, 1]", "data.top_p=0.95")
     if cfg.optim.lr <= 0:

@@ -51,6 +51,11 @@ def _embedded_key(cfg) -> str:
               cfg.data.max_length, str(cfg.data.aux_format), str(cfg.data.teacher), cfg.train.seed]
     if cfg.data.samples_per_prompt > 1:   # appended only then: one-answer caches keep their key
         fields += [cfg.data.samples_per_prompt, cfg.data.temperature, cfg.data.top_p]
+    if cfg.data.synthetic_prompts > 0:    # likewise
+        fields += ["synthetic", cfg.data.synthetic_prompts, cfg.data.synthetic_temperature,
+                   cfg.data.generation_batch_size]   # batch b of prompts is seeded by b
+    if cfg.data.extract_pad_batches:
+        fields += ["pad_batches"]
     h.update(json.dumps(fields).encode())
     return h.hexdigest()[:16]
 
@@ -78,6 +83,19 @@ def _sampled_prompts(prepare, subset: Path, extra: int) -> list[str]:
     return out
 
 
+def _synthetic_prompts(cfg, root: Path, model, tokenizer, prompts: Path) -> list[str]:
+    """`data.synthetic_prompts` prompts sampled from the target (cached in root), as JSONL lines;
+    none repeats a shipped prompt or a held-out one."""
+    from data.synthesize import prompt_texts, synthesize_prompts
+    path = root / "prompts.synthetic.jsonl"
+    if not path.is_file():
+        synthesize_prompts(model, tokenizer, cfg.data.synthetic_prompts, path,
+                           temperature=cfg.data.synthetic_temperature,
+                           batch_size=cfg.data.generation_batch_size, seed=cfg.train.seed,
+                           exclude=prompt_texts(prompts) + prompt_texts(prompts_path("heldout")))
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def build_embedded_dataset(cfg) -> DatasetPaths:
     """Generate conversations with the target, tokenise, extract hidden states (cached).
 
@@ -96,13 +114,11 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     root.mkdir(parents=True, exist_ok=True)
     prompts = Path(cfg.data.prompts or prompts_path("default"))
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
-    subset = root / "prompts.jsonl"
-    if not subset.is_file():
-        _write_lines(subset, lines[:cfg.data.num_prompts])
-    samples = cfg.data.samples_per_prompt
-    log.info("embedded dataset: %s answers %d prompts from %s %d time(s) each (resumable; "
-             "cached in %s)", cfg.target.name, min(len(lines), cfg.data.num_prompts),
-             prompts.name, samples, root)
+    lines = lines[:cfg.data.num_prompts]
+    samples, n_synth = cfg.data.samples_per_prompt, cfg.data.synthetic_prompts
+    log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each (resumable; "
+             "cached in %s)", cfg.target.name, len(lines), prompts.name,
+             f" and {n_synth} it writes itself" if n_synth else "", samples, root)
     import torch
 
     from models.targets import load_target
@@ -113,6 +129,11 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     if dtype is None:
         raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected auto, bfloat16 or float32")
     model, tokenizer = load_target(cfg.target.name, dtype=dtype, device=device)
+    subset = root / "prompts.jsonl"
+    if not subset.is_file():
+        if n_synth:
+            lines += _synthetic_prompts(cfg, root, model, tokenizer, prompts)
+        _write_lines(subset, lines)
     generate.generate_conversations(
         subset, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
         batch_size=cfg.data.generation_batch_size, temperature=0.0, seed=cfg.train.seed,
@@ -132,7 +153,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     extract.extract(tokens, cfg.target.name, hidden,
                     layers=None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids),
                     aux_format=_value(cfg.data.aux_format), teacher=_value(cfg.data.teacher),
-                    model=model, device=device)
+                    pad_batches=cfg.data.extract_pad_batches, model=model, device=device)
     return DatasetPaths(train=hidden, eval=None, conversations=conversations)
 
 

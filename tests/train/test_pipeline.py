@@ -114,3 +114,25 @@ def test_bad_sampling_settings_name_the_fix(overrides, fix):
 
 def test_greedy_only_accepts_temperature_zero():
     check(_cfg("data.temperature=0"))   # samples_per_prompt=1: nothing is sampled
+
+
+def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
+    """SmolLM2 writes two prompts itself; both are answered next to the shipped one."""
+    base = ["target=smollm2", "data.num_prompts=1", "data.max_new_tokens=8",
+            "data.synthetic_prompts=2", "data.generation_batch_size=4", "target.dtype=float32",
+            f"data.cache_dir={tmp_path}"]
+    cfg = _cfg(*base)
+    check(cfg)
+    assert _embedded_key(cfg) != _embedded_key(_cfg(*base[:-4], f"data.cache_dir={tmp_path}"))
+    paths = build_embedded_dataset(cfg)
+    recs = _records(paths.conversations)
+    first = json.loads(prompts_path("default").read_text().splitlines()[0])["id"]
+    assert sorted(recs) == sorted([first, "synth-000000", "synth-000001"])
+    held = {" ".join(t.lower().split()) for t in
+            __import__("data.synthesize", fromlist=["x"]).prompt_texts(prompts_path("heldout"))}
+    for rid in ("synth-000000", "synth-000001"):
+        user, answer = recs[rid]["messages"][-2:]
+        assert user["role"] == "user" and user["content"].strip()
+        assert " ".join(user["content"].lower().split()) not in held
+        assert answer["role"] == "assistant"
+    assert len(open_dataset(paths.train)) == 3

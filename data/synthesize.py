@@ -1,0 +1,166 @@
+"""Prompts written by the target itself: the chat template up to the start of a user turn,
+sampled until the end-of-turn token (`eyas synthesize`).
+
+A chat model that was trained on conversations has learnt what its users ask. Rendering an
+empty conversation up to the user's turn (system prompt included, as the template writes it)
+and letting the model continue yields user requests from that distribution, as many as
+needed and all different: the prompts a drafter's training set lacks when only a few hundred
+hand-written ones exist. Their answers are then generated as usual (data.generate).
+
+Every candidate is kept or dropped for a counted, logged reason:
+- ``length``: the turn never ended within `max_new_tokens` (a cut-off request);
+- ``empty``: nothing but whitespace;
+- ``duplicate``: the same text (case and spacing folded) as an earlier prompt or one in
+  `exclude` (e.g. the held-out evaluation prompts, which must stay unseen).
+Sampling continues in batches until `n` prompts are kept or `max_rounds` batches in a row
+added nothing new.
+
+Output: JSONL, ``{"id": "<prefix>-000000", "messages": [{"role": "user", "content": ...}]}``,
+written atomically (nothing appears until all `n` are there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from data.generate import _generate_batch, _stop_ids
+from data.utils import atomic_write_bytes, progress
+
+log = logging.getLogger(__name__)
+
+_SENTINEL = "\x00eyas-user-turn\x00"
+
+
+def user_turn_prefix(tokenizer, chat_template: str | None = None) -> str:
+    """The rendered chat text that precedes the content of a first user message."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}],
+                                         chat_template=chat_template, tokenize=False)
+    if _SENTINEL not in text:
+        raise ValueError("the chat template does not render the user message's content "
+                         "verbatim; cannot find where a user turn starts")
+    return text[:text.index(_SENTINEL)]
+
+
+def _fold(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def prompt_texts(path: str | Path) -> list[str]:
+    """The user messages of a prompts JSONL (for `exclude`)."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            out += [m["content"] for m in json.loads(line).get("messages", [])
+                    if m.get("role") == "user" and isinstance(m.get("content"), str)]
+    return out
+
+
+@torch.no_grad()
+def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
+                       temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128,
+                       batch_size: int = 256, seed: int = 0, exclude: Iterable[str] = (),
+                       id_prefix: str = "synth", chat_template: str | None = None,
+                       max_rounds: int = 8) -> Path:
+    """Sample `n` distinct user prompts from the target; write them to `out_path` (JSONL).
+
+    Args:
+        model, tokenizer: the loaded target (transformers).
+        n: prompts to keep.
+        temperature, top_p: sampling of the user turn (temperature > 0).
+        max_new_tokens: longest prompt; longer candidates are dropped, not cut.
+        batch_size: candidates per generate() call.
+        seed: batch b samples with torch seed `seed + b` (reproducible on one device).
+        exclude: texts no kept prompt may equal (after folding case and spacing).
+        id_prefix: record ids are `<id_prefix>-<6 digits>`.
+        max_rounds: stop after this many consecutive batches that kept nothing.
+
+    Raises RuntimeError when fewer than `n` distinct prompts could be sampled.
+    """
+    if n < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"n, batch_size and max_new_tokens must be >= 1; got {n}, {batch_size}, "
+                         f"{max_new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to sample prompts, got {temperature}")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prefix = user_turn_prefix(tokenizer, chat_template)
+    stop = _stop_ids(model, tokenizer)
+    seen = {_fold(t) for t in exclude}
+    kept: list[str] = []
+    counts: Counter[str] = Counter()
+    t0, b, barren = time.perf_counter(), 0, 0
+    bar = progress(None, total=n, desc="synthesize", unit="prompt")
+    while len(kept) < n:
+        torch.manual_seed(seed + b)
+        b += 1
+        before = len(kept)
+        for text, reason, ntok in _generate_batch(model, tokenizer, [prefix] * batch_size, stop,
+                                                  max_new_tokens=max_new_tokens,
+                                                  temperature=temperature, top_p=top_p):
+            counts["tokens"] += ntok
+            text = text.strip()
+            key = _fold(text)
+            why = ("length" if reason == "length" else "empty" if not key
+                   else "duplicate" if key in seen else None)
+            if why:
+                counts[why] += 1
+                continue
+            seen.add(key)
+            if len(kept) < n:
+                kept.append(text)
+        bar.update(len(kept) - before)
+        barren = 0 if len(kept) > before else barren + 1
+        if barren >= max_rounds:
+            raise RuntimeError(f"synthesize: {max_rounds} batches in a row gave no new prompt "
+                               f"({len(kept)} of {n} kept; dropped {dict(counts)}); raise "
+                               f"temperature or max_new_tokens, or ask for fewer")
+    bar.close()
+    lines = [json.dumps({"id": f"{id_prefix}-{i:06d}", "messages": [
+        {"role": "user", "content": t}]}, ensure_ascii=False) for i, t in enumerate(kept)]
+    atomic_write_bytes(out_path, "".join(x + "\n" for x in lines).encode("utf-8"))
+    dt = time.perf_counter() - t0
+    log.info("synthesized %d prompts in %.1f s (%d batches, %d tokens sampled; dropped: %d cut "
+             "off at %d tokens, %d empty, %d duplicates) into %s", n, dt, b, counts["tokens"],
+             counts["length"], max_new_tokens, counts["empty"], counts["duplicate"], out_path)
+    return Path(out_path)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="eyas synthesize", description=__doc__.split("\n\n")[0],
+        epilog="Answer them afterwards with `eyas prepare --generate --input OUT ...`.")
+    p.add_argument("--target", required=True, help="preset name or model directory")
+    p.add_argument("--n", type=int, required=True, help="prompts to write")
+    p.add_argument("--out", required=True, help="output JSONL")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="longest prompt (longer ones are dropped)")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--exclude", action="append", default=[], metavar="PROMPTS.jsonl",
+                   help="prompts file whose user messages must not be repeated (repeatable); "
+                        "the shipped held-out prompts are always excluded")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = p.parse_args(argv)
+
+    from data.prompts import prompts_path
+    from models.targets import load_target
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    model, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    exclude = prompt_texts(prompts_path("heldout"))
+    for f in args.exclude:
+        exclude += prompt_texts(f)
+    synthesize_prompts(model, tokenizer, args.n, args.out, temperature=args.temperature,
+                       top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                       batch_size=args.batch_size, seed=args.seed, exclude=exclude)
+    return 0
