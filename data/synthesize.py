@@ -146,6 +146,8 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="longest prompt (longer ones are dropped)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--id-prefix", default="synth",
+                   help="record ids are PREFIX-000000, ... (keep them unique across files)")
     p.add_argument("--exclude", action="append", default=[], metavar="PROMPTS.jsonl",
                    help="prompts file whose user messages must not be repeated (repeatable); "
                         "the shipped held-out prompts are always excluded")
@@ -162,5 +164,6 @@ def cli_main(argv: list[str] | None = None) -> int:
         exclude += prompt_texts(f)
     synthesize_prompts(model, tokenizer, args.n, args.out, temperature=args.temperature,
                        top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                       batch_size=args.batch_size, seed=args.seed, exclude=exclude)
+                       batch_size=args.batch_size, seed=args.seed, exclude=exclude,
+                       id_prefix=args.id_prefix)
     return 0
