@@ -1,14 +1,16 @@
 """Benchmark the FULL drafter training step: forward, backward, clip, optimizer step.
 
 The step is the trainer's own path (train.step.TrainingModule: TTT unroll → teacher → fused
-loss; train.optim: MasterAdamW on bf16 parameters; the trainer's clip, metrics counts and its
-host syncs), on drafters of real shapes with random weights and synthetic packed batches of
-several documents (random aux / last / target_argmax, documents of 64-1536 tokens filling T).
+loss; train.optim: MasterAdamW on bf16 parameters; the trainer's clip and metrics counts), on
+drafters of real shapes with random weights and synthetic packed batches of several documents
+(random aux / last / target_argmax, documents of 64-1536 tokens filling T).
 
-Reported per case (median of the timed steps after warm-up): step ms (CUDA events split it
-into forward / backward / optimizer), tokens/s (T per step), MFU with two FLOP counts,
-peak memory, and a torch.profiler breakdown of GPU time (matmul / attention / loss kernels /
-elementwise / optimizer / idle; benchmarks/profile_breakdown.py).
+Reported per case (median of the timed steps after warm-up): step ms (each step synchronised;
+CUDA events split it into forward / backward / optimizer), stream ms (`iters` steps back to
+back, one sync at the end: what a host that never waits inside the step sustains), tokens/s
+for both (T per step), MFU with two FLOP counts, peak memory, and a torch.profiler breakdown
+of GPU time (matmul / attention / loss kernels / elementwise / optimizer / idle;
+benchmarks/profile_breakdown.py).
   mfu_eyas   train.tracking.flops_per_token (attention over the documents actually packed,
              fc counted 4×, teacher over the draft vocabulary)
   mfu_sf     SpecForge-compatible: 6 × trainable matmul params × K + 6 × fc + 2·tH·V (teacher
@@ -16,12 +18,15 @@ elementwise / optimizer / idle; benchmarks/profile_breakdown.py).
              sequence (context T/2, fwd+bwd 12·ctx·heads·head_dim per step)
 Both against the dense bf16 peak (989 TFLOP/s for H100/H200, `--peak-tflops`).
 
-Cases (`--cases`, comma list): base (eager element-wise, optimizer via fp32 gradient copies
-+ torch fused AdamW: the step before compile/fusion), compile (torch.compile of each step's
-element-wise work), fused (compile + one-pass Triton master AdamW: the default),
-nosync (fused without the per-micro-batch `.item()` NaN check), ckpt (fused + the MLP of each
-step recomputed in backward), rows (fused, the loss rows listed on the host as the trainer
-does with loss.skip_masked_rows: masked rows skip the lm_head GEMMs), rows+ckpt (both).
+Cases (`--cases`, comma list; all but async keep the two host syncs the trainer had before it
+decided skipped steps on the device: a per-micro-batch `.item()` NaN check and float(grad
+norm)): base (eager element-wise, optimizer via fp32 gradient copies + torch fused AdamW: the
+step before compile/fusion), compile (torch.compile of each step's element-wise work), fused
+(compile + one-pass Triton master AdamW), nosync (fused without the `.item()` NaN check), ckpt
+(fused + the MLP of each step recomputed in backward), rows (fused, the loss rows listed on the
+host as the trainer does with loss.skip_masked_rows: masked rows skip the lm_head GEMMs),
+rows+ckpt (both), async (rows with no host sync inside the step: the norm stays on the device
+and a skip flag goes to the optimizer, as train.update.micro_step does).
 
 The real trainer end to end (accelerate + DeepSpeed ZeRO-2 on shards on disk): see
 benchmarks/train_e2e.py (`python benchmarks/train_step.py --trainer ...` forwards to it).
@@ -42,6 +47,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -56,17 +62,29 @@ from models.targets import load_target_config, text_config  # noqa: E402
 from train.optim import MasterAdamW, build_scheduler  # noqa: E402
 from train.step import TrainingModule, batch_inputs  # noqa: E402
 from train.tracking import flops_per_token  # noqa: E402
+from train.update import poisoned  # noqa: E402
 
 GIB = 1 << 30
-CASES = {  # name: (compile_layer, optimizer impl, per-micro-batch NaN sync, checkpoint_mlp,
-           #        loss rows listed on the host)
-    "base": (False, "torch", True, False, False),
-    "compile": (True, "torch", True, False, False),
-    "fused": (True, "auto", True, False, False),
-    "nosync": (True, "auto", False, False, False),
-    "ckpt": (True, "auto", True, True, False),
-    "rows": (True, "auto", True, False, True),
-    "rows+ckpt": (True, "auto", True, True, True),
+
+
+class Case(NamedTuple):
+    compile_layer: bool
+    impl: str                   # MasterAdamW impl
+    nan_sync: bool              # per-micro-batch `.item()` NaN check
+    ckpt: bool                  # checkpoint_mlp
+    rows: bool                  # loss rows listed on the host (loss.skip_masked_rows)
+    norm_sync: bool = True      # float(grad norm) on the host; False: a device skip flag
+
+
+CASES = {
+    "base": Case(False, "torch", True, False, False),
+    "compile": Case(True, "torch", True, False, False),
+    "fused": Case(True, "auto", True, False, False),
+    "nosync": Case(True, "auto", False, False, False),
+    "ckpt": Case(True, "auto", True, True, False),
+    "rows": Case(True, "auto", True, False, True),
+    "rows+ckpt": Case(True, "auto", True, True, True),
+    "async": Case(True, "auto", False, False, True, norm_sync=False),
 }
 
 
@@ -104,13 +122,13 @@ def make_batch(cfg: Eagle3Config, T: int, vocab_ids: torch.Tensor, device, seed:
 
 def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
     """(TrainingModule, MasterAdamW, scheduler, draft vocab ids) for one case, on `device`."""
-    compile_layer, impl, _, ckpt, _ = CASES[case]
+    c = CASES[case]
     torch.manual_seed(seed)
     on_cuda = device.type == "cuda"
     with torch.device(device):
         drafter = Eagle3Drafter(cfg, attention="flex" if on_cuda else "eager",
-                                compile_flex=on_cuda, compile_layer=compile_layer and on_cuda,
-                                checkpoint_mlp=ckpt)
+                                compile_flex=on_cuda, compile_layer=c.compile_layer and on_cuda,
+                                checkpoint_mlp=c.ckpt)
     dtype = torch.bfloat16 if on_cuda else torch.float32
     drafter.to(dtype)
     drafter.embed_tokens.weight.normal_()
@@ -124,30 +142,37 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
                             loss_impl="triton" if on_cuda else "torch", ttt_steps=K)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = MasterAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                      impl=impl if on_cuda else "torch")
+                      impl=c.impl if on_cuda else "torch")
     optim_cfg = SimpleNamespace(warmup_steps=0, warmup_ratio=0.0, schedule="constant")
     return module, opt, build_scheduler(opt, optim_cfg, 1000), ids.to(device)
 
 
 # ------------------------------------------------------------------------------ the step
-def train_step(module, opt, sched, batch: Batch, nan_sync: bool, events=None,
-               rows=None) -> float:
-    """One optimizer step exactly as train/trainer.py runs it (grad_accum 1, DDP path)."""
+def train_step(module, opt, sched, batch: Batch, case: Case, events=None,
+               rows=None) -> float | torch.Tensor:
+    """One optimizer step as train/trainer.py runs it (grad_accum 1, DDP path), with the host
+    syncs `case` asks for. Returns the gradient norm (a device tensor without norm_sync)."""
     rec = (lambda i: events[i].record()) if events else (lambda i: None)
     rec(0)
     res = module(**batch_inputs(batch, rows))
-    bad = (~torch.isfinite(res.loss)).float()
-    if nan_sync and bad.item():                      # the trainer's per-micro-batch check
+    loss = res.loss
+    if case.nan_sync and (~torch.isfinite(loss)).item():   # the old per-micro-batch check
         raise RuntimeError("non-finite loss in the benchmark")
+    if not case.norm_sync:
+        loss = poisoned(loss)                      # a NaN/inf loss makes the norm non-finite
     rec(1)
-    res.loss.backward()
+    loss.backward()
     rec(2)
     accept_counts(res.draft_argmax.detach(), module.drafter.d2t, batch.target_argmax,
                   res.metric_mask)                   # the trainer's metrics window
     params = [p for p in module.parameters() if p.requires_grad]
     with torch.profiler.record_function("bench.clip"):
-        gnorm = float(torch.nn.utils.clip_grad_norm_(params, 0.5))   # the trainer's step sync
-    opt.step()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    if case.norm_sync:
+        gnorm = float(gnorm)                         # the old trainer's step sync
+        opt.step()
+    else:
+        opt.step(skip=~torch.isfinite(gnorm))
     opt.zero_grad(set_to_none=True)
     sched.step()
     rec(3)
@@ -159,20 +184,34 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def stream_ms(step, iters: int, device) -> float:
+    """Mean ms of `iters` calls step(i) back to back, synchronised once at the end."""
+    _sync(device)
+    t = time.perf_counter()
+    for i in range(iters):
+        step(i)
+    _sync(device)
+    return (time.perf_counter() - t) * 1e3 / max(iters, 1)
+
+
 def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
              profile_steps: int) -> dict:
     module, opt, sched, vocab_ids = build(cfg, case, device, K)
     batches = [make_batch(cfg, T, vocab_ids, device, seed=s) for s in (0, 1)]
     # the trainer lists rows from the host copy of the batch (train.step.to_device)
-    rows = [metric_rows(b.doc_ids.cpu(), b.loss_mask.cpu(), K).to(device) if CASES[case][4]
+    rows = [metric_rows(b.doc_ids.cpu(), b.loss_mask.cpu(), K).to(device) if CASES[case].rows
             else None for b in batches]
-    nan_sync = CASES[case][2]
     on_cuda = device.type == "cuda"
+
+    def step(i, events=None):
+        return train_step(module, opt, sched, batches[i % 2], CASES[case], events,
+                          rows=rows[i % 2])
+
     t0 = time.perf_counter()
     first = None
     for i in range(warmup):
-        gn = train_step(module, opt, sched, batches[i % 2], nan_sync, rows=rows[i % 2])
-        first = first or gn                      # same seed in every case: a parity check
+        gn = step(i)
+        first = gn if i == 0 else first          # same seed in every case: a parity check
     _sync(device)
     warm_s = time.perf_counter() - t0
     static = torch.cuda.memory_allocated() if on_cuda else 0      # params + masters + moments
@@ -183,16 +222,18 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if on_cuda else None
         _sync(device)
         t = time.perf_counter()
-        train_step(module, opt, sched, batches[i % 2], nan_sync, ev, rows=rows[i % 2])
+        step(i, ev)
         _sync(device)
         step_ms.append((time.perf_counter() - t) * 1e3)
         if ev:
             split.append([ev[j].elapsed_time(ev[j + 1]) for j in range(3)])
     peak = torch.cuda.max_memory_allocated() if on_cuda else 0
-    ms = statistics.median(step_ms)
-    out = dict(case=case, tokens=T, ttt_steps=K, step_ms=ms, step_ms_all=step_ms,
+    ms, stream = statistics.median(step_ms), stream_ms(step, iters, device)
+    out = dict(case=case, tokens=T, ttt_steps=K, step_ms=ms, stream_ms=stream,
+               step_ms_all=step_ms,
                rows_listed=None if rows[0] is None else rows[0].numel() / (K * T),
-               tokens_per_s=T / (ms / 1e3), warmup_s=warm_s, first_grad_norm=first,
+               tokens_per_s=T / (ms / 1e3), stream_tokens_per_s=T / (stream / 1e3),
+               warmup_s=warm_s, first_grad_norm=None if first is None else float(first),
                peak_gib=peak / GIB,
                static_gib=static / GIB, activations_gib=(peak - static) / GIB,
                doc_lengths=[doc_lengths(T, s) for s in (0, 1)])
@@ -201,8 +242,7 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
         out.update(fwd_ms=med[0], bwd_ms=med[1], opt_ms=med[2])
     if profile_steps and on_cuda:
         from benchmarks.profile_breakdown import profile_steps as prof
-        out["profile"] = prof(lambda i: train_step(module, opt, sched, batches[i % 2], nan_sync,
-                                                   rows=rows[i % 2]), profile_steps)
+        out["profile"] = prof(step, profile_steps)
     del module, opt, sched, batches
     if on_cuda:
         torch.cuda.empty_cache()
@@ -289,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def format_table(target: str, cfg: Eagle3Config, rows: list[dict]) -> str:
-    head = ("| T | case | step ms | fwd / bwd / opt ms | tokens/s | µs/token | MFU sf | MFU eyas "
-            "| peak GiB | static GiB |")
+    head = ("| T | case | step ms | stream ms | fwd / bwd / opt ms | tokens/s | stream tokens/s "
+            "| µs/token | MFU sf | MFU eyas | peak GiB | static GiB |")
     lines = [f"{target}: H={cfg.hidden_size} heads={cfg.num_attention_heads}/"
              f"{cfg.num_key_value_heads} I={cfg.intermediate_size} Vd={cfg.draft_vocab_size} "
              f"V={cfg.vocab_size}", head, "|" + "---|" * (head.count("|") - 1)]
@@ -300,8 +340,9 @@ def format_table(target: str, cfg: Eagle3Config, rows: list[dict]) -> str:
             continue
         split = (f"{r['fwd_ms']:.1f} / {r['bwd_ms']:.1f} / {r['opt_ms']:.1f}"
                  if "fwd_ms" in r else "–")
-        lines.append(f"| {r['tokens']} | {r['case']} | {r['step_ms']:.1f} | {split} | "
-                     f"{r['tokens_per_s']:.0f} | {r['us_per_token']:.2f} | "
+        lines.append(f"| {r['tokens']} | {r['case']} | {r['step_ms']:.1f} | "
+                     f"{r['stream_ms']:.1f} | {split} | {r['tokens_per_s']:.0f} | "
+                     f"{r['stream_tokens_per_s']:.0f} | {r['us_per_token']:.2f} | "
                      f"{100 * r['mfu_sf']:.1f}% | {100 * r['mfu_eyas']:.1f}% | "
                      f"{r['peak_gib']:.2f} | {r['static_gib']:.2f} |")
     for r in rows:

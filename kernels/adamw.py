@@ -15,6 +15,11 @@ per parameter, against 46 bytes plus an fp32 copy of every gradient for "cast th
 run torch's fused AdamW on the masters, copy back". `steps` are torch AdamW's own per-tensor
 step counters (fp32 scalars on the device, incremented here without a host sync), so the
 state stays a torch AdamW state: checkpoints load into either implementation.
+
+`skip` (optional 0-dim device tensor, nonzero = skip) turns the whole step into a no-op without
+a host sync, for a step whose gradients hold NaN/inf: every program loads the flag and masks
+off all its loads and stores, and the step counters advance by (skip == 0). The caller can
+decide to skip on the device (e.g. from the gradient norm) and keep queueing work.
 """
 
 from __future__ import annotations
@@ -27,11 +32,15 @@ BLOCK = 4096
 
 
 @triton.jit
-def _master_adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, step_ptr, n,
-                         lr, beta1, beta2, eps, weight_decay, BLOCK: tl.constexpr):
+def _master_adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, step_ptr, skip_ptr, n,
+                         lr, beta1, beta2, eps, weight_decay, BLOCK: tl.constexpr,
+                         HAS_SKIP: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    step = tl.load(step_ptr).to(tl.float32)                 # already incremented (if not skipped)
+    if HAS_SKIP:                                # a skipped step reads and writes nothing
+        n = tl.where(tl.load(skip_ptr) == 0, n, 0)
+        step = tl.maximum(step, 1.0)            # a skipped first step: bias correction stays finite
     mask = offs < n
-    step = tl.load(step_ptr).to(tl.float32)                 # already incremented
     bc1 = 1.0 - tl.exp2(step * tl.log2(beta1))
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -52,12 +61,15 @@ def _master_adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, step_ptr
 def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
                   masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                   exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float,
-                  beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                  beta1: float, beta2: float, eps: float, weight_decay: float,
+                  skip: torch.Tensor | None = None) -> None:
     """One AdamW step in place (see the module docstring); all lists are parallel.
 
     params: tensors of any float dtype (bf16 usually), contiguous; grads: same shapes, any float
     dtype; masters, exp_avgs, exp_avg_sqs: fp32, contiguous; steps: 0-dim fp32 counters on the
-    same device (incremented by one here).
+    same device (incremented by one here); skip: None, or a 0-dim tensor of any dtype (moved to
+    the parameters' device): when nonzero, params, masters, moments and steps stay bitwise
+    unchanged.
     """
     if not params:
         return
@@ -65,7 +77,8 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
                      ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
         if len(ts) != len(params):
             raise ValueError(f"master_adamw_: {len(params)} params but {len(ts)} {name}")
-    torch._foreach_add_(steps, 1.0)
+    flag = None if skip is None else _skip_flag(skip, params[0].device)
+    torch._foreach_add_(steps, 1.0 if flag is None else (flag == 0).float())
     block = BLOCK if params[0].is_cuda else 1024
     for p, g, w, m, v, s in zip(params, grads, masters, exp_avgs, exp_avg_sqs, steps):
         if not (p.is_contiguous() and w.is_contiguous() and m.is_contiguous()
@@ -77,5 +90,15 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
         g = g.contiguous()
         n = p.numel()
         _master_adamw_kernel[(triton.cdiv(n, block),)](
-            p, g, w, m, v, s, n, float(lr), float(beta1), float(beta2), float(eps),
-            float(weight_decay), BLOCK=block, num_warps=8 if p.is_cuda else 4)
+            p, g, w, m, v, s, s if flag is None else flag, n, float(lr), float(beta1),
+            float(beta2), float(eps), float(weight_decay), BLOCK=block,
+            HAS_SKIP=flag is not None, num_warps=8 if p.is_cuda else 4)
+
+
+def _skip_flag(skip: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`skip` as a 0-dim tensor on `device` the kernel can load (bool viewed as uint8: no copy)."""
+    if skip.dim() != 0:
+        raise ValueError(f"master_adamw_: skip must be a 0-dim tensor, got shape "
+                         f"{tuple(skip.shape)}")
+    skip = skip.to(device, non_blocking=True)
+    return skip.view(torch.uint8) if skip.dtype == torch.bool else skip

@@ -240,7 +240,12 @@ class TrainConfig:
     resume: Optional[str] = None
     """Checkpoint directory to resume from, or "latest" (newest in this run's dir)."""
     max_nonfinite_steps: int = 20
-    """Abort after this many skipped steps with NaN/inf loss or gradients."""
+    """Abort after this many optimizer steps skipped for a NaN/inf loss or gradient norm. A
+    non-finite micro-batch drops the whole optimizer step it belongs to (as GradScaler does);
+    off DeepSpeed the skip is decided on the device, so the count is read, and this limit
+    checked, only every train.log_every steps (and at checkpoints), and a run may overshoot it
+    by up to log_every - 1 steps. Under DeepSpeed a non-finite micro-batch is skipped alone and
+    counts at once."""
     deterministic: bool = False
     """torch deterministic algorithms (bitwise-reproducible resume on CPU)."""
     param_dtype: ParamDtype = ParamDtype.auto

@@ -4,6 +4,11 @@
 
 Reading order: `build()` (data, vocab, drafter, optimizer), then `train()` (the loop), then
 `evaluate()` (exact acceptance counts on the held-out split) and `export_final()`.
+
+Off DeepSpeed the optimizer step never waits for the device (`train.update.micro_step`):
+whether a step with a NaN/inf loss or gradient is skipped is decided on the device, and the
+host reads the skip count and the metrics only when it logs or checkpoints, so it queues the
+next step while the device still runs this one.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from train.evaluate import chain_counts
 from train.optim import build_optimizer, build_scheduler
 from train.step import TrainingModule, resolve_loss_impl, to_device
 from train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
+from train.update import SkippedSteps, host_checked_micro_step, micro_step
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +228,9 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
         state = ckpt.load(accelerator, resume, objective)
         step, nonfinite = state["step"], state.get("nonfinite", 0)
         s.train_loader.load_state_dict(state["loader"])
+    skipped = SkippedSteps(cfg.train.max_nonfinite_steps, accelerator.device, done=nonfinite)
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    update = host_checked_micro_step if deepspeed else micro_step
 
     peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
             else default_peak_flops(accelerator.device))
@@ -238,28 +247,10 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
             batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
             with accelerator.accumulate(s.module):
                 res = s.module(**inputs)
-                bad = accelerator.reduce((~torch.isfinite(res.loss)).float(), "max")
-                if bad.item():
-                    nonfinite += 1
-                    log.warning("non-finite loss at step %d: micro-batch skipped (%d so far)",
-                                step, nonfinite)
-                else:
-                    accelerator.backward(res.loss)
-                    window.add(res, batch, _drafter(s.module).d2t)
-                if accelerator.sync_gradients:
-                    gnorm = _clip(cfg, accelerator, s.module)
-                    if gnorm is not None and not math.isfinite(gnorm):
-                        nonfinite += 1
-                        log.warning("non-finite gradient norm at step %d: update skipped", step)
-                        s.optimizer.zero_grad(set_to_none=True)
-                    else:
-                        s.optimizer.step()
-                    s.optimizer.zero_grad(set_to_none=True)
+                # off DeepSpeed a NaN/inf micro-batch drops its whole optimizer step (train.update)
+                gnorm = update(cfg, accelerator, s.module, s.optimizer, res.loss, skipped, step)
+                window.add(res, batch, _drafter(s.module).d2t)
             micro += 1
-            if nonfinite > cfg.train.max_nonfinite_steps:
-                raise RuntimeError(f"{nonfinite} steps had a NaN/inf loss or gradient (limit "
-                                   f"train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); "
-                                   f"lower optim.lr or check the dataset with `eyas inspect`")
             if not accelerator.sync_gradients:
                 t_wait = time.perf_counter()
                 continue
@@ -269,6 +260,7 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
             bar.update(1)
             done = step >= s.total_steps
             if step % cfg.train.log_every == 0 or done:
+                skipped.read(step)
                 rec = window.flush(accelerator, s, peak, s.scheduler.get_last_lr()[0])
                 logger.log(step, rec)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
@@ -284,7 +276,7 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or done:
                 metric = last_eval.get("accept_len") if is_eval else None
                 metric = metric if metric is not None and math.isfinite(metric) else None
-                state = {"step": step, "nonfinite": nonfinite, "objective": objective,
+                state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
                          "loader": s.train_loader.state_dict(),
                          "eval": {k: v for k, v in last_eval.items() if math.isfinite(v)}}
                 path = ckpt.save(accelerator, ckpt_root, step, state, keep_last=cfg.train.keep_last,
@@ -299,7 +291,8 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
             s.train_loader.set_epoch(s.train_loader.epoch + 1)
     bar.close()
     logger.close()
-    summary: dict[str, Any] = {"steps": step, "nonfinite_steps": nonfinite, "eval": last_eval,
+    summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
+                               "eval": last_eval,
                                "tau": last_eval.get("accept_len"),
                                "tau_trajectory": last_eval.get("accept_len_trajectory")}
     if cfg.export.enabled:
@@ -309,15 +302,6 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
     return summary
 
 
-def _clip(cfg, accelerator, module) -> float | None:
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        engine = module
-        norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-        return None if norm is None else float(norm)
-    max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else float("inf")
-    return float(accelerator.clip_grad_norm_(module.parameters(), max_norm))
-
-
 class _Window:
     """Loss, counts, tokens and timings accumulated between two log lines."""
 
@@ -325,28 +309,36 @@ class _Window:
         self.reset()
 
     def reset(self):
-        self.loss, self.n, self.tokens, self.counts, self.wait = 0.0, 0, 0, None, 0.0
-        self.step_loss = 0.0
+        self.loss, self.step_loss, self.n = 0.0, 0.0, 0   # device tensors after the first add
+        self.tokens, self.counts, self.wait = 0, None, 0.0
         self.gnorm, self.t0 = None, time.perf_counter()
 
     def add(self, res, batch, d2t):
-        self.loss += res.loss.detach().float()
-        self.step_loss = self.step_loss + res.step_loss.detach().float()
-        self.n += 1
+        """Accumulate one micro-batch on the device (no host sync). A micro-batch with a NaN/inf
+        loss adds only its tokens: its step is skipped and its metrics are meaningless."""
+        loss = res.loss.detach().float()
+        ok = torch.isfinite(loss)
+        self.loss = self.loss + torch.where(ok, loss, 0.0)
+        self.step_loss = self.step_loss + torch.where(ok, res.step_loss.detach().float(), 0.0)
+        self.n = self.n + ok.to(torch.int64)
         self.tokens += batch.num_tokens
-        self.counts = add_counts(self.counts, accept_counts(res.draft_argmax.detach(), d2t,
-                                                            batch.target_argmax, res.metric_mask))
+        counts = accept_counts(res.draft_argmax.detach(), d2t, batch.target_argmax,
+                               res.metric_mask)
+        self.counts = add_counts(self.counts, {k: v * ok for k, v in counts.items()})
 
     def flush(self, accelerator, s: Setup, peak: float | None, lr: float) -> dict[str, float]:
+        """The record of this window, summed over ranks; the host syncs happen here."""
         dt = time.perf_counter() - self.t0
         dev = accelerator.device
-        loss = torch.as_tensor(self.loss, dtype=torch.float32, device=dev) / max(self.n, 1)
+        n = accelerator.reduce(torch.as_tensor(self.n, dtype=torch.float32, device=dev), "sum")
+        loss = accelerator.reduce(torch.as_tensor(self.loss, dtype=torch.float32, device=dev),
+                                  "sum")
         tokens = accelerator.reduce(torch.tensor(float(self.tokens), device=dev), "sum")
-        rec = {"loss": float(accelerator.reduce(loss, "mean")), "lr": lr,
+        rec = {"loss": float(loss / n), "lr": lr,        # NaN if no micro-batch was finite
                "tokens_per_s": float(tokens) / dt, "data_wait": self.wait / dt,
-               "grad_norm": self.gnorm if self.gnorm is not None else float("nan")}
+               "grad_norm": float(self.gnorm) if self.gnorm is not None else float("nan")}
         if self.counts is not None:
-            per_step = accelerator.reduce(self.step_loss / self.n, "mean")      # [K]
+            per_step = accelerator.reduce(self.step_loss, "sum") / n             # [K]
             rec.update({f"loss_{k}": float(v) for k, v in enumerate(per_step)})
             counts = {k: accelerator.reduce(v, "sum") for k, v in self.counts.items()}
             rec.update(finalize(counts))

@@ -93,3 +93,79 @@ def test_auto_impl_follows_the_parameters_device():
         o.step()
     assert opt.masters[0][0].is_cuda
     torch.testing.assert_close(opt.masters[0][0], ref.masters[0][0], rtol=1e-5, atol=1e-6)
+
+
+def _state(opt):
+    """Bitwise copies of parameters, masters and AdamW state (moments, step counters)."""
+    st = [opt.inner.state[m] for m in opt.masters[0]]
+    return ([p.detach().clone() for p in opt.param_groups[0]["params"]],
+            [m.clone() for m in opt.masters[0]],
+            [{k: v.clone() for k, v in s.items()} for s in st])
+
+
+def _assert_bitwise(a, b):
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        assert torch.equal(x, y)
+    for sa, sb in zip(a[2], b[2]):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("flag", [torch.tensor(True), torch.tensor(1.0), torch.tensor(3),
+                                  torch.tensor(float("nan"))])
+def test_skip_leaves_parameters_masters_and_moments_unchanged(impl, flag):
+    params = _params()
+    opt = MasterAdamW(params, lr=1e-2, weight_decay=0.1, impl=impl)
+    for step in range(2):
+        _set_grads(params, step)
+        opt.step()
+    before = _state(opt)
+    _set_grads(params, 2)
+    params[0].grad[3, 4] = float("nan")              # what a skipped step usually carries
+    opt.step(skip=flag.to(DEV))
+    _assert_bitwise(_state(opt), before)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_skipped_first_step_leaves_the_initial_state(impl):
+    params = _params()
+    opt = MasterAdamW(params, lr=1e-2, impl=impl)
+    ref = [p.detach().clone() for p in params]
+    _set_grads(params, 0)
+    opt.step(skip=torch.tensor(True, device=DEV))
+    for p, r, m in zip(params, ref, opt.masters[0]):
+        assert torch.equal(p.detach(), r) and torch.equal(m, r.float())
+        st = opt.inner.state.get(m, {})
+        assert all(not v.any() for v in st.values())   # zero moments, step 0 (or no state)
+    # the next step is the first real one: as if the skipped one never happened
+    fresh = _params()
+    ref_opt = MasterAdamW(fresh, lr=1e-2, impl=impl)
+    for o, ps in ((opt, params), (ref_opt, fresh)):
+        _set_grads(ps, 1)
+        o.step()
+    for a, b in zip(opt.masters[0], ref_opt.masters[0]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_skip_false_is_exactly_a_plain_step(impl):
+    a, b = _params(), _params()
+    opt_a = MasterAdamW(a, lr=1e-2, weight_decay=0.1, impl=impl)
+    opt_b = MasterAdamW(b, lr=1e-2, weight_decay=0.1, impl=impl)
+    for step in range(3):
+        _set_grads(a, step)
+        _set_grads(b, step)
+        opt_a.step()
+        opt_b.step(skip=torch.tensor(False, device=DEV))
+    _assert_bitwise(_state(opt_b), _state(opt_a))
+
+
+def test_kernel_skip_must_be_a_scalar():
+    params = _params()
+    with pytest.raises(ValueError, match="0-dim"):
+        master_adamw_(params, [torch.zeros_like(p) for p in params],
+                      [p.detach().float() for p in params],
+                      [torch.zeros_like(p, dtype=torch.float32) for p in params],
+                      [torch.zeros_like(p, dtype=torch.float32) for p in params],
+                      [torch.zeros((), device=DEV) for _ in params], lr=1e-2, beta1=0.9,
+                      beta2=0.95, eps=1e-8, weight_decay=0.0, skip=torch.zeros(2, dtype=torch.bool))

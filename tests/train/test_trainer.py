@@ -159,12 +159,20 @@ def test_multirun_trains_one_job_per_value(tmp_path, tiny_llama_dataset):
     assert len(jobs) == 2
 
 
-def test_nonfinite_losses_are_skipped_then_abort(tmp_path, nan_dataset):
+@pytest.mark.parametrize("log_every,dtype,warnings,total", [
+    (1, "fp32", 3, 3),      # torch AdamW: the skip decided on the host
+    (2, "bf16", 2, 4),      # MasterAdamW: the skip decided on the device
+])
+def test_nonfinite_losses_are_skipped_then_abort(tmp_path, nan_dataset, log_every, dtype,
+                                                 warnings, total):
+    # every step is NaN; the count is read (and the limit checked) every train.log_every steps
     r = run(tmp_path / "r", nan_dataset, "target=tiny_llama", "train.max_steps=6",
-            "train.max_nonfinite_steps=2", check=False)
+            "train.max_nonfinite_steps=2", f"train.log_every={log_every}",
+            f"train.param_dtype={dtype}", check=False)
     assert r.returncode != 0
     assert "NaN/inf" in r.stderr and "train.max_nonfinite_steps=2" in r.stderr
-    assert r.stderr.count("micro-batch skipped") == 3
+    assert f"{total} steps had a NaN/inf loss or gradient" in r.stderr
+    assert r.stderr.count("optimizer step(s) skipped") == warnings
     assert not list((tmp_path / "r").glob("checkpoints/step-*"))
 
 

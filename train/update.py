@@ -1,0 +1,137 @@
+"""Backward and optimizer step of each micro-batch, and the NaN/inf steps they skip.
+
+    micro_step(...)               DDP or one process: no host sync
+    host_checked_micro_step(...)  DeepSpeed: the loss and the gradient norm read on the host
+    SkippedSteps                  the count of skipped steps against train.max_nonfinite_steps
+
+Off DeepSpeed the host never waits for the device inside a step: a NaN/inf loss makes every
+gradient non-finite (`poisoned`), the gradient norm stays a device tensor, its finiteness is
+the skip flag `MasterAdamW.step(skip=...)` obeys on the device, and the flags are summed on
+the device until the trainer reads them at a log line or a checkpoint. A non-finite
+micro-batch therefore drops the whole optimizer step it belongs to (as torch.amp.GradScaler
+does), not only itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import Tensor
+
+from train.optim import MasterAdamW
+
+log = logging.getLogger(__name__)
+
+
+def micro_step(cfg, accelerator, module, optimizer, loss: Tensor, skipped: SkippedSteps,
+               step: int) -> Tensor | None:
+    """Backward of one micro-batch and, after the last one of the accumulation, clip and
+    optimizer step, with no host sync. Returns the gradient norm (a device tensor, non-finite
+    on a skipped step) after the last micro-batch, else None. `step` is unused: the signature
+    is `host_checked_micro_step`'s."""
+    accelerator.backward(poisoned(loss))
+    if not accelerator.sync_gradients:
+        return None
+    norm = grad_norm(cfg, accelerator, module)
+    skip = ~torch.isfinite(norm)
+    step_unless(optimizer, skip)
+    skipped.add(skip)
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def poisoned(loss: Tensor) -> Tensor:
+    """The loss to back-propagate: itself when finite, else times NaN.
+
+    A NaN or inf loss can come with finite gradients (an inf term whose gradient is bounded);
+    scaling by NaN makes every gradient non-finite, so the gradient norm is non-finite, under
+    DDP on every rank (the gradients are all-reduced), and all ranks skip the same step with
+    no extra collective. Multiplying by 1.0 leaves a finite loss and its gradients exact."""
+    return loss * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan"))
+
+
+def grad_norm(cfg, accelerator, module) -> Tensor:
+    """Clip to optim.clip_grad_norm (0: no clipping) and return the global gradient norm, a
+    device tensor: converting it to a float here would wait for the whole backward."""
+    max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else float("inf")
+    return accelerator.clip_grad_norm_(module.parameters(), max_norm)
+
+
+def step_unless(optimizer, skip: Tensor) -> None:
+    """optimizer.step() unless `skip`: decided on the device by MasterAdamW, on the host (a
+    sync) for any other optimizer or under an fp16 GradScaler (which skips on its own)."""
+    inner = getattr(optimizer, "optimizer", optimizer)      # under accelerate's wrapper
+    if isinstance(inner, MasterAdamW) and getattr(optimizer, "scaler", None) is None:
+        inner.step(skip=skip)
+    elif not skip.item():
+        optimizer.step()
+
+
+def host_checked_micro_step(cfg, accelerator, module, optimizer, loss: Tensor,
+                            skipped: SkippedSteps, step: int) -> float | None:
+    """The DeepSpeed path: its engine syncs inside its own step anyway, so the loss is checked
+    on the host per micro-batch (a non-finite micro-batch is skipped alone), the engine's
+    gradient norm is read as a float and the limit is checked at every skip."""
+    bad = accelerator.reduce((~torch.isfinite(loss)).float(), "max")
+    if bad.item():
+        skipped.add_host()
+        log.warning("non-finite loss at step %d: micro-batch skipped (%d so far)",
+                    step, skipped.seen)
+    else:
+        accelerator.backward(loss)
+    if not accelerator.sync_gradients:
+        return None
+    engine = module
+    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    gnorm = None if norm is None else float(norm)
+    if gnorm is not None and not math.isfinite(gnorm):
+        skipped.add_host()
+        log.warning("non-finite gradient norm at step %d: update skipped", step)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return gnorm
+
+
+class SkippedSteps:
+    """Optimizer steps skipped for a NaN/inf loss or gradient, against train.max_nonfinite_steps.
+
+    Off DeepSpeed each step adds its device skip flag to a device counter; reading it is a host
+    sync, so `read` runs only where the trainer syncs anyway (log lines, checkpoints, the
+    summary) and the limit is checked there, i.e. every train.log_every steps: a run can
+    overshoot it by up to log_every - 1 steps. The DeepSpeed path counts on the host
+    (`add_host`) and checks at once.
+    """
+
+    def __init__(self, limit: int, device, done: int = 0):
+        self.limit = limit
+        self.host = done                    # a resumed run's count, plus DeepSpeed's skips
+        self.counted = torch.zeros((), dtype=torch.int64, device=device)
+        self.seen = done                    # the total as of the last read
+
+    def add(self, skip: Tensor) -> None:
+        self.counted += skip
+
+    def add_host(self) -> None:
+        self.host += 1
+        self.seen += 1
+        self._check()
+
+    def read(self, step: int) -> int:
+        """The total so far (a host sync); logs new skips, raises past the limit."""
+        total = self.host + int(self.counted)
+        if total > self.seen:
+            log.warning("non-finite loss or gradient: %d optimizer step(s) skipped by step %d "
+                        "(%d in all)", total - self.seen, step, total)
+        self.seen = total
+        self._check()
+        return total
+
+    def _check(self) -> None:
+        if self.seen > self.limit:
+            raise RuntimeError(f"{self.seen} steps had a NaN/inf loss or gradient (limit "
+                               f"train.max_nonfinite_steps={self.limit}, checked every "
+                               f"train.log_every steps); lower optim.lr or check the dataset "
+                               f"with `eyas inspect`")
