@@ -19,25 +19,26 @@ K, T = 2, 6
 class Toy(torch.nn.Module):
     """A bf16 linear map and the `drafter.d2t` the metrics window reads."""
 
-    def __init__(self):
+    def __init__(self, device):
         super().__init__()
         self.lin = torch.nn.Linear(8, 4).to(torch.bfloat16)
-        self.drafter = SimpleNamespace(d2t=torch.zeros(4, dtype=torch.int64))
+        self.drafter = SimpleNamespace(d2t=torch.zeros(4, dtype=torch.int64, device=device))
 
     def forward(self, x: torch.Tensor, add: float = 0.0) -> SimpleNamespace:
         """A StepOutput stand-in; `add` is a constant term of the loss (no gradient)."""
         loss = self.lin(x).float().pow(2).mean() + add
         return SimpleNamespace(loss=loss, step_loss=loss.detach().expand(K).clone(),
-                               draft_argmax=torch.zeros(K, T, dtype=torch.int64),
-                               metric_mask=torch.ones(K, T, dtype=torch.bool))
+                               draft_argmax=torch.zeros(K, T, dtype=torch.int64, device=x.device),
+                               metric_mask=torch.ones(K, T, dtype=torch.bool, device=x.device))
 
 
 @pytest.fixture(params=["triton", "torch"])
 def setup(request):
-    """(accelerator, setup, skipped) with grad_accum 2 and MasterAdamW behind accelerate."""
-    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    """(accelerator, setup, skipped) with grad_accum 2 and MasterAdamW behind accelerate: on
+    the GPU where there is one (the compiled kernel), else on the CPU (Triton's interpreter)."""
+    acc = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
     torch.manual_seed(0)
-    model = Toy()
+    model = Toy(acc.device)
     opt = MasterAdamW(model.lin.parameters(), lr=1e-2, impl=request.param)
     model, opt = acc.prepare(model, opt)
     yield acc, SimpleNamespace(module=model, optimizer=opt), SkippedSteps(2, acc.device)
@@ -45,8 +46,9 @@ def setup(request):
     GradientState._reset_state()
 
 
-def _batch():
-    return SimpleNamespace(num_tokens=T, target_argmax=torch.zeros(T, dtype=torch.int64))
+def _batch(device):
+    return SimpleNamespace(num_tokens=T, target_argmax=torch.zeros(T, dtype=torch.int64,
+                                                                   device=device))
 
 
 def _step(acc, s, skipped, window, adds):
@@ -56,9 +58,9 @@ def _step(acc, s, skipped, window, adds):
     norm = None
     for add in adds:
         with acc.accumulate(s.module):
-            res = s.module(torch.randn(3, 8, dtype=torch.bfloat16), add)
+            res = s.module(torch.randn(3, 8, dtype=torch.bfloat16).to(acc.device), add)
             norm = micro_step(cfg, acc, s.module, s.optimizer, res.loss, skipped, 0)
-            window.add(res, _batch(), s.module.drafter.d2t)
+            window.add(res, _batch(acc.device), s.module.drafter.d2t)
     return norm
 
 
