@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Drafter quality for the real SmolLM2-135M-Instruct target, end to end on one GPU:
-#   1. the main job: SmolLM2 answers the 645 shipped prompts twice (greedy + one sampled answer,
-#      up to 384 new tokens each), hidden states are extracted, a drafter trains on them
-#      (K = 7) and is exported; a short real speculative-decoding check runs at the end;
+#   1. the main job: SmolLM2 writes 6000 user prompts itself (data.synthetic_prompts, none of
+#      them a shipped or held-out prompt) and answers them and the 645 shipped prompts
+#      greedily (up to 384 new tokens); hidden states are extracted (padded batches); a drafter
+#      trains on them (K = 7, 12 epochs, lr 3e-3) and is exported;
 #   2. the held-out prompts (never trained on) are answered greedily and extracted;
 #   3. offline acceptance of each export on that held-out hidden-state dataset (exact chain tau).
 # Extra arguments go to the main job: `--multirun optim.lr=1e-3,3e-3` trains one drafter per
@@ -23,10 +24,10 @@ export EYAS_RUN_ID=smollm2-quality
 flags=() overrides=()                       # Hydra wants its flags before the overrides
 for a in "$@"; do case $a in -*) flags+=("$a") ;; *) overrides+=("$a") ;; esac; done
 "$py" train/main.py "${flags[@]}" hydra.run.dir="$out/run" hydra.sweep.dir="$out/sweep" \
-  data.num_prompts=645 data.max_new_tokens=384 data.samples_per_prompt=2 \
-  data.generation_batch_size=256 data.token_budget=8192 \
-  train.epochs=20 optim.lr=1e-3 train.eval_every=100 train.log_every=25 \
-  eval.num_prompts=16 eval.max_new_tokens=128 eval.engines=false "${overrides[@]}" 2>&1 | tee "$out/main.log"
+  data.num_prompts=645 data.synthetic_prompts=6000 data.max_new_tokens=384 \
+  data.generation_batch_size=1024 data.extract_pad_batches=true data.token_budget=8192 \
+  train.epochs=12 optim.lr=3e-3 train.eval_every=200 train.log_every=50 \
+  eval.speculative=false eval.engines=false "${overrides[@]}" 2>&1 | tee "$out/main.log"
 
 heldout=${HELDOUT:-$("$py" -c "from data.prompts import prompts_path; print(prompts_path('heldout'))")}
 "$py" -m train.cli prepare --generate --input "$heldout" --target smollm2 \

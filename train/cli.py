@@ -22,7 +22,7 @@ COMMANDS = {
 }
 
 USAGE = "usage: eyas <command> [--help] [args...]\n\ncommands:\n" + "\n".join(
-    f"  {name:<9} {text}" for name, (_, text) in COMMANDS.items()) + (
+    f"  {name:<11}{text}" for name, (_, text) in COMMANDS.items()) + (
     "\n\ntraining: accelerate launch train/main.py [hydra overrides]   (or ./launch.sh --help)")
 
 
