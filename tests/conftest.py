@@ -28,3 +28,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not _cuda:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (restored after): batch-1 decoding and tiny forwards
+    gain nothing from more, and on a shared 2-core machine a second spinning OpenMP thread
+    makes small ops 10-70x slower. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

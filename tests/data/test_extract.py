@@ -27,15 +27,7 @@ CONVS = [
     [("Say something short.", "Short.")],
 ]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core runner two spinning OpenMP threads cost more
-    than they gain for these tiny forwards. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,15 +19,7 @@ PROMPTS = [
     {"id": "c", "conversations": [{"from": "human", "value": "Say hi."}]},
 ]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core runner, OpenMP spin-waiting of two threads
-    costs more than it gains for these tiny forwards. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

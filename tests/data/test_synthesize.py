@@ -8,14 +8,7 @@ import torch
 from data.synthesize import _fold, prompt_texts, synthesize_prompts, user_turn_prefix
 from models.targets import load_target
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread for these small forwards on a shared 2-core runner (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,7 @@ from models.validate import TensorDir
 K = 3
 QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour."]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # batch-1 decoding of tiny models gains nothing from intra-op threads, and on a shared
-    # 2-core machine oversubscribed OpenMP threads make every op 10-70x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -24,13 +24,7 @@ from train.step import TrainingModule, batch_inputs
 
 K = 3
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)       # tiny shapes; avoids oversubscription on a shared 2-core box
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pattern(T, loss_mask, correct, doc_ids=None):

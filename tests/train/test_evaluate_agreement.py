@@ -45,13 +45,7 @@ N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512
 TRAJ_TOL = 0.01
 ALL_SE = 3.0
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)       # batch-1 decoding; avoids oversubscription on a shared box
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fitted_drafter(model, ds, seed=0, ridge=0.1):

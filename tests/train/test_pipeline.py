@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 
 from data.prompts import prompts_path
@@ -15,14 +14,7 @@ from train.pipeline import _embedded_key, build_embedded_dataset
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread for these tiny forwards on a shared 2-core runner (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(*overrides):
