@@ -30,12 +30,10 @@ class MasterAdamW(torch.optim.Optimizer):
     (fp32 gradient copies + torch AdamW, fused on CUDA) or "auto" (triton on CUDA).
 
     `step(skip=flag)` takes the decision to skip the update as a 0-dim device tensor of any
-    dtype (nonzero = skip; e.g. a non-finite gradient norm) instead of a host bool, so the
-    trainer never waits for the GPU to find out: a skipped step leaves parameters, masters and
-    moments bitwise unchanged. The triton path also keeps the per-tensor step counters (bias
-    correction); the torch path restores them where they live on the parameters' device (on
-    CPU, and with fused torch AdamW on CUDA) and otherwise lets them advance by one, as a host
-    counter restored from a device flag would be the host sync the flag exists to avoid.
+    dtype (nonzero = skip; e.g. a non-finite gradient norm) instead of a host bool: a skipped
+    step leaves parameters, masters, moments and step counters bitwise unchanged. The triton
+    path decides on the device, so the trainer never waits for the GPU to find out; the torch
+    path (the CPU, or the fallback on CUDA) reads the flag on the host.
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -82,7 +80,8 @@ class MasterAdamW(torch.optim.Optimizer):
         self._follow_parameters()
         if self.impl == "triton":
             return self._fused_step(skip)
-        saved = None if skip is None else self._snapshot()
+        if skip is not None and bool(skip):
+            return
         for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
                                                self.masters):
             for key in ("lr", "betas", "eps", "weight_decay"):
@@ -94,43 +93,6 @@ class MasterAdamW(torch.optim.Optimizer):
             for p, m in zip(group["params"], masters):
                 p.copy_(m)
                 m.grad = None
-        if saved is not None:
-            self._restore(saved, skip)
-
-    def _snapshot(self) -> tuple[list, list]:
-        """What a torch-path step may overwrite, for `_restore`: copies of the parameters with
-        a gradient, their masters and existing AdamW state, and the masters whose state the
-        step creates."""
-        saved, fresh = [], []
-        for group, masters in zip(self.param_groups, self.masters):
-            for p, m in zip(group["params"], masters):
-                if p.grad is None:
-                    continue
-                saved += [(p, p.clone()), (m, m.clone())]
-                state = self.inner.state.get(m)
-                if state:
-                    saved += [(t, t.clone()) for t in state.values() if torch.is_tensor(t)]
-                else:
-                    fresh.append(m)
-        return saved, fresh
-
-    def _restore(self, snapshot: tuple[list, list], skip: torch.Tensor) -> None:
-        """Where `skip` is nonzero, put back what `_snapshot` saw, on the device (no host sync).
-
-        State the step created goes back to torch AdamW's initial zeros. Tensors on another
-        device than the parameters (a CPU step counter of non-fused AdamW for CUDA parameters)
-        keep the stepped value."""
-        saved, fresh = snapshot
-        if not saved:
-            return
-        flag = skip.to(saved[0][0].device, non_blocking=True) != 0
-        for t, old in saved:
-            if t.device == flag.device:
-                t.copy_(torch.where(flag, old, t))
-        for m in fresh:
-            for t in self.inner.state[m].values():
-                if torch.is_tensor(t) and t.device == flag.device:
-                    t.copy_(torch.where(flag, torch.zeros_like(t), t))
 
     def _fused_step(self, skip: torch.Tensor | None):
         """The same update through kernels.adamw (state kept in torch AdamW's layout)."""

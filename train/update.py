@@ -60,8 +60,9 @@ def grad_norm(cfg, accelerator, module) -> Tensor:
 
 
 def step_unless(optimizer, skip: Tensor) -> None:
-    """optimizer.step() unless `skip`: decided on the device by MasterAdamW, on the host (a
-    sync) for any other optimizer or under an fp16 GradScaler (which skips on its own)."""
+    """optimizer.step() unless `skip`: decided on the device by MasterAdamW's Triton path, on
+    the host (a sync) for its torch path, any other optimizer, or under an fp16 GradScaler
+    (which skips on its own)."""
     inner = getattr(optimizer, "optimizer", optimizer)      # under accelerate's wrapper
     if isinstance(inner, MasterAdamW) and getattr(optimizer, "scaler", None) is None:
         inner.step(skip=skip)
