@@ -75,8 +75,8 @@ def accept_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask
 
 
 def add_counts(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Element-wise sum of two count dicts (a may be None: the first batch)."""
-    return dict(b) if a is None else {key: a[key] + b[key] for key in COUNT_KEYS}
+    """Element-wise sum of two count dicts with the same keys (a may be None: the first batch)."""
+    return dict(b) if a is None else {key: a[key] + b[key] for key in b}
 
 
 def finalize(counts: dict[str, Tensor]) -> dict[str, float]:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.metrics import COUNT_KEYS, accept_counts, chain_alive
+from models.metrics import COUNT_KEYS, accept_counts, add_counts, chain_alive
 from models.objective import metric_mask
 
 log = logging.getLogger(__name__)
@@ -234,8 +234,7 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     for batch in progress(loader, total=len(loader), desc="offline eval", unit="batch"):
         batch = batch.to(dev)
         arg, mask = draft_argmax(drafter, batch, k)
-        new = chain_counts(arg, drafter.d2t, batch.target_argmax, mask)
-        counts = new if counts is None else {key: counts[key] + new[key] for key in OFFLINE_KEYS}
+        counts = add_counts(counts, chain_counts(arg, drafter.d2t, batch.target_argmax, mask))
         tokens += batch.num_tokens
     drafter.train(was_training)
     if counts is None:   # this rank had no batch: zeros, so the collective still matches

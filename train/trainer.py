@@ -200,8 +200,8 @@ def evaluate(s: Setup, accelerator) -> dict[str, float]:
     for batch in s.eval_loader:
         batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
         res = s.module(**inputs)
-        new = chain_counts(res.draft_argmax, d2t, batch.target_argmax, res.metric_mask)
-        counts = new if counts is None else {k: counts[k] + new[k] for k in new}
+        counts = add_counts(counts, chain_counts(res.draft_argmax, d2t, batch.target_argmax,
+                                                 res.metric_mask))
     s.module.train()
     if counts is None:
         return {}
