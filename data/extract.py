@@ -58,8 +58,8 @@ log = logging.getLogger(__name__)
 PLAN_NAME = "extract_plan.json"
 TEACHERS = ("last", "topk", "both")
 # plan keys that must match for a re-run to resume into an existing output directory
-_RESUME_KEYS = ("target", "aux_layer_ids", "teacher", "topk", "aux_format", "shards",
-                "tokens_checksum")
+_RESUME_KEYS = ("target", "target_dtype", "aux_layer_ids", "teacher", "topk", "aux_format",
+                "shards", "tokens_checksum")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,12 +101,17 @@ def _bytes_per_token(hidden: int, aux_format: str, teacher: str, topk: int) -> i
     return aux + last + 9 + (12 * topk if teacher in ("topk", "both") else 0)
 
 
-def _load_model(target, device, device_map):
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _load_model(target, device, device_map, dtype: str):
     from models.targets import load_target, resolve_target
+    if dtype not in DTYPES:
+        raise ExtractError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     if device_map is None:
-        return load_target(target, device=device)[0]
+        return load_target(target, dtype=DTYPES[dtype], device=device)[0]
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(resolve_target(target), dtype=torch.bfloat16,
+    model = AutoModelForCausalLM.from_pretrained(resolve_target(target), dtype=DTYPES[dtype],
                                                  device_map=device_map).eval()
     return model.requires_grad_(False)
 
@@ -193,7 +198,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             device: str | torch.device | None = None, device_map: str | None = None,
             rank: int = 0, world_size: int = 1, finalize_manifest: bool | None = None,
             pad_batches: bool = False, row_chunk: int = 1024, vocab_chunk: int = 65536,
-            model: nn.Module | None = None) -> dict[str, Any]:
+            dtype: str = "bfloat16", model: nn.Module | None = None) -> dict[str, Any]:
     """Run `target` over the token dataset at `tokens_dir`; write a hidden dataset to `out_dir`.
 
     Args:
@@ -208,6 +213,8 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             stored value is bitwise what a plain forward of that sample alone gives. True: pad
             samples of different lengths together (faster for many short samples on a GPU;
             values then differ from the unpadded forward by bf16 rounding).
+        dtype: "bfloat16" or "float32": what the target runs in when `model` is None. Match
+            the precision the target serves in; float32 costs ~2x the time on a GPU.
         shard_tokens: tokens per output shard; None = shard_bytes / bytes per token.
         max_samples: use only the first N samples of the token dataset.
         device / device_map: where the target runs ("cuda:0", "cpu"; None: the first GPU if
@@ -237,7 +244,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     if model is None:
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = _load_model(target, device, device_map)
+        model = _load_model(target, device, device_map, dtype)
     text, dec_layers, norm, head = find_text_model(model)
     num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
     aux_ids = check_aux_layers(layers, num_layers)
@@ -247,8 +254,10 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         shard_tokens = max(1, shard_bytes // _bytes_per_token(hidden, aux_format, teacher, topk))
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
     src = tokens.manifest
+    target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     plan = {
         "format": "eyas-extract-plan", "tokens_dir": str(tokens_dir), "target": str(target),
+        "target_dtype": target_dtype,
         "tokens_checksum": json.dumps([s.get("checksum") for s in src.get("shards", [])]),
         "aux_layer_ids": aux_ids, "teacher": teacher, "topk": topk, "aux_format": aux_format,
         "shards": plan_shards(lengths, shard_tokens),
@@ -257,6 +266,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             "target_config": json.loads(model.config.to_json_string()),
             "aux_layer_ids": aux_ids, "convention": "hf_hidden_states",
             "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
+            "target_dtype": target_dtype,
             "teacher": {"kind": teacher, "last": "post_norm" if teacher != "topk" else None,
                         "topk": topk or None, "target_argmax": True},
             "tokenizer": src.get("tokenizer"), "prepare": src.get("prepare"),
@@ -351,6 +361,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--pad-batches", action="store_true", help="pad samples of different "
                    "lengths into one forward (faster; not bitwise equal to unpadded forwards)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
+                   help="what the target runs in; match the precision it is served in")
     p.add_argument("--shard-tokens", type=int, default=None)
     p.add_argument("--device", default="auto", help="auto (cuda:<local rank> if available), "
                    "cpu, cuda:0, ...")
@@ -371,7 +383,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                       aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
                       batch_tokens=args.batch_tokens, shard_tokens=args.shard_tokens,
                       max_samples=args.max_samples, device=device, device_map=args.device_map,
-                      pad_batches=args.pad_batches,
+                      pad_batches=args.pad_batches, dtype=args.dtype,
                       rank=state.process_index, world_size=state.num_processes,
                       finalize_manifest=False)
     state.wait_for_everyone()

@@ -216,3 +216,21 @@ def test_chunked_argmax_ties_and_topk():
         assert torch.equal(arg, logits.argmax(-1)) and arg[0] == 3
         assert torch.equal(vals, logits.float().topk(5, dim=-1).values)
         assert torch.equal(ids[:, 0], arg) and ids[0, :2].tolist() == [3, 40]
+
+
+def test_float32_target_is_recorded_and_guards_resume(tmp_path, tokens_dir):
+    out = tmp_path / "hid"
+    extract(tokens_dir, "tiny-llama", out, dtype="float32", device="cpu")
+    ds = open_dataset(out)
+    assert ds.manifest["target_dtype"] == "float32"
+    model = load_target("tiny-llama", dtype=torch.float32)[0]
+    for i in range(len(ds)):
+        s = ds[i]
+        hs, logits = reference(model, s["input_ids"])
+        assert torch.equal(s["aux"][:, 0], hs[2].to(torch.bfloat16))
+        assert torch.equal(s["target_argmax"], logits.argmax(-1))
+    with pytest.raises(ExtractError, match="different settings.*target_dtype: 'float32' -> "
+                                           "'bfloat16'"):
+        extract(tokens_dir, "tiny-llama", out, model=target("tiny-llama"))
+    with pytest.raises(ExtractError, match="dtype='fp16': expected one of bfloat16, float32"):
+        extract(tokens_dir, "tiny-llama", tmp_path / "other", dtype="fp16", device="cpu")
