@@ -2,7 +2,7 @@
 # Drafter quality for the real SmolLM2-135M-Instruct target, end to end on one GPU (~30 min on
 # an H200), one CLI stage at a time so each can be re-run or swapped for your own data:
 #   1. SmolLM2 writes N_SYNTH user prompts itself (`eyas synthesize`; never a shipped or a
-#      held-out prompt);
+#      held-out prompt; OPENER_WORDS=N > 0 starts each with the first N words of a shipped one);
 #   2. it answers them and the 645 shipped prompts greedily, up to MAX_NEW_TOKENS new tokens
 #      (`eyas prepare --generate`, bf16);
 #   3. hidden states are extracted with the target in float32, the precision the real decoding
@@ -18,7 +18,7 @@
 #       --prompts data/prompts/heldout.jsonl --k 7 --max-new-tokens 128 --out real.json
 #
 # Usage: benchmarks/smollm2_quality.sh OUT_DIR [extra Hydra overrides for the training job]
-#   N_SYNTH (30000), MAX_NEW_TOKENS (256), GEN_BATCH (4096; lower it on a smaller GPU),
+#   N_SYNTH (30000), OPENER_WORDS (0), MAX_NEW_TOKENS (256), GEN_BATCH (4096; lower it on a smaller GPU),
 #   SHIPPED=FILE.jsonl, HELDOUT=FILE.jsonl and HELDOUT_MAX_NEW_TOKENS (128) change the data.
 set -euo pipefail
 out=${1:?usage: benchmarks/smollm2_quality.sh OUT_DIR [hydra overrides]}
@@ -31,8 +31,10 @@ shipped=${SHIPPED:-$("$py" -c "from data.prompts import prompts_path; print(prom
 heldout=${HELDOUT:-$("$py" -c "from data.prompts import prompts_path; print(prompts_path('heldout'))")}
 
 if [ ! -f "$out/prompts.jsonl" ]; then
+  openers=()
+  [ "${OPENER_WORDS:-0}" -gt 0 ] && openers=(--openers-from "$shipped" --opener-words "$OPENER_WORDS")
   eyas synthesize --target smollm2 --n "${N_SYNTH:-30000}" --out "$out/synthetic.jsonl" \
-    --batch-size 4096 --exclude "$shipped"
+    --batch-size 4096 --exclude "$shipped" "${openers[@]}"
   cat "$shipped" "$out/synthetic.jsonl" > "$out/prompts.tmp" && mv "$out/prompts.tmp" "$out/prompts.jsonl"
 fi
 [ -f "$out/tokens/manifest.json" ] || eyas prepare --generate --input "$out/prompts.jsonl" \

@@ -7,9 +7,14 @@ and letting the model continue yields user requests from that distribution, as m
 needed and all different: the prompts a drafter's training set lacks when only a few hundred
 hand-written ones exist. Their answers are then generated as usual (data.generate).
 
+Openers (optional) steer the style: each candidate's user turn starts with the first few
+words of a random example prompt ("Why do", "Can you explain", "Write a"), and the model
+writes the rest. A few hundred hand-written prompts then seed tens of thousands in their style,
+where the template alone yields whatever the model's users asked most.
+
 Every candidate is kept or dropped for a counted, logged reason:
 - ``length``: the turn never ended within `max_new_tokens` (a cut-off request);
-- ``empty``: nothing but whitespace;
+- ``empty``: nothing but whitespace (or nothing after the opener);
 - ``duplicate``: the same text (case and spacing folded) as an earlier prompt or one in
   `exclude` (e.g. the held-out evaluation prompts, which must stay unseen).
 Sampling continues in batches until `n` prompts are kept or `max_rounds` batches in a row
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import random
 import time
 from collections import Counter
 from pathlib import Path
@@ -63,12 +69,23 @@ def prompt_texts(path: str | Path) -> list[str]:
     return out
 
 
+def prompt_openers(texts: Iterable[str], words: int) -> list[str]:
+    """The first `words` words of each text that has more than `words` words (repeats kept, so
+    common openers are drawn more often)."""
+    if words < 1:
+        raise ValueError(f"opener words must be >= 1, got {words}")
+    out = [" ".join(t.split()[:words]) for t in texts if len(t.split()) > words]
+    if not out:
+        raise ValueError(f"no example prompt has more than {words} words to take an opener from")
+    return out
+
+
 @torch.no_grad()
 def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
                        temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128,
                        batch_size: int = 256, seed: int = 0, exclude: Iterable[str] = (),
                        id_prefix: str = "synth", chat_template: str | None = None,
-                       max_rounds: int = 8) -> Path:
+                       max_rounds: int = 8, openers: Iterable[str] = ()) -> Path:
     """Sample `n` distinct user prompts from the target; write them to `out_path` (JSONL).
 
     Args:
@@ -81,6 +98,8 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         exclude: texts no kept prompt may equal (after folding case and spacing).
         id_prefix: record ids are `<id_prefix>-<6 digits>`.
         max_rounds: stop after this many consecutive batches that kept nothing.
+        openers: if given, every candidate starts with one of them, drawn at random (seeded by
+            `seed + b` too); see `prompt_openers`.
 
     Raises RuntimeError when fewer than `n` distinct prompts could be sampled.
     """
@@ -94,26 +113,29 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
     prefix = user_turn_prefix(tokenizer, chat_template)
     stop = _stop_ids(model, tokenizer)
     seen = {_fold(t) for t in exclude}
+    openers = list(openers)
     kept: list[str] = []
     counts: Counter[str] = Counter()
     t0, b, barren = time.perf_counter(), 0, 0
     bar = progress(None, total=n, desc="synthesize", unit="prompt")
     while len(kept) < n:
+        starts = random.Random(seed + b).choices(openers, k=batch_size) if openers \
+            else [""] * batch_size
         torch.manual_seed(seed + b)
         b += 1
         before = len(kept)
-        for text, reason, ntok in _generate_batch(model, tokenizer, [prefix] * batch_size, stop,
-                                                  max_new_tokens=max_new_tokens,
-                                                  temperature=temperature, top_p=top_p):
+        rows = _generate_batch(model, tokenizer, [prefix + o for o in starts], stop,
+                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        for start, (text, reason, ntok) in zip(starts, rows):
             counts["tokens"] += ntok
-            text = text.strip()
             key = _fold(text)
+            text = (start + text).strip()
             why = ("length" if reason == "length" else "empty" if not key
-                   else "duplicate" if key in seen else None)
+                   else "duplicate" if _fold(text) in seen else None)
             if why:
                 counts[why] += 1
                 continue
-            seen.add(key)
+            seen.add(_fold(text))
             if len(kept) < n:
                 kept.append(text)
         bar.update(len(kept) - before)
@@ -151,8 +173,15 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--exclude", action="append", default=[], metavar="PROMPTS.jsonl",
                    help="prompts file whose user messages must not be repeated (repeatable); "
                         "the shipped held-out prompts are always excluded")
+    p.add_argument("--openers-from", action="append", default=[], metavar="PROMPTS.jsonl",
+                   help="start every prompt with the first --opener-words words of a random "
+                        "user message from these files (repeatable), to write prompts in their "
+                        "style")
+    p.add_argument("--opener-words", type=int, default=2)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = p.parse_args(argv)
+    starts = prompt_openers([t for f in args.openers_from for t in prompt_texts(f)],
+                            args.opener_words) if args.openers_from else []
 
     from data.prompts import prompts_path
     from models.targets import load_target
@@ -165,5 +194,5 @@ def cli_main(argv: list[str] | None = None) -> int:
     synthesize_prompts(model, tokenizer, args.n, args.out, temperature=args.temperature,
                        top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, seed=args.seed, exclude=exclude,
-                       id_prefix=args.id_prefix)
+                       id_prefix=args.id_prefix, openers=starts)
     return 0

@@ -136,6 +136,10 @@ class DataConfig:
     answered like the shipped ones; the held-out prompts are never among them."""
     synthetic_temperature: float = 1.0
     """Sampling temperature of those synthetic prompts."""
+    synthetic_opener_words: int = 0
+    """0: synthetic prompts come from the chat template alone. N > 0: each starts with the first
+    N words of a random shipped prompt (data.prompts) and the target writes the rest, so they
+    follow the shipped prompts' style."""
     extract_pad_batches: bool = False
     """Extraction pads samples of different lengths into one forward (much faster on a GPU;
     the features then differ from unpadded forwards by kernel rounding only)."""
@@ -342,6 +346,9 @@ def check(cfg: DictConfig | Any) -> None:
     if cfg.data.synthetic_prompts < 0:
         fail("data.synthetic_prompts", cfg.data.synthetic_prompts, "an integer >= 0",
              "data.synthetic_prompts=0")
+    if cfg.data.synthetic_opener_words < 0:
+        fail("data.synthetic_opener_words", cfg.data.synthetic_opener_words, "an integer >= 0",
+             "data.synthetic_opener_words=2 (or 0: no openers)")
     if cfg.data.synthetic_prompts > 0 and cfg.data.synthetic_temperature <= 0:
         fail("data.synthetic_temperature", cfg.data.synthetic_temperature,
              "> 0 (prompts are sampled)", "data.synthetic_temperature=1.0")

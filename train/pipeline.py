@@ -54,6 +54,8 @@ def _embedded_key(cfg) -> str:
     if cfg.data.synthetic_prompts > 0:    # likewise
         fields += ["synthetic", cfg.data.synthetic_prompts, cfg.data.synthetic_temperature,
                    cfg.data.generation_batch_size]   # batch b of prompts is seeded by b
+        if cfg.data.synthetic_opener_words > 0:
+            fields += ["openers", cfg.data.synthetic_opener_words]
     if cfg.data.extract_pad_batches:
         fields += ["pad_batches"]
     h.update(json.dumps(fields).encode())
@@ -86,10 +88,12 @@ def _sampled_prompts(prepare, subset: Path, extra: int) -> list[str]:
 def _synthetic_prompts(cfg, root: Path, model, tokenizer, prompts: Path) -> list[str]:
     """`data.synthetic_prompts` prompts sampled from the target (cached in root), as JSONL lines;
     none repeats a shipped prompt or a held-out one."""
-    from data.synthesize import prompt_texts, synthesize_prompts
+    from data.synthesize import prompt_openers, prompt_texts, synthesize_prompts
     path = root / "prompts.synthetic.jsonl"
+    words = cfg.data.synthetic_opener_words
     if not path.is_file():
-        synthesize_prompts(model, tokenizer, cfg.data.synthetic_prompts, path,
+        openers = prompt_openers(prompt_texts(prompts), words) if words > 0 else []
+        synthesize_prompts(model, tokenizer, cfg.data.synthetic_prompts, path, openers=openers,
                            temperature=cfg.data.synthetic_temperature,
                            batch_size=cfg.data.generation_batch_size, seed=cfg.train.seed,
                            exclude=prompt_texts(prompts) + prompt_texts(prompts_path("heldout")))

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from data.synthesize import _fold, prompt_texts, synthesize_prompts, user_turn_prefix
+from data.synthesize import (_fold, prompt_openers, prompt_texts, synthesize_prompts,
+                             user_turn_prefix)
 from models.targets import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,6 +44,28 @@ def test_distinct_reproducible_prompts_and_exclusion(tmp_path, smollm2):
     assert not {_fold(t) for t in _texts(b)} & {_fold(t) for t in texts}
     c = synthesize_prompts(model, tok, 5, tmp_path / "c.jsonl", **kw)
     assert c.read_bytes() == a.read_bytes()
+
+
+def test_openers_are_leading_words_with_repeats_kept():
+    texts = ["Why do cats purr?", "Why do we dream?", "Hello", "Write a poem", "Hi there"]
+    assert prompt_openers(texts, 2) == ["Why do", "Why do", "Write a"]
+    assert prompt_openers(texts, 1) == ["Why", "Why", "Write", "Hi"]
+    with pytest.raises(ValueError, match="more than 5 words"):
+        prompt_openers(texts, 5)
+
+
+def test_opened_prompts_start_with_an_opener_and_go_on(tmp_path, smollm2):
+    model, tok = smollm2
+    openers = ["Why do", "Can you explain", "Write a"]
+    kw = dict(max_new_tokens=40, batch_size=4, seed=5, openers=openers)
+    a = synthesize_prompts(model, tok, 4, tmp_path / "a.jsonl", **kw)
+    texts = _texts(a)
+    assert len({_fold(t) for t in texts}) == 4
+    for t in texts:
+        start = next(o for o in openers if t.startswith(o))
+        assert len(t) > len(start) + 1
+    assert synthesize_prompts(model, tok, 4, tmp_path / "b.jsonl", **kw).read_bytes() == \
+        a.read_bytes()
 
 
 def test_no_progress_is_an_error_and_writes_nothing(tmp_path, smollm2):

@@ -96,6 +96,7 @@ def test_sampled_ids_without_record_ids_follow_generate(tmp_path):
     (["data.samples_per_prompt=2", "data.temperature=0"], "data.temperature=0.7"),
     (["data.top_p=0"], "data.top_p=0.95"),
     (["data.top_p=1.5"], "data.top_p=0.95"),
+    (["data.synthetic_opener_words=-1"], "data.synthetic_opener_words=2 (or 0: no openers)"),
 ])
 def test_bad_sampling_settings_name_the_fix(overrides, fix):
     with pytest.raises(ConfigError) as e:
@@ -116,6 +117,7 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
     cfg = _cfg(*base)
     check(cfg)
     assert _embedded_key(cfg) != _embedded_key(_cfg(*base[:-4], f"data.cache_dir={tmp_path}"))
+    assert _embedded_key(cfg) != _embedded_key(_cfg(*base, "data.synthetic_opener_words=2"))
     paths = build_embedded_dataset(cfg)
     recs = _records(paths.conversations)
     first = json.loads(prompts_path("default").read_text().splitlines()[0])["id"]
