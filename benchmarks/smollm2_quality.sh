@@ -34,7 +34,7 @@ if [ ! -f "$out/prompts.jsonl" ]; then
   openers=()
   [ "${OPENER_WORDS:-0}" -gt 0 ] && openers=(--openers-from "$shipped" --opener-words "$OPENER_WORDS")
   eyas synthesize --target smollm2 --n "${N_SYNTH:-30000}" --out "$out/synthetic.jsonl" \
-    --batch-size 4096 --exclude "$shipped" "${openers[@]}"
+    --batch-size "${GEN_BATCH:-4096}" --exclude "$shipped" "${openers[@]}"
   cat "$shipped" "$out/synthetic.jsonl" > "$out/prompts.tmp" && mv "$out/prompts.tmp" "$out/prompts.jsonl"
 fi
 [ -f "$out/tokens/manifest.json" ] || eyas prepare --generate --input "$out/prompts.jsonl" \
