@@ -121,6 +121,7 @@ def _write_plan(out: Path, plan: dict[str, Any]) -> None:
     path = out / PLAN_NAME
     if path.exists():
         old = json.loads(path.read_text())
+        old.setdefault("target_dtype", plan["target_dtype"])   # plans written before it existed
         diff = [k for k in _RESUME_KEYS if old.get(k) != plan.get(k)]
         if diff:
             what = [f"{k}: {old.get(k)!r} -> {plan.get(k)!r}" for k in diff if k != "shards"]

@@ -232,5 +232,9 @@ def test_float32_target_is_recorded_and_guards_resume(tmp_path, tokens_dir):
     with pytest.raises(ExtractError, match="different settings.*target_dtype: 'float32' -> "
                                            "'bfloat16'"):
         extract(tokens_dir, "tiny-llama", out, model=target("tiny-llama"))
+    plan = json.loads((out / "extract_plan.json").read_text())   # a plan from before the key
+    del plan["target_dtype"]
+    (out / "extract_plan.json").write_text(json.dumps(plan))
+    assert extract(tokens_dir, "tiny-llama", out, model=target("tiny-llama"))["computed"] == []
     with pytest.raises(ExtractError, match="dtype='fp16': expected one of bfloat16, float32"):
         extract(tokens_dir, "tiny-llama", tmp_path / "other", dtype="fp16", device="cpu")
