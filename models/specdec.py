@@ -276,13 +276,18 @@ def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: li
         warm = prompts[0][: min(8, len(prompts[0]))]
         greedy_decode(plain, warm, max_new_tokens=2, stop_ids=set())
         speculative_decode(verifier, drafter, warm, k=k, max_new_tokens=2, stop_ids=set())
-        pairs = []
+        pairs, every = [], max(1, len(prompts) // 8)
         for name, prompt in bar(list(zip(names, prompts)), desc="specdec", unit="prompt",
                                 disable=None if progress else True):
             base = greedy_decode(plain, prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
             spec = speculative_decode(verifier, drafter, prompt, k=k,
                                       max_new_tokens=max_new_tokens, stop_ids=stop_ids)
             pairs.append((name, base, spec))
+            if progress and len(pairs) % every == 0:     # a log line too: bars are off in logs
+                done = [s for _, _, s in pairs]
+                log.info("specdec: %d/%d prompts, %d tokens, tau so far %.3f", len(pairs),
+                         len(prompts), sum(len(s.tokens) for s in done),
+                         sum(s.decode_tokens for s in done) / max(1, sum(s.rounds for s in done)))
     finally:
         plain.close()
         verifier.close()

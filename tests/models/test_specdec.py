@@ -12,6 +12,7 @@ float noise, so greedy outputs must be identical token for token). Drafters:
 """
 
 import json
+import logging
 
 import pytest
 import torch
@@ -54,14 +55,18 @@ def random_export(tiny, tmp_path_factory):
                           target_config=model.config.to_dict())
 
 
-def test_random_drafter_is_token_identical(tiny, random_export):
+def test_random_drafter_is_token_identical(tiny, random_export, caplog):
     model, tok, prompts = tiny
     emb = model.get_input_embeddings().weight.detach()
     engine, cfg = load_engine_drafter(random_export, emb, dtype=torch.float32)
-    res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=12,
-                      stop_ids=stop_token_ids(model, tok), progress=False)
+    with caplog.at_level(logging.INFO, logger="models.specdec"):
+        res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=12,
+                          stop_ids=stop_token_ids(model, tok))
     assert res["tokens_identical"], res["mismatches"]
     n = len(prompts)
+    # progress in logs, where the bar is off: the last line carries the final counts
+    assert caplog.messages[-1] == (f"specdec: {n}/{n} prompts, {res['tokens_generated']} tokens, "
+                                   f"tau so far {res['tau']:.3f}")
     assert res["tokens_generated"] == res["baseline_tokens_generated"]
     # one prefill per prompt + one verify forward per round; the prefill yields one token
     assert res["target_forwards"] == res["decode_rounds"] + n
