@@ -126,16 +126,16 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         before = len(kept)
         rows = _generate_batch(model, tokenizer, [prefix + o for o in starts], stop,
                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        for start, (text, reason, ntok) in zip(starts, rows):
+        for start, (written, reason, ntok) in zip(starts, rows):
             counts["tokens"] += ntok
+            text = (start + written).strip()
             key = _fold(text)
-            text = (start + text).strip()
-            why = ("length" if reason == "length" else "empty" if not key
-                   else "duplicate" if _fold(text) in seen else None)
+            why = ("length" if reason == "length" else "empty" if not written.strip()
+                   else "duplicate" if key in seen else None)
             if why:
                 counts[why] += 1
                 continue
-            seen.add(_fold(text))
+            seen.add(key)
             if len(kept) < n:
                 kept.append(text)
         bar.update(len(kept) - before)
