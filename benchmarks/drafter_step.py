@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.targets import load_target_config
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.targets import load_target_config
 
 GIB = 1 << 30
 
@@ -74,7 +74,7 @@ def run_case(cfg: Eagle3Config, attention: str, loss_kind: str, batches, K: int,
     T = batches[0][0].shape[0]
     teacher = w = None
     if loss_kind == "fused":
-        import kernels
+        from eyas import kernels
         teacher = torch.softmax(torch.randn(T, cfg.draft_vocab_size, device=device) * 3, -1).bfloat16()
         w = torch.full((K, T), 1.0 / T, device=device)
         for k in range(K):

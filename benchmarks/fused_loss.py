@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
-from kernels import fused_loss
+from eyas import kernels
+from eyas.kernels import fused_loss
 
 VD = 32000
 DEV = "cuda"
@@ -335,7 +335,7 @@ def sweep(N=16384, H=4096, K=7):
     kernel_ms(best["block"], best["warps"], True)
     fused_loss.MAX_BLOCK_V, fused_loss.NUM_WARPS = best["block"], best["warps"]
 
-    import kernels.loss as kl
+    import eyas.kernels.loss as kl
     dz_bytes = kl.DZ_BYTES
     for C, G in [(1024, 1024), (2048, 2048), (4096, 4096), (512, 4096), (1024, 4096),
                  (2048, 4096), (1024, 6144), (1024, 8192), (2048, 8192)]:

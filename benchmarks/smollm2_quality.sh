@@ -24,7 +24,7 @@ set -euo pipefail
 out=${1:?usage: benchmarks/smollm2_quality.sh OUT_DIR [hydra overrides]}
 shift
 py=${PYTHON:-python3}
-eyas() { "$py" -m train.cli "$@"; }
+eyas() { "$py" -m eyas.train.cli "$@"; }
 mkdir -p "$out"
 export EYAS_RUN_ID=smollm2-quality
 shipped=${SHIPPED:-$("$py" -c "from data.prompts import prompts_path; print(prompts_path('default'))")}

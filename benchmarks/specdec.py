@@ -21,28 +21,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from data.prompts import prompts_path  # noqa: E402
-from models.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,  # noqa: E402
+from eyas.data.prompts import prompts_path
+from eyas.models.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
                             summarize)
-from models.targets import load_target  # noqa: E402
-from train.evaluate import DTYPES, json_safe, load_prompts, offline_eval  # noqa: E402
+from eyas.models.targets import load_target
+from eyas.train.evaluate import DTYPES, json_safe, load_prompts, offline_eval
 
 
 def random_drafter(model, out: Path, k: int) -> Path:
     """Export a random-weight layout-A drafter for `model` (draft vocab 32000 or the target's)."""
-    from models.config import Eagle3Config
-    from models.drafter import Eagle3Drafter
-    from models.export import export_drafter
-    from models.targets import default_aux_layer_ids
+    from eyas.models.config import Eagle3Config
+    from eyas.models.drafter import Eagle3Drafter
+    from eyas.models.export import export_drafter
+    from eyas.models.targets import default_aux_layer_ids
     tcfg = model.config.to_dict()
     vd = min(32000, tcfg["vocab_size"])
     cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=vd,
@@ -56,8 +54,8 @@ def random_drafter(model, out: Path, k: int) -> Path:
 
 def hidden_dataset(model, target: str, prompts, answers, root: Path) -> Path:
     """prompt + target answer per record → token dataset → hidden-state dataset (extract)."""
-    from data.extract import extract
-    from data.shards import write_manifest, write_shard
+    from eyas.data.extract import extract
+    from eyas.data.shards import write_manifest, write_shard
     samples = [{"input_ids": torch.tensor(p + a),
                 "loss_mask": torch.tensor([False] * len(p) + [True] * len(a))}
                for p, a in zip(prompts, answers) if a]

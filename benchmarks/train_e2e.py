@@ -37,10 +37,9 @@ import torch
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from data.shards import write_manifest, write_shard  # noqa: E402
-from models.targets import default_aux_layer_ids, load_target_config, text_config  # noqa: E402
+from eyas.data.shards import write_manifest, write_shard
+from eyas.models.targets import default_aux_layer_ids, load_target_config, text_config
 
 
 def _randn(shape, device, g) -> torch.Tensor:

@@ -51,18 +51,17 @@ from typing import NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from data.loader import Batch  # noqa: E402
-from models.config import Eagle3Config  # noqa: E402
-from models.drafter import Eagle3Drafter  # noqa: E402
-from models.metrics import accept_counts  # noqa: E402
-from models.objective import metric_rows  # noqa: E402
-from models.targets import load_target_config, text_config  # noqa: E402
-from train.optim import MasterAdamW, build_scheduler  # noqa: E402
-from train.step import TrainingModule, batch_inputs  # noqa: E402
-from train.tracking import flops_per_token  # noqa: E402
-from train.update import poisoned  # noqa: E402
+from eyas.data.loader import Batch
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.metrics import accept_counts
+from eyas.models.objective import metric_rows
+from eyas.models.targets import load_target_config, text_config
+from eyas.train.optim import MasterAdamW, build_scheduler
+from eyas.train.step import TrainingModule, batch_inputs
+from eyas.train.tracking import flops_per_token
+from eyas.train.update import poisoned
 
 GIB = 1 << 30
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from data.dataset import Dataset
+    from eyas.data.dataset import Dataset
 
 __all__ = ["load_sample", "open_cached"]
 
@@ -24,8 +24,8 @@ _OPEN_LOCK = threading.Lock()
 
 def open_cached(dataset_dir: str | os.PathLike) -> "Dataset":
     """`open_dataset(dataset_dir)`, cached per resolved path and manifest modification time."""
-    from data.dataset import open_dataset
-    from data.format import MANIFEST_NAME
+    from eyas.data.dataset import open_dataset
+    from eyas.data.format import MANIFEST_NAME
 
     root = Path(dataset_dir).resolve()
     try:

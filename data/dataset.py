@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME,
+from eyas.data.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME,
                          OFFSETS, SAMPLE_CRC, SHARD_FORMAT, DatasetError, Header, as_numpy_bytes,
                          crc32_rows, dequantize_fp8, dtype_from_name, nonfinite_tokens,
                          parse_header, table_checksum)
-from data.utils import progress
+from eyas.data.utils import progress
 
 log = logging.getLogger(__name__)
 

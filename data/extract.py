@@ -28,7 +28,7 @@ recomputed. The manifest is written last, once every planned shard exists.
 
 Several GPUs:
 - data parallel (the target fits one GPU): launch one process per GPU, e.g.
-  ``accelerate launch --num_processes 8 -m data.extract --tokens T --target M --out O``
+  ``accelerate launch --num_processes 8 -m eyas.data.extract --tokens T --target M --out O``
   (or through ``eyas extract``). Process r takes shards i ≡ r (mod world) on ``cuda:<local
   rank>``; after a barrier rank 0 writes the manifest. If the ranks ran as separate jobs,
   ``eyas extract ... --finalize-only`` collects the metas from the shard headers and writes it.
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 # the capture layer; its names are re-exported here for callers of data.extract
-from data.capture import (Capture, ExtractError, check_aux_layers,  # noqa: F401
+from eyas.data.capture import (Capture, ExtractError, check_aux_layers,  # noqa: F401
                           chunked_argmax_topk, find_text_model, logit_transform)
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _load_model(target, device, device_map, dtype: str):
-    from models.targets import load_target, resolve_target
+    from eyas.models.targets import load_target, resolve_target
     if dtype not in DTYPES:
         raise ExtractError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     if device_map is None:
@@ -117,7 +117,7 @@ def _load_model(target, device, device_map, dtype: str):
 
 
 def _write_plan(out: Path, plan: dict[str, Any]) -> None:
-    from data.utils import atomic_write_json
+    from eyas.data.utils import atomic_write_json
     path = out / PLAN_NAME
     if path.exists():
         old = json.loads(path.read_text())
@@ -137,7 +137,7 @@ def _write_plan(out: Path, plan: dict[str, Any]) -> None:
 def _pending_shards(out: Path, ranges: list[list[int]], rank: int, world_size: int
                     ) -> tuple[list[int], list[int]]:
     """(shards this rank must compute, shards already complete) among i = rank (mod world)."""
-    from data.shards import read_shard_meta, shard_name
+    from eyas.data.shards import read_shard_meta, shard_name
     todo, resumed = [], []
     for j in range(rank, len(ranges), world_size):
         path, want = out / shard_name(j), ranges[j][1] - ranges[j][0]
@@ -228,8 +228,8 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
 
     Returns a summary dict (shards computed/resumed, tokens, tokens/s).
     """
-    from data.shards import open_dataset, write_shard
-    from data.utils import progress
+    from eyas.data.shards import open_dataset, write_shard
+    from eyas.data.utils import progress
 
     if teacher not in TEACHERS:
         raise ExtractError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
@@ -321,7 +321,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
 
 def finalize(out_dir: str | Path) -> dict[str, Any]:
     """Write the manifest of an extraction whose planned shards all exist (metas from headers)."""
-    from data.shards import read_shard_meta, shard_name, write_manifest
+    from eyas.data.shards import read_shard_meta, shard_name, write_manifest
     out = Path(out_dir)
     path = out / PLAN_NAME
     if not path.exists():

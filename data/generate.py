@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from data.prepare import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
+from eyas.data.prepare import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                           normalise_record)
 
 log = logging.getLogger(__name__)
@@ -146,8 +146,8 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
 
     Returns `out_path`.
     """
-    from data.prepare import _resolve_template
-    from data.utils import progress
+    from eyas.data.prepare import _resolve_template
+    from eyas.data.utils import progress
 
     if on_error not in ERROR_MODES:
         raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
@@ -187,7 +187,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
         return out_path
 
     if model is None or tokenizer is None:
-        from models.targets import load_target
+        from eyas.models.targets import load_target
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
             dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from data.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
-from data.utils import human_bytes
+from eyas.data.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
+from eyas.data.utils import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
     """A JSON-able summary of the dataset at `path` (see module docstring)."""
     root = Path(path)
     if not (root / MANIFEST_NAME).is_file():
-        from data.shards import read_shard_meta
+        from eyas.data.shards import read_shard_meta
         metas = [read_shard_meta(p) for p in sorted(root.glob(SHARD_GLOB))]
         if not metas:
             raise FileNotFoundError(f"{root}: neither a manifest nor shards; not a dataset")
@@ -46,7 +46,7 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
                "n_shards": len(metas), "bytes": sum(m["bytes"] for m in metas)}
         complete = False
     else:
-        from data.dataset import open_dataset
+        from eyas.data.dataset import open_dataset
         ds = open_dataset(root)
         man, lengths, complete = ds.manifest, ds.sample_lengths, True
     n_tokens = int(lengths.sum())
@@ -106,13 +106,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.verify != "none":
-        from data.dataset import open_dataset
+        from eyas.data.dataset import open_dataset
         open_dataset(args.dir, verify=args.verify)
         print(f"verify={args.verify}: ok")
     s = summarize(args.dir)
     print(json.dumps(s, indent=1) if args.json else format_summary(s))
     if args.samples and s["complete"]:
-        from data.dataset import open_dataset
+        from eyas.data.dataset import open_dataset
         ds = open_dataset(args.dir)
         for i in range(min(args.samples, len(ds))):
             x = ds[i]

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.dataset import Dataset
-from data.packing import PlanStats, build_plan, split_indices
+from eyas.data.dataset import Dataset
+from eyas.data.packing import PlanStats, build_plan, split_indices
 
 __all__ = ["Batch", "PackedLoader", "split_indices"]
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from data.templates import (EOT_STRINGS, Conversation, RecordError, TemplateRenderer,
+from eyas.data.templates import (EOT_STRINGS, Conversation, RecordError, TemplateRenderer,
                             tokenizer_identity)
 
 __all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
@@ -165,12 +165,12 @@ def _resolve_template(chat_template: str | None) -> tuple[str | None, str | None
     """(template text or None for the tokenizer's own, name recorded in the manifest)."""
     if chat_template is None:
         return None, None
-    from data.templates import load_template
+    from eyas.data.templates import load_template
     return load_template(chat_template), str(chat_template)
 
 
 def _clear_stale_shards(out: Path) -> None:
-    from data.format import MANIFEST_NAME, SHARD_GLOB
+    from eyas.data.format import MANIFEST_NAME, SHARD_GLOB
     if (out / MANIFEST_NAME).exists():
         raise FileExistsError(f"{out} already holds a complete dataset ({MANIFEST_NAME}); choose "
                               f"another --out or remove it")
@@ -207,8 +207,8 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
 
     Returns a summary dict (also stored in the manifest under "prepare").
     """
-    from data.shards import write_manifest, write_shard
-    from data.utils import progress
+    from eyas.data.shards import write_manifest, write_shard
+    from eyas.data.utils import progress
 
     if on_error not in ERROR_MODES:
         raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
@@ -220,13 +220,13 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
     _clear_stale_shards(out)
     source = Path(input_path)
     if generate:
-        from data.generate import generate_conversations
+        from eyas.data.generate import generate_conversations
         source = generate_conversations(input_path, target, out / "generated.jsonl",
                                         on_error=on_error, chat_template=chat_template,
                                         template_kwargs=template_kwargs,
                                         **(generate_kwargs or {}))
     if tokenizer is None:
-        from models.targets import load_tokenizer
+        from eyas.models.targets import load_tokenizer
         tokenizer = load_tokenizer(target)
     template, template_name = _resolve_template(chat_template)
     renderer = TemplateRenderer(tokenizer, template, dict(template_kwargs or {}),

@@ -26,13 +26,13 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from data.dataset import Dataset, open_dataset, shard_meta_from_header
-from data.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOAT_FIELDS, FORMAT_VERSION,
+from eyas.data.dataset import Dataset, open_dataset, shard_meta_from_header
+from eyas.data.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOAT_FIELDS, FORMAT_VERSION,
                          ID_FIELDS, INDEX_NAME, KINDS, MANIFEST_NAME, OFFSETS, READ_DTYPES,
                          RESERVED, SAMPLE_CRC, SHARD_FORMAT, DatasetError, as_numpy_bytes,
                          crc32_rows, dequantize_fp8, dtype_name, json_meta, nonfinite_tokens,
                          parse_header, quantize_fp8, table_checksum)
-from data.utils import atomic_path, atomic_write_json
+from eyas.data.utils import atomic_path, atomic_write_json
 
 __all__ = ["Dataset", "DatasetError", "open_dataset", "write_shard", "read_shard_meta",
            "write_manifest", "shard_name", "quantize_fp8", "dequantize_fp8"]

@@ -37,8 +37,8 @@ from typing import Iterable
 
 import torch
 
-from data.generate import _generate_batch, _stop_ids
-from data.utils import atomic_write_bytes, progress
+from eyas.data.generate import _generate_batch, _stop_ids
+from eyas.data.utils import atomic_write_bytes, progress
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +183,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     starts = prompt_openers([t for f in args.openers_from for t in prompt_texts(f)],
                             args.opener_words) if args.openers_from else []
 
-    from data.prompts import prompts_path
-    from models.targets import load_target
+    from eyas.data.prompts import prompts_path
+    from eyas.models.targets import load_target
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)

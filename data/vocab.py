@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from data.utils import atomic_path, progress
+from eyas.data.utils import atomic_path, progress
 
 log = logging.getLogger(__name__)
 
@@ -279,12 +279,12 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="V, if the dataset manifest does not record it")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from data.dataset import open_dataset
+    from eyas.data.dataset import open_dataset
 
     ds = open_dataset(args.data)
     forced = [int(x) for x in args.force_ids.split(",") if x.strip()]
     if args.force_special_from:
-        from models.targets import load_tokenizer
+        from eyas.models.targets import load_tokenizer
         special = special_token_ids(load_tokenizer(args.force_special_from))
         print(f"forcing {len(special)} special/template token ids from {args.force_special_from}")
         forced += special

@@ -5,7 +5,7 @@
 - ``teacher_probs`` / ``teacher_from_topk``: the [N, Vd] teacher, once per batch.
 """
 
-from kernels.loss import LossOutput, auto_chunk_size, eagle3_loss
-from kernels.teacher import teacher_from_topk, teacher_probs
+from eyas.kernels.loss import LossOutput, auto_chunk_size, eagle3_loss
+from eyas.kernels.teacher import teacher_from_topk, teacher_probs
 
 __all__ = ["LossOutput", "auto_chunk_size", "eagle3_loss", "teacher_from_topk", "teacher_probs"]

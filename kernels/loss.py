@@ -31,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_BACKENDS = {"triton": "kernels.fused_loss", "torch": "kernels.loss_torch"}
+_BACKENDS = {"triton": "eyas.kernels.fused_loss", "torch": "eyas.kernels.loss_torch"}
 # Buffer sizes (tuned on an H200, benchmarks/README.md): the fp32 logits chunk z [C, Vd] and
 # the dz group [G, Vd] that feeds the dh/dW GEMMs. Vd = 32000 gives C = 1024, G = 6144.
 Z_BYTES = 128 << 20

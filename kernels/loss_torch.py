@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.loss import LossOutput, eagle3_loss
+from eyas.kernels.loss import LossOutput, eagle3_loss
 
 
 def _global_rows(row0: int, c: int, device, rows) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.loss import _mm_f32
+from eyas.kernels.loss import _mm_f32
 
 _TEACHER_CHUNK_BYTES = 256 << 20      # fp32 logits of one chunk
 

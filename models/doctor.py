@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from models.validate import (ERROR, WARNING, Finding, TensorDir, finding, read_config,
+from eyas.models.validate import (ERROR, WARNING, Finding, TensorDir, finding, read_config,
                              resolve_target_config, validate)
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def _target_dir(target_config: Any) -> Path | None:
             return p
         if p.is_file():
             return p.parent
-        from models.targets import DEFAULT_CACHE_DIR, LOADABLE
+        from eyas.models.targets import DEFAULT_CACHE_DIR, LOADABLE
         cached = DEFAULT_CACHE_DIR / "targets" / str(target_config)
         if str(target_config) in LOADABLE and (cached / "config.json").is_file():
             return cached
@@ -159,7 +159,7 @@ def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any
         report.not_checked.append("chat template: no target directory with a tokenizer at "
                                   "hand (pass --target-config as the target's directory)")
         return
-    from data.templates import template_sha256
+    from eyas.data.templates import template_sha256
     sha = template_sha256(template)
     if tok["chat_template_sha256"] != sha:
         report.add("DATA_TEMPLATE", WARNING,
@@ -214,7 +214,7 @@ def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tens
     manifest = json.loads(mf.read_text())
     _check_manifest(report, manifest, cfg, tcfg, target_dir)
     try:
-        from data.shards import open_dataset
+        from eyas.data.shards import open_dataset
     except ImportError as e:
         report.not_checked.append(f"draft vocabulary coverage: the dataset reader is not "
                                   f"available ({e})")
@@ -280,7 +280,7 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
         if "t2d" in tdir.names:
             t2d = tdir.load("t2d").bool()
         elif "d2t" in tdir.names:
-            from models.export import t2d_from_d2t
+            from eyas.models.export import t2d_from_d2t
             t2d = t2d_from_d2t(tdir.load("d2t"), int(cfg["vocab_size"]))
         _check_data(report, Path(data), cfg, t2d, tcfg, _target_dir(target_config), max_samples)
     else:

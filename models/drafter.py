@@ -42,9 +42,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from models.attention import ATTENTION_KINDS, TTTAttention
-from models.config import Eagle3Config, rope_type
-from models.ttt import step_positions, step_tokens, structural_valid
+from eyas.models.attention import ATTENTION_KINDS, TTTAttention
+from eyas.models.config import Eagle3Config, rope_type
+from eyas.models.ttt import step_positions, step_tokens, structural_valid
 
 log = logging.getLogger(__name__)
 

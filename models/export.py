@@ -36,9 +36,9 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
-from models.importer import (find_key, load_state_dict_file, read_drafter_dir,
+from eyas.models.importer import (find_key, load_state_dict_file, read_drafter_dir,
                              read_trainer_checkpoint)
-from models.validate import (CORE_TENSORS, ERROR, TensorDir, all_finite, expected_shapes,
+from eyas.models.validate import (CORE_TENSORS, ERROR, TensorDir, all_finite, expected_shapes,
                              format_findings, resolve_target_config)
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def _config_dict(config: Any) -> tuple[dict[str, Any], int | None]:
     an Eagle3Config (`Eagle3Config.to_dict()`, as a trainer checkpoint's eyas.json stores it).
     """
     if isinstance(config, Mapping) and "aux_layer_ids" in config:
-        from models.config import Eagle3Config
+        from eyas.models.config import Eagle3Config
         config = Eagle3Config(**dict(config))
     if hasattr(config, "to_config_dict"):
         return dict(config.to_config_dict()), getattr(config, "ttt_steps", None)
@@ -249,7 +249,7 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
         if d2t is None:
             raise ExportError(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t was given or "
                               f"found in the checkpoint: pass the training vocab map")
-        from data.vocab import validate_vocab
+        from eyas.data.vocab import validate_vocab
         try:
             d2t = d2t.to(torch.int64).contiguous()
             t2d = (t2d.bool() if t2d is not None else t2d_from_d2t(d2t, V)).contiguous()
@@ -298,7 +298,7 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
         _save_tensors(tensors, tmp, max_shard_bytes)
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         if check:
-            from models.validate_static import check_config, check_tensors
+            from eyas.models.validate_static import check_config, check_tensors
             # values were checked in memory above; the files are checked for layout only
             findings = check_config(cfg, tcfg) + check_tensors(TensorDir(tmp), cfg, tcfg,
                                                                check_values=False)
@@ -311,7 +311,7 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     out = atomic_write_dir(Path(out_dir), build, overwrite)
     log.info("exported drafter to %s", out)
     if speculators:
-        from models.export_speculators import write_speculators_export
+        from eyas.models.export_speculators import write_speculators_export
         write_speculators_export(out, Path(f"{out}-speculators"), verifier=verifier,
                                  target_config=tcfg,
                                  num_speculative_tokens=num_speculative_tokens or ttt_steps or 3,

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from models.export import ExportError, atomic_write_dir
+from eyas.models.export import ExportError, atomic_write_dir
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from models.validate import CORE_TENSORS, TensorDir, read_config, resolve_target_config
+from eyas.models.validate import CORE_TENSORS, TensorDir, read_config, resolve_target_config
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ def _aux_ids(src: dict[str, Any], tcfg: dict[str, Any] | None, where: str,
     if tcfg is None:
         raise ValueError(f"{where} names no aux layer ids: pass the target config so the "
                          f"engines' default (2, N//2, N-3) can be used")
-    from models.targets import default_aux_layer_ids
+    from eyas.models.targets import default_aux_layer_ids
     ids = default_aux_layer_ids(tcfg["num_hidden_layers"])
     log.warning("%s names no aux layer ids; assuming the engines' default %s", where, ids)
     return ids
@@ -214,7 +214,7 @@ _LAYER_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "h
 def _layout_a_from(src: dict[str, Any], layer: dict[str, Any], aux: list[int],
                    draft_vocab_size: int) -> dict[str, Any]:
     """A layout-A config.json dict from a source's layer fields (`layer`) and EAGLE fields."""
-    from models.config import Eagle3Config
+    from eyas.models.config import Eagle3Config
     H = layer["hidden_size"]
     d = {k: layer[k] for k in _LAYER_FIELDS if layer.get(k) is not None}
     d.update(target_hidden_size=src.get("target_hidden_size") or H,
@@ -301,7 +301,7 @@ def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None =
             log.info("%s: d2t stored as %s; converted to int64 (values unchanged)", path, d2t.dtype)
             d2t = d2t.to(torch.int64)
         if t2d is None:
-            from models.export import t2d_from_d2t
+            from eyas.models.export import t2d_from_d2t
             t2d = t2d_from_d2t(d2t, V)
         elif t2d.dtype != torch.bool:
             t2d = t2d.bool()
@@ -332,7 +332,7 @@ def import_drafter(path: str | Path, target_config: dict | str | Path | None = N
     `target_config` is needed only when the source names no aux layer ids (then the engines'
     default 2, N//2, N-3 is assumed, with a warning).
     """
-    from models.config import Eagle3Config
+    from eyas.models.config import Eagle3Config
     cfg, sd, d2t, t2d, fmt = read_drafter_dir(path, target_config)
     # training-only fields (ttt_steps) keep Eagle3Config's defaults; the trainer sets them
     return ImportedDrafter(Eagle3Config.from_config_dict(cfg), sd, d2t, t2d, cfg, fmt)

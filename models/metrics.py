@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.ttt import shifted_for_steps
+from eyas.models.ttt import shifted_for_steps
 
 COUNT_KEYS = ("correct", "total", "cond_correct", "cond_total", "accept_len_sum", "chain_starts")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from models.ttt import shifted_for_steps, structural_valid
+from eyas.models.ttt import shifted_for_steps, structural_valid
 
 NORMALISATIONS = ("valid", "specforge")
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from models.reference import EngineDrafter
+from eyas.models.reference import EngineDrafter
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def drafter_aux_layer_ids(cfg: dict, num_target_layers: int) -> list[int]:
         sg = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
         ids = None if sg is None else [int(i) + 1 for i in sg]
     if ids is None:
-        from models.targets import default_aux_layer_ids
+        from eyas.models.targets import default_aux_layer_ids
         ids = default_aux_layer_ids(num_target_layers)
         log.warning("drafter config names no aux layer ids; using the engines' default %s", ids)
     ids = [int(i) for i in ids]
@@ -70,7 +70,7 @@ def load_engine_drafter(drafter_dir: str | Path, target_embedding: Tensor,
 
     target_embedding: the target's input embedding [V, H]. Errors name the directory.
     """
-    from models.validate import TensorDir, read_config
+    from eyas.models.validate import TensorDir, read_config
     path = Path(drafter_dir)
     cfg = read_config(path)
     tdir = TensorDir(path)
@@ -96,7 +96,7 @@ class TargetRunner:
     """
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None):
-        from data.capture import Capture, find_text_model
+        from eyas.data.capture import Capture, find_text_model
         self.model = model
         self.text, layers, norm, self.head = find_text_model(model)
         self.capture = Capture(layers, list(aux_layer_ids), norm) if aux_layer_ids else None
@@ -267,7 +267,7 @@ def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: li
     prompts: token id lists (chat template already applied). Returns [(name, greedy, spec)].
     A short warm-up of both paths runs first (first calls allocate and pick kernels).
     """
-    from data.utils import progress as bar
+    from eyas.data.utils import progress as bar
     n_layers = int(model.config.get_text_config().num_hidden_layers)
     aux_ids = drafter_aux_layer_ids(drafter_cfg, n_layers)
     plain, verifier = TargetRunner(model), TargetRunner(model, aux_ids)

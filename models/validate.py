@@ -294,7 +294,7 @@ def resolve_target_config(target_config: dict[str, Any] | str | Path | None) -> 
     """A target config.json dict (its text part) from a dict, a preset name, a file or a dir."""
     if target_config is None:
         return None
-    from models.targets import load_target_config, text_config
+    from eyas.models.targets import load_target_config, text_config
     cfg = target_config if isinstance(target_config, dict) else load_target_config(target_config)
     return text_config(cfg)
 
@@ -317,7 +317,7 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
     target's safetensors) or a seeded random one; `trainer_state_dict` (the checkpoint's
     tensors) makes the training side independent of the export.
     """
-    from models.validate_static import check_config, check_tensors
+    from eyas.models.validate_static import check_config, check_tensors
     path = Path(path)
     if not path.is_dir():
         return [finding("CONFIG_MISSING", ERROR, f"{path} is not a directory",
@@ -345,7 +345,7 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
         if any(f.severity == ERROR for f in findings):
             log.warning("skipping the numerical check: fix the static errors first")
         else:
-            from models.validate_numeric import check_numeric
+            from eyas.models.validate_numeric import check_numeric
             findings += check_numeric(path, tcfg, target_weights=target_weights, tol=numeric_tol,
                                       trainer_state_dict=trainer_state_dict)
     return findings
@@ -390,7 +390,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     else:
         print(format_findings(findings))
     if args.engines:
-        from models.engines import engines_cli_main
+        from eyas.models.engines import engines_cli_main
         engines = engines_cli_main([args.dir, "--target-config", args.target_config,
                                     "--engines", args.engines])
         return max(1 if findings else 0, engines)

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from models.validate import ERROR, Finding, TensorDir, finding, read_config
+from eyas.models.validate import ERROR, Finding, TensorDir, finding, read_config
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,9 @@ def compare(cfg: dict[str, Any], tensors: Mapping[str, torch.Tensor], embedding:
 
     Returns {"max_abs_diff": [K floats], "max_abs_logit": float, "argmax_agree": [K floats]}.
     """
-    from models.config import Eagle3Config
-    from models.drafter import Eagle3Drafter
-    from models.reference import EngineDrafter, serve_packed
+    from eyas.models.config import Eagle3Config
+    from eyas.models.drafter import Eagle3Drafter
+    from eyas.models.reference import EngineDrafter, serve_packed
 
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}
     emb = embedding.float()
@@ -75,7 +75,7 @@ def compare(cfg: dict[str, Any], tensors: Mapping[str, torch.Tensor], embedding:
         drafter = Eagle3Drafter(dcfg, attention="eager")
     # the trainer's tensors as the export must hold them: bf16-rounded, then fp32 like the engine
     if trainer_state_dict is not None:
-        from models.export import normalise_names
+        from eyas.models.export import normalise_names
         trainer_state_dict = normalise_names(trainer_state_dict)
     src = f32 if trainer_state_dict is None else {
         k: (v.detach().to(torch.bfloat16).float() if v.is_floating_point() else v)
@@ -84,7 +84,7 @@ def compare(cfg: dict[str, Any], tensors: Mapping[str, torch.Tensor], embedding:
     if "d2t" not in state:  # full-vocabulary drafter: identity mapping
         state["d2t"] = torch.zeros(dcfg.draft_vocab_size, dtype=torch.int64)
     if "t2d" not in state:
-        from models.export import t2d_from_d2t
+        from eyas.models.export import t2d_from_d2t
         state["t2d"] = t2d_from_d2t(state["d2t"], dcfg.vocab_size)
     drafter.load_state_dict(state, strict=True, assign=True)
     drafter.eval()

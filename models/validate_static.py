@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from models.validate import (CORE_TENSORS, ERROR, FLOAT_DTYPES, WARNING, Finding, TensorDir,
+from eyas.models.validate import (CORE_TENSORS, ERROR, FLOAT_DTYPES, WARNING, Finding, TensorDir,
                              all_finite, config_dims, expected_shapes, finding)
 
 #: settings that SGLang cannot parse (speculators format) or that only 2026-05+ builds implement

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from data.utils import atomic_write_json
+from eyas.data.utils import atomic_write_json
 
 log = logging.getLogger(__name__)
 

@@ -8,17 +8,17 @@ import sys
 
 # subcommand -> (module with cli_main, one-line help)
 COMMANDS = {
-    "prepare": ("data.prepare", "tokenise conversations (or generate them with the target) into a token dataset"),
-    "synthesize": ("data.synthesize", "sample user prompts from the target itself (more, different prompts)"),
-    "extract": ("data.extract", "run the target over a token dataset and store its hidden states"),
-    "import": ("data.importers", "convert SpecForge/speculators hidden states into an eyas dataset"),
-    "vocab": ("data.vocab", "build the draft vocabulary map (d2t/t2d) from a dataset"),
-    "inspect": ("data.inspect", "summarise a dataset: samples, tokens, bytes/token, modes"),
-    "export": ("models.export", "turn a training checkpoint into a directory vLLM and SGLang load"),
-    "validate": ("models.validate", "check an exported drafter against the serving contract"),
-    "doctor": ("models.doctor", "explain the likely causes of low acceptance"),
-    "engines": ("models.engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
-    "evaluate": ("train.evaluate", "offline acceptance on a dataset, or real speculative decoding"),
+    "prepare": ("eyas.data.prepare", "tokenise conversations (or generate them with the target) into a token dataset"),
+    "synthesize": ("eyas.data.synthesize", "sample user prompts from the target itself (more, different prompts)"),
+    "extract": ("eyas.data.extract", "run the target over a token dataset and store its hidden states"),
+    "import": ("eyas.data.importers", "convert SpecForge/speculators hidden states into an eyas dataset"),
+    "vocab": ("eyas.data.vocab", "build the draft vocabulary map (d2t/t2d) from a dataset"),
+    "inspect": ("eyas.data.inspect", "summarise a dataset: samples, tokens, bytes/token, modes"),
+    "export": ("eyas.models.export", "turn a training checkpoint into a directory vLLM and SGLang load"),
+    "validate": ("eyas.models.validate", "check an exported drafter against the serving contract"),
+    "doctor": ("eyas.models.doctor", "explain the likely causes of low acceptance"),
+    "engines": ("eyas.models.engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
+    "evaluate": ("eyas.train.evaluate", "offline acceptance on a dataset, or real speculative decoding"),
 }
 
 USAGE = "usage: eyas <command> [--help] [args...]\n\ncommands:\n" + "\n".join(
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
         return 2
     module_name = COMMANDS[name][0]
-    from train.log import setup_logging
+    from eyas.train.log import setup_logging
     setup_logging()
     _cpu_threads()
     try:

@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-from train.config import DistBackend
+from eyas.train.config import DistBackend
 
 log = logging.getLogger(__name__)
 

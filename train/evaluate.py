@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from models.metrics import COUNT_KEYS, accept_counts, add_counts, chain_alive
-from models.objective import metric_mask
+from eyas.models.metrics import COUNT_KEYS, accept_counts, add_counts, chain_alive
+from eyas.models.objective import metric_mask
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +160,10 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
     target: preset or directory whose input embedding the drafter uses (memory-mapped).
     attention: TTT attention kind (default: "flex" on CUDA, "lse-eager" on CPU).
     """
-    from models.drafter import Eagle3Drafter
-    from models.export import t2d_from_d2t
-    from models.importer import import_drafter
-    from models.targets import load_embedding_and_head
+    from eyas.models.drafter import Eagle3Drafter
+    from eyas.models.export import t2d_from_d2t
+    from eyas.models.importer import import_drafter
+    from eyas.models.targets import load_embedding_and_head
     dev = torch.device(device)
     imp = import_drafter(drafter_dir)
     cfg = imp.config
@@ -198,8 +198,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     dtype: compute dtype for a directory (default bf16 on CUDA, fp32 on CPU; the exported
     values are bf16 either way). Returns summarize_counts(...) plus run information.
     """
-    from data.dataset import open_dataset
-    from data.loader import PackedLoader
+    from eyas.data.dataset import open_dataset
+    from eyas.data.loader import PackedLoader
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     dev = torch.device(device)
@@ -230,7 +230,7 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     was_training = drafter.training
     drafter.eval()
     counts, tokens, t0 = None, 0, time.perf_counter()
-    from data.utils import progress
+    from eyas.data.utils import progress
     for batch in progress(loader, total=len(loader), desc="offline eval", unit="batch"):
         batch = batch.to(dev)
         arg, mask = draft_argmax(drafter, batch, k)
@@ -262,7 +262,7 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
     Trailing assistant messages are dropped (the target answers the last user turn itself);
     the target's chat template is applied with add_generation_prompt=True.
     """
-    from data.prepare import RecordError, iter_jsonl, normalise_record
+    from eyas.data.prepare import RecordError, iter_jsonl, normalise_record
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompts file (JSONL with OpenAI `messages`)")
@@ -305,11 +305,11 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     Batch size 1; the drafter runs on the CPU.
     Returns models.specdec.summarize's dict plus the run settings.
     """
-    from models.specdec import load_engine_drafter, run_prompts, stop_token_ids
+    from eyas.models.specdec import load_engine_drafter, run_prompts, stop_token_ids
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if model is None or tokenizer is None:
-        from models.targets import load_target
+        from eyas.models.targets import load_target
         model, tokenizer = load_target(target, dtype=DTYPES[dtype], cache_dir=cache_dir)
     elif next(model.parameters()).dtype != DTYPES[dtype]:
         raise ValueError(f"the model passed in is {next(model.parameters()).dtype}, but "
@@ -435,15 +435,15 @@ def cli_main(argv: list[str] | None = None) -> int:
     else:
         indices = None
         if args.eval_fraction is not None:
-            from data.dataset import open_dataset
-            from data.packing import split_indices
+            from eyas.data.dataset import open_dataset
+            from eyas.data.packing import split_indices
             indices = split_indices(len(open_dataset(args.data)), args.eval_fraction,
                                     args.seed)[1]
         res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
                            indices=indices, device=args.device, target=args.target,
                            cache_dir=args.cache_dir,
                            dtype=DTYPES[args.dtype] if args.dtype else None)
-    from data.utils import atomic_write_json
+    from eyas.data.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
     print(f"wrote {args.out}")

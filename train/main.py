@@ -14,17 +14,13 @@ Examples:
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script by accelerate: make the repo importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hydra
+from omegaconf import DictConfig, OmegaConf
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-
-from train.config import ConfigError, check, register  # noqa: E402
-from train.log import setup_logging  # noqa: E402
+from eyas.train.config import ConfigError, check, register
+from eyas.train.log import setup_logging
 
 log = logging.getLogger("eyas")
 
@@ -33,8 +29,8 @@ register()
 
 def run(cfg: DictConfig) -> dict:
     """The whole job for one composed config; returns the final summary."""
-    from train import pipeline
-    from train.dist import build_accelerator
+    from eyas.train import pipeline
+    from eyas.train.dist import build_accelerator
 
     check(cfg)
     out = Path(cfg.output_dir)
@@ -95,7 +91,7 @@ def _write_rank_record(out: Path, accelerator, cfg: DictConfig) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     setup_logging()
-    from train.pipeline import StageUnavailable
+    from eyas.train.pipeline import StageUnavailable
 
     try:
         summary = run(cfg)
@@ -105,7 +101,7 @@ def main(cfg: DictConfig) -> None:
     except StageUnavailable as e:
         log.error("%s", e)
         raise SystemExit(3) from None
-    from train.log import current_rank
+    from eyas.train.log import current_rank
     if current_rank() == 0:
         if summary.get("export"):
             print(f"export: {summary['export']}")

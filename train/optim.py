@@ -18,7 +18,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from train.config import Schedule
+from eyas.train.config import Schedule
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -96,7 +96,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def _fused_step(self, skip: torch.Tensor | None):
         """The same update through kernels.adamw (state kept in torch AdamW's layout)."""
-        from kernels.adamw import master_adamw_
+        from eyas.kernels.adamw import master_adamw_
         for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
                                                self.masters):
             for key in ("lr", "betas", "eps", "weight_decay"):

@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.prompts import prompts_path
-from data.utils import atomic_write_bytes
-from train.config import enum_value as _value
+from eyas.data.prompts import prompts_path
+from eyas.data.utils import atomic_write_bytes
+from eyas.train.config import enum_value as _value
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def _sampled_prompts(prepare, subset: Path, extra: int) -> list[str]:
 def _synthetic_prompts(cfg, root: Path, model, tokenizer, prompts: Path) -> list[str]:
     """`data.synthetic_prompts` prompts sampled from the target (cached in root), as JSONL lines;
     none repeats a shipped prompt or a held-out one."""
-    from data.synthesize import prompt_openers, prompt_texts, synthesize_prompts
+    from eyas.data.synthesize import prompt_openers, prompt_texts, synthesize_prompts
     path = root / "prompts.synthetic.jsonl"
     words = cfg.data.synthetic_opener_words
     if not path.is_file():
@@ -106,9 +106,9 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     Each prompt is answered `data.samples_per_prompt` times into one conversations file: answer
     0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
     """
-    prepare = _need("data.prepare", "dataset (prepare)")
-    generate = _need("data.generate", "dataset (generate)")
-    extract = _need("data.extract", "dataset (extract)")
+    prepare = _need("eyas.data.prepare", "dataset (prepare)")
+    generate = _need("eyas.data.generate", "dataset (generate)")
+    extract = _need("eyas.data.extract", "dataset (extract)")
     root = Path(cfg.data.cache_dir).expanduser() / "datasets" / _embedded_key(cfg)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
@@ -125,7 +125,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
              f" and {n_synth} it writes itself" if n_synth else "", samples, root)
     import torch
 
-    from models.targets import load_target
+    from eyas.models.targets import load_target
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
@@ -174,7 +174,7 @@ def ensure_dataset(cfg) -> DatasetPaths:
 
 
 def run_training(cfg, accelerator, datasets: DatasetPaths):
-    trainer = _need("train.trainer", "train")
+    trainer = _need("eyas.train.trainer", "train")
     return trainer.train(cfg, accelerator, datasets)
 
 
@@ -182,7 +182,7 @@ def run_speculative_check(cfg, export_dir: str | Path) -> dict | None:
     """Real greedy speculative decoding with the target on held-out prompts (rank 0 only)."""
     if not cfg.eval.speculative:
         return None
-    evaluate = _need("train.evaluate", "speculative decoding check")
+    evaluate = _need("eyas.train.evaluate", "speculative decoding check")
     if not hasattr(evaluate, "speculative_eval"):
         raise StageUnavailable("speculative decoding check: not implemented yet "
                                "(train.evaluate.speculative_eval is missing)")
@@ -200,13 +200,13 @@ def run_engine_check(cfg, export_dir: str | Path) -> dict[str, str] | None:
     """
     if not cfg.eval.engines:
         return None
-    from models.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
+    from eyas.models.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
     present = [e for e in DEFAULT_VERSIONS if ready_info(venv_dir(e))]
     if not present:
         log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
         return None
-    from models.engines import check_engines
-    from models.targets import load_target_config
+    from eyas.models.engines import check_engines
+    from eyas.models.targets import load_target_config
     reports = check_engines(export_dir, load_target_config(cfg.target.name), engines=present,
                             setup=False)
     return {e: ("ok" if r.ok else (r.findings[0].code if r.findings else "failed"))

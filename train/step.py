@@ -14,9 +14,9 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-import kernels
-from models.drafter import Eagle3Drafter
-from models.objective import metric_mask, metric_rows, row_weights
+from eyas import kernels
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.objective import metric_mask, metric_rows, row_weights
 
 
 @dataclass

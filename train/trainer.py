@@ -24,23 +24,23 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType, set_seed
 
-from data.dataset import open_dataset
-from data.loader import PackedLoader
-from data.packing import split_indices
-from data.vocab import build_vocab, load_vocab, save_vocab
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.metrics import accept_counts, add_counts, finalize
-from models.targets import load_embedding_and_head, load_target_config, text_config
-from train import checkpoint as ckpt
-from train.config import DistBackend, to_plain
-from train.config import enum_value as _value
-from train.dist import param_dtype
-from train.evaluate import chain_counts
-from train.optim import build_optimizer, build_scheduler
-from train.step import TrainingModule, resolve_loss_impl, to_device
-from train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
-from train.update import SkippedSteps, host_checked_micro_step, micro_step
+from eyas.data.dataset import open_dataset
+from eyas.data.loader import PackedLoader
+from eyas.data.packing import split_indices
+from eyas.data.vocab import build_vocab, load_vocab, save_vocab
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.metrics import accept_counts, add_counts, finalize
+from eyas.models.targets import load_embedding_and_head, load_target_config, text_config
+from eyas.train import checkpoint as ckpt
+from eyas.train.config import DistBackend, to_plain
+from eyas.train.config import enum_value as _value
+from eyas.train.dist import param_dtype
+from eyas.train.evaluate import chain_counts
+from eyas.train.optim import build_optimizer, build_scheduler
+from eyas.train.step import TrainingModule, resolve_loss_impl, to_device
+from eyas.train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
+from eyas.train.update import SkippedSteps, host_checked_micro_step, micro_step
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def _vocab(cfg, accelerator, train_ds, V: int, out: Path, warm) -> tuple[torch.T
     if accelerator.is_main_process:
         force = []
         try:
-            from data.vocab import special_token_ids
-            from models.targets import load_tokenizer
+            from eyas.data.vocab import special_token_ids
+            from eyas.models.targets import load_tokenizer
             force = special_token_ids(load_tokenizer(cfg.target.name, cfg.data.cache_dir))
         except Exception as e:  # config-only targets have no tokenizer here
             log.info("no tokenizer for %s (%s): no special tokens forced into the draft vocab",
@@ -111,7 +111,7 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
 
     warm = None
     if cfg.drafter.warm_start:
-        from models.importer import import_drafter
+        from eyas.models.importer import import_drafter
         warm = import_drafter(cfg.drafter.warm_start, target_cfg)
     d2t, t2d = _vocab(cfg, accelerator, train_ds, V, out, warm)
 
@@ -372,7 +372,7 @@ def _write_export_meta(accelerator, path: Path, s: Setup, cfg) -> None:
     """eyas.json + vocab next to the accelerate state, so `eyas export CHECKPOINT` works."""
     if not accelerator.is_main_process:
         return
-    from data.utils import atomic_write_json
+    from eyas.data.utils import atomic_write_json
     save_vocab(path / "vocab.safetensors", s.d2t, s.t2d)
     atomic_write_json(path / "eyas.json", {"drafter": s.config.to_dict(),
                                            "ttt_steps": cfg.drafter.ttt_steps,
@@ -382,7 +382,7 @@ def _write_export_meta(accelerator, path: Path, s: Setup, cfg) -> None:
 
 def export_final(cfg, accelerator, s: Setup, out_dir: Path) -> Path:
     """Layout-A export of the current weights (gathers ZeRO-3 shards), written by rank 0."""
-    from models.export import export_drafter
+    from eyas.models.export import export_drafter
     state = accelerator.get_state_dict(s.module)
     if accelerator.is_main_process:
         export_drafter(state, s.config, s.d2t, s.t2d, out_dir, target_config=s.target_config,

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from train.optim import MasterAdamW
+from eyas.train.optim import MasterAdamW
 
 log = logging.getLogger(__name__)
 

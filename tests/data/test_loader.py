@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from data.loader import Batch, PackedLoader, split_indices
-from data.packing import build_plan
-from data.shards import open_dataset, write_manifest, write_shard
+from eyas.data.loader import Batch, PackedLoader, split_indices
+from eyas.data.packing import build_plan
+from eyas.data.shards import open_dataset, write_manifest, write_shard
 
 TH = 8  # target hidden (real: 4096)
 REPO = Path(__file__).resolve().parents[2]
@@ -193,8 +193,8 @@ def test_workers_do_not_change_batches(tmp_path):
 
 _WORKER = textwrap.dedent("""
     import json, sys
-    from data.shards import open_dataset
-    from data.loader import PackedLoader
+    from eyas.data.shards import open_dataset
+    from eyas.data.loader import PackedLoader
     root, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     loader = PackedLoader(open_dataset(root), 40, rank, 2, seed=11, num_workers=2)
     rows = [[b.num_tokens, int(b.input_ids.sum()), float(b.aux.float().sum())] for b in loader]

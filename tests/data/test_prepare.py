@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from data.prepare import PrepareError, prepare
-from data.shards import open_dataset
-from data.templates import available_templates, load_template, template_sha256
-from models.targets import load_tokenizer
+from eyas.data.prepare import PrepareError, prepare
+from eyas.data.shards import open_dataset
+from eyas.data.templates import available_templates, load_template, template_sha256
+from eyas.models.targets import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import logging
 import pytest
 import torch
 
-from data.generate import generate_conversations, scan_done
-from data.prepare import PrepareError, prepare
-from data.shards import open_dataset
-from models.targets import load_target
+from eyas.data.generate import generate_conversations, scan_done
+from eyas.data.prepare import PrepareError, prepare
+from eyas.data.shards import open_dataset
+from eyas.models.targets import load_target
 
 PROMPTS = [
     {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
@@ -64,7 +64,7 @@ def test_resume_skips_done_ids_and_discards_partial_line(tmp_path, tiny, caplog)
                                                             "content": "KEPT"}])
     partial = json.dumps(ref[1])[:40]                     # a crash in the middle of line 2
     out.write_text(json.dumps(kept) + "\n" + partial)
-    with caplog.at_level(logging.WARNING, logger="data.generate"):
+    with caplog.at_level(logging.WARNING, logger="eyas.data.generate"):
         gen(tmp_path, tiny, out)
     assert "discarding a partial last line" in caplog.text
     got = lines(out)

@@ -7,10 +7,10 @@ import pytest
 import safetensors.torch
 import torch
 
-import data
-from data import shards
-from data.format import MANIFEST_NAME
-from data.shards import (DatasetError, open_dataset, read_shard_meta, shard_name, write_manifest,
+from eyas import data
+from eyas.data import shards
+from eyas.data.format import MANIFEST_NAME
+from eyas.data.shards import (DatasetError, open_dataset, read_shard_meta, shard_name, write_manifest,
                          write_shard)
 
 TH = 16  # target hidden size (real: 4096 for Llama-3.1-8B)
@@ -83,7 +83,7 @@ def test_fp8_round_trip_within_bound(tmp_path):
     _, metas16 = write_dataset(tmp_path / "bf16", [[6, 11]])
     assert metas[0]["fields"]["aux"]["stored_dtype"] == "float8_e4m3fn"
     # aux payload halves: 3*tH bytes per token fewer, plus a 12-byte fp32 scale per token
-    from data.format import parse_header
+    from eyas.data.format import parse_header
     payload = {fmt: {n: e.nbytes for n, e in parse_header(tmp_path / fmt / shard_name(0))
                      .tensors.items()} for fmt in ("fp8", "bf16")}
     T = 17
@@ -325,7 +325,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_atomic_write_helpers(tmp_path):
-    from data.utils import atomic_dir, atomic_write_json
+    from eyas.data.utils import atomic_dir, atomic_write_json
     p = atomic_write_json(tmp_path / "a" / "x.json", {"b": [1, 2]})
     assert json.loads(p.read_text()) == {"b": [1, 2]}
     with pytest.raises(ValueError):

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from data.synthesize import (_fold, prompt_openers, prompt_texts, synthesize_prompts,
+from eyas.data.synthesize import (_fold, prompt_openers, prompt_texts, synthesize_prompts,
                              user_turn_prefix)
-from models.targets import load_target
+from eyas.models.targets import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from data.shards import open_dataset, write_manifest, write_shard
-from data.vocab import (build_vocab, cli_main, count_tokens, load_vocab, save_vocab,
+from eyas.data.shards import open_dataset, write_manifest, write_shard
+from eyas.data.vocab import (build_vocab, cli_main, count_tokens, load_vocab, save_vocab,
                         special_token_ids, validate_vocab)
 
 
@@ -131,7 +131,7 @@ def test_cli(tmp_path, capsys):
 
 
 def test_special_token_ids_smollm2():
-    from models.targets import load_tokenizer
+    from eyas.models.targets import load_tokenizer
     tok = load_tokenizer("smollm2")
     ids = special_token_ids(tok)
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from kernels.adamw import master_adamw_
-from train.optim import MasterAdamW
+from eyas.kernels.adamw import master_adamw_
+from eyas.train.optim import MasterAdamW
 
 
 # CPU runs go through Triton's interpreter (tests/conftest.py); with a GPU the kernel compiles

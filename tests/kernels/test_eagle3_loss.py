@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import eagle3_loss
+from eyas import kernels
+from eyas.kernels import eagle3_loss
 
 triton = pytest.importorskip("triton")
-from kernels import fused_loss  # noqa: E402
+from eyas.kernels import fused_loss  # noqa: E402
 
 IMPLS = ["triton", "torch"]
 # Relative (norm-wise) tolerances against the fp32 reference.
@@ -281,7 +281,7 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
 
 
 def test_chunk_and_group_sizes():
-    from kernels.loss import _group_rows
+    from eyas.kernels.loss import _group_rows
     assert kernels.auto_chunk_size(32000, 10**6) == 1024      # 128 MiB fp32 z buffer
     assert kernels.auto_chunk_size(163840, 10**6) == 128
     assert kernels.auto_chunk_size(32000, 100) == 100

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import eagle3_loss, teacher_probs
+from eyas.kernels import eagle3_loss, teacher_probs
 
 pytestmark = pytest.mark.gpu
 GRAD_TOL = 1e-2      # project target: gradients within 1e-2 (norm-wise) of the fp32 reference

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import eagle3_loss, teacher_from_topk, teacher_probs
+from eyas.kernels import eagle3_loss, teacher_from_topk, teacher_probs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from models.config import Eagle3Config
-from models.export import export_drafter
-from models.targets import load_target_config
-from models.validate import CORE_TENSORS, expected_shapes
+from eyas.models.config import Eagle3Config
+from eyas.models.export import export_drafter
+from eyas.models.targets import load_target_config
+from eyas.models.validate import CORE_TENSORS, expected_shapes
 
 _spec = importlib.util.spec_from_file_location(
     "_eyas_test_validate", Path(__file__).with_name("test_validate.py"))

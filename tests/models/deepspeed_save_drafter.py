@@ -17,9 +17,9 @@ from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs
 from safetensors.torch import save_file
 
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.targets import load_target_config
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.targets import load_target_config
 
 
 def main(out: Path, stage: int) -> None:

@@ -8,7 +8,7 @@ dense step-0 part). The GPU test at the bottom checks compiled flex gradients to
 import pytest
 import torch
 
-from models.attention import (TTTAttention, dense_step0, flex_step0, step0_block_mask, step0_mask,
+from eyas.models.attention import (TTTAttention, dense_step0, flex_step0, step0_block_mask, step0_mask,
                               ttt_mask)
 
 # two documents and one padding row:  a0 a1 a2 | b0 b1 | pad

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.shards import write_manifest, write_shard
-from data.templates import template_sha256
-from models.config import Eagle3Config
-from models.doctor import cli_main, diagnose, format_report
-from models.drafter import Eagle3Drafter
-from models.export import export_drafter
-from models.targets import load_target_config
+from eyas.data.shards import write_manifest, write_shard
+from eyas.data.templates import template_sha256
+from eyas.models.config import Eagle3Config
+from eyas.models.doctor import cli_main, diagnose, format_report
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.export import export_drafter
+from eyas.models.targets import load_target_config
 
 VD = 256
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"

@@ -4,9 +4,9 @@ torch.compile'd step pieces on CUDA (skipped without a GPU)."""
 import pytest
 import torch
 
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.targets import load_target_config
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.targets import load_target_config
 
 
 def _drafter(device="cpu", dtype=torch.float32, **kw):

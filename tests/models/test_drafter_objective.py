@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.objective import reference_loss, row_weights
+from eyas.models.objective import reference_loss, row_weights
 
 DOC = torch.tensor([0, 0, 0, 0, 1, 1], dtype=torch.int32)
 VALID = torch.tensor([[1, 1, 1, 0, 1, 0],
@@ -18,7 +18,7 @@ def test_row_weights_by_hand():
     #      → mask [1,0,1,0,1,0] (3 rows)
     # k=1: valid [1,1,0,0,0,0]·loss_mask[t+2] [1,1,0,1,0,0]; t2d[argmax[t+2]] = t2d[9,2,..] = [0,1,..]
     #      → mask [0,1,0,0,0,0] (1 row)
-    from models.ttt import structural_valid
+    from eyas.models.ttt import structural_valid
     assert torch.equal(structural_valid(DOC, 2), VALID)
     w = row_weights(VALID, LOSS_MASK, TARGET_ARGMAX, T2D)
     third = 1 / 3
@@ -48,7 +48,7 @@ def test_reference_loss_by_definition_and_against_the_fused_entry_point():
     weight = torch.randn(Vd, H, generator=g, requires_grad=True)
     last, rows = torch.randn(T, tH, generator=g), torch.randn(Vd, tH, generator=g)
     doc = torch.tensor([0] * 6 + [1] * 5, dtype=torch.int32)
-    from models.ttt import structural_valid
+    from eyas.models.ttt import structural_valid
     w = row_weights(structural_valid(doc, K), torch.ones(T, dtype=torch.bool),
                     torch.zeros(T, dtype=torch.long), torch.ones(Vd, dtype=torch.bool))
     loss = reference_loss(hidden, weight, last, rows, w)
@@ -74,7 +74,7 @@ def test_reference_loss_by_definition_and_against_the_fused_entry_point():
 
 
 def test_metric_rows_by_hand_cover_every_weighted_row():
-    from models.objective import metric_rows
+    from eyas.models.objective import metric_rows
     # metric_mask = VALID · loss_mask[t+1+k]: k=0 → [1,1,1,0,1,0], k=1 → [1,1,0,0,0,0]
     rows = metric_rows(DOC, LOSS_MASK, 2)
     assert rows.dtype == torch.int64
@@ -87,10 +87,10 @@ def test_metric_rows_by_hand_cover_every_weighted_row():
 
 def test_training_module_listed_rows_match_all_rows():
     """TrainingModule with host-listed rows: same loss and gradients, argmax −1 off the mask."""
-    from models.config import Eagle3Config
-    from models.drafter import Eagle3Drafter
-    from models.objective import metric_rows
-    from train.step import TrainingModule
+    from eyas.models.config import Eagle3Config
+    from eyas.models.drafter import Eagle3Drafter
+    from eyas.models.objective import metric_rows
+    from eyas.train.step import TrainingModule
     from types import SimpleNamespace
     torch.manual_seed(0)
     cfg = Eagle3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

@@ -22,15 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.engines import check_engines, check_engines_many, cli_main
-from models.engines.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
-from models.engines.verdicts import verdict, verdict_table
-from models.export import export_drafter
-from models.targets import load_target_config, text_config
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.engines import check_engines, check_engines_many, cli_main
+from eyas.models.engines.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
+from eyas.models.engines.verdicts import verdict, verdict_table
+from eyas.models.export import export_drafter
+from eyas.models.targets import load_target_config, text_config
 
-from models.validate import TensorDir
+from eyas.models.validate import TensorDir
 
 _spec = importlib.util.spec_from_file_location(  # a helper next to this file, not a package
     "_eyas_broken_exports", Path(__file__).with_name("broken_exports.py"))

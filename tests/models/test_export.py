@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from data.vocab import save_vocab
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.export import (EXPORT_META, ExportError, cli_main, export_checkpoint,
+from eyas.data.vocab import save_vocab
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.export import (EXPORT_META, ExportError, cli_main, export_checkpoint,
                            export_drafter, serve_commands)
-from models.targets import load_target_config
-from models.validate import CORE_TENSORS, TensorDir, validate
+from eyas.models.targets import load_target_config
+from eyas.models.validate import CORE_TENSORS, TensorDir, validate
 
 VD = 512
 ROOT = Path(__file__).resolve().parents[2]

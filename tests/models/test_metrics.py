@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from models.metrics import accept_counts, add_counts, finalize
-from models.objective import metric_mask
-from models.ttt import structural_valid
+from eyas.models.metrics import accept_counts, add_counts, finalize
+from eyas.models.objective import metric_mask
+from eyas.models.ttt import structural_valid
 
 # Draft vocabulary = target ids {0, 2, 4, …} (d2t[i] = i), so draft id i means target id 2i.
 D2T = torch.arange(50)

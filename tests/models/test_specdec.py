@@ -17,15 +17,15 @@ import logging
 import pytest
 import torch
 
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.export import export_drafter
-from models.reference import EngineDrafter
-from models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.export import export_drafter
+from eyas.models.reference import EngineDrafter
+from eyas.models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, run_prompts, speculative_decode,
                             stop_token_ids)
-from models.targets import default_aux_layer_ids, load_target
-from models.validate import TensorDir
+from eyas.models.targets import default_aux_layer_ids, load_target
+from eyas.models.validate import TensorDir
 
 K = 3
 QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour."]
@@ -59,7 +59,7 @@ def test_random_drafter_is_token_identical(tiny, random_export, caplog):
     model, tok, prompts = tiny
     emb = model.get_input_embeddings().weight.detach()
     engine, cfg = load_engine_drafter(random_export, emb, dtype=torch.float32)
-    with caplog.at_level(logging.INFO, logger="models.specdec"):
+    with caplog.at_level(logging.INFO, logger="eyas.models.specdec"):
         res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=12,
                           stop_ids=stop_token_ids(model, tok))
     assert res["tokens_identical"], res["mismatches"]

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.export import export_drafter
-from models.targets import load_target_config, resolve_target
-from models.validate import TensorDir, read_config, validate
-from models.validate_numeric import compare
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.export import export_drafter
+from eyas.models.targets import load_target_config, resolve_target
+from eyas.models.validate import TensorDir, read_config, validate
+from eyas.models.validate_numeric import compare
 
 VD = 512
 

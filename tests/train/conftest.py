@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.shards import write_manifest, write_shard
-from models.targets import default_aux_layer_ids, load_target, load_target_config
+from eyas.data.shards import write_manifest, write_shard
+from eyas.models.targets import default_aux_layer_ids, load_target, load_target_config
 
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts" / "default.jsonl"
 
@@ -68,7 +68,7 @@ def tiny_llama_dataset(tmp_path_factory):
 @pytest.fixture(scope="session")
 def nan_dataset(tmp_path_factory, tiny_llama_dataset):
     """The tiny dataset with NaN aux states in every sample (written without the finite check)."""
-    from data.dataset import open_dataset
+    from eyas.data.dataset import open_dataset
     src = open_dataset(tiny_llama_dataset)
     out = tmp_path_factory.mktemp("hs") / "nan"
     samples = []

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from train.cli import COMMANDS, main
+from eyas.train.cli import COMMANDS, main
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -32,6 +32,6 @@ def test_subcommand_help(name, capsys):
 
 
 def test_console_script_runs():
-    r = subprocess.run([sys.executable, "-m", "train.cli", "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "eyas.train.cli", "--help"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "evaluate" in r.stdout

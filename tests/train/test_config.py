@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from train.config import ConfigError, EyasConfig, check, register
+from eyas.train.config import ConfigError, EyasConfig, check, register
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -133,9 +133,9 @@ def test_dry_run_writes_rank_record(tmp_path):
 def test_every_target_preset_builds_a_drafter_on_meta(preset):
     import torch
 
-    from models.config import Eagle3Config
-    from models.drafter import Eagle3Drafter
-    from models.targets import load_target_config, text_config
+    from eyas.models.config import Eagle3Config
+    from eyas.models.drafter import Eagle3Drafter
+    from eyas.models.targets import load_target_config, text_config
 
     cfg = _compose([f"target={preset}"])
     check(cfg)

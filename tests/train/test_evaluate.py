@@ -8,19 +8,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from data.dataset import open_dataset
-from data.loader import PackedLoader
-from data.prompts import prompts_path
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.export import export_drafter
-from models.metrics import COUNT_KEYS, accept_counts
-from models.objective import metric_mask
-from models.targets import load_embedding_and_head, load_target_config
-from models.ttt import structural_valid
-from train.evaluate import (chain_counts, cli_main, draft_argmax, offline_eval,
+from eyas.data.dataset import open_dataset
+from eyas.data.loader import PackedLoader
+from eyas.data.prompts import prompts_path
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.export import export_drafter
+from eyas.models.metrics import COUNT_KEYS, accept_counts
+from eyas.models.objective import metric_mask
+from eyas.models.targets import load_embedding_and_head, load_target_config
+from eyas.models.ttt import structural_valid
+from eyas.train.evaluate import (chain_counts, cli_main, draft_argmax, offline_eval,
                             summarize_counts)
-from train.step import TrainingModule, batch_inputs
+from eyas.train.step import TrainingModule, batch_inputs
 
 K = 3
 
@@ -175,7 +175,7 @@ def test_offline_eval_directory_module_and_rank_split(tiny_llama_dataset, tmp_pa
 
 _RANK1 = """
 import json, sys, torch, torch.distributed as dist
-from train.evaluate import offline_eval
+from eyas.train.evaluate import offline_eval
 port, out, ds = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)

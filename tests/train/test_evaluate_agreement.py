@@ -27,19 +27,19 @@ What must agree, and why they may differ:
 import pytest
 import torch
 
-from data.dataset import open_dataset
-from data.extract import extract
-from data.loader import PackedLoader
-from data.prompts import prompts_path
-from data.shards import write_manifest, write_shard
-from models.config import Eagle3Config
-from models.drafter import Eagle3Drafter
-from models.export import export_drafter
-from models.objective import metric_mask
-from models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
+from eyas.data.dataset import open_dataset
+from eyas.data.extract import extract
+from eyas.data.loader import PackedLoader
+from eyas.data.prompts import prompts_path
+from eyas.data.shards import write_manifest, write_shard
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.export import export_drafter
+from eyas.models.objective import metric_mask
+from eyas.models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, speculative_decode, stop_token_ids)
-from models.targets import default_aux_layer_ids, load_target
-from train.evaluate import load_prompts, offline_eval
+from eyas.models.targets import default_aux_layer_ids, load_target
+from eyas.train.evaluate import load_prompts, offline_eval
 
 N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512
 TRAJ_TOL = 0.01

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from data.prompts import prompts_path
-from data.shards import open_dataset
-from train.config import ConfigError, check, register
-from train.pipeline import _embedded_key, build_embedded_dataset
+from eyas.data.prompts import prompts_path
+from eyas.data.shards import open_dataset
+from eyas.train.config import ConfigError, check, register
+from eyas.train.pipeline import _embedded_key, build_embedded_dataset
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -83,8 +83,8 @@ def test_sampled_ids_without_record_ids_follow_generate(tmp_path):
     src = tmp_path / "mine.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
                            for q in ("Say hi.", "Name a color.")))
-    from data import prepare
-    from train.pipeline import _sampled_prompts
+    from eyas.data import prepare
+    from eyas.train.pipeline import _sampled_prompts
     out = [json.loads(x) for x in _sampled_prompts(prepare, src, 2)]
     assert [r["id"] for r in out] == ["mine.jsonl:1#s1", "mine.jsonl:1#s2",
                                       "mine.jsonl:2#s1", "mine.jsonl:2#s2"]
@@ -123,7 +123,7 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
     first = json.loads(prompts_path("default").read_text().splitlines()[0])["id"]
     assert sorted(recs) == sorted([first, "synth-000000", "synth-000001"])
     held = {" ".join(t.lower().split()) for t in
-            __import__("data.synthesize", fromlist=["x"]).prompt_texts(prompts_path("heldout"))}
+            __import__("eyas.data.synthesize", fromlist=["x"]).prompt_texts(prompts_path("heldout"))}
     for rid in ("synth-000000", "synth-000001"):
         user, answer = recs[rid]["messages"][-2:]
         assert user["role"] == "user" and user["content"].strip()

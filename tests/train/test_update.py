@@ -9,9 +9,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
-from train.optim import MasterAdamW
-from train.trainer import _Window
-from train.update import SkippedSteps, micro_step
+from eyas.train.optim import MasterAdamW
+from eyas.train.trainer import _Window
+from eyas.train.update import SkippedSteps, micro_step
 
 K, T = 2, 6
 
@@ -120,7 +120,7 @@ def test_the_skip_limit_is_checked_when_the_count_is_read(caplog):
     for _ in range(2):
         skipped.add(torch.tensor(True))
     skipped.add(torch.tensor(False))
-    with caplog.at_level(logging.WARNING, logger="train.update"):
+    with caplog.at_level(logging.WARNING, logger="eyas.train.update"):
         with pytest.raises(RuntimeError) as e:
             skipped.read(step=7)
     assert "2 optimizer step(s) skipped by step 7 (3 in all)" in caplog.text
