@@ -240,7 +240,7 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
         med = [statistics.median(x[j] for x in split) for j in range(3)]
         out.update(fwd_ms=med[0], bwd_ms=med[1], opt_ms=med[2])
     if profile_steps and on_cuda:
-        from benchmarks.profile_breakdown import profile_steps as prof
+        from profile_breakdown import profile_steps as prof  # a sibling script (benchmarks/)
         out["profile"] = prof(step, profile_steps)
     del module, opt, sched, batches
     if on_cuda:
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--trainer" in argv:
         argv.remove("--trainer")
-        from benchmarks.train_e2e import main as e2e
+        from train_e2e import main as e2e  # a sibling script (benchmarks/)
         return e2e(argv)
     ap = argparse.ArgumentParser(prog="train_step", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="llama-3.1-8b",
