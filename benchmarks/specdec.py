@@ -31,7 +31,7 @@ import torch
 from eyas.data.prompts import prompts_path
 from eyas.models.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
                             summarize)
-from eyas.models.targets import load_target
+from eyas.data.targets import load_target
 from eyas.train.evaluate import DTYPES, json_safe, load_prompts, offline_eval
 
 
@@ -40,7 +40,7 @@ def random_drafter(model, out: Path, k: int) -> Path:
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
     from eyas.models.export import export_drafter
-    from eyas.models.targets import default_aux_layer_ids
+    from eyas.data.targets import default_aux_layer_ids
     tcfg = model.config.to_dict()
     vd = min(32000, tcfg["vocab_size"])
     cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=vd,

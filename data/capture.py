@@ -59,7 +59,7 @@ def find_text_model(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Modu
 
 def check_aux_layers(layers: list[int] | tuple[int, ...] | None, num_layers: int) -> list[int]:
     """The aux layer ids (HF hidden_states indices): `layers` validated, or the default."""
-    from eyas.models.targets import default_aux_layer_ids
+    from eyas.data.targets import default_aux_layer_ids
     if layers is None:
         return default_aux_layer_ids(num_layers)
     ids = [int(x) for x in layers]

@@ -284,7 +284,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     ds = open_dataset(args.data)
     forced = [int(x) for x in args.force_ids.split(",") if x.strip()]
     if args.force_special_from:
-        from eyas.models.targets import load_tokenizer
+        from eyas.data.targets import load_tokenizer
         special = special_token_ids(load_tokenizer(args.force_special_from))
         print(f"forcing {len(special)} special/template token ids from {args.force_special_from}")
         forced += special

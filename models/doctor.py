@@ -56,7 +56,7 @@ def _target_dir(target_config: Any) -> Path | None:
             return p
         if p.is_file():
             return p.parent
-        from eyas.models.targets import DEFAULT_CACHE_DIR, LOADABLE
+        from eyas.data.targets import DEFAULT_CACHE_DIR, LOADABLE
         cached = DEFAULT_CACHE_DIR / "targets" / str(target_config)
         if str(target_config) in LOADABLE and (cached / "config.json").is_file():
             return cached

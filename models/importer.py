@@ -199,7 +199,7 @@ def _aux_ids(src: dict[str, Any], tcfg: dict[str, Any] | None, where: str,
     if tcfg is None:
         raise ValueError(f"{where} names no aux layer ids: pass the target config so the "
                          f"engines' default (2, N//2, N-3) can be used")
-    from eyas.models.targets import default_aux_layer_ids
+    from eyas.data.targets import default_aux_layer_ids
     ids = default_aux_layer_ids(tcfg["num_hidden_layers"])
     log.warning("%s names no aux layer ids; assuming the engines' default %s", where, ids)
     return ids

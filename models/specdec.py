@@ -54,7 +54,7 @@ def drafter_aux_layer_ids(cfg: dict, num_target_layers: int) -> list[int]:
         sg = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
         ids = None if sg is None else [int(i) + 1 for i in sg]
     if ids is None:
-        from eyas.models.targets import default_aux_layer_ids
+        from eyas.data.targets import default_aux_layer_ids
         ids = default_aux_layer_ids(num_target_layers)
         log.warning("drafter config names no aux layer ids; using the engines' default %s", ids)
     ids = [int(i) for i in ids]

@@ -294,7 +294,7 @@ def resolve_target_config(target_config: dict[str, Any] | str | Path | None) -> 
     """A target config.json dict (its text part) from a dict, a preset name, a file or a dir."""
     if target_config is None:
         return None
-    from eyas.models.targets import load_target_config, text_config
+    from eyas.data.targets import load_target_config, text_config
     cfg = target_config if isinstance(target_config, dict) else load_target_config(target_config)
     return text_config(cfg)
 

@@ -163,7 +163,7 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
     from eyas.models.drafter import Eagle3Drafter
     from eyas.models.export import t2d_from_d2t
     from eyas.models.importer import import_drafter
-    from eyas.models.targets import load_embedding_and_head
+    from eyas.data.targets import load_embedding_and_head
     dev = torch.device(device)
     imp = import_drafter(drafter_dir)
     cfg = imp.config
@@ -262,7 +262,7 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
     Trailing assistant messages are dropped (the target answers the last user turn itself);
     the target's chat template is applied with add_generation_prompt=True.
     """
-    from eyas.data.prepare import RecordError, iter_jsonl, normalise_record
+    from eyas.data.records import RecordError, iter_jsonl, normalise_record
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompts file (JSONL with OpenAI `messages`)")
@@ -298,7 +298,7 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
     drafter_dir: the exported drafter (loaded like vLLM, `models.reference.EngineDrafter`);
-    target: preset or model directory (`models.targets.load_target`), or pass an already loaded
+    target: preset or model directory (`data.targets.load_target`), or pass an already loaded
     `model` + `tokenizer`. dtype: "fp32" (default: token identity is exact, and on CPUs without
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
@@ -309,7 +309,7 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if model is None or tokenizer is None:
-        from eyas.models.targets import load_target
+        from eyas.data.targets import load_target
         model, tokenizer = load_target(target, dtype=DTYPES[dtype], cache_dir=cache_dir)
     elif next(model.parameters()).dtype != DTYPES[dtype]:
         raise ValueError(f"the model passed in is {next(model.parameters()).dtype}, but "

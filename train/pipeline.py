@@ -125,7 +125,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
              f" and {n_synth} it writes itself" if n_synth else "", samples, root)
     import torch
 
-    from eyas.models.targets import load_target
+    from eyas.data.targets import load_target
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
@@ -206,7 +206,7 @@ def run_engine_check(cfg, export_dir: str | Path) -> dict[str, str] | None:
         log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
         return None
     from eyas.models.engines import check_engines
-    from eyas.models.targets import load_target_config
+    from eyas.data.targets import load_target_config
     reports = check_engines(export_dir, load_target_config(cfg.target.name), engines=present,
                             setup=False)
     return {e: ("ok" if r.ok else (r.findings[0].code if r.findings else "failed"))

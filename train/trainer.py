@@ -31,7 +31,7 @@ from eyas.data.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import accept_counts, add_counts, finalize
-from eyas.models.targets import load_embedding_and_head, load_target_config, text_config
+from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import DistBackend, to_plain
 from eyas.train.config import enum_value as _value
@@ -74,7 +74,7 @@ def _vocab(cfg, accelerator, train_ds, V: int, out: Path, warm) -> tuple[torch.T
         force = []
         try:
             from eyas.data.vocab import special_token_ids
-            from eyas.models.targets import load_tokenizer
+            from eyas.data.targets import load_tokenizer
             force = special_token_ids(load_tokenizer(cfg.target.name, cfg.data.cache_dir))
         except Exception as e:  # config-only targets have no tokenizer here
             log.info("no tokenizer for %s (%s): no special tokens forced into the draft vocab",

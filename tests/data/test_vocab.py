@@ -131,7 +131,7 @@ def test_cli(tmp_path, capsys):
 
 
 def test_special_token_ids_smollm2():
-    from eyas.models.targets import load_tokenizer
+    from eyas.data.targets import load_tokenizer
     tok = load_tokenizer("smollm2")
     ids = special_token_ids(tok)
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])

@@ -15,7 +15,7 @@ from eyas.models.config import Eagle3Config
 from eyas.models.doctor import cli_main, diagnose, format_report
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config
+from eyas.data.targets import load_target_config
 
 VD = 256
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"

@@ -28,7 +28,7 @@ from eyas.models.engines import check_engines, check_engines_many, cli_main
 from eyas.models.engines.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
 from eyas.models.engines.verdicts import verdict, verdict_table
 from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config, text_config
+from eyas.data.targets import load_target_config, text_config
 
 from eyas.models.validate import TensorDir
 

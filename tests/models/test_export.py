@@ -17,7 +17,7 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.export import (EXPORT_META, ExportError, cli_main, export_checkpoint,
                            export_drafter, serve_commands)
-from eyas.models.targets import load_target_config
+from eyas.data.targets import load_target_config
 from eyas.models.validate import CORE_TENSORS, TensorDir, validate
 
 VD = 512

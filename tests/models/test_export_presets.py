@@ -13,7 +13,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config, text_config
+from eyas.data.targets import load_target_config, text_config
 from eyas.models.validate import CORE_TENSORS, TensorDir, expected_shapes, validate
 from eyas.models.validate_static import check_config
 

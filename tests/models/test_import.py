@@ -15,7 +15,7 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.export import export_drafter
 from eyas.models.importer import import_drafter, read_drafter_dir
-from eyas.models.targets import load_target_config
+from eyas.data.targets import load_target_config
 from eyas.models.validate import CORE_TENSORS, validate
 
 VD = 512

@@ -24,7 +24,7 @@ from eyas.models.reference import EngineDrafter
 from eyas.models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, run_prompts, speculative_decode,
                             stop_token_ids)
-from eyas.models.targets import default_aux_layer_ids, load_target
+from eyas.data.targets import default_aux_layer_ids, load_target
 from eyas.models.validate import TensorDir
 
 K = 3

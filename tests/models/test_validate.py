@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config
+from eyas.data.targets import load_target_config
 from eyas.models.validate import ERROR, WARNING, TensorDir, cli_main, validate
 from eyas.models.validate_static import CODES, check_config
 

@@ -38,7 +38,7 @@ from eyas.models.export import export_drafter
 from eyas.models.objective import metric_mask
 from eyas.models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, speculative_decode, stop_token_ids)
-from eyas.models.targets import default_aux_layer_ids, load_target
+from eyas.data.targets import default_aux_layer_ids, load_target
 from eyas.train.evaluate import load_prompts, offline_eval
 
 N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512
