@@ -9,7 +9,7 @@
 - ``chunked_argmax_topk``: the argmax (and top-k) of ``lm_head(h)`` over the full vocabulary in
   row and vocabulary chunks, so ``[T, V]`` logits never exist.
 
-`data.extract` runs these over a token dataset; `models.specdec` uses them while decoding.
+`data.extract` runs these over a token dataset; `models.serving.specdec` uses them while decoding.
 """
 
 from __future__ import annotations

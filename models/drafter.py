@@ -14,7 +14,7 @@ Parameter names are the exported layout-A names (serving-contract.md §3), so a 
     buffers: d2t [Vd] int64 (offsets: target id = i + d2t[i]),  t2d [V] bool
     embed_tokens.weight [V, H]: the target's embedding, frozen, never exported
 
-One step computes exactly serving-contract §4 (`models.reference` re-derives it independently):
+One step computes exactly serving-contract §4 (`models.serving.reference` re-derives it independently):
 
     x = cat(input_layernorm(embed(tok)), hidden_norm(g))     # [T, 2H], embedding FIRST
     h = g + o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   # residual = g, un-normed

@@ -14,10 +14,10 @@ COMMANDS = {
     "import": ("eyas.data.importers", "convert SpecForge/speculators hidden states into an eyas dataset"),
     "vocab": ("eyas.data.vocab", "build the draft vocabulary map (d2t/t2d) from a dataset"),
     "inspect": ("eyas.data.inspect", "summarise a dataset: samples, tokens, bytes/token, modes"),
-    "export": ("eyas.models.export", "turn a training checkpoint into a directory vLLM and SGLang load"),
-    "validate": ("eyas.models.validate", "check an exported drafter against the serving contract"),
-    "doctor": ("eyas.models.doctor", "explain the likely causes of low acceptance"),
-    "engines": ("eyas.models.engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
+    "export": ("eyas.models.serving.export", "turn a training checkpoint into a directory vLLM and SGLang load"),
+    "validate": ("eyas.models.serving.validate", "check an exported drafter against the serving contract"),
+    "doctor": ("eyas.models.serving.doctor", "explain the likely causes of low acceptance"),
+    "engines": ("eyas.models.serving.engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
     "evaluate": ("eyas.train.evaluate", "offline acceptance on a dataset, or real speculative decoding"),
 }
 

@@ -200,12 +200,12 @@ def run_engine_check(cfg, export_dir: str | Path) -> dict[str, str] | None:
     """
     if not cfg.eval.engines:
         return None
-    from eyas.models.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
+    from eyas.models.serving.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
     present = [e for e in DEFAULT_VERSIONS if ready_info(venv_dir(e))]
     if not present:
         log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
         return None
-    from eyas.models.engines import check_engines
+    from eyas.models.serving.engines import check_engines
     from eyas.data.targets import load_target_config
     reports = check_engines(export_dir, load_target_config(cfg.target.name), engines=present,
                             setup=False)

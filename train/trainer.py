@@ -111,7 +111,7 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
 
     warm = None
     if cfg.drafter.warm_start:
-        from eyas.models.importer import import_drafter
+        from eyas.models.serving.importer import import_drafter
         warm = import_drafter(cfg.drafter.warm_start, target_cfg)
     d2t, t2d = _vocab(cfg, accelerator, train_ds, V, out, warm)
 
@@ -382,7 +382,7 @@ def _write_export_meta(accelerator, path: Path, s: Setup, cfg) -> None:
 
 def export_final(cfg, accelerator, s: Setup, out_dir: Path) -> Path:
     """Layout-A export of the current weights (gathers ZeRO-3 shards), written by rank 0."""
-    from eyas.models.export import export_drafter
+    from eyas.models.serving.export import export_drafter
     state = accelerator.get_state_dict(s.module)
     if accelerator.is_main_process:
         export_drafter(state, s.config, s.d2t, s.t2d, out_dir, target_config=s.target_config,
