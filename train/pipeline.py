@@ -15,21 +15,10 @@ from pathlib import Path
 
 from eyas.data.prompts import prompts_path
 from eyas.data.utils import atomic_write_bytes
+from eyas.train.config import ConfigError
 from eyas.train.config import enum_value as _value
 
 log = logging.getLogger(__name__)
-
-
-class StageUnavailable(RuntimeError):
-    """A stage of the pipeline whose implementation is not present in this build."""
-
-
-def _need(module: str, what: str):
-    import importlib
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise StageUnavailable(f"{what}: not implemented yet ({module} is missing: {e})") from e
 
 
 @dataclass
@@ -42,8 +31,8 @@ class DatasetPaths:
 def _embedded_key(cfg) -> str:
     prompts = Path(cfg.data.prompts or prompts_path("default"))
     if not prompts.is_file():
-        raise StageUnavailable(f"dataset: the prompts file {prompts} does not exist "
-                               f"(set data.prompts=FILE.jsonl)")
+        raise ConfigError(f"dataset: the prompts file {prompts} does not exist "
+                          f"(set data.prompts=FILE.jsonl)")
     h = hashlib.sha256()
     h.update(prompts.read_bytes())
     ids = None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids)
@@ -106,9 +95,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     Each prompt is answered `data.samples_per_prompt` times into one conversations file: answer
     0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
     """
-    prepare = _need("eyas.data.prepare", "dataset (prepare)")
-    generate = _need("eyas.data.generate", "dataset (generate)")
-    extract = _need("eyas.data.extract", "dataset (extract)")
+    from eyas.data import extract, generate, prepare
     root = Path(cfg.data.cache_dir).expanduser() / "datasets" / _embedded_key(cfg)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
@@ -174,7 +161,7 @@ def ensure_dataset(cfg) -> DatasetPaths:
 
 
 def run_training(cfg, accelerator, datasets: DatasetPaths):
-    trainer = _need("eyas.train.trainer", "train")
+    from eyas.train import trainer
     return trainer.train(cfg, accelerator, datasets)
 
 
@@ -182,10 +169,7 @@ def run_speculative_check(cfg, export_dir: str | Path) -> dict | None:
     """Real greedy speculative decoding with the target on held-out prompts (rank 0 only)."""
     if not cfg.eval.speculative:
         return None
-    evaluate = _need("eyas.train.evaluate", "speculative decoding check")
-    if not hasattr(evaluate, "speculative_eval"):
-        raise StageUnavailable("speculative decoding check: not implemented yet "
-                               "(train.evaluate.speculative_eval is missing)")
+    from eyas.train import evaluate
     prompts = Path(cfg.eval.prompts or prompts_path("heldout"))
     return evaluate.speculative_eval(export_dir, cfg.target.name, prompts,
                                      k=cfg.drafter.ttt_steps, num_prompts=cfg.eval.num_prompts,
