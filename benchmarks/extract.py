@@ -30,7 +30,7 @@ from eyas.data.extract import extract, length_groups
 from eyas.data.prepare import prepare
 from eyas.data.prompts import prompts_path
 from eyas.data.shards import open_dataset
-from eyas.models.targets import load_target
+from eyas.data.targets import load_target
 
 FILLER = ("The answer depends on a few simple ideas. First, look at what is given and what is "
           "asked. Then work through the steps one at a time, checking each result before moving "

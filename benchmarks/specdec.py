@@ -1,7 +1,7 @@
 """Benchmark real speculative decoding, and check the offline estimate against it.
 
 For each K: every prompt is decoded by target-only greedy decoding and by greedy chain
-speculation (models.specdec; drafter loaded like vLLM, batch 1), interleaved per prompt so both
+speculation (models.serving.specdec; drafter loaded like vLLM, batch 1), interleaved per prompt so both
 see the same machine load. Reported: real τ (tokens per verify forward), per-position
 acceptance, target forwards, tokens/s of both and the speedup, token identity. Then the
 target-only answers become a hidden-state dataset (`data.extract`, the training capture path)
@@ -29,9 +29,9 @@ import torch
 
 
 from eyas.data.prompts import prompts_path
-from eyas.models.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
+from eyas.models.serving.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
                             summarize)
-from eyas.models.targets import load_target
+from eyas.data.targets import load_target
 from eyas.train.evaluate import DTYPES, json_safe, load_prompts, offline_eval
 
 
@@ -39,8 +39,8 @@ def random_drafter(model, out: Path, k: int) -> Path:
     """Export a random-weight layout-A drafter for `model` (draft vocab 32000 or the target's)."""
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
-    from eyas.models.export import export_drafter
-    from eyas.models.targets import default_aux_layer_ids
+    from eyas.models.serving.export import export_drafter
+    from eyas.data.targets import default_aux_layer_ids
     tcfg = model.config.to_dict()
     vd = min(32000, tcfg["vocab_size"])
     cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=vd,

@@ -57,7 +57,7 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import accept_counts
 from eyas.models.objective import metric_rows
-from eyas.models.targets import load_target_config, text_config
+from eyas.data.targets import load_target_config, text_config
 from eyas.train.optim import MasterAdamW, build_scheduler
 from eyas.train.step import TrainingModule, batch_inputs
 from eyas.train.tracking import flops_per_token

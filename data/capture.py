@@ -9,7 +9,7 @@
 - ``chunked_argmax_topk``: the argmax (and top-k) of ``lm_head(h)`` over the full vocabulary in
   row and vocabulary chunks, so ``[T, V]`` logits never exist.
 
-`data.extract` runs these over a token dataset; `models.specdec` uses them while decoding.
+`data.extract` runs these over a token dataset; `models.serving.specdec` uses them while decoding.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def find_text_model(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Modu
 
 def check_aux_layers(layers: list[int] | tuple[int, ...] | None, num_layers: int) -> list[int]:
     """The aux layer ids (HF hidden_states indices): `layers` validated, or the default."""
-    from eyas.models.targets import default_aux_layer_ids
+    from eyas.data.targets import default_aux_layer_ids
     if layers is None:
         return default_aux_layer_ids(num_layers)
     ids = [int(x) for x in layers]

@@ -105,7 +105,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _load_model(target, device, device_map, dtype: str):
-    from eyas.models.targets import load_target, resolve_target
+    from eyas.data.targets import load_target, resolve_target
     if dtype not in DTYPES:
         raise ExtractError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     if device_map is None:

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from eyas.data.prepare import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
-                          normalise_record)
+from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
+                               normalise_record, resolve_template)
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
 
     Args:
         prompts_path: JSONL of prompts (OpenAI messages or ShareGPT, no final assistant turn).
-        target: preset name or model directory (models.targets), also recorded per record.
+        target: preset name or model directory (data.targets), also recorded per record.
         out_path: conversations JSONL; appended to, so an interrupted run resumes.
         max_new_tokens, temperature (0 = greedy), top_p, seed: decoding settings.
         batch_size: prompts per `generate` call (sorted by length, left padded).
@@ -146,7 +146,6 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
 
     Returns `out_path`.
     """
-    from eyas.data.prepare import _resolve_template
     from eyas.data.utils import progress
 
     if on_error not in ERROR_MODES:
@@ -187,12 +186,12 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
         return out_path
 
     if model is None or tokenizer is None:
-        from eyas.models.targets import load_target
+        from eyas.data.targets import load_target
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype == "auto":
             dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
         model, tokenizer = load_target(target, dtype=getattr(torch, dtype), device=device)
-    template, _ = _resolve_template(chat_template)
+    template, _ = resolve_template(chat_template)
     if template is None and not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat template; pass chat_template=")
     if tokenizer.pad_token_id is None:

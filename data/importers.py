@@ -51,7 +51,7 @@ def _natural_key(p: Path) -> tuple:
 
 
 def _target_info(target: str | os.PathLike, layers: list[int] | None) -> dict[str, Any]:
-    from eyas.models.targets import default_aux_layer_ids, load_target_config, text_config
+    from eyas.data.targets import default_aux_layer_ids, load_target_config, text_config
 
     cfg = load_target_config(target)
     tc = text_config(cfg)
@@ -141,7 +141,7 @@ def final_norm_weight(target: str | os.PathLike) -> torch.Tensor:
     """The target's final RMSNorm weight [tH], read from its safetensors (no model is built)."""
     from safetensors import safe_open
 
-    from eyas.models.targets import resolve_target
+    from eyas.data.targets import resolve_target
 
     root = resolve_target(target)
     index = root / "model.safetensors.index.json"

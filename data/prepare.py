@@ -34,119 +34,19 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eyas.data.templates import (EOT_STRINGS, Conversation, RecordError, TemplateRenderer,
-                            tokenizer_identity)
+from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
+                               normalise_record, resolve_template)
+from eyas.data.templates import EOT_STRINGS, TemplateRenderer, tokenizer_identity
 
 __all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
            "PrepareError", "TemplateRenderer"]
 
 log = logging.getLogger(__name__)
-
-ROLES = ("system", "user", "assistant", "tool")
-# ShareGPT `from` values -> OpenAI roles
-SHAREGPT_ROLES = {
-    "system": "system", "human": "user", "user": "user", "gpt": "assistant",
-    "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
-    "model": "assistant", "function_call": "assistant", "tool": "tool", "function": "tool",
-    "observation": "tool", "function_response": "tool", "ipython": "tool",
-}
-ERROR_MODES = ("raise", "skip")
-
-
-class PrepareError(ValueError):
-    """A record failed in on_error="raise" mode; the message starts with file:line."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading and normalising records
-
-
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | RecordError]]:
-    """(line number, parsed object or RecordError) for each non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield lineno, RecordError("bad_json",
-                                          f"not valid JSON ({e.msg} at column {e.colno})")
-                continue
-            if not isinstance(obj, dict):
-                yield lineno, RecordError("not_an_object",
-                                          f"expected a JSON object, got {type(obj).__name__}")
-                continue
-            yield lineno, obj
-
-
-def _content_text(content: Any, where: str) -> str | None:
-    """Message content as a string: str as is, {"type": "text"} parts joined, None kept."""
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not (isinstance(p, dict) and p.get("type") == "text"
-                    and isinstance(p.get("text"), str)):
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise RecordError("bad_content", f"{where}: content part of type {kind!r} is not "
-                                  f"supported (text parts only)")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise RecordError("bad_content", f"{where}: content must be a string, a list of text parts "
-                      f"or null, got {type(content).__name__}")
-
-
-def _normalise_message(j: int, m: Any, sharegpt: bool) -> dict[str, Any]:
-    where = f"message {j}"
-    if not isinstance(m, dict):
-        raise RecordError("bad_message", f"{where} is a {type(m).__name__}, expected an object")
-    if sharegpt:
-        src = m.get("from", m.get("role"))
-        if src is None:
-            raise RecordError("missing_role", f"{where} has no 'from' (ShareGPT) field")
-        role = SHAREGPT_ROLES.get(str(src).lower())
-        if role is None:
-            raise RecordError("unknown_role", f"{where} has from={src!r}; known: "
-                              f"{', '.join(sorted(SHAREGPT_ROLES))}")
-        out: dict[str, Any] = {"role": role,
-                               "content": _content_text(m.get("value", m.get("content")), where)}
-    else:
-        role = m.get("role")
-        if role is None:
-            raise RecordError("missing_role", f"{where} has no 'role' field")
-        if role not in ROLES:
-            raise RecordError("unknown_role", f"{where} has role={role!r}; expected one of {ROLES}")
-        out = {"role": role, "content": _content_text(m.get("content"), where)}
-        for key in ("reasoning_content", "tool_calls", "tool_call_id", "name"):
-            if m.get(key) is not None:
-                out[key] = m[key]
-    if out["content"] is None and not out.get("tool_calls"):
-        raise RecordError("bad_content", f"{where} (role {role}) has no content")
-    if role == "assistant" and not ((out["content"] or "").strip() or out.get("reasoning_content")
-                                    or out.get("tool_calls")):
-        raise RecordError("empty_assistant", f"{where} is an assistant turn with empty content")
-    return out
-
-
-def normalise_record(rec: dict[str, Any], default_id: str) -> Conversation:
-    """A JSON record (OpenAI `messages` or ShareGPT `conversations`) -> Conversation."""
-    sharegpt = "messages" not in rec and "conversations" in rec
-    msgs = rec.get("conversations") if sharegpt else rec.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RecordError("no_messages", "expected a non-empty list under 'messages' (OpenAI) or "
-                          "'conversations' (ShareGPT)")
-    messages = [_normalise_message(j, m, sharegpt) for j, m in enumerate(msgs)]
-    tools = rec.get("tools")
-    extra = {k: v for k, v in rec.items() if k not in ("id", "messages", "conversations", "tools")}
-    return Conversation(str(rec.get("id", default_id)), messages, tools or None, extra)
 
 
 def _file_sha256(path: Path) -> str:
@@ -159,14 +59,6 @@ def _file_sha256(path: Path) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # The pipeline
-
-
-def _resolve_template(chat_template: str | None) -> tuple[str | None, str | None]:
-    """(template text or None for the tokenizer's own, name recorded in the manifest)."""
-    if chat_template is None:
-        return None, None
-    from eyas.data.templates import load_template
-    return load_template(chat_template), str(chat_template)
 
 
 def _clear_stale_shards(out: Path) -> None:
@@ -193,7 +85,7 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
         input_path: conversations JSONL (OpenAI `messages` or ShareGPT `conversations`); with
             `generate=True`, prompts whose assistant turns the target writes first
             (data.generate.generate_conversations, into ``out_dir/generated.jsonl``, resumable).
-        target: preset name or model directory (models.targets); gives the tokenizer.
+        target: preset name or model directory (data.targets); gives the tokenizer.
         max_length: longest sample in tokens; longer conversations are a `too_long` error.
         on_error: "raise" (stop at the first bad record, naming file:line) or "skip" (count
             per reason; the counts are logged and returned under "skipped").
@@ -226,9 +118,9 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
                                         template_kwargs=template_kwargs,
                                         **(generate_kwargs or {}))
     if tokenizer is None:
-        from eyas.models.targets import load_tokenizer
+        from eyas.data.targets import load_tokenizer
         tokenizer = load_tokenizer(target)
-    template, template_name = _resolve_template(chat_template)
+    template, template_name = resolve_template(chat_template)
     renderer = TemplateRenderer(tokenizer, template, dict(template_kwargs or {}),
                                 tuple(eot_strings) if eot_strings else EOT_STRINGS, on_nonprefix)
 

@@ -184,7 +184,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                             args.opener_words) if args.openers_from else []
 
     from eyas.data.prompts import prompts_path
-    from eyas.models.targets import load_target
+    from eyas.data.targets import load_target
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)

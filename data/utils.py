@@ -4,8 +4,9 @@ Every file eyas writes under a dataset directory goes through `atomic_path`: the
 temporary file in the SAME directory (so the final rename never crosses a filesystem), the file is
 fsync'ed, then `os.replace`d onto its final name and the directory entry is fsync'ed. A crash or an
 exception at any point leaves either the previous file or nothing under the final name, never a
-half-written file that looks complete. Temporary names start with ``.tmp-`` so readers and globs for
-``shard-*.safetensors`` never match them.
+half-written file that looks complete. Directories that must appear whole (an export, a cached
+target, an engine venv) are written the same way by `atomic_write_dir`. Temporary names start
+with ``.tmp-`` so readers and globs for ``shard-*.safetensors`` never match them.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,28 +73,55 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
         raise
 
 
-@contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary directory next to `path`; on normal exit it is renamed onto `path`.
+def _fresh_dir(parent: Path, name: str) -> Path:
+    """A new empty directory `.tmp-<name>.<random>` in `parent`, with the umask's mode."""
+    for _ in range(100):
+        tmp = parent / f"{TMP_PREFIX}{name}.{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()  # unlike mkdtemp (always 0700) this keeps the user's umask
+        except FileExistsError:
+            continue
+        return tmp
+    raise FileExistsError(f"no free temporary directory name for {name} in {parent}")
 
-    Refuses to replace an existing non-empty directory (raises FileExistsError before yielding).
-    On an exception the temporary directory is removed.
+
+def atomic_write_dir(path: str | os.PathLike, build: Callable[[Path], object], *,
+                     if_exists: str = "error",
+                     exists_hint: str = "choose a new directory or remove it") -> Path:
+    """Write a directory atomically: `build(tmp)` fills a fresh sibling, which is renamed onto
+    `path`.
+
+    `path` never holds a half-written directory: until `build` returns, everything lives under a
+    ``.tmp-`` sibling, removed again when `build` raises. The directory gets the mode ``mkdir``
+    gives under the user's umask. `if_exists` says what an existing `path` means:
+    "error" (FileExistsError naming it, plus `exists_hint`, before anything is built),
+    "replace" (the old directory is moved aside, the new one renamed in, the old one removed) or
+    "keep" (a concurrent writer finished first: its directory stays and the new one is dropped).
+    Returns `path`.
     """
+    if if_exists not in ("error", "replace", "keep"):
+        raise ValueError(f"if_exists must be 'error', 'replace' or 'keep', got {if_exists!r}")
     final = Path(path)
-    if final.exists() and any(final.iterdir()):
-        raise FileExistsError(f"{final} already exists and is not empty; choose another output "
-                              f"directory or remove it first")
+    if final.exists() and if_exists == "error":
+        raise FileExistsError(f"{final} already exists: {exists_hint}")
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}.", dir=final.parent))
+    tmp = _fresh_dir(final.parent, final.name)
     try:
-        yield tmp
-        if final.exists():
-            final.rmdir()  # empty (checked above)
-        os.replace(tmp, final)
+        build(tmp)
+        if final.exists() and if_exists == "keep":
+            shutil.rmtree(tmp)
+        elif final.exists():
+            old = final.with_name(f"{TMP_PREFIX}{final.name}.old.{os.getpid()}")
+            final.rename(old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return final
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> Path:

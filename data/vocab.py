@@ -1,10 +1,8 @@
 """Draft vocabulary: which target ids the drafter's `lm_head` rows stand for.
 
 The draft vocabulary is a set of Vd target ids sorted ascending; `lm_head` row i is the i-th
-smallest. It is stored as (serving-contract §3):
-
-    d2t [Vd] int64   offsets: target_id = i + d2t[i]     (strictly increasing ids)
-    t2d [V]  bool    t2d[v] == (v is selected);  t2d.sum() == Vd
+smallest. It is stored as the (d2t offsets, t2d mask) pair of `data.vocab_map.VocabMap`, which
+also holds its validator (serving-contract §3).
 
 `build_vocab` counts token ids over a dataset, keeps the `size` most frequent (ties: lower id
 first), always includes the forced ids (special and chat-template tokens), and sorts. When
@@ -25,6 +23,7 @@ import numpy as np
 import torch
 
 from eyas.data.utils import atomic_path, progress
+from eyas.data.vocab_map import VocabMap
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +124,7 @@ def build_vocab(dataset_or_token_counts: Any, size: int = 32000, force_ids: Iter
                  "ascending id order", seen)
     d2t = torch.from_numpy(ids - np.arange(size)).to(torch.int64)
     t2d = torch.from_numpy(chosen)
-    validate_vocab(d2t, t2d)
+    VocabMap(d2t, t2d).validate()
     return d2t, t2d
 
 
@@ -155,58 +154,11 @@ def _as_counts(obj: Any, V: int | None, count: str) -> np.ndarray:
     raise TypeError(f"expected a Dataset, token counts or a mapping, got {type(obj).__name__}")
 
 
-def validate_vocab(d2t: torch.Tensor, t2d: torch.Tensor, *, target_vocab_size: int | None = None,
-                   draft_vocab_size: int | None = None) -> None:
-    """Check the serving-contract §3 invariants; raise ValueError saying what is wrong and how
-    to fix it. Returns None when the pair is consistent."""
-    if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.dim() != 1:
-        raise ValueError(f"d2t must be an int64 tensor [Vd] of offsets, got "
-                         f"{getattr(d2t, 'dtype', type(d2t).__name__)} "
-                         f"{list(getattr(d2t, 'shape', []))}")
-    if not isinstance(t2d, torch.Tensor) or t2d.dtype != torch.bool or t2d.dim() != 1:
-        raise ValueError(f"t2d must be a bool tensor [V], got "
-                         f"{getattr(t2d, 'dtype', type(t2d).__name__)} "
-                         f"{list(getattr(t2d, 'shape', []))}")
-    Vd, V = d2t.numel(), t2d.numel()
-    if target_vocab_size is not None and V != target_vocab_size:
-        raise ValueError(f"t2d has {V} entries but the target vocabulary has {target_vocab_size}")
-    if draft_vocab_size is not None and Vd != draft_vocab_size:
-        raise ValueError(f"d2t has {Vd} entries but draft_vocab_size is {draft_vocab_size}")
-    if not 0 < Vd <= V:
-        raise ValueError(f"draft vocabulary size {Vd} must be in [1, V={V}]")
-    selected = torch.nonzero(t2d).flatten()
-    if Vd > 1 and torch.equal(d2t, selected) and d2t.any():
-        raise ValueError("d2t holds absolute target ids (d2t == the ids t2d selects); eyas and "
-                         "both engines expect offsets d2t[i] = id_i - i: use d2t - arange(Vd)")
-    ids = torch.arange(Vd) + d2t
-    out = ((ids < 0) | (ids >= V)).nonzero().flatten()
-    if out.numel():
-        i = int(out[0])
-        raise ValueError(f"d2t[{i}] = {int(d2t[i])} maps draft row {i} to target id {int(ids[i])}, "
-                         f"outside [0, {V}); d2t must hold offsets id_i - i of ids in the target "
-                         f"vocabulary")
-    steps = (ids[1:] <= ids[:-1]).nonzero().flatten()
-    if steps.numel():
-        i = int(steps[0])
-        raise ValueError(f"target ids i + d2t[i] are not strictly increasing: row {i} -> "
-                         f"{int(ids[i])}, row {i + 1} -> {int(ids[i + 1])}; the draft vocabulary "
-                         f"must be sorted ascending (d2t non-decreasing)")
-    if int(selected.numel()) != Vd:
-        raise ValueError(f"t2d selects {selected.numel()} ids but d2t has Vd = {Vd} rows; "
-                         f"they must describe the same set")
-    if not torch.equal(selected, ids):
-        i = int((selected != ids).nonzero().flatten()[0])
-        hint = (" (d2t is all zeros: an identity mapping that was never filled?)"
-                if not d2t.any() and Vd < V else "")
-        raise ValueError(f"d2t and t2d disagree: draft row {i} maps to target id {int(ids[i])} "
-                         f"but the {i}-th id selected by t2d is {int(selected[i])}{hint}")
-
-
 def save_vocab(path: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
     """Validate and write (d2t, t2d) to a safetensors file, atomically."""
     from safetensors.torch import save_file
 
-    validate_vocab(d2t, t2d)
+    VocabMap(d2t, t2d).validate()
     meta = {"format": VOCAB_FORMAT, "draft_vocab_size": str(d2t.numel()),
             "target_vocab_size": str(t2d.numel())}
     with atomic_path(path) as tmp:
@@ -228,7 +180,7 @@ def load_vocab(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
     except (OSError, RuntimeError) as e:
         raise ValueError(f"{path}: unreadable vocab file ({e})") from None
     try:
-        validate_vocab(d2t, t2d)
+        VocabMap(d2t, t2d).validate()
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return d2t, t2d
@@ -284,7 +236,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     ds = open_dataset(args.data)
     forced = [int(x) for x in args.force_ids.split(",") if x.strip()]
     if args.force_special_from:
-        from eyas.models.targets import load_tokenizer
+        from eyas.data.targets import load_tokenizer
         special = special_token_ids(load_tokenizer(args.force_special_from))
         print(f"forcing {len(special)} special/template token ids from {args.force_special_from}")
         forced += special

@@ -22,16 +22,17 @@ The row kernels come from ``kernels/fused_loss.py`` (Triton) or ``kernels/loss_t
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+import eyas.kernels.loss_torch as loss_torch
+
 log = logging.getLogger(__name__)
 
-_BACKENDS = {"triton": "eyas.kernels.fused_loss", "torch": "eyas.kernels.loss_torch"}
+IMPLS = ("torch", "triton")
 # Buffer sizes (tuned on an H200, benchmarks/README.md): the fp32 logits chunk z [C, Vd] and
 # the dz group [G, Vd] that feeds the dh/dW GEMMs. Vd = 32000 gives C = 1024, G = 6144.
 Z_BYTES = 128 << 20
@@ -269,17 +270,19 @@ class _Deferred(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- public API
 def _load_backend(impl: str, device: torch.device):
-    if impl not in _BACKENDS:
-        raise ValueError(f"loss impl must be one of {sorted(_BACKENDS)}, got {impl!r}; "
+    """The row-kernel module of `impl`; Triton is imported only when asked for (it may be absent)."""
+    if impl not in IMPLS:
+        raise ValueError(f"loss impl must be one of {sorted(IMPLS)}, got {impl!r}; "
                          "set loss.impl=triton or loss.impl=torch")
+    if impl == "torch":
+        return loss_torch
     try:
-        backend = importlib.import_module(_BACKENDS[impl])
+        import eyas.kernels.fused_loss as fused_loss
     except ImportError as e:
         raise RuntimeError(f"loss impl 'triton' needs the triton package ({e}); install triton "
                            "or set loss.impl=torch") from e
-    if impl == "triton":
-        backend.check_device(device)
-    return backend
+    fused_loss.check_device(device)
+    return fused_loss
 
 
 def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows):

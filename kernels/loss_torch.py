@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from eyas.kernels.loss import LossOutput, eagle3_loss
-
 
 def _global_rows(row0: int, c: int, device, rows) -> torch.Tensor:
     """[c] global rows of chunk rows row0 .. row0+c (listed in ``rows``, or contiguous)."""
@@ -70,11 +68,3 @@ def scale_cast(src: torch.Tensor, g: torch.Tensor, out: torch.Tensor,
     for r0 in range(0, src.shape[0], rows):
         out[r0:r0 + rows] = src[r0:r0 + rows].float() * g
     return out
-
-
-def eagle3_loss_torch(hidden, weight, teacher, row_weight, *, with_accept=False,
-                      reduction="sum", chunk_size=None, rows=None) -> LossOutput:
-    """``kernels.eagle3_loss`` with ``impl="torch"`` (same signature minus ``impl``)."""
-    return eagle3_loss(hidden, weight, teacher, row_weight, impl="torch",
-                       with_accept=with_accept, reduction=reduction, chunk_size=chunk_size,
-                       rows=rows)

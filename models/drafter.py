@@ -14,7 +14,7 @@ Parameter names are the exported layout-A names (serving-contract.md §3), so a 
     buffers: d2t [Vd] int64 (offsets: target id = i + d2t[i]),  t2d [V] bool
     embed_tokens.weight [V, H]: the target's embedding, frozen, never exported
 
-One step computes exactly serving-contract §4 (`models.reference` re-derives it independently):
+One step computes exactly serving-contract §4 (`models.serving.reference` re-derives it independently):
 
     x = cat(input_layernorm(embed(tok)), hidden_norm(g))     # [T, 2H], embedding FIRST
     h = g + o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   # residual = g, un-normed
@@ -109,6 +109,8 @@ def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """The projections of the drafter's attention (the step functions below apply them)."""
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -116,15 +118,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor, positions: Tensor, inv_freq: Tensor, attn: TTTAttention) -> Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.nh, self.hd).transpose(0, 1)      # [nh, T, hd]
-        k = self.k_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)     # [nkv, T, hd]
-        v = self.v_proj(x).view(T, self.nkv, self.hd).transpose(0, 1)     # [nkv, T, hd]
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        out = attn(q, k, v)                                               # [nh, T, hd]
-        return self.o_proj(out.transpose(0, 1).reshape(T, self.nh * self.hd))   # [T, H]
 
 
 class MLP(nn.Module):
@@ -150,16 +143,12 @@ class Midlayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = MLP(H, cfg.intermediate_size)
 
-    def forward(self, embeds: Tensor, g: Tensor, positions: Tensor, inv_freq: Tensor,
-                attn: TTTAttention) -> Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1)   # [T, 2H]
-        h = g + self.self_attn(x, positions, inv_freq, attn)                           # [T, H]
-        return h + self.mlp(self.post_attention_layernorm(h))                          # [T, H]
-
 
 # ---------------------------------------------------------------------- one step, in pieces
-# The drafter's unroll runs a step as attention_inputs -> TTTAttention -> layer_output (the same
-# math as Midlayer.forward followed by the final norm); the pieces are what torch.compile fuses.
+# The drafter's unroll runs a step as attention_inputs -> TTTAttention -> layer_output:
+#   x = cat(input_layernorm(embeds), hidden_norm(g)); h = g + o_proj(attn(q, k, v));
+#   p = h + mlp(post_attention_layernorm(h)); the lm_head reads norm(p), the next step takes p.
+# The pieces are what torch.compile fuses.
 def attention_inputs(layer: Midlayer, embeds: Tensor, g: Tensor, positions: Tensor,
                      inv_freq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q [nh,T,d], k [nkv,T,d] (RoPE applied) and v [nkv,T,d] of one step."""

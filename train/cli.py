@@ -3,22 +3,80 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
+from typing import Callable
 
-# subcommand -> (module with cli_main, one-line help)
-COMMANDS = {
-    "prepare": ("eyas.data.prepare", "tokenise conversations (or generate them with the target) into a token dataset"),
-    "synthesize": ("eyas.data.synthesize", "sample user prompts from the target itself (more, different prompts)"),
-    "extract": ("eyas.data.extract", "run the target over a token dataset and store its hidden states"),
-    "import": ("eyas.data.importers", "convert SpecForge/speculators hidden states into an eyas dataset"),
-    "vocab": ("eyas.data.vocab", "build the draft vocabulary map (d2t/t2d) from a dataset"),
-    "inspect": ("eyas.data.inspect", "summarise a dataset: samples, tokens, bytes/token, modes"),
-    "export": ("eyas.models.export", "turn a training checkpoint into a directory vLLM and SGLang load"),
-    "validate": ("eyas.models.validate", "check an exported drafter against the serving contract"),
-    "doctor": ("eyas.models.doctor", "explain the likely causes of low acceptance"),
-    "engines": ("eyas.models.engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
-    "evaluate": ("eyas.train.evaluate", "offline acceptance on a dataset, or real speculative decoding"),
+
+# one function per subcommand: each imports its module's cli_main only when it runs, so
+# `eyas --help` stays fast and every arrow is a plain import
+def _prepare(argv: list[str]) -> int:
+    from eyas.data.prepare import cli_main
+    return cli_main(argv)
+
+
+def _synthesize(argv: list[str]) -> int:
+    from eyas.data.synthesize import cli_main
+    return cli_main(argv)
+
+
+def _extract(argv: list[str]) -> int:
+    from eyas.data.extract import cli_main
+    return cli_main(argv)
+
+
+def _import(argv: list[str]) -> int:
+    from eyas.data.importers import cli_main
+    return cli_main(argv)
+
+
+def _vocab(argv: list[str]) -> int:
+    from eyas.data.vocab import cli_main
+    return cli_main(argv)
+
+
+def _inspect(argv: list[str]) -> int:
+    from eyas.data.inspect import cli_main
+    return cli_main(argv)
+
+
+def _export(argv: list[str]) -> int:
+    from eyas.models.serving.export import cli_main
+    return cli_main(argv)
+
+
+def _validate(argv: list[str]) -> int:
+    from eyas.models.serving.validate import cli_main
+    return cli_main(argv)
+
+
+def _doctor(argv: list[str]) -> int:
+    from eyas.models.serving.doctor import cli_main
+    return cli_main(argv)
+
+
+def _engines(argv: list[str]) -> int:
+    from eyas.models.serving.engines import cli_main
+    return cli_main(argv)
+
+
+def _evaluate(argv: list[str]) -> int:
+    from eyas.train.evaluate import cli_main
+    return cli_main(argv)
+
+
+# subcommand -> (its runner, one-line help)
+COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "prepare": (_prepare, "tokenise conversations (or generate them with the target) into a token dataset"),
+    "synthesize": (_synthesize, "sample user prompts from the target itself (more, different prompts)"),
+    "extract": (_extract, "run the target over a token dataset and store its hidden states"),
+    "import": (_import, "convert SpecForge/speculators hidden states into an eyas dataset"),
+    "vocab": (_vocab, "build the draft vocabulary map (d2t/t2d) from a dataset"),
+    "inspect": (_inspect, "summarise a dataset: samples, tokens, bytes/token, modes"),
+    "export": (_export, "turn a training checkpoint into a directory vLLM and SGLang load"),
+    "validate": (_validate, "check an exported drafter against the serving contract"),
+    "doctor": (_doctor, "explain the likely causes of low acceptance"),
+    "engines": (_engines, "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
+    "evaluate": (_evaluate, "offline acceptance on a dataset, or real speculative decoding"),
 }
 
 USAGE = "usage: eyas <command> [--help] [args...]\n\ncommands:\n" + "\n".join(
@@ -44,19 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"eyas: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    module_name = COMMANDS[name][0]
     from eyas.train.log import setup_logging
     setup_logging()
     _cpu_threads()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        print(f"eyas {name}: not implemented yet ({module_name}: {e})", file=sys.stderr)
-        return 3
-    if not hasattr(module, "cli_main"):
-        print(f"eyas {name}: not implemented yet ({module_name} has no cli_main)", file=sys.stderr)
-        return 3
-    return int(module.cli_main(rest) or 0)
+    return int(COMMANDS[name][0](rest) or 0)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ token t+1+k) and its draft argmax mapped through d2t equals the target argmax at
         where a decoder samples the positions after each accepted chain (fewer inside easy
         stretches). The two agree when acceptance is uniform along the text.
 
-Real decoding: `models.specdec` (target via transformers, drafter via the engine reference).
+Real decoding: `models.serving.specdec` (target via transformers, drafter via the engine reference).
 """
 
 from __future__ import annotations
@@ -161,9 +161,9 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
     attention: TTT attention kind (default: "flex" on CUDA, "lse-eager" on CPU).
     """
     from eyas.models.drafter import Eagle3Drafter
-    from eyas.models.export import t2d_from_d2t
-    from eyas.models.importer import import_drafter
-    from eyas.models.targets import load_embedding_and_head
+    from eyas.data.vocab_map import t2d_from_d2t
+    from eyas.models.serving.importer import import_drafter
+    from eyas.data.targets import load_embedding_and_head
     dev = torch.device(device)
     imp = import_drafter(drafter_dir)
     cfg = imp.config
@@ -262,7 +262,7 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
     Trailing assistant messages are dropped (the target answers the last user turn itself);
     the target's chat template is applied with add_generation_prompt=True.
     """
-    from eyas.data.prepare import RecordError, iter_jsonl, normalise_record
+    from eyas.data.records import RecordError, iter_jsonl, normalise_record
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompts file (JSONL with OpenAI `messages`)")
@@ -297,19 +297,19 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
                      model=None, tokenizer=None, progress: bool = True) -> dict[str, Any]:
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
-    drafter_dir: the exported drafter (loaded like vLLM, `models.reference.EngineDrafter`);
-    target: preset or model directory (`models.targets.load_target`), or pass an already loaded
+    drafter_dir: the exported drafter (loaded like vLLM, `models.serving.reference.EngineDrafter`);
+    target: preset or model directory (`data.targets.load_target`), or pass an already loaded
     `model` + `tokenizer`. dtype: "fp32" (default: token identity is exact, and on CPUs without
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
     Batch size 1; the drafter runs on the CPU.
-    Returns models.specdec.summarize's dict plus the run settings.
+    Returns models.serving.specdec.summarize's dict plus the run settings.
     """
-    from eyas.models.specdec import load_engine_drafter, run_prompts, stop_token_ids
+    from eyas.models.serving.specdec import load_engine_drafter, run_prompts, stop_token_ids
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if model is None or tokenizer is None:
-        from eyas.models.targets import load_target
+        from eyas.data.targets import load_target
         model, tokenizer = load_target(target, dtype=DTYPES[dtype], cache_dir=cache_dir)
     elif next(model.parameters()).dtype != DTYPES[dtype]:
         raise ValueError(f"the model passed in is {next(model.parameters()).dtype}, but "

@@ -58,11 +58,7 @@ def run(cfg: DictConfig) -> dict:
     result = pipeline.run_training(cfg, accelerator, datasets)
     summary.update(result)
     if accelerator.is_main_process and summary.get("export"):
-        try:
-            spec = pipeline.run_speculative_check(cfg, summary["export"])
-        except pipeline.StageUnavailable as e:
-            log.warning("%s", e)
-            spec = None
+        spec = pipeline.run_speculative_check(cfg, summary["export"])
         try:
             summary["engines"] = pipeline.run_engine_check(cfg, summary["export"])
         except Exception as e:  # the engines are a check, not part of training
@@ -91,16 +87,11 @@ def _write_rank_record(out: Path, accelerator, cfg: DictConfig) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     setup_logging()
-    from eyas.train.pipeline import StageUnavailable
-
     try:
         summary = run(cfg)
     except ConfigError as e:
         log.error("bad configuration: %s", e)
         raise SystemExit(2) from None
-    except StageUnavailable as e:
-        log.error("%s", e)
-        raise SystemExit(3) from None
     from eyas.train.log import current_rank
     if current_rank() == 0:
         if summary.get("export"):

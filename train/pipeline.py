@@ -15,21 +15,10 @@ from pathlib import Path
 
 from eyas.data.prompts import prompts_path
 from eyas.data.utils import atomic_write_bytes
+from eyas.train.config import ConfigError
 from eyas.train.config import enum_value as _value
 
 log = logging.getLogger(__name__)
-
-
-class StageUnavailable(RuntimeError):
-    """A stage of the pipeline whose implementation is not present in this build."""
-
-
-def _need(module: str, what: str):
-    import importlib
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise StageUnavailable(f"{what}: not implemented yet ({module} is missing: {e})") from e
 
 
 @dataclass
@@ -42,8 +31,8 @@ class DatasetPaths:
 def _embedded_key(cfg) -> str:
     prompts = Path(cfg.data.prompts or prompts_path("default"))
     if not prompts.is_file():
-        raise StageUnavailable(f"dataset: the prompts file {prompts} does not exist "
-                               f"(set data.prompts=FILE.jsonl)")
+        raise ConfigError(f"dataset: the prompts file {prompts} does not exist "
+                          f"(set data.prompts=FILE.jsonl)")
     h = hashlib.sha256()
     h.update(prompts.read_bytes())
     ids = None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids)
@@ -106,9 +95,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
     Each prompt is answered `data.samples_per_prompt` times into one conversations file: answer
     0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
     """
-    prepare = _need("eyas.data.prepare", "dataset (prepare)")
-    generate = _need("eyas.data.generate", "dataset (generate)")
-    extract = _need("eyas.data.extract", "dataset (extract)")
+    from eyas.data import extract, generate, prepare
     root = Path(cfg.data.cache_dir).expanduser() / "datasets" / _embedded_key(cfg)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
@@ -125,7 +112,7 @@ def build_embedded_dataset(cfg) -> DatasetPaths:
              f" and {n_synth} it writes itself" if n_synth else "", samples, root)
     import torch
 
-    from eyas.models.targets import load_target
+    from eyas.data.targets import load_target
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
@@ -174,7 +161,7 @@ def ensure_dataset(cfg) -> DatasetPaths:
 
 
 def run_training(cfg, accelerator, datasets: DatasetPaths):
-    trainer = _need("eyas.train.trainer", "train")
+    from eyas.train import trainer
     return trainer.train(cfg, accelerator, datasets)
 
 
@@ -182,10 +169,7 @@ def run_speculative_check(cfg, export_dir: str | Path) -> dict | None:
     """Real greedy speculative decoding with the target on held-out prompts (rank 0 only)."""
     if not cfg.eval.speculative:
         return None
-    evaluate = _need("eyas.train.evaluate", "speculative decoding check")
-    if not hasattr(evaluate, "speculative_eval"):
-        raise StageUnavailable("speculative decoding check: not implemented yet "
-                               "(train.evaluate.speculative_eval is missing)")
+    from eyas.train import evaluate
     prompts = Path(cfg.eval.prompts or prompts_path("heldout"))
     return evaluate.speculative_eval(export_dir, cfg.target.name, prompts,
                                      k=cfg.drafter.ttt_steps, num_prompts=cfg.eval.num_prompts,
@@ -200,13 +184,13 @@ def run_engine_check(cfg, export_dir: str | Path) -> dict[str, str] | None:
     """
     if not cfg.eval.engines:
         return None
-    from eyas.models.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
+    from eyas.models.serving.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
     present = [e for e in DEFAULT_VERSIONS if ready_info(venv_dir(e))]
     if not present:
         log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
         return None
-    from eyas.models.engines import check_engines
-    from eyas.models.targets import load_target_config
+    from eyas.models.serving.engines import check_engines
+    from eyas.data.targets import load_target_config
     reports = check_engines(export_dir, load_target_config(cfg.target.name), engines=present,
                             setup=False)
     return {e: ("ok" if r.ok else (r.findings[0].code if r.findings else "failed"))

@@ -31,7 +31,7 @@ from eyas.data.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import accept_counts, add_counts, finalize
-from eyas.models.targets import load_embedding_and_head, load_target_config, text_config
+from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import DistBackend, to_plain
 from eyas.train.config import enum_value as _value
@@ -74,7 +74,7 @@ def _vocab(cfg, accelerator, train_ds, V: int, out: Path, warm) -> tuple[torch.T
         force = []
         try:
             from eyas.data.vocab import special_token_ids
-            from eyas.models.targets import load_tokenizer
+            from eyas.data.targets import load_tokenizer
             force = special_token_ids(load_tokenizer(cfg.target.name, cfg.data.cache_dir))
         except Exception as e:  # config-only targets have no tokenizer here
             log.info("no tokenizer for %s (%s): no special tokens forced into the draft vocab",
@@ -111,7 +111,7 @@ def build(cfg, accelerator, datasets, out: Path) -> Setup:
 
     warm = None
     if cfg.drafter.warm_start:
-        from eyas.models.importer import import_drafter
+        from eyas.models.serving.importer import import_drafter
         warm = import_drafter(cfg.drafter.warm_start, target_cfg)
     d2t, t2d = _vocab(cfg, accelerator, train_ds, V, out, warm)
 
@@ -382,7 +382,7 @@ def _write_export_meta(accelerator, path: Path, s: Setup, cfg) -> None:
 
 def export_final(cfg, accelerator, s: Setup, out_dir: Path) -> Path:
     """Layout-A export of the current weights (gathers ZeRO-3 shards), written by rank 0."""
-    from eyas.models.export import export_drafter
+    from eyas.models.serving.export import export_drafter
     state = accelerator.get_state_dict(s.module)
     if accelerator.is_main_process:
         export_drafter(state, s.config, s.d2t, s.t2d, out_dir, target_config=s.target_config,

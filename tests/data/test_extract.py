@@ -17,7 +17,7 @@ from eyas.data.capture import ExtractError, check_aux_layers, chunked_argmax_top
 from eyas.data.extract import extract, finalize
 from eyas.data.prepare import prepare
 from eyas.data.shards import open_dataset, shard_name
-from eyas.models.targets import load_target, load_tokenizer
+from eyas.data.targets import load_target, load_tokenizer
 
 CONVS = [
     [("Name a fruit.", "Apple.")],
@@ -190,7 +190,7 @@ class Wrapper(nn.Module):
 
 def test_multimodal_wrapper_finds_the_text_model(tmp_path, tokens_dir):
     lm = target("tiny-llama")
-    from eyas.models.targets import build_random_target
+    from eyas.data.targets import build_random_target
     wrapper = Wrapper(lm, build_random_target("tiny-llama", seed=1).model)
     text, layers, norm, head = find_text_model(wrapper)
     assert text is lm.model and layers is lm.model.layers and head is lm.lm_head

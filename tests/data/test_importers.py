@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from eyas.data.format import DatasetError
 from eyas.data.importers import cli_main, import_hidden_states
 from eyas.data.shards import open_dataset
-from eyas.models.targets import load_target_config
+from eyas.data.targets import load_target_config
 
 TH = 64          # tiny-llama hidden size (real: 4096 for Llama-3.1-8B)
 LAYERS = [2, 4, 5]  # default_aux_layer_ids(8)

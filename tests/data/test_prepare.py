@@ -12,7 +12,7 @@ import pytest
 from eyas.data.prepare import PrepareError, prepare
 from eyas.data.shards import open_dataset
 from eyas.data.templates import available_templates, load_template, template_sha256
-from eyas.models.targets import load_tokenizer
+from eyas.data.targets import load_tokenizer
 
 
 @pytest.fixture(scope="module")

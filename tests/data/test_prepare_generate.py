@@ -9,7 +9,7 @@ import torch
 from eyas.data.generate import generate_conversations, scan_done
 from eyas.data.prepare import PrepareError, prepare
 from eyas.data.shards import open_dataset
-from eyas.models.targets import load_target
+from eyas.data.targets import load_target
 
 PROMPTS = [
     {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},

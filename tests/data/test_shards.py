@@ -325,20 +325,41 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_atomic_write_helpers(tmp_path):
-    from eyas.data.utils import atomic_dir, atomic_write_json
+    from eyas.data.utils import atomic_write_dir, atomic_write_json
     p = atomic_write_json(tmp_path / "a" / "x.json", {"b": [1, 2]})
     assert json.loads(p.read_text()) == {"b": [1, 2]}
     with pytest.raises(ValueError):
         atomic_write_json(tmp_path / "y.json", {"nan": float("nan")})
     assert not (tmp_path / "y.json").exists()
-    with pytest.raises(RuntimeError):
-        with atomic_dir(tmp_path / "d") as d:
-            (d / "f").write_text("1")
-            raise RuntimeError
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
-    with atomic_dir(tmp_path / "d") as d:
+
+    def crash(d):
         (d / "f").write_text("1")
+        raise RuntimeError
+
+    with pytest.raises(RuntimeError):
+        atomic_write_dir(tmp_path / "d", crash)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+    atomic_write_dir(tmp_path / "d", lambda d: (d / "f").write_text("1"))
     assert (tmp_path / "d" / "f").read_text() == "1"
+
+
+def test_atomic_write_dir_modes(tmp_path):
+    import os
+
+    from eyas.data.utils import atomic_write_dir
+    old = os.umask(0o027)
+    try:
+        d = atomic_write_dir(tmp_path / "d", lambda t: (t / "f").write_text("1"))
+    finally:
+        os.umask(old)
+    assert d.stat().st_mode & 0o777 == 0o750              # the umask's mode, not mkdtemp's 0700
+    with pytest.raises(FileExistsError, match="already exists: pick another"):
+        atomic_write_dir(d, lambda t: None, exists_hint="pick another")
+    atomic_write_dir(d, lambda t: (t / "g").write_text("2"), if_exists="keep")
+    assert sorted(p.name for p in d.iterdir()) == ["f"]   # the first writer's directory stays
+    atomic_write_dir(d, lambda t: (t / "g").write_text("2"), if_exists="replace")
+    assert sorted(p.name for p in d.iterdir()) == ["g"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # no temporary left behind
 
 
 def test_read_into_matches_getitem(tmp_path):

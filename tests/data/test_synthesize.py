@@ -7,7 +7,7 @@ import torch
 
 from eyas.data.synthesize import (_fold, prompt_openers, prompt_texts, synthesize_prompts,
                              user_turn_prefix)
-from eyas.models.targets import load_target
+from eyas.data.targets import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,7 +6,8 @@ import torch
 
 from eyas.data.shards import open_dataset, write_manifest, write_shard
 from eyas.data.vocab import (build_vocab, cli_main, count_tokens, load_vocab, save_vocab,
-                        special_token_ids, validate_vocab)
+                             special_token_ids)
+from eyas.data.vocab_map import VocabMap
 
 
 def test_selection_ties_and_forced():
@@ -60,18 +61,18 @@ def test_selection_errors():
 ])
 def test_validate_messages(d2t, t2d, pattern):
     if pattern is None:
-        validate_vocab(d2t, t2d, target_vocab_size=8, draft_vocab_size=3)
+        VocabMap(d2t, t2d).validate(target_vocab_size=8, draft_vocab_size=3)
         return
     with pytest.raises(ValueError, match=pattern):
-        validate_vocab(d2t, t2d)
+        VocabMap(d2t, t2d).validate()
 
 
 def test_validate_sizes():
     d2t, t2d = build_vocab(torch.arange(8), size=3)
     with pytest.raises(ValueError, match="target vocabulary has 9"):
-        validate_vocab(d2t, t2d, target_vocab_size=9)
+        VocabMap(d2t, t2d).validate(target_vocab_size=9)
     with pytest.raises(ValueError, match="draft_vocab_size is 4"):
-        validate_vocab(d2t, t2d, draft_vocab_size=4)
+        VocabMap(d2t, t2d).validate(draft_vocab_size=4)
 
 
 def test_save_load_round_trip(tmp_path):
@@ -131,7 +132,7 @@ def test_cli(tmp_path, capsys):
 
 
 def test_special_token_ids_smollm2():
-    from eyas.models.targets import load_tokenizer
+    from eyas.data.targets import load_tokenizer
     tok = load_tokenizer("smollm2")
     ids = special_token_ids(tok)
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
@@ -139,3 +140,13 @@ def test_special_token_ids_smollm2():
     assert ids == sorted(set(ids)) and all(0 <= i < len(tok) for i in ids)
     d2t, t2d = build_vocab(torch.zeros(len(tok)), size=64, force_ids=ids)
     assert t2d[ids].all()
+
+
+def test_vocab_map_from_d2t():
+    vm = VocabMap.from_d2t(torch.tensor([0, 1, 4, 4]), 8)
+    assert vm.t2d.dtype == torch.bool and vm.t2d.nonzero().flatten().tolist() == [0, 2, 6, 7]
+    assert vm.validate(target_vocab_size=8, draft_vocab_size=4) is vm
+    assert vm.target_ids().tolist() == [0, 2, 6, 7]
+    assert (vm.draft_vocab_size, vm.vocab_size) == (4, 8)
+    with pytest.raises(ValueError, match=r"leaves \[0, 8\)"):
+        VocabMap.from_d2t(torch.tensor([0, 7]), 8)

@@ -7,7 +7,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.targets import PRESETS, default_aux_layer_ids, load_target_config, text_config
+from eyas.data.targets import PRESETS, default_aux_layer_ids, load_target_config, text_config
 
 # (heads, kv heads, head_dim, intermediate) the presets must produce
 EXPECTED_SHAPE = {

@@ -5,7 +5,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter, apply_rope, rope_inv_freq
-from eyas.models.targets import load_target_config
+from eyas.data.targets import load_target_config
 from eyas.models.ttt import shifted_for_steps, step_positions, step_tokens, structural_valid
 
 # 6-token packed batch: document 0 = (10 11 12), document 1 = (20 21), one padding row

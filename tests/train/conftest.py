@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eyas.data.shards import write_manifest, write_shard
-from eyas.models.targets import default_aux_layer_ids, load_target, load_target_config
+from eyas.data.targets import default_aux_layer_ids, load_target, load_target_config
 
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts" / "default.jsonl"
 

@@ -135,7 +135,7 @@ def test_every_target_preset_builds_a_drafter_on_meta(preset):
 
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
-    from eyas.models.targets import load_target_config, text_config
+    from eyas.data.targets import load_target_config, text_config
 
     cfg = _compose([f"target={preset}"])
     check(cfg)

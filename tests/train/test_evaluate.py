@@ -13,10 +13,10 @@ from eyas.data.loader import PackedLoader
 from eyas.data.prompts import prompts_path
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.export import export_drafter
+from eyas.models.serving.export import export_drafter
 from eyas.models.metrics import COUNT_KEYS, accept_counts
 from eyas.models.objective import metric_mask
-from eyas.models.targets import load_embedding_and_head, load_target_config
+from eyas.data.targets import load_embedding_and_head, load_target_config
 from eyas.models.ttt import structural_valid
 from eyas.train.evaluate import (chain_counts, cli_main, draft_argmax, offline_eval,
                             summarize_counts)

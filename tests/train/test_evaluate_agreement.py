@@ -1,7 +1,7 @@
 """Offline τ vs real speculative decoding on SmolLM2-135M-Instruct (fp32): same text, same drafter.
 
 Pipeline, with eyas' own parts end to end:
-  1. the target answers held-out prompts greedily (models.specdec.greedy_decode);
+  1. the target answers held-out prompts greedily (models.serving.specdec.greedy_decode);
   2. prompt + answer become a token dataset, and `data.extract.extract` (the training capture
      path) turns it into a hidden-state dataset (aux bf16, target argmax);
   3. a drafter with real, nontrivial acceptance: random layout-A layers (bf16 values) whose
@@ -34,11 +34,11 @@ from eyas.data.prompts import prompts_path
 from eyas.data.shards import write_manifest, write_shard
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.export import export_drafter
+from eyas.models.serving.export import export_drafter
 from eyas.models.objective import metric_mask
-from eyas.models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
+from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, speculative_decode, stop_token_ids)
-from eyas.models.targets import default_aux_layer_ids, load_target
+from eyas.data.targets import default_aux_layer_ids, load_target
 from eyas.train.evaluate import load_prompts, offline_eval
 
 N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512

@@ -11,10 +11,11 @@ from safetensors.torch import load_file, save_file
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config, resolve_target
-from eyas.models.validate import TensorDir, read_config, validate
-from eyas.models.validate_numeric import compare
+from eyas.models.serving.export import export_drafter
+from eyas.data.targets import load_target_config, resolve_target
+from eyas.models.serving.contract import TensorDir, read_config
+from eyas.models.serving.validate import validate
+from eyas.models.serving.validate_numeric import compare
 
 VD = 512
 

@@ -1,7 +1,7 @@
 """Exports for the engine tests: the validator's deliberately broken exports, reused as is, and
 clean exports of real shapes.
 
-The broken cases are those of tests/models/test_validate.py (`CASES`: case id, config edit,
+The broken cases are those of tests/models/serving/test_validate.py (`CASES`: case id, config edit,
 tensor edit, expected validator codes); that file is loaded by path so any case added there is
 also run through the engines.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from eyas.models.config import Eagle3Config
-from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config
-from eyas.models.validate import CORE_TENSORS, expected_shapes
+from eyas.models.serving.export import export_drafter
+from eyas.data.targets import load_target_config
+from eyas.models.serving.contract import CORE_TENSORS, expected_shapes
 
 _spec = importlib.util.spec_from_file_location(
     "_eyas_test_validate", Path(__file__).with_name("test_validate.py"))

@@ -20,12 +20,12 @@ import copy
 import importlib.util
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from eyas.data.utils import atomic_write_dir
 
 log = logging.getLogger(__name__)
 
@@ -127,22 +127,6 @@ def load_target_config(target: str | Path) -> dict[str, Any]:
     return json.loads(cfg_file.read_text())
 
 
-def _atomic_dir(final: Path, build) -> Path:
-    """Run build(tmp_dir) and rename tmp_dir to `final`: a crash never leaves a half directory."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        build(tmp)
-        if final.exists():  # another process won the race
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
-
-
 def _smollm2_tokenizer():
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file=SMOLLM2_GGUF)
@@ -190,7 +174,7 @@ def resolve_target(target: str | Path, cache_dir: str | Path | None = None) -> P
     if (final / "config.json").is_file():
         return final
     builder = _build_smollm2 if name == "smollm2" else (lambda out: _build_tiny(name, out))
-    return _atomic_dir(final, builder)
+    return atomic_write_dir(final, builder, if_exists="keep")  # a racing process may win
 
 
 def load_tokenizer(target: str | Path, cache_dir: str | Path | None = None):

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
-from eyas.models.validate import (ERROR, WARNING, Finding, TensorDir, finding, read_config,
-                             resolve_target_config, validate)
+from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
+                                          read_config, resolve_target_config)
+from eyas.models.serving.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def _target_dir(target_config: Any) -> Path | None:
             return p
         if p.is_file():
             return p.parent
-        from eyas.models.targets import DEFAULT_CACHE_DIR, LOADABLE
+        from eyas.data.targets import DEFAULT_CACHE_DIR, LOADABLE
         cached = DEFAULT_CACHE_DIR / "targets" / str(target_config)
         if str(target_config) in LOADABLE and (cached / "config.json").is_file():
             return cached
@@ -280,8 +281,8 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
         if "t2d" in tdir.names:
             t2d = tdir.load("t2d").bool()
         elif "d2t" in tdir.names:
-            from eyas.models.export import t2d_from_d2t
-            t2d = t2d_from_d2t(tdir.load("d2t"), int(cfg["vocab_size"]))
+            from eyas.data.vocab_map import VocabMap
+            t2d = VocabMap.from_d2t(tdir.load("d2t"), int(cfg["vocab_size"])).t2d
         _check_data(report, Path(data), cfg, t2d, tcfg, _target_dir(target_config), max_samples)
     else:
         report.not_checked.append("training data (aux layers, tokenizer, vocabulary coverage): "

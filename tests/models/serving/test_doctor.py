@@ -12,10 +12,10 @@ import torch
 from eyas.data.shards import write_manifest, write_shard
 from eyas.data.templates import template_sha256
 from eyas.models.config import Eagle3Config
-from eyas.models.doctor import cli_main, diagnose, format_report
+from eyas.models.serving.doctor import cli_main, diagnose, format_report
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config
+from eyas.models.serving.export import export_drafter
+from eyas.data.targets import load_target_config
 
 VD = 256
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"

@@ -14,7 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eyas.models.export import ExportError, atomic_write_dir
+from eyas.data.utils import atomic_write_dir
+from eyas.models.serving.contract import OVERWRITE_HINT, ExportError
+
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str
                 except OSError:
                     shutil.copy2(f, tmp / f.name)
 
-    out = atomic_write_dir(out_dir, build, overwrite)
+    out = atomic_write_dir(out_dir, build, if_exists="replace" if overwrite else "error",
+                           exists_hint=OVERWRITE_HINT)
     log.info("wrote the vLLM-only speculators-format export to %s", out)
     return out

@@ -1,4 +1,4 @@
-"""Real speculative decoding (models.specdec) against target-only greedy decoding.
+"""Real speculative decoding (models.serving.specdec) against target-only greedy decoding.
 
 Target: the tiny random Llama preset in fp32 (one-token and multi-token forwards then agree to
 float noise, so greedy outputs must be identical token for token). Drafters:
@@ -19,13 +19,13 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.export import export_drafter
-from eyas.models.reference import EngineDrafter
-from eyas.models.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
+from eyas.models.serving.export import export_drafter
+from eyas.models.serving.reference import EngineDrafter
+from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, run_prompts, speculative_decode,
                             stop_token_ids)
-from eyas.models.targets import default_aux_layer_ids, load_target
-from eyas.models.validate import TensorDir
+from eyas.data.targets import default_aux_layer_ids, load_target
+from eyas.models.serving.contract import TensorDir
 
 K = 3
 QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour."]
@@ -59,7 +59,7 @@ def test_random_drafter_is_token_identical(tiny, random_export, caplog):
     model, tok, prompts = tiny
     emb = model.get_input_embeddings().weight.detach()
     engine, cfg = load_engine_drafter(random_export, emb, dtype=torch.float32)
-    with caplog.at_level(logging.INFO, logger="eyas.models.specdec"):
+    with caplog.at_level(logging.INFO, logger="eyas.models.serving.specdec"):
         res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=12,
                           stop_ids=stop_token_ids(model, tok))
     assert res["tokens_identical"], res["mismatches"]

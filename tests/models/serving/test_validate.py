@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config
-from eyas.models.validate import ERROR, WARNING, TensorDir, cli_main, validate
-from eyas.models.validate_static import CODES, check_config
+from eyas.models.serving.export import export_drafter
+from eyas.data.targets import load_target_config
+from eyas.models.serving.contract import ERROR, WARNING, TensorDir
+from eyas.models.serving.validate import cli_main, validate
+from eyas.models.serving.validate_static import CODES, check_config
 
 VD = 512  # draft vocabulary of the tiny drafter (target vocabulary: 49152)
 
@@ -265,7 +266,7 @@ def test_cli_exit_codes(clean, tmp_path, capsys):
 def test_speculators_format_export(clean, tcfg, tmp_path):
     """A vLLM-only speculators export: one warning (SGLang cannot read it), then the same rules
     on what it stands for; a missing norm_before_residual there means true in vLLM."""
-    from eyas.models.export_speculators import write_speculators_export
+    from eyas.models.serving.export_speculators import write_speculators_export
     spec = write_speculators_export(clean, tmp_path / "spec", verifier="tiny-llama",
                                     target_config=tcfg, num_speculative_tokens=3)
     assert codes(validate(spec, tcfg)) == {"SPECULATORS_FORMAT"}

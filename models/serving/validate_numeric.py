@@ -1,7 +1,7 @@
 """Numerical check of an export: the engines' math on the exported tensors reproduces the trainer.
 
 The exported directory is loaded the way vLLM/SGLang load it (layout-A names, d2t scatter onto
-the target vocabulary, the target's embedding) into `models.reference.EngineDrafter`, which
+the target vocabulary, the target's embedding) into `models.serving.reference.EngineDrafter`, which
 decodes a few random packed documents with a KV cache, step by step (`serve_packed`). The same
 rows go through the training forward (`models.drafter.Eagle3Drafter`, TTT unroll, eager
 attention) built from the exported tensors, or from the trainer's own state dict when one is
@@ -18,7 +18,8 @@ from typing import Any, Mapping
 
 import torch
 
-from eyas.models.validate import ERROR, Finding, TensorDir, finding, read_config
+from eyas.data.vocab_map import VocabMap
+from eyas.models.serving.contract import ERROR, Finding, TensorDir, finding, read_config
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def compare(cfg: dict[str, Any], tensors: Mapping[str, torch.Tensor], embedding:
     """
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
-    from eyas.models.reference import EngineDrafter, serve_packed
+    from eyas.models.serving.reference import EngineDrafter, serve_packed
 
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}
     emb = embedding.float()
@@ -75,7 +76,7 @@ def compare(cfg: dict[str, Any], tensors: Mapping[str, torch.Tensor], embedding:
         drafter = Eagle3Drafter(dcfg, attention="eager")
     # the trainer's tensors as the export must hold them: bf16-rounded, then fp32 like the engine
     if trainer_state_dict is not None:
-        from eyas.models.export import normalise_names
+        from eyas.models.serving.export import normalise_names
         trainer_state_dict = normalise_names(trainer_state_dict)
     src = f32 if trainer_state_dict is None else {
         k: (v.detach().to(torch.bfloat16).float() if v.is_floating_point() else v)
@@ -84,8 +85,7 @@ def compare(cfg: dict[str, Any], tensors: Mapping[str, torch.Tensor], embedding:
     if "d2t" not in state:  # full-vocabulary drafter: identity mapping
         state["d2t"] = torch.zeros(dcfg.draft_vocab_size, dtype=torch.int64)
     if "t2d" not in state:
-        from eyas.models.export import t2d_from_d2t
-        state["t2d"] = t2d_from_d2t(state["d2t"], dcfg.vocab_size)
+        state["t2d"] = VocabMap.from_d2t(state["d2t"], dcfg.vocab_size).t2d
     drafter.load_state_dict(state, strict=True, assign=True)
     drafter.eval()
 

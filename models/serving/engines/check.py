@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from eyas.models.engines.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, ensure_venv,
+from eyas.models.serving.engines.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, ensure_venv,
                                   venv_python)
-from eyas.models.validate import ERROR, WARNING, Finding, finding
+from eyas.models.serving.contract import ERROR, WARNING, Finding, finding
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def write_target_dir(target_config: dict | str | Path, out: Path) -> Path:
 
     The full config is written (Kimi-K2.5's multimodal wrapper included): the engines resolve
     the target class from it as a server would."""
-    from eyas.models.targets import load_target_config
+    from eyas.data.targets import load_target_config
     cfg = target_config if isinstance(target_config, dict) else load_target_config(target_config)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -328,7 +328,7 @@ def check_engines_many(exports: Sequence[tuple[str | Path, dict | str | Path]],
             try:
                 venv = ensure_venv(engine, version, root=venv_root) if setup else None
                 if venv is None:
-                    from eyas.models.engines.venvs import ready_info, venv_dir
+                    from eyas.models.serving.engines.venvs import ready_info, venv_dir
                     venv = venv_dir(engine, version, venv_root)
                     if ready_info(venv) is None:
                         raise EngineSetupError(f"no venv at {venv} (run `eyas engines setup`)")

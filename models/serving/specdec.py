@@ -1,7 +1,7 @@
 """Real speculative decoding with an exported EAGLE-3 drafter: greedy chains verified by the target.
 
 The target is a transformers causal LM; the drafter is the EXPORTED directory loaded the way vLLM
-loads it (`models.reference.EngineDrafter`: layout-A names, d2t scatter, the target's embedding).
+loads it (`models.serving.reference.EngineDrafter`: layout-A names, d2t scatter, the target's embedding).
 Batch size 1, one sequence at a time, each with its own KV caches. One request runs:
 
     prefill   target over the prompt x_0..x_{P-1}            → aux[0..P-1], bonus x_P = argmax
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eyas.models.reference import EngineDrafter
+from eyas.models.serving.reference import EngineDrafter
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def drafter_aux_layer_ids(cfg: dict, num_target_layers: int) -> list[int]:
         sg = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
         ids = None if sg is None else [int(i) + 1 for i in sg]
     if ids is None:
-        from eyas.models.targets import default_aux_layer_ids
+        from eyas.data.targets import default_aux_layer_ids
         ids = default_aux_layer_ids(num_target_layers)
         log.warning("drafter config names no aux layer ids; using the engines' default %s", ids)
     ids = [int(i) for i in ids]
@@ -70,7 +70,7 @@ def load_engine_drafter(drafter_dir: str | Path, target_embedding: Tensor,
 
     target_embedding: the target's input embedding [V, H]. Errors name the directory.
     """
-    from eyas.models.validate import TensorDir, read_config
+    from eyas.models.serving.contract import TensorDir, read_config
     path = Path(drafter_dir)
     cfg = read_config(path)
     tdir = TensorDir(path)

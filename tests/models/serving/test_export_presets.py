@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from eyas.models.config import Eagle3Config
-from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config, text_config
-from eyas.models.validate import CORE_TENSORS, TensorDir, expected_shapes, validate
-from eyas.models.validate_static import check_config
+from eyas.models.serving.export import export_drafter
+from eyas.data.targets import load_target_config, text_config
+from eyas.models.serving.contract import CORE_TENSORS, TensorDir, expected_shapes
+from eyas.models.serving.validate import validate
+from eyas.models.serving.validate_static import check_config
 
 EXPECTED = {  # preset -> (vLLM aux ids, SGLang aux ids, fc shape, lm_head shape)
     "llama-3.1-8b": ([2, 16, 29], [1, 15, 28], (4096, 3 * 4096), (32000, 4096)),

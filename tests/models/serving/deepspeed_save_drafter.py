@@ -1,7 +1,7 @@
 """Save a tiny drafter as a real multi-process DeepSpeed ZeRO checkpoint (used by test_export.py).
 
     accelerate launch --use_deepspeed --zero_stage 3 --num_processes 2 \
-        tests/models/deepspeed_save_drafter.py OUT_DIR STAGE
+        tests/models/serving/deepspeed_save_drafter.py OUT_DIR STAGE
 
 Takes one optimizer step so the saved weights differ from the seeded init, then writes
 OUT_DIR/ckpt (accelerate save_state + eyas_state.json) and OUT_DIR/reference.safetensors (the
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.targets import load_target_config
+from eyas.data.targets import load_target_config
 
 
 def main(out: Path, stage: int) -> None:

@@ -28,11 +28,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
+
+from eyas.data.utils import atomic_write_dir
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +193,11 @@ def _build(engine: str, version: str, path: Path, installer: str, python: str,
     uv = find_uv(root) if installer in ("auto", "uv") else None
     if installer == "uv" and uv is None:
         raise EngineSetupError("installer='uv' but uv is neither on PATH nor pip-installable")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp.", dir=root))
     t0 = time.time()
+    info: dict = {}
     log.info("installing %s into %s (several GB, minutes; done once)", " ".join(reqs), path)
-    try:
+
+    def build(tmp: Path) -> None:
         if uv is not None:
             # --relocatable: the venv is renamed into place after the install
             _run([uv, "venv", "--relocatable", "--python", python, "--seed", tmp], "uv venv")
@@ -214,16 +216,13 @@ def _build(engine: str, version: str, path: Path, installer: str, python: str,
         if not versions or versions[0] != version:
             raise EngineSetupError(f"{engine} in the new venv reports version {versions}, "
                                    f"expected {version}")
-        info = {"engine": engine, "version": version, "torch": versions[1], "installer": how,
-                "requirements": reqs, "install_s": round(installed_s, 1),
-                "disk_bytes": disk_usage(tmp), "python": python,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        info.update({"engine": engine, "version": version, "torch": versions[1],
+                     "installer": how, "requirements": reqs, "install_s": round(installed_s, 1),
+                     "disk_bytes": disk_usage(tmp), "python": python,
+                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         info["setup_s"] = round(time.time() - t0, 1)  # install + first (pyc-compiling) import
         (tmp / READY).write_text(json.dumps(info, indent=2) + "\n")
-        tmp.chmod(0o755)  # mkdtemp made it private
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    atomic_write_dir(path, build)
     log.info("%s %s ready in %.0f s, %.1f GB on disk: %s", engine, version, info["install_s"],
              info["disk_bytes"] / 1e9, path)

@@ -1,25 +1,16 @@
-"""Check an exported drafter directory against the serving contract, before any server starts.
+"""The shared words of the serving contract: findings, the layout, and the tensor-directory reader.
 
-`validate(dir, target_config)` returns a list of `Finding`s: each names a rule of
-`serving-contract.md` (§2 config.json, §3 model.safetensors) that the export breaks, which engine
-misbehaves and how, and the fix. An empty list means vLLM and SGLang will both load the directory
-and compute the function eyas trained. With ``numeric=True`` it also loads the exported tensors the
-way the engines do and checks that they reproduce the trainer's logits (validate_numeric.py).
-
-Tensors are read lazily (safetensors headers for names/shapes/dtypes; values only for the vocab
-mapping and a chunked NaN/inf scan), so a 10 GB export validates in seconds.
-
-    eyas validate DIR --target-config TARGET [--target-weights DIR] [--numeric]
-
-exits 0 when the directory is clean and 1 when there are findings (errors or warnings).
+Every module of `models.serving` speaks in these terms: a `Finding` names a broken rule of
+`serving-contract.md` (with a stable code, the engine behaviour behind it and the fix);
+`CORE_TENSORS` / `expected_shapes` say what layout A ships; `TensorDir` reads names, shapes and
+dtypes of a drafter directory from the safetensors headers. This module imports no other part of
+the serving package, so the exporter, importer, validators, engines check and doctor can all
+build on it without importing each other.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,7 +18,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-log = logging.getLogger(__name__)
+from eyas.data.format import ST_TO_TORCH
 
 ERROR, WARNING = "error", "warning"
 
@@ -51,11 +42,17 @@ CORE_TENSORS = (
 )
 VOCAB_TENSORS = ("d2t", "t2d")
 
-# safetensors header dtype strings -> torch dtypes (the ones a drafter can contain)
-_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-              "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-              "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-FLOAT_DTYPES = ("BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2")
+LAYOUT_A_ARCH = "LlamaForCausalLMEagle3"
+#: safetensors header dtype strings of float tensors (from the one dtype table, data.format)
+FLOAT_DTYPES = tuple(k for k, v in ST_TO_TORCH.items() if v.is_floating_point)
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot become a valid layout-A export; the message says why and how to fix."""
+
+
+#: what to do when an export's output directory already exists
+OVERWRITE_HINT = "choose a new directory or pass overwrite=True (--overwrite)"
 
 
 @dataclass(frozen=True)
@@ -252,103 +249,18 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def is_speculators_config(cfg: dict[str, Any]) -> bool:
-    """A speculators-format config.json (vLLM only), not layout A."""
-    return "speculators_model_type" in cfg or "transformer_layer_config" in cfg
-
-
-def speculators_findings(cfg: dict[str, Any]) -> tuple[list[Finding], dict[str, Any]]:
-    """(findings specific to a speculators config, the equivalent layout-A dict to check on).
-
-    The layer fields come from `transformer_layer_config`; the aux ids are vLLM's (both
-    spellings are derived so that only real problems of the ids are reported).
-    """
-    out = [finding("SPECULATORS_FORMAT", WARNING,
-                   "config.json is in the speculators format (speculators_model_type "
-                   f"{cfg.get('speculators_model_type')!r})",
-                   "vLLM loads it; SGLang cannot parse it at all",
-                   "serve SGLang from the layout-A export (eyas export writes both)")]
-    if cfg.get("norm_before_residual") is not False:
-        out.append(finding(
-            "NORM_BEFORE_RESIDUAL", ERROR,
-            f"norm_before_residual = {cfg.get('norm_before_residual', 'absent')!r} in a "
-            f"speculators config", "vLLM's speculators path defaults it to true: an absent "
-            "flag serves the normed-residual variant; loads fine, acceptance collapses",
-            'write "norm_before_residual": false (the function eyas trains)'))
-    layer = cfg.get("transformer_layer_config")
-    flat = dict(layer) if isinstance(layer, dict) else {}
-    vl = cfg.get("eagle_aux_hidden_state_layer_ids")
-    flat.update(architectures=["LlamaForCausalLMEagle3"], norm_before_residual=False,
-                draft_vocab_size=cfg.get("draft_vocab_size"),
-                target_hidden_size=cfg.get("target_hidden_size") or flat.get("hidden_size"),
-                torch_dtype=cfg.get("torch_dtype", flat.get("torch_dtype")))
-    if vl is not None:
-        flat["eagle_aux_hidden_state_layer_ids"] = vl
-        if isinstance(vl, list) and all(isinstance(i, int) for i in vl):
-            flat["eagle_config"] = {"use_aux_hidden_state": True,
-                                    "eagle_aux_hidden_state_layer_ids": [i - 1 for i in vl]}
-    return out, flat
-
-
 def resolve_target_config(target_config: dict[str, Any] | str | Path | None) -> dict | None:
     """A target config.json dict (its text part) from a dict, a preset name, a file or a dir."""
     if target_config is None:
         return None
-    from eyas.models.targets import load_target_config, text_config
+    from eyas.data.targets import load_target_config, text_config
     cfg = target_config if isinstance(target_config, dict) else load_target_config(target_config)
     return text_config(cfg)
 
 
-# ---------------------------------------------------------------------------------------------
-# Entry points
-# ---------------------------------------------------------------------------------------------
-
-def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None, *,
-             check_values: bool = True, numeric: bool = False,
-             target_weights: str | Path | None = None, numeric_tol: float = 1e-3,
-             trainer_state_dict: dict[str, torch.Tensor] | None = None) -> list[Finding]:
-    """All contract findings for the drafter directory `path` served with `target_config`.
-
-    `target_config`: the target's config.json (dict, file, directory or preset name; Kimi's
-    `text_config` is used when present). None skips the rules that need the target.
-    `check_values`: scan every tensor for NaN/inf (chunked; set False for a header-only check).
-    `numeric`: also check that the engines' math on the exported tensors reproduces the
-    training forward (validate_numeric.py), on `target_weights`' embedding (a directory of the
-    target's safetensors) or a seeded random one; `trainer_state_dict` (the checkpoint's
-    tensors) makes the training side independent of the export.
-    """
-    from eyas.models.validate_static import check_config, check_tensors
-    path = Path(path)
-    if not path.is_dir():
-        return [finding("CONFIG_MISSING", ERROR, f"{path} is not a directory",
-                        "engines take a directory holding config.json and model.safetensors",
-                        "pass the export directory")]
-    try:
-        cfg = read_config(path)
-    except (FileNotFoundError, ValueError) as e:
-        return [finding("CONFIG_MISSING", ERROR, str(e),
-                        "both engines read the drafter's shape from config.json",
-                        "re-export with `eyas export`")]
-    tcfg = resolve_target_config(target_config)
-    findings: list[Finding] = []
-    speculators = is_speculators_config(cfg)
-    if speculators:  # a vLLM-only export: check what it stands for, with layout-A rules
-        findings, cfg = speculators_findings(cfg)
-    findings += check_config(cfg, tcfg)
-    tdir = TensorDir(path)
-    findings += tdir.findings
-    tensor_findings = check_tensors(tdir, cfg, tcfg, check_values=check_values)
-    if speculators:  # vLLM reads `layers.0.` natively; SGLang does not read this format at all
-        tensor_findings = [f for f in tensor_findings if f.code != "NAME_LAYERS0"]
-    findings += tensor_findings
-    if numeric:
-        if any(f.severity == ERROR for f in findings):
-            log.warning("skipping the numerical check: fix the static errors first")
-        else:
-            from eyas.models.validate_numeric import check_numeric
-            findings += check_numeric(path, tcfg, target_weights=target_weights, tol=numeric_tol,
-                                      trainer_state_dict=trainer_state_dict)
-    return findings
+def is_speculators_config(cfg: dict[str, Any]) -> bool:
+    """A speculators-format config.json (vLLM only), not layout A."""
+    return "speculators_model_type" in cfg or "transformer_layer_config" in cfg
 
 
 def format_findings(findings: list[Finding]) -> str:
@@ -358,44 +270,3 @@ def format_findings(findings: list[Finding]) -> str:
     lines = [str(f) for f in findings]
     lines.append(f"{n_err} error(s), {len(findings) - n_err} warning(s)")
     return "\n".join(lines)
-
-
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas validate DIR --target-config FILE [--target-weights DIR] [--numeric]`."""
-    p = argparse.ArgumentParser(
-        prog="eyas validate",
-        description="Check an exported EAGLE-3 drafter directory against what vLLM and SGLang "
-                    "load (serving-contract.md). Exit 0 = clean, 1 = findings.")
-    p.add_argument("dir", help="the exported drafter directory (config.json + model.safetensors)")
-    p.add_argument("--target-config", required=True,
-                   help="the target's config.json, its directory, or an eyas preset name")
-    p.add_argument("--target-weights", default=None,
-                   help="target directory whose embedding the numerical check uses "
-                        "(default: a seeded random embedding of the right shape)")
-    p.add_argument("--numeric", action="store_true",
-                   help="also check that the exported tensors reproduce the trainer's logits "
-                        "when loaded the way the engines load them")
-    p.add_argument("--no-values", action="store_true",
-                   help="skip the NaN/inf scan of the weights (headers and vocab map only)")
-    p.add_argument("--json", action="store_true", help="print findings as JSON")
-    p.add_argument("--engines", default=None,
-                   help="also load DIR with these engines' own loaders on CPU, in their own "
-                        "venvs, e.g. vllm,sglang (see `eyas engines --help`)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    findings = validate(args.dir, args.target_config, check_values=not args.no_values,
-                        numeric=args.numeric, target_weights=args.target_weights)
-    if args.json:
-        print(json.dumps([f.__dict__ for f in findings], indent=2))
-    else:
-        print(format_findings(findings))
-    if args.engines:
-        from eyas.models.engines import engines_cli_main
-        engines = engines_cli_main([args.dir, "--target-config", args.target_config,
-                                    "--engines", args.engines])
-        return max(1 if findings else 0, engines)
-    return 1 if findings else 0
-
-
-if __name__ == "__main__":
-    sys.exit(cli_main())

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from eyas.models.validate import (CORE_TENSORS, ERROR, FLOAT_DTYPES, WARNING, Finding, TensorDir,
-                             all_finite, config_dims, expected_shapes, finding)
+from eyas.models.serving.contract import (CORE_TENSORS, ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
+                                          WARNING, Finding, TensorDir, all_finite, config_dims,
+                                          expected_shapes, finding)
 
 #: settings that SGLang cannot parse (speculators format) or that only 2026-05+ builds implement
 FORBIDDEN_KEYS = ("norm_before_fc", "fc_norm", "norm_output", "quantization_config",
                   "logit_scale", "speculators_config", "transformer_layer_config",
                   "speculators_model_type")
-LAYOUT_A_ARCH = "LlamaForCausalLMEagle3"
 
 #: every code either function can emit -> the severity it is emitted with
 CODES = {

@@ -2,7 +2,7 @@
 
 For real target features (SmolLM2-135M-Instruct on chat-templated text, and the tiny random
 Llama / DeepSeek-V3 targets), packed into one batch of several documents plus padding, the
-training forward's logits lm_head(hidden[k, t]) must equal what `models.reference.EngineDrafter`
+training forward's logits lm_head(hidden[k, t]) must equal what `models.serving.reference.EngineDrafter`
 computes when it serves the same checkpoint (layout-A names, d2t scatter, KV cache, pre-norm
 feedback) for every start row t and draft step k:
   * fp32: to 1e-5 relative to the logit scale (|Δ| <= 1e-5 · max|logit|; logits reach ~10-25);
@@ -16,8 +16,8 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.reference import EngineDrafter, serve_packed
-from eyas.models.targets import default_aux_layer_ids, load_target
+from eyas.models.serving.reference import EngineDrafter, serve_packed
+from eyas.data.targets import default_aux_layer_ids, load_target
 
 K = 5
 FP32_TOL = 1e-5                          # × max(1, max |logit|): fp32 rounding of two orderings

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eyas.models.validate import CORE_TENSORS, TensorDir, read_config, resolve_target_config
+from eyas.data.vocab_map import VocabMap
+from eyas.models.serving.contract import CORE_TENSORS, TensorDir, read_config, resolve_target_config
 
 log = logging.getLogger(__name__)
 
 #: checkpoint side files that hold the drafter config and training settings (first found wins)
 CHECKPOINT_META = ("eyas.json", "eyas_state.json")
-LAYOUT_A_ARCH = "LlamaForCausalLMEagle3"
 #: source tensors that belong to the target or the training harness, never to the drafter
 _FOREIGN = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
 _VOCAB_FILES = ("vocab_map.safetensors", "vocab.safetensors")
@@ -199,7 +199,7 @@ def _aux_ids(src: dict[str, Any], tcfg: dict[str, Any] | None, where: str,
     if tcfg is None:
         raise ValueError(f"{where} names no aux layer ids: pass the target config so the "
                          f"engines' default (2, N//2, N-3) can be used")
-    from eyas.models.targets import default_aux_layer_ids
+    from eyas.data.targets import default_aux_layer_ids
     ids = default_aux_layer_ids(tcfg["num_hidden_layers"])
     log.warning("%s names no aux layer ids; assuming the engines' default %s", where, ids)
     return ids
@@ -301,8 +301,7 @@ def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None =
             log.info("%s: d2t stored as %s; converted to int64 (values unchanged)", path, d2t.dtype)
             d2t = d2t.to(torch.int64)
         if t2d is None:
-            from eyas.models.export import t2d_from_d2t
-            t2d = t2d_from_d2t(d2t, V)
+            t2d = VocabMap.from_d2t(d2t, V).t2d
         elif t2d.dtype != torch.bool:
             t2d = t2d.bool()
     aux = _aux_ids(src, tcfg, where, speculators)

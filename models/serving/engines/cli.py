@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from eyas.models.engines.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, default_root,
+from eyas.models.serving.engines.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, default_root,
                                   disk_usage, ensure_venv, ready_info, venv_dir)
 
 
@@ -55,7 +55,7 @@ def _check_parser(prog: str) -> argparse.ArgumentParser:
 def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines check") -> int:
     """`eyas engines check DIR --target-config T [--engines vllm,sglang] …` (also behind
     `eyas validate --engines`)."""
-    from eyas.models.engines.check import check_engines, format_reports
+    from eyas.models.serving.engines.check import check_engines, format_reports
     args = _check_parser(prog).parse_args(argv)
     versions = {"vllm": args.vllm_version, "sglang": args.sglang_version}
     try:

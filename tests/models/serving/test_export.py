@@ -15,13 +15,14 @@ from safetensors.torch import load_file, save_file
 from eyas.data.vocab import save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.export import (EXPORT_META, ExportError, cli_main, export_checkpoint,
+from eyas.models.serving.export import (EXPORT_META, ExportError, cli_main, export_checkpoint,
                            export_drafter, serve_commands)
-from eyas.models.targets import load_target_config
-from eyas.models.validate import CORE_TENSORS, TensorDir, validate
+from eyas.data.targets import load_target_config
+from eyas.models.serving.contract import CORE_TENSORS, TensorDir
+from eyas.models.serving.validate import validate
 
 VD = 512
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 LAYOUT_A = set(CORE_TENSORS) | {"d2t", "t2d"}
 
 
@@ -58,7 +59,7 @@ def assert_exported(out: Path, cfg: Eagle3Config, sd: dict, tcfg: dict) -> None:
             assert torch.equal(t, sd[name].to(torch.bfloat16)), name
     assert json.loads((out / "config.json").read_text()) == cfg.to_config_dict()
     assert validate(out, tcfg) == []
-    assert not [p for p in out.parent.iterdir() if ".tmp." in p.name]  # no temp dir left
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]  # no temp dir left
 
 
 def test_plain_state_dict_file_with_wrapper_prefixes(drafter, tcfg, tmp_path):
@@ -191,7 +192,7 @@ def test_deepspeed_zero3_two_process_checkpoint(tcfg, tmp_path):
         [str(Path(sys.executable).parent / "accelerate"), "launch", "--use_deepspeed",
          "--zero_stage", "3", "--num_processes", "2", "--num_machines", "1",
          "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
-         str(ROOT / "tests" / "models" / "deepspeed_save_drafter.py"), str(tmp_path), "3"],
+         str(ROOT / "tests" / "models" / "serving" / "deepspeed_save_drafter.py"), str(tmp_path), "3"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     shards = sorted(p.name for p in (tmp_path / "ckpt" / "pytorch_model").iterdir())

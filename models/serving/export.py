@@ -24,11 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,10 +33,15 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
-from eyas.models.importer import (find_key, load_state_dict_file, read_drafter_dir,
-                             read_trainer_checkpoint)
-from eyas.models.validate import (CORE_TENSORS, ERROR, TensorDir, all_finite, expected_shapes,
-                             format_findings, resolve_target_config)
+from eyas.data.utils import atomic_write_dir
+from eyas.data.vocab_map import VocabMap
+from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
+                                          TensorDir, all_finite, expected_shapes,
+                                          format_findings, resolve_target_config)
+from eyas.models.serving.export_speculators import write_speculators_export
+from eyas.models.serving.importer import (find_key, load_state_dict_file, read_drafter_dir,
+                                          read_trainer_checkpoint)
+from eyas.models.serving.validate_static import check_config, check_tensors
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,6 @@ EXPORT_META = "eyas_export.json"
 _WRAPPERS = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
 #: drafter state-dict entries that are deliberately not exported
 NOT_EXPORTED = ("embed_tokens.weight",)  # the target's, frozen: engines bring their own
-
-
-class ExportError(ValueError):
-    """The checkpoint cannot become a valid layout-A export; the message says why and how to fix."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,46 +131,8 @@ def complete_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Vocabulary mapping
-# ---------------------------------------------------------------------------------------------
-
-def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bool mask [V] of the target ids the draft vocabulary selects: {i + d2t[i]}."""
-    ids = torch.arange(d2t.numel()) + d2t.long()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
-                         f"(target_id - i), not absolute ids or ids of another vocabulary")
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return t2d
-
-
-# ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-
-def atomic_write_dir(out_dir: Path, build, overwrite: bool) -> Path:
-    """build(tmp) then rename tmp -> out_dir; an existing out_dir is replaced only if allowed."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists: choose a new directory or pass "
-                              f"overwrite=True (--overwrite)")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp.", dir=out_dir.parent))
-    try:
-        build(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old.{os.getpid()}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
 
 def _save_tensors(tensors: dict[str, torch.Tensor], d: Path, max_shard_bytes: int | None) -> None:
     """model.safetensors, or model-0000x-of-0000y.safetensors + index when above the shard size."""
@@ -249,11 +209,10 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
         if d2t is None:
             raise ExportError(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t was given or "
                               f"found in the checkpoint: pass the training vocab map")
-        from eyas.data.vocab import validate_vocab
         try:
             d2t = d2t.to(torch.int64).contiguous()
-            t2d = (t2d.bool() if t2d is not None else t2d_from_d2t(d2t, V)).contiguous()
-            validate_vocab(d2t, t2d, target_vocab_size=V, draft_vocab_size=Vd)
+            vm = VocabMap(d2t, t2d.bool()) if t2d is not None else VocabMap.from_d2t(d2t, V)
+            t2d = vm.validate(target_vocab_size=V, draft_vocab_size=Vd).t2d.contiguous()
         except ValueError as e:
             raise ExportError(f"vocab map: {e}") from None
     else:
@@ -298,7 +257,6 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
         _save_tensors(tensors, tmp, max_shard_bytes)
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
         if check:
-            from eyas.models.validate_static import check_config, check_tensors
             # values were checked in memory above; the files are checked for layout only
             findings = check_config(cfg, tcfg) + check_tensors(TensorDir(tmp), cfg, tcfg,
                                                                check_values=False)
@@ -308,10 +266,10 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
                 raise ExportError("the export breaks the serving contract:\n"
                                   + format_findings([f for f in findings if f.severity == ERROR]))
 
-    out = atomic_write_dir(Path(out_dir), build, overwrite)
+    out = atomic_write_dir(Path(out_dir), build, if_exists="replace" if overwrite else "error",
+                           exists_hint=OVERWRITE_HINT)
     log.info("exported drafter to %s", out)
     if speculators:
-        from eyas.models.export_speculators import write_speculators_export
         write_speculators_export(out, Path(f"{out}-speculators"), verifier=verifier,
                                  target_config=tcfg,
                                  num_speculative_tokens=num_speculative_tokens or ttt_steps or 3,

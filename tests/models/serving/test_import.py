@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.export import export_drafter
-from eyas.models.importer import import_drafter, read_drafter_dir
-from eyas.models.targets import load_target_config
-from eyas.models.validate import CORE_TENSORS, validate
+from eyas.models.serving.export import export_drafter
+from eyas.models.serving.importer import import_drafter, read_drafter_dir
+from eyas.data.targets import load_target_config
+from eyas.models.serving.contract import CORE_TENSORS
+from eyas.models.serving.validate import validate
 
 VD = 512
 
@@ -81,7 +82,7 @@ def test_sglang_eagle_layout_like_a_kimi_drafter(source, tmp_path, caplog):
     ts["d2t"] = d2t.int()
     ts["embed_tokens.weight"] = torch.zeros(49152, 64, dtype=torch.float16)
     d = write_dir(tmp_path / "aq", c, ts)
-    with caplog.at_level(logging.INFO, logger="eyas.models.importer"):
+    with caplog.at_level(logging.INFO, logger="eyas.models.serving.importer"):
         imp = import_drafter(d)
     assert "embed_tokens.weight" in caplog.text  # dropped, and said so
     assert imp.config.aux_layer_ids == [i + 1 for i in sg_ids] == cfg.aux_layer_ids

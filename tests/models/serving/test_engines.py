@@ -1,4 +1,4 @@
-"""Exports loaded by vLLM's and SGLang's own loaders on CPU (models/engines).
+"""Exports loaded by vLLM's and SGLang's own loaders on CPU (models/serving/engines).
 
 Marker `engines` (deselected by default): `pytest -m engines`. The first run creates the engine
 venvs (~14 GB under ~/.cache/eyas/engines, a few minutes); later runs reuse them. The verdict
@@ -6,7 +6,7 @@ table is written to $EYAS_ENGINE_VERDICTS when set (benchmarks/engine_verdicts.m
 
 Clean exports (SmolLM2 drafter built like a training run's, real-shape Llama-3.1-8B and
 Kimi-K2.5 drafters with random weights, the validator tests' tiny one) must load cleanly in
-both engines; each deliberately broken export of tests/models/test_validate.py gets the two
+both engines; each deliberately broken export of tests/models/serving/test_validate.py gets the two
 engines' verdicts, and the faults engine-loaders.md documents must be caught the documented way.
 """
 
@@ -24,13 +24,13 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.engines import check_engines, check_engines_many, cli_main
-from eyas.models.engines.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
-from eyas.models.engines.verdicts import verdict, verdict_table
-from eyas.models.export import export_drafter
-from eyas.models.targets import load_target_config, text_config
+from eyas.models.serving.engines import check_engines, check_engines_many, cli_main
+from eyas.models.serving.engines.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
+from eyas.models.serving.engines.verdicts import verdict, verdict_table
+from eyas.models.serving.export import export_drafter
+from eyas.data.targets import load_target_config, text_config
 
-from eyas.models.validate import TensorDir
+from eyas.models.serving.contract import TensorDir
 
 _spec = importlib.util.spec_from_file_location(  # a helper next to this file, not a package
     "_eyas_broken_exports", Path(__file__).with_name("broken_exports.py"))
@@ -77,7 +77,7 @@ TABLE_TITLE = (
     "### What vLLM's and SGLang's own loaders catch\n\n"
     "Each deliberately broken export of the validator's tests (tiny-llama target) loaded on CPU "
     "by `eyas engines check`. Regenerate: `EYAS_ENGINE_VERDICTS=benchmarks/engine_verdicts.md "
-    "pytest -m engines tests/models/test_engines.py`.\n")
+    "pytest -m engines tests/models/serving/test_engines.py`.\n")
 
 
 def smollm2_export(out: Path) -> Path:
