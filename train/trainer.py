@@ -240,9 +240,8 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
     s.module.train()
     last_eval: dict[str, float] = {}
     while step < s.total_steps:
-        it = iter(s.train_loader)
         t_wait = time.perf_counter()
-        for batch in it:
+        for batch in one_pass(s.train_loader):
             window.wait += time.perf_counter() - t_wait
             batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
             with accelerator.accumulate(s.module):
@@ -287,8 +286,6 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
             if done:
                 break
             t_wait = time.perf_counter()
-        if step < s.total_steps:
-            s.train_loader.set_epoch(s.train_loader.epoch + 1)
     bar.close()
     logger.close()
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
@@ -300,6 +297,15 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
     if accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
+
+
+def one_pass(loader: PackedLoader):
+    """The rest of the loader's current epoch. The loader alone owns the epoch: it moves to the
+    next one when a pass ends, so the trainer only iterates (and resume state stays exact)."""
+    if len(loader.plan(loader.epoch)) == 0:
+        raise ValueError("the training loader has no batches: the dataset is empty or smaller "
+                         "than one rank's share")
+    yield from loader
 
 
 class _Window:
