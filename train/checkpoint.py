@@ -78,7 +78,7 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
             if prev is None or best_metric > prev[1]:
                 _write_pointer(root / "best", final.name)
                 atomic_write_json(root / "best.json", {"checkpoint": final.name,
-                                                       "accept_len": best_metric})
+                                                       "tau": best_metric})
         _rotate(root, keep_last)
         log.info("checkpoint %s", final)
     accelerator.wait_for_everyone()
@@ -96,7 +96,7 @@ def _read_best(root: Path) -> tuple[str, float] | None:
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
-    return d["checkpoint"], float(d["accept_len"])
+    return d["checkpoint"], float(d["tau"] if "tau" in d else d["accept_len"])  # older runs
 
 
 def _rotate(root: Path, keep_last: int) -> None:

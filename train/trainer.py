@@ -30,13 +30,13 @@ from eyas.data.packing import split_indices
 from eyas.data.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.metrics import accept_counts, add_counts, finalize
+from eyas.models.metrics import accept_counts, add_counts, summarize
 from eyas.models.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import DistBackend, to_plain
 from eyas.train.config import enum_value as _value
 from eyas.train.dist import param_dtype
-from eyas.train.evaluate import chain_counts
+from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer, build_scheduler
 from eyas.train.step import TrainingModule, resolve_loss_impl, to_device
 from eyas.train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
@@ -184,32 +184,22 @@ def _drafter(module):
     return inner.drafter
 
 
-@torch.no_grad()
 def evaluate(s: Setup, accelerator) -> dict[str, float]:
-    """Exact acceptance counts over the held-out split, summed over ranks, then ratios.
-
-    ``accept_len`` averages the chain over every start position (models.metrics);
-    ``accept_len_trajectory`` walks the text as a greedy decoder does (train.evaluate), which
-    is what real speculative decoding measures on target-generated text.
-    """
+    """Exact acceptance on the held-out split (`train.evaluate.count_acceptance`, summed over
+    ranks): `tau` averages the chain over every start, `tau_trajectory` walks the text as a
+    greedy decoder does (`models.metrics`)."""
     if s.eval_loader is None:
         return {}
-    s.module.eval()
-    counts = None
-    d2t = _drafter(s.module).d2t
-    for batch in s.eval_loader:
+
+    def forward(batch):
         batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
         res = s.module(**inputs)
-        counts = add_counts(counts, chain_counts(res.draft_argmax, d2t, batch.target_argmax,
-                                                 res.metric_mask))
+        return batch, res.draft_argmax, res.metric_mask
+
+    s.module.eval()
+    counts, _ = count_acceptance(forward, s.eval_loader, _drafter(s.module).d2t, s.ttt_steps)
     s.module.train()
-    if counts is None:
-        return {}
-    counts = {k: accelerator.reduce(v, reduction="sum") for k, v in counts.items()}
-    out = finalize(counts)
-    rounds, tokens = float(counts["traj_rounds"][-1]), float(counts["traj_tokens"][-1])
-    out["accept_len_trajectory"] = tokens / rounds if rounds > 0 else float("nan")
-    return out
+    return summarize(counts)
 
 
 def train(cfg, accelerator, datasets) -> dict[str, Any]:
@@ -263,17 +253,17 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
                 rec = window.flush(accelerator, s, peak, s.scheduler.get_last_lr()[0])
                 logger.log(step, rec)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                tau=f"{rec['accept_len']:.2f}")
+                                tau=f"{rec['tau']:.2f}")
             is_eval = (cfg.train.eval_every and step % cfg.train.eval_every == 0) or done
             if is_eval:
                 last_eval = evaluate(s, accelerator)
                 if last_eval:
                     logger.log(step, last_eval, prefix="eval")
-                    log.info("eval step %d: accept_len %.3f (decoder walk %.3f), acc_0 %.3f",
-                             step, last_eval["accept_len"], last_eval["accept_len_trajectory"],
+                    log.info("eval step %d: tau %.3f (decoder walk %.3f), acc_0 %.3f",
+                             step, last_eval["tau"], last_eval["tau_trajectory"],
                              last_eval["acc_0"])
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or done:
-                metric = last_eval.get("accept_len") if is_eval else None
+                metric = last_eval.get("tau") if is_eval else None
                 metric = metric if metric is not None and math.isfinite(metric) else None
                 state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
                          "loader": s.train_loader.state_dict(),
@@ -290,8 +280,8 @@ def train(cfg, accelerator, datasets) -> dict[str, Any]:
     logger.close()
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
                                "eval": last_eval,
-                               "tau": last_eval.get("accept_len"),
-                               "tau_trajectory": last_eval.get("accept_len_trajectory")}
+                               "tau": last_eval.get("tau"),
+                               "tau_trajectory": last_eval.get("tau_trajectory")}
     if cfg.export.enabled:
         summary["export"] = str(export_final(cfg, accelerator, s, out / "export"))
     if accelerator.is_main_process:
@@ -347,9 +337,9 @@ class _Window:
             per_step = accelerator.reduce(self.step_loss, "sum") / n             # [K]
             rec.update({f"loss_{k}": float(v) for k, v in enumerate(per_step)})
             counts = {k: accelerator.reduce(v, "sum") for k, v in self.counts.items()}
-            rec.update(finalize(counts))
+            rec.update(summarize(counts))
         else:
-            rec["accept_len"] = float("nan")
+            rec["tau"] = float("nan")
         if peak:
             rec["mfu"] = s.flops_per_token * rec["tokens_per_s"] / (peak * accelerator.num_processes)
         if dev.type == "cuda":
