@@ -46,7 +46,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -58,6 +57,7 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import accept_counts
 from eyas.models.objective import metric_rows
 from eyas.models.targets import load_target_config, text_config
+from eyas.train.config import LossConfig, OptimConfig, Schedule
 from eyas.train.optim import MasterAdamW, build_scheduler
 from eyas.train.step import TrainingModule, batch_inputs
 from eyas.train.tracking import flops_per_token
@@ -135,14 +135,12 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd].sort().values
     drafter.set_vocab_map(ids - torch.arange(Vd))
     head_rows = (torch.randn(Vd, tH, device=device) * 4 * tH ** -0.5).to(dtype)
-    loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=True,
-                               chunk_size=None)
-    module = TrainingModule(drafter, head_rows, loss_cfg,
+    module = TrainingModule(drafter, head_rows, LossConfig(),   # 0.8 step weight, valid rows
                             loss_impl="triton" if on_cuda else "torch", ttt_steps=K)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = MasterAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                       impl=c.impl if on_cuda else "torch")
-    optim_cfg = SimpleNamespace(warmup_steps=0, warmup_ratio=0.0, schedule="constant")
+    optim_cfg = OptimConfig(warmup_steps=0, warmup_ratio=0.0, schedule=Schedule.constant)
     return module, opt, build_scheduler(opt, optim_cfg, 1000), ids.to(device)
 
 

@@ -28,7 +28,8 @@ STATE_FILE = "eyas_state.json"
 
 
 def objective_record(cfg, world_size: int) -> dict[str, Any]:
-    """Settings that change what is optimised: resuming with different ones is refused."""
+    """Settings that change what is optimised (of the whole typed config: they span its
+    groups): resuming with different ones is refused."""
     ids = cfg.target.aux_layer_ids
     return {
         "target.name": str(cfg.target.name),
@@ -36,7 +37,7 @@ def objective_record(cfg, world_size: int) -> dict[str, Any]:
         "drafter.ttt_steps": int(cfg.drafter.ttt_steps),
         "drafter.draft_vocab_size": int(cfg.drafter.draft_vocab_size),
         "loss.step_weight": float(cfg.loss.step_weight),
-        "loss.normalisation": str(getattr(cfg.loss.normalisation, "value", cfg.loss.normalisation)),
+        "loss.normalisation": cfg.loss.normalisation.value,
         "loss.position_mask": bool(cfg.loss.position_mask),
         "data.token_budget": int(cfg.data.token_budget),
         "data.dataset": None if cfg.data.dataset is None else str(cfg.data.dataset),

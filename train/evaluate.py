@@ -320,7 +320,9 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
+    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data).
+    Defaults shared with training come from the schema (`train.config`)."""
+    from eyas.train.config import DataConfig, EvalConfig, TrainConfig
     p = argparse.ArgumentParser(
         prog="eyas evaluate",
         description="Measure a drafter before serving it. With --prompts: real greedy "
@@ -336,19 +338,22 @@ def cli_main(argv: list[str] | None = None) -> int:
     src.add_argument("--data", help="hidden-state dataset directory (from eyas extract)")
     p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
     p.add_argument("--out", required=True, help="results JSON file (written atomically)")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="--prompts: tokens generated per prompt (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
+                   help="--prompts: tokens generated per prompt (default: eval.max_new_tokens, "
+                   f"{EvalConfig.max_new_tokens})")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="--prompts: the first N prompts (default all)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="compute dtype (--prompts default fp32: exact token identity, and faster "
                    "than bf16 on CPUs without bf16 units; bf16 = the serving numerics. --data "
                    "default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--token-budget", type=int, default=2048, help="--data: packed tokens per "
-                   "forward")
+    p.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
+                   help="--data: packed tokens per forward (default: data.token_budget, "
+                   f"{DataConfig.token_budget})")
     p.add_argument("--eval-fraction", type=float, default=None, help="--data: use only the "
                    "held-out split the trainer makes (data.eval_fraction, with --seed)")
-    p.add_argument("--seed", type=int, default=0, help="--data: seed of the held-out split")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
+                   "held-out split (train.seed)")
     p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
