@@ -41,12 +41,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -58,6 +56,7 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import accept_counts
 from eyas.models.objective import metric_rows
 from eyas.data.targets import load_target_config, text_config
+from eyas.train.config import LossConfig, OptimConfig, Schedule
 from eyas.train.optim import MasterAdamW, build_scheduler
 from eyas.train.step import TrainingModule, batch_inputs
 from eyas.train.tracking import flops_per_token
@@ -135,14 +134,12 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd].sort().values
     drafter.set_vocab_map(ids - torch.arange(Vd))
     head_rows = (torch.randn(Vd, tH, device=device) * 4 * tH ** -0.5).to(dtype)
-    loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=True,
-                               chunk_size=None)
-    module = TrainingModule(drafter, head_rows, loss_cfg,
+    module = TrainingModule(drafter, head_rows, LossConfig(),   # 0.8 step weight, valid rows
                             loss_impl="triton" if on_cuda else "torch", ttt_steps=K)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = MasterAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                       impl=c.impl if on_cuda else "torch")
-    optim_cfg = SimpleNamespace(warmup_steps=0, warmup_ratio=0.0, schedule="constant")
+    optim_cfg = OptimConfig(warmup_steps=0, warmup_ratio=0.0, schedule=Schedule.constant)
     return module, opt, build_scheduler(opt, optim_cfg, 1000), ids.to(device)
 
 
@@ -240,7 +237,7 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
         med = [statistics.median(x[j] for x in split) for j in range(3)]
         out.update(fwd_ms=med[0], bwd_ms=med[1], opt_ms=med[2])
     if profile_steps and on_cuda:
-        from profile_breakdown import profile_steps as prof  # a sibling script (benchmarks/)
+        from benchmarks.profile_breakdown import profile_steps as prof
         out["profile"] = prof(step, profile_steps)
     del module, opt, sched, batches
     if on_cuda:
@@ -268,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--trainer" in argv:
         argv.remove("--trainer")
-        from train_e2e import main as e2e  # a sibling script (benchmarks/)
+        from benchmarks.train_e2e import main as e2e
         return e2e(argv)
     ap = argparse.ArgumentParser(prog="train_step", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="llama-3.1-8b",

@@ -371,7 +371,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--finalize-only", action="store_true",
                    help="only write the manifest from the shards present")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
         return 0
@@ -396,4 +395,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli_main())
+    from eyas.data.log import run_main
+    run_main(cli_main)

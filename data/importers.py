@@ -307,7 +307,6 @@ def cli_main(argv: list[str] | None = None) -> int:
                         "final norm, as eyas expects)")
     p.add_argument("--shard-mb", type=int, default=1024, help="payload per shard (MiB)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     m = import_hidden_states(args.source, args.src, args.out, target=args.target, layers=layers,
                              aux_format=args.aux_format, loss_mask=args.loss_mask,

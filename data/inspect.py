@@ -104,7 +104,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--verify", choices=("none", "header", "checksum"), default="none",
                    help="check shard headers / every checksum and NaN before summarising")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.verify != "none":
         from eyas.data.dataset import open_dataset
         open_dataset(args.dir, verify=args.verify)

@@ -9,14 +9,13 @@ memory.
 
     loader = PackedLoader(ds, token_budget=8192, rank=r, world_size=W, seed=0)
     for epoch in range(E):
-        loader.set_epoch(epoch)
-        for batch in loader:              # Batch on CPU
+        for batch in loader:              # Batch on CPU; epoch e uses the order of epoch e
             batch = batch.to("cuda")
     state = loader.state_dict()           # {"epoch", "cursor", ...}: exact resume point
 
-Iterating to the end of an epoch advances the loader to the next epoch (cursor 0), so
-`set_epoch` is optional; a resumed loader (`load_state_dict`) yields exactly the batches the
-original had not yet handed out.
+The loader alone owns the epoch: iterating to the end of one advances it to the next (cursor 0),
+so callers only iterate (`set_epoch` selects an epoch explicitly, e.g. in tests); a resumed
+loader (`load_state_dict`) yields exactly the batches the original had not yet handed out.
 """
 
 from __future__ import annotations

@@ -228,7 +228,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="generation precision; auto = bf16 on GPU, fp32 on CPU")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     gen = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device,
                dtype=args.dtype)

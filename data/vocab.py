@@ -230,7 +230,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-vocab-size", type=int, default=None,
                    help="V, if the dataset manifest does not record it")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from eyas.data.dataset import open_dataset
 
     ds = open_dataset(args.data)

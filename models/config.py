@@ -17,7 +17,7 @@ per-family defaults for the attention/MLP shape (see `_family_shape`).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,45 @@ _FIXED_KEYS = {
     "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
     "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
 }
+
+
+@dataclass
+class DrafterShape:
+    """The drafter's shape as chosen by a user: None derives the field from the target
+    (`Eagle3Config.from_target`). The Hydra schema's `drafter` group extends it."""
+
+    draft_vocab_size: int = 32000
+    """Rows of the draft lm_head (capped at the target vocabulary)."""
+    ttt_steps: int = 7
+    """K: training-time-test unroll length; must be >= the serving num_speculative_tokens."""
+    num_attention_heads: Optional[int] = None
+    """Attention heads; null = the target family's default."""
+    num_key_value_heads: Optional[int] = None
+    """KV heads; null = the target family's default."""
+    head_dim: Optional[int] = None
+    """Head dimension; null = the target family's default."""
+    intermediate_size: Optional[int] = None
+    """SwiGLU width; null = the target family's default."""
+    max_position_embeddings: Optional[int] = None
+    """Exported context length; null = the target's."""
+
+    def overrides(self) -> dict[str, int]:
+        """The fields set explicitly (not None), as `Eagle3Config.from_target` keywords."""
+        return {f.name: getattr(self, f.name) for f in fields(DrafterShape)
+                if getattr(self, f.name) is not None}
+
+
+#: the one aux-layer-id rule (`valid_aux_layer_ids`), as words for error messages
+AUX_IDS_RULE = ("3 strictly ascending HF hidden_states ids with the lowest >= 2 (vLLM id = "
+                "SGLang id + 1, serving-contract §2)")
+
+
+def valid_aux_layer_ids(ids) -> bool:
+    """Whether `ids` can be the aux layer ids (HF `hidden_states[k]` = vLLM ids): three strictly
+    ascending ids, the lowest >= 2, since SGLang spells each id k - 1 and its DeepSeek path adds
+    1 only when its first id is 1 (serving-contract §2)."""
+    ids = [int(i) for i in ids]
+    return len(ids) == 3 and all(a < b for a, b in zip(ids, ids[1:])) and ids[0] >= 2
 
 
 @dataclass
@@ -99,12 +138,9 @@ class Eagle3Config:
             raise ValueError(
                 f"hidden_size={self.hidden_size} == 3 * target_hidden_size: SGLang then skips fc "
                 f"and serves a different function; use the target's hidden size")
-        ids = self.aux_layer_ids
-        if len(ids) != 3 or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 2:
-            raise ValueError(
-                f"aux_layer_ids must be 3 strictly ascending HF hidden_states ids with the lowest "
-                f">= 2 (vLLM id = SGLang id + 1, serving-contract §2), got {ids}; "
-                f"the default for N target layers is [2, N//2, N-3]")
+        if not valid_aux_layer_ids(self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids must be {AUX_IDS_RULE}, got {self.aux_layer_ids}; "
+                             f"the default for N target layers is [2, N//2, N-3]")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
         if self.norm_before_residual:

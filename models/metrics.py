@@ -1,7 +1,7 @@
 """Draft accuracy and acceptance-length metrics of the TTT unroll, as exact integer counts.
 
 Counts are int64 tensors computed on the device without host syncs; sum them over micro-batches
-and ranks (all-reduce SUM), then `finalize` once when logging.
+and ranks (all-reduce SUM), then `summarize` once when logging.
 
 Definitions (eagle3-training.md §5). Row (k, t) COUNTS iff mask(k, t) = valid(k, t) ·
 loss_mask[t+1+k] (`models.objective.metric_mask`; no position mask: a target argmax outside the
@@ -16,19 +16,34 @@ mapped to a target id equals the target's argmax at index t+1+k:
     A chain starting at t accepts L(t) = Σ_k alive(k, t) ∈ [0, K] drafts (consecutive correct
     steps from step 0; it stops at the first miss, document end, or non-assistant token), plus
     the bonus token the target always contributes:
-    accept_len  = Σ_starts (L(t) + 1) / #starts                         (exact greedy-chain τ)
-    accept_len_independent = 1 + Σ_k Π_{j≤k} acc_j     (SpecForge's estimate Σ_k Π_{j≤k} acc_j,
+    tau         = Σ_starts (L(t) + 1) / #starts                         (exact greedy-chain τ)
+    tau_independent = 1 + Σ_k Π_{j≤k} acc_j            (SpecForge's estimate Σ_k Π_{j≤k} acc_j,
                   which treats steps as independent, plus the same bonus token for comparability)
+    tau_trajectory  = emitted tokens / rounds of a greedy decoder walking each assistant span
+                  (`trajectory_counts`: start after the span's first token, accept L drafts + the
+                  bonus, jump there, stop at the span's last token). On target-generated text
+                  this is the τ real greedy decoding measures; `tau` averages over EVERY start
+                  instead (including each span's last token, where a decoder has stopped), and
+                  the two agree when acceptance is uniform along the text.
+    *_by_k[K']  = the same for a chain capped at K' = 1..K drafts (`tau_curves`).
+
+Key names, the same in logs, JSON, wandb and the README: `tau`, `tau_independent`,
+`tau_trajectory`, `acc_overall`, `acc_{k}`, `cond_acc_{k}` (k = 0..K-1, the TTT step), and the
+curves `tau_by_k`, `tau_independent_by_k`, `tau_trajectory_by_k`.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from eyas.models.ttt import shifted_for_steps
 
-COUNT_KEYS = ("correct", "total", "cond_correct", "cond_total", "accept_len_sum", "chain_starts")
+#: counts of `accept_counts`
+COUNT_KEYS = ("correct", "total", "cond_correct", "cond_total", "tau_sum", "chain_starts")
+#: counts of `trajectory_counts` (per K' = 1..K); `chain_counts` returns both sets
+TRAJECTORY_KEYS = ("traj_rounds", "traj_tokens")
 
 
 def chain_alive(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
@@ -58,7 +73,7 @@ def accept_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask
     offsets, target_argmax [T] int64 (target's prediction of token t+1 at index t), mask [K, T]
     bool (`models.objective.metric_mask(valid, loss_mask)`); chain: `chain_alive` of the same
     arguments when the caller already has it. Returns correct/total/cond_correct/cond_total [K]
-    and accept_len_sum/chain_starts [] (all int64, summable across ranks).
+    and tau_sum/chain_starts [] (all int64, summable across ranks).
     """
     correct, alive = chain or chain_alive(draft_argmax, d2t, target_argmax, mask)
     mask = mask.bool()
@@ -69,7 +84,7 @@ def accept_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask
         "total": mask.sum(dim=1),
         "cond_correct": alive.sum(dim=1),
         "cond_total": (mask.to(torch.int64) * before).sum(dim=1),
-        "accept_len_sum": alive.sum() + starts,
+        "tau_sum": alive.sum() + starts,
         "chain_starts": starts,
     }
 
@@ -79,22 +94,90 @@ def add_counts(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, T
     return dict(b) if a is None else {key: a[key] + b[key] for key in b}
 
 
-def finalize(counts: dict[str, Tensor]) -> dict[str, float]:
-    """Turn (summed) counts into float64 metrics: acc_k, cond_acc_k, acc, accept_len(_independent).
+def trajectory_counts(alive: Tensor, mask0: Tensor) -> tuple[Tensor, Tensor]:
+    """Decoder-walk counts for every K' = 1..K: (rounds [K], emitted tokens [K]) int64.
 
-    A ratio with a zero denominator is NaN (nothing was counted), never 0.
+    alive [K, T] 0/1 (step k and all before it correct), mask0 [T] bool = mask(0, ·) (row t is a
+    chain start). Each maximal run [a, b] of starts is one assistant span (tokens a+1..b+1); the
+    walk starts at t = a and, while t < b, accepts L = min(L(t), K', b-t-1) drafts and emits L+1.
+    Runs on the host (a sync): for evaluation, not for the training step.
     """
-    c = {k: counts[k].detach().to("cpu", torch.float64) for k in COUNT_KEYS}
+    K = alive.shape[0]
+    lengths = alive.sum(0).cpu().numpy()                                  # [T] L_K(t)
+    m = mask0.cpu().numpy().astype(np.int8)
+    edges = np.diff(np.concatenate([[0], m, [0]]))
+    runs = zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1)   # [a, b] inclusive
+    rounds, tokens = np.zeros(K, dtype=np.int64), np.zeros(K, dtype=np.int64)
+    for a, b in runs:
+        seg = lengths[a:b + 1].tolist()
+        for kk in range(K):
+            t = 0
+            while t < b - a:
+                acc = min(seg[t], kk + 1, b - a - t - 1)
+                rounds[kk] += 1
+                tokens[kk] += acc + 1
+                t += acc + 1
+    dev = alive.device
+    return torch.from_numpy(rounds).to(dev), torch.from_numpy(tokens).to(dev)
 
-    def ratio(num: Tensor, den: Tensor) -> Tensor:
-        return torch.where(den > 0, num / den.clamp_min(1), torch.full_like(num, float("nan")))
 
-    acc, cond = ratio(c["correct"], c["total"]), ratio(c["cond_correct"], c["cond_total"])
+def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
+                 ) -> dict[str, Tensor]:
+    """`accept_counts` plus the trajectory counts (`trajectory_counts`): the eval counts.
+
+    draft_argmax [K, T] draft-vocab ids, d2t [Vd] offsets, target_argmax [T], mask [K, T] bool.
+    """
+    chain = chain_alive(draft_argmax, d2t, target_argmax, mask)
+    counts = accept_counts(draft_argmax, d2t, target_argmax, mask, chain=chain)
+    counts["traj_rounds"], counts["traj_tokens"] = trajectory_counts(chain[1], mask[0].bool())
+    return counts
+
+
+def zero_counts(k: int, device=None) -> dict[str, Tensor]:
+    """`chain_counts` of no rows (a rank without a batch still joins the collective)."""
+    z = torch.zeros(k, dtype=torch.int64, device=device)
+    scalar = ("tau_sum", "chain_starts")
+    return {key: (z[0].clone() if key in scalar else z.clone())
+            for key in COUNT_KEYS + TRAJECTORY_KEYS}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def tau_curves(counts: dict[str, Tensor]) -> dict[str, list[float]]:
+    """τ of chains capped at K' = 1..K: `tau_by_k`, `tau_independent_by_k` and, with trajectory
+    counts, `tau_trajectory_by_k` (float64; a zero denominator gives NaN)."""
+    c = {k: v.detach().to("cpu", torch.float64) for k, v in counts.items()}
+    K = c["correct"].shape[0]
+    starts = float(c["chain_starts"])
+    alive_cum = torch.cumsum(c["cond_correct"], 0)                        # Σ_{k<K'} alive_k
+    out = {"tau_by_k": [_ratio(starts + float(alive_cum[k]), starts) for k in range(K)]}
+    prod, run, indep = 1.0, 0.0, []
+    for k in range(K):
+        prod *= _ratio(float(c["correct"][k]), float(c["total"][k]))     # NaN stays NaN
+        run += prod
+        indep.append(1.0 + run)
+    out["tau_independent_by_k"] = indep
+    if "traj_rounds" in c:
+        out["tau_trajectory_by_k"] = [_ratio(float(c["traj_tokens"][k]),
+                                             float(c["traj_rounds"][k])) for k in range(K)]
+    return out
+
+
+def summarize(counts: dict[str, Tensor]) -> dict[str, float]:
+    """The metrics of (summed) counts (module docstring): acc_{k}, cond_acc_{k}, acc_overall,
+    tau, tau_independent and, with trajectory counts, tau_trajectory. float64 values; a ratio
+    with a zero denominator is NaN (nothing was counted), never 0."""
+    c = {k: v.detach().to("cpu", torch.float64) for k, v in counts.items()}
     out: dict[str, float] = {}
-    for k in range(acc.shape[0]):
-        out[f"acc_{k}"] = float(acc[k])
-        out[f"cond_acc_{k}"] = float(cond[k])
-    out["acc"] = float(ratio(c["correct"].sum(), c["total"].sum()))
-    out["accept_len"] = float(ratio(c["accept_len_sum"], c["chain_starts"]))
-    out["accept_len_independent"] = float(1.0 + torch.cumprod(acc, dim=0).sum())
+    for k in range(c["correct"].shape[0]):
+        out[f"acc_{k}"] = _ratio(float(c["correct"][k]), float(c["total"][k]))
+        out[f"cond_acc_{k}"] = _ratio(float(c["cond_correct"][k]), float(c["cond_total"][k]))
+    out["acc_overall"] = _ratio(float(c["correct"].sum()), float(c["total"].sum()))
+    out["tau"] = _ratio(float(c["tau_sum"]), float(c["chain_starts"]))
+    curves = tau_curves(counts)
+    out["tau_independent"] = curves["tau_independent_by_k"][-1]
+    if "tau_trajectory_by_k" in curves:
+        out["tau_trajectory"] = curves["tau_trajectory_by_k"][-1]
     return out

@@ -28,7 +28,8 @@ STATE_FILE = "eyas_state.json"
 
 
 def objective_record(cfg, world_size: int) -> dict[str, Any]:
-    """Settings that change what is optimised: resuming with different ones is refused."""
+    """Settings that change what is optimised (of the whole typed config: they span its
+    groups): resuming with different ones is refused."""
     ids = cfg.target.aux_layer_ids
     return {
         "target.name": str(cfg.target.name),
@@ -36,7 +37,7 @@ def objective_record(cfg, world_size: int) -> dict[str, Any]:
         "drafter.ttt_steps": int(cfg.drafter.ttt_steps),
         "drafter.draft_vocab_size": int(cfg.drafter.draft_vocab_size),
         "loss.step_weight": float(cfg.loss.step_weight),
-        "loss.normalisation": str(getattr(cfg.loss.normalisation, "value", cfg.loss.normalisation)),
+        "loss.normalisation": cfg.loss.normalisation.value,
         "loss.position_mask": bool(cfg.loss.position_mask),
         "data.token_budget": int(cfg.data.token_budget),
         "data.dataset": None if cfg.data.dataset is None else str(cfg.data.dataset),
@@ -78,7 +79,7 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
             if prev is None or best_metric > prev[1]:
                 _write_pointer(root / "best", final.name)
                 atomic_write_json(root / "best.json", {"checkpoint": final.name,
-                                                       "accept_len": best_metric})
+                                                       "tau": best_metric})
         _rotate(root, keep_last)
         log.info("checkpoint %s", final)
     accelerator.wait_for_everyone()
@@ -96,7 +97,7 @@ def _read_best(root: Path) -> tuple[str, float] | None:
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
-    return d["checkpoint"], float(d["accept_len"])
+    return d["checkpoint"], float(d["tau"] if "tau" in d else d["accept_len"])  # older runs
 
 
 def _rotate(root: Path, keep_last: int) -> None:

@@ -2,7 +2,9 @@
 
 `conf/config.yaml` composes these with the preset files under `conf/<group>/`. Struct mode is
 on, so an unknown key or a value of the wrong type fails at composition time; `check()` adds
-the cross-field rules and names the override that fixes each problem.
+the cross-field rules and names the override that fixes each problem. The entry point turns the
+composed config into these dataclasses once (`load`), and `resolve` decides every "auto" for the
+device in one place (`Resolved`); components take their own group (`cfg.optim`, `cfg.loss`, …).
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from eyas.models.config import AUX_IDS_RULE, DrafterShape, valid_aux_layer_ids
 
 
 class AttentionImpl(str, Enum):
@@ -78,26 +83,16 @@ class TargetConfig:
     aux_layer_ids: Optional[List[int]] = None
     """Aux layers as HF `hidden_states[k]` ids (= vLLM ids); null = 2, N//2, N-3."""
     dtype: str = "auto"
-    """dtype the target runs in for generation and extraction: bfloat16, float32, or auto
-    (bfloat16 on CUDA; float32 on CPU, where bf16 matmuls are emulated ~10x slower)."""
+    """dtype the target runs in for generation and extraction: bfloat16 (bf16), float32 (fp32),
+    or auto (bfloat16 on CUDA; float32 on CPU, where bf16 matmuls are emulated ~10x slower)."""
 
 
 @dataclass
-class DrafterConfig:
-    draft_vocab_size: int = 32000
-    """Rows of the draft lm_head (capped at the target vocabulary)."""
-    ttt_steps: int = 7
-    """K: training-time-test unroll length; must be >= the serving num_speculative_tokens."""
-    num_attention_heads: Optional[int] = None
-    """Attention heads; null = the target family's default."""
-    num_key_value_heads: Optional[int] = None
-    """KV heads; null = the target family's default."""
-    head_dim: Optional[int] = None
-    """Head dimension; null = the target family's default."""
-    intermediate_size: Optional[int] = None
-    """SwiGLU width; null = the target family's default."""
-    max_position_embeddings: Optional[int] = None
-    """Exported context length; null = the target's."""
+class DrafterConfig(DrafterShape):
+    """The drafter group: its shape fields (`models.config.DrafterShape`: draft_vocab_size,
+    ttt_steps, heads, head_dim, intermediate_size, max_position_embeddings) plus training
+    choices."""
+
     attention: AttentionImpl = AttentionImpl.auto
     """flex (flex_attention, compiled on GPU), eager (dense reference; CPU training) or auto
     (flex on CUDA, eager elsewhere: torch's flex_attention has no CPU backward)."""
@@ -306,9 +301,6 @@ class EyasConfig:
     """Where this job writes (set by conf/config.yaml to Hydra's run dir)."""
 
 
-GROUPS = ("target", "drafter", "data", "loss", "optim", "dist", "tracker")
-
-
 def register() -> None:
     """Register the schema so `conf/config.yaml` can extend it (idempotent)."""
     cs = ConfigStore.instance()
@@ -330,9 +322,12 @@ def check(cfg: DictConfig | Any) -> None:
         fail("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size, ">= 2",
              "drafter.draft_vocab_size=32000")
     ids = cfg.target.aux_layer_ids
-    if ids is not None and (len(ids) != 3 or list(ids) != sorted(set(ids)) or ids[0] < 1):
-        fail("target.aux_layer_ids", list(ids), "three increasing HF hidden_states ids >= 1",
+    if ids is not None and not valid_aux_layer_ids(ids):
+        fail("target.aux_layer_ids", list(ids), AUX_IDS_RULE,
              "target.aux_layer_ids=[2,16,29] (or null for 2, N//2, N-3)")
+    if cfg.target.dtype not in _TARGET_DTYPES:
+        fail("target.dtype", cfg.target.dtype, f"one of {sorted(_TARGET_DTYPES)}",
+             "target.dtype=auto")
     if cfg.data.token_budget < 16:
         fail("data.token_budget", cfg.data.token_budget, ">= 16", "data.token_budget=2048")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
@@ -375,11 +370,66 @@ def check(cfg: DictConfig | Any) -> None:
         fail("train.epochs", cfg.train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
 
 
-def enum_value(x: Any) -> str:
-    """The string of a config enum field (plain strings pass through)."""
-    return str(getattr(x, "value", x))
+def load(cfg: DictConfig) -> EyasConfig:
+    """The composed Hydra config, checked, as typed dataclasses (done once, by the entry point)."""
+    check(cfg)
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
-def to_plain(cfg: DictConfig) -> dict:
-    """Resolved config as plain Python types (for trackers and checkpoint records)."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+def to_plain(cfg: EyasConfig | DictConfig) -> dict:
+    """The config as plain Python types, enums as strings (for trackers and records)."""
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# "auto", decided once
+
+_TARGET_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                  "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Every "auto" of the config decided for one device (`resolve`)."""
+
+    attention: str
+    """drafter attention: "flex" or "eager" (drafter.attention)"""
+    compile: bool
+    """torch.compile the drafter layer and flex attention (drafter.compile, CUDA only)"""
+    loss_impl: str
+    """fused loss: "triton" or "torch" (loss.impl)"""
+    optim_impl: str
+    """MasterAdamW update: "triton" (the fused kernel) or "torch" (torch AdamW on fp32 copies)"""
+    param_dtype: torch.dtype
+    """drafter parameters (train.param_dtype)"""
+    target_dtype: torch.dtype
+    """the target in generation and extraction (target.dtype)"""
+    pin_memory: bool
+    """pinned host batches (copies to the device overlap compute)"""
+
+
+def default_device() -> torch.device:
+    """The device this process trains on, before the Accelerator exists: CUDA if present."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
+    """Decide every "auto" for `device`, with one rule: the fast paths (flex attention, Triton
+    kernels, torch.compile, bf16, pinned memory) on CUDA, the reference paths on the CPU (torch's
+    flex_attention has no CPU backward, and bf16 matmuls are emulated there, several times
+    slower). Explicit settings are kept."""
+    cuda = torch.device(device).type == "cuda"
+
+    def pick(choice: Enum, fast: str, slow: str) -> str:
+        return (fast if cuda else slow) if choice.value == "auto" else choice.value
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    return Resolved(
+        attention=pick(cfg.drafter.attention, "flex", "eager"),
+        compile=bool(cfg.drafter.compile) and cuda,
+        loss_impl=pick(cfg.loss.impl, "triton", "torch"),
+        optim_impl="triton" if cuda else "torch",
+        param_dtype=dtypes[pick(cfg.train.param_dtype, "bf16", "fp32")],
+        target_dtype=_TARGET_DTYPES[cfg.target.dtype] or (torch.bfloat16 if cuda else torch.float32),
+        pin_memory=cuda)

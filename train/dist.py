@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-from eyas.train.config import DistBackend
+from eyas.train.config import DistBackend, default_device
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +36,6 @@ def set_cpu_threads(threads: int | None, processes_per_node: int) -> int:
     torch.set_num_threads(threads)
     log.info("CPU: %d torch thread(s) per process", threads)
     return threads
-
-
-def param_dtype(cfg, device: torch.device) -> torch.dtype:
-    """The drafter's parameter dtype for `train.param_dtype` on this device."""
-    choice = str(getattr(cfg.train.param_dtype, "value", cfg.train.param_dtype))
-    if choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if choice == "bf16" else torch.float32
 
 
 def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool) -> dict:
@@ -63,19 +55,22 @@ def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool) -> dict
     return ds
 
 
-def build_accelerator(cfg, project_dir: str | Path, log_with=None) -> Accelerator:
-    """Accelerator for cfg.dist on whatever device this process has."""
-    on_cpu = not torch.cuda.is_available()
+def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: bool,
+                      cpu_threads: int | None = None, log_with=None) -> Accelerator:
+    """Accelerator for the `dist` group on whatever device this process has.
+
+    optim_cfg: grad_accum and clip_grad_norm (DeepSpeed applies them itself); bf16: the
+    parameters are bf16 (`Resolved.param_dtype`); cpu_threads: train.cpu_threads."""
+    on_cpu = default_device().type == "cpu"
+    deepspeed = dist_cfg.backend == DistBackend.deepspeed
     kwargs = dict(
-        gradient_accumulation_steps=cfg.optim.grad_accum,
+        gradient_accumulation_steps=optim_cfg.grad_accum,
         project_config=ProjectConfiguration(project_dir=str(project_dir),
                                             automatic_checkpoint_naming=False),
         log_with=log_with,
     )
-    if cfg.dist.backend == DistBackend.deepspeed:
-        device = torch.device("cuda" if not on_cpu else "cpu")
-        ds = deepspeed_config(cfg.dist, cfg.optim.grad_accum, cfg.optim.clip_grad_norm,
-                              bf16=param_dtype(cfg, device) == torch.bfloat16)
+    if deepspeed:
+        ds = deepspeed_config(dist_cfg, optim_cfg.grad_accum, optim_cfg.clip_grad_norm, bf16=bf16)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
         if on_cpu:
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
@@ -83,8 +78,8 @@ def build_accelerator(cfg, project_dir: str | Path, log_with=None) -> Accelerato
         kwargs["cpu"] = True
     acc = Accelerator(**kwargs)
     if on_cpu:
-        set_cpu_threads(cfg.train.cpu_threads, acc.num_processes)
-    expected = DistributedType.DEEPSPEED if cfg.dist.backend == DistBackend.deepspeed else None
+        set_cpu_threads(cpu_threads, acc.num_processes)
+    expected = DistributedType.DEEPSPEED if deepspeed else None
     if expected and acc.distributed_type != expected:
         raise RuntimeError(f"dist.backend=deepspeed but accelerate set up "
                            f"{acc.distributed_type}; launch through launch.sh or "

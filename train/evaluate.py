@@ -6,23 +6,14 @@ speculative decoding with the target.
     eyas evaluate --drafter DIR --target MODEL --prompts FILE.jsonl --k K --out FILE.json
     eyas evaluate --drafter DIR [--target MODEL] --data DATASET_DIR  --k K --out FILE.json
 
-Offline (eagle3-training.md §5; counts from `models.metrics`, exact int64, summed over ranks).
-The exported drafter is imported into the training module (`Eagle3Drafter`, target embedding)
-and run with the trainer's TTT forward; row (k, t) is CORRECT iff it counts (valid, assistant
-token t+1+k) and its draft argmax mapped through d2t equals the target argmax at t+1+k.
-
-    acc_k        = correct_k / counted_k                 cond_acc_k = alive_k / alive_{k-1}-counted
-    L_K(t)       = consecutive correct steps from step 0 at start row t, capped at K
-    tau_by_k[K'] = 1 + Σ_starts min(L_K(t), K') / #starts     (exact greedy chain, every start)
-    tau_independent_by_k[K'] = 1 + Σ_{k<K'} Π_{j≤k} acc_j    (SpecForge's estimate)
-    tau_trajectory_by_k[K']: walk each assistant span as a decoder does — start after its first
-        token, accept min(L(t), K') drafts + the bonus, jump there, stop at the span's last token
-        (a round never emits past it). On target-generated text this is exactly the τ real
-        greedy decoding measures (tests/train/test_evaluate_agreement.py).
-    `tau` averages over EVERY start instead (as the trainer logs it): it includes the start at
-        each span's last token (a decoder has stopped there) and weights positions equally,
-        where a decoder samples the positions after each accepted chain (fewer inside easy
-        stretches). The two agree when acceptance is uniform along the text.
+Offline (eagle3-training.md §5): the exported drafter is imported into the training module
+(`Eagle3Drafter`, target embedding) and run with the trainer's TTT forward; row (k, t) is CORRECT
+iff it counts (valid, assistant token t+1+k) and its draft argmax mapped through d2t equals the
+target argmax at t+1+k. The counts, τ, its variants and their key names are defined once, in
+`models.metrics` (`chain_counts`, `summarize`, `tau_curves`); `count_acceptance` is the one
+evaluation loop, used by `offline_eval` and by the trainer. On target-generated text
+`tau_trajectory` is exactly the τ real greedy decoding measures
+(tests/train/test_evaluate_agreement.py).
 
 Real decoding: `models.serving.specdec` (target via transformers, drafter via the engine reference).
 """
@@ -36,90 +27,33 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from eyas.models.metrics import COUNT_KEYS, accept_counts, add_counts, chain_alive
+from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
 
 log = logging.getLogger(__name__)
 
-#: the offline counts: models.metrics' plus the trajectory walk's (per K' = 1..K)
-OFFLINE_KEYS = COUNT_KEYS + ("traj_rounds", "traj_tokens")
+@torch.no_grad()
+def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: bool = False
+                     ) -> tuple[dict[str, Tensor], int]:
+    """(`models.metrics.chain_counts` summed over the loader and all ranks, this rank's tokens).
 
-
-# ---------------------------------------------------------------------------------------------
-# Counting
-
-
-def trajectory_counts(alive: Tensor, mask0: Tensor) -> tuple[Tensor, Tensor]:
-    """Decoder-walk counts for every K' = 1..K: (rounds [K], emitted tokens [K]) int64.
-
-    alive [K, T] 0/1 (step k and all before it correct), mask0 [T] bool = mask(0, ·) (row t is a
-    chain start). Each maximal run [a, b] of starts is one assistant span (tokens a+1..b+1); the
-    walk starts at t = a and, while t < b, accepts L = min(L(t), K', b-t-1) drafts and emits L+1.
+    forward(host batch) -> (batch on the device, draft argmax [K, T], metric mask [K, T]): the
+    trainer passes its wrapped training module's (DDP/ZeRO-3 gather the weights in its forward),
+    `offline_eval` the drafter's own (`draft_argmax`). d2t [Vd] on the device. A rank without a
+    batch adds zeros, so the one collective still matches.
     """
-    K = alive.shape[0]
-    lengths = alive.sum(0).cpu().numpy()                                  # [T] L_K(t)
-    m = mask0.cpu().numpy().astype(np.int8)
-    edges = np.diff(np.concatenate([[0], m, [0]]))
-    runs = zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1)   # [a, b] inclusive
-    rounds, tokens = np.zeros(K, dtype=np.int64), np.zeros(K, dtype=np.int64)
-    for a, b in runs:
-        seg = lengths[a:b + 1].tolist()
-        for kk in range(K):
-            t = 0
-            while t < b - a:
-                acc = min(seg[t], kk + 1, b - a - t - 1)
-                rounds[kk] += 1
-                tokens[kk] += acc + 1
-                t += acc + 1
-    dev = alive.device
-    return torch.from_numpy(rounds).to(dev), torch.from_numpy(tokens).to(dev)
-
-
-def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
-                 ) -> dict[str, Tensor]:
-    """`models.metrics.accept_counts` plus the trajectory counts (`trajectory_counts`).
-
-    draft_argmax [K, T] draft-vocab ids, d2t [Vd] offsets, target_argmax [T], mask [K, T] bool.
-    """
-    chain = chain_alive(draft_argmax, d2t, target_argmax, mask)
-    counts = accept_counts(draft_argmax, d2t, target_argmax, mask, chain=chain)
-    alive = chain[1]
-    counts["traj_rounds"], counts["traj_tokens"] = trajectory_counts(alive, mask[0].bool())
-    return counts
-
-
-def summarize_counts(counts: dict[str, Tensor]) -> dict[str, Any]:
-    """float64 metrics from (reduced) offline counts; a zero denominator gives NaN."""
-    c = {k: counts[k].detach().to("cpu", torch.float64) for k in OFFLINE_KEYS}
-    nan = float("nan")
-
-    def ratio(a: float, b: float) -> float:
-        return a / b if b > 0 else nan
-
-    K = c["correct"].shape[0]
-    acc = [ratio(float(c["correct"][k]), float(c["total"][k])) for k in range(K)]
-    cond = [ratio(float(c["cond_correct"][k]), float(c["cond_total"][k])) for k in range(K)]
-    starts = float(c["chain_starts"])
-    alive_cum = torch.cumsum(c["cond_correct"], 0)                        # Σ_{k<K'} alive_k
-    tau_by_k = [ratio(starts + float(alive_cum[k]), starts) for k in range(K)]
-    prod, run, indep = 1.0, 0.0, []
-    for k in range(K):
-        prod *= acc[k]                                                    # NaN stays NaN
-        run += prod
-        indep.append(1.0 + run)
-    traj = [ratio(float(c["traj_tokens"][k]), float(c["traj_rounds"][k])) for k in range(K)]
-    return {
-        "k": K, "tau": tau_by_k[-1], "tau_by_k": tau_by_k, "acc": acc, "cond_acc": cond,
-        "acc_overall": ratio(float(c["correct"].sum()), float(c["total"].sum())),
-        "tau_independent": indep[-1], "tau_independent_by_k": indep,
-        "tau_trajectory": traj[-1], "tau_trajectory_by_k": traj,
-        "chain_starts": int(starts),
-        "counts": {k: [int(x) for x in counts[k].reshape(-1).tolist()] for k in OFFLINE_KEYS},
-    }
+    from eyas.data.utils import progress
+    counts, tokens = None, 0
+    batches = progress(loader, total=len(loader), desc="offline eval", unit="batch") \
+        if show_progress else loader
+    for batch in batches:
+        batch, arg, mask = forward(batch)
+        counts = add_counts(counts, chain_counts(arg, d2t, batch.target_argmax, mask))
+        tokens += batch.num_tokens
+    return all_reduce_counts(counts if counts is not None else zero_counts(k, d2t.device)), tokens
 
 
 def all_reduce_counts(counts: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -127,10 +61,11 @@ def all_reduce_counts(counts: dict[str, Tensor]) -> dict[str, Tensor]:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         return counts
-    flat = torch.cat([counts[k].reshape(-1).to(torch.int64) for k in OFFLINE_KEYS])
+    keys = list(counts)            # the same order on every rank (chain_counts, zero_counts)
+    flat = torch.cat([counts[k].reshape(-1).to(torch.int64) for k in keys])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     out, i = {}, 0
-    for key in OFFLINE_KEYS:
+    for key in keys:
         n = counts[key].numel()
         out[key] = flat[i:i + n].view(counts[key].shape)
         i += n
@@ -196,7 +131,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     rank/world_size: this process's share; counts are all-reduced (SUM) when torch.distributed
     is initialised. target: whose embedding to use (default: the dataset manifest's target).
     dtype: compute dtype for a directory (default bf16 on CUDA, fp32 on CPU; the exported
-    values are bf16 either way). Returns summarize_counts(...) plus run information.
+    values are bf16 either way). Returns `models.metrics.summarize` and `tau_curves` of
+    the counts, the counts themselves and run information.
     """
     from eyas.data.dataset import open_dataset
     from eyas.data.loader import PackedLoader
@@ -229,21 +165,17 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
                           load_fields=("aux", "target_argmax"))
     was_training = drafter.training
     drafter.eval()
-    counts, tokens, t0 = None, 0, time.perf_counter()
-    from eyas.data.utils import progress
-    for batch in progress(loader, total=len(loader), desc="offline eval", unit="batch"):
+    t0 = time.perf_counter()
+
+    def forward(batch):
         batch = batch.to(dev)
-        arg, mask = draft_argmax(drafter, batch, k)
-        counts = add_counts(counts, chain_counts(arg, drafter.d2t, batch.target_argmax, mask))
-        tokens += batch.num_tokens
+        return (batch, *draft_argmax(drafter, batch, k))
+
+    counts, tokens = count_acceptance(forward, loader, drafter.d2t, k, show_progress=True)
     drafter.train(was_training)
-    if counts is None:   # this rank had no batch: zeros, so the collective still matches
-        z = torch.zeros(k, dtype=torch.int64, device=dev)
-        counts = {key: (z.clone() if key in ("correct", "total", "cond_correct", "cond_total",
-                                             "traj_rounds", "traj_tokens") else z[0].clone())
-                  for key in OFFLINE_KEYS}
-    counts = all_reduce_counts(counts)
-    out = summarize_counts(counts)
+    out = {"k": k, **summarize(counts), **tau_curves(counts),
+           "chain_starts": int(counts["chain_starts"]),
+           "counts": {key: [int(x) for x in v.reshape(-1).tolist()] for key, v in counts.items()}}
     out.update(mode="offline", drafter=name, dataset=str(dataset_dir), rank_tokens=tokens,
                num_samples=len(loader.indices), seconds=time.perf_counter() - t0)
     return out
@@ -363,13 +295,13 @@ def format_table(res: dict[str, Any]) -> str:
     if res["mode"] == "offline":
         lines.append(f"offline chain acceptance, {res['chain_starts']} chain starts, "
                      f"{res['num_samples']} samples")
-        lines.append(f"{'K':>3} {'tau':>7} {'tau_traj':>9} {'tau_indep':>10} {'acc_k':>7} "
-                     f"{'cond_acc_k':>11}")
+        lines.append(f"{'K':>3} {'tau':>7} {'tau_traj':>9} {'tau_indep':>10} "
+                     f"{'acc_{K-1}':>9} {'cond_acc_{K-1}':>14}")
         for j in range(res["k"]):
             lines.append(f"{j + 1:>3} {_fmt(res['tau_by_k'][j]):>7} "
                          f"{_fmt(res['tau_trajectory_by_k'][j]):>9} "
-                         f"{_fmt(res['tau_independent_by_k'][j]):>10} {_fmt(res['acc'][j]):>7} "
-                         f"{_fmt(res['cond_acc'][j]):>11}")
+                         f"{_fmt(res['tau_independent_by_k'][j]):>10} {_fmt(res[f'acc_{j}']):>9} "
+                         f"{_fmt(res[f'cond_acc_{j}']):>14}")
         return "\n".join(lines)
     lines.append(f"speculative decoding, K={res['k']}, {res['num_prompts']} prompts, "
                  f"{res['dtype']}: tokens identical to target-only greedy: "
@@ -388,7 +320,9 @@ def format_table(res: dict[str, Any]) -> str:
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
+    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data).
+    Defaults shared with training come from the schema (`train.config`)."""
+    from eyas.train.config import DataConfig, EvalConfig, TrainConfig
     p = argparse.ArgumentParser(
         prog="eyas evaluate",
         description="Measure a drafter before serving it. With --prompts: real greedy "
@@ -404,19 +338,22 @@ def cli_main(argv: list[str] | None = None) -> int:
     src.add_argument("--data", help="hidden-state dataset directory (from eyas extract)")
     p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
     p.add_argument("--out", required=True, help="results JSON file (written atomically)")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="--prompts: tokens generated per prompt (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
+                   help="--prompts: tokens generated per prompt (default: eval.max_new_tokens, "
+                   f"{EvalConfig.max_new_tokens})")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="--prompts: the first N prompts (default all)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="compute dtype (--prompts default fp32: exact token identity, and faster "
                    "than bf16 on CPUs without bf16 units; bf16 = the serving numerics. --data "
                    "default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--token-budget", type=int, default=2048, help="--data: packed tokens per "
-                   "forward")
+    p.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
+                   help="--data: packed tokens per forward (default: data.token_budget, "
+                   f"{DataConfig.token_budget})")
     p.add_argument("--eval-fraction", type=float, default=None, help="--data: use only the "
                    "held-out split the trainer makes (data.eval_fraction, with --seed)")
-    p.add_argument("--seed", type=int, default=0, help="--data: seed of the held-out split")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
+                   "held-out split (train.seed)")
     p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "

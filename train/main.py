@@ -19,7 +19,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from eyas.train.config import ConfigError, check, register
+from eyas.train.config import ConfigError, TrackerKind, default_device, load, register, resolve
 from eyas.train.log import setup_logging
 
 log = logging.getLogger("eyas")
@@ -27,19 +27,25 @@ log = logging.getLogger("eyas")
 register()
 
 
-def run(cfg: DictConfig) -> dict:
+def run(composed: DictConfig) -> dict:
     """The whole job for one composed config; returns the final summary."""
+    import torch
+
     from eyas.train import pipeline
     from eyas.train.dist import build_accelerator
 
-    check(cfg)
+    cfg = load(composed)                       # checked, typed: the only DictConfig use
+    resolved = resolve(cfg, default_device())  # every "auto", decided once
     out = Path(cfg.output_dir)
-    tracker = str(getattr(cfg.tracker.kind, "value", cfg.tracker.kind))
-    accelerator = build_accelerator(cfg, out, log_with="wandb" if tracker == "wandb" else None)
+    wandb = cfg.tracker.kind == TrackerKind.wandb
+    accelerator = build_accelerator(cfg.dist, cfg.optim, out,
+                                    bf16=resolved.param_dtype == torch.bfloat16,
+                                    cpu_threads=cfg.train.cpu_threads,
+                                    log_with="wandb" if wandb else None)
     setup_logging(rank=accelerator.process_index)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (out / "config.resolved.yaml").write_text(OmegaConf.to_yaml(composed, resolve=True))
     log.info("run dir %s; world size %d", out, accelerator.num_processes)
 
     summary: dict = {"world_size": accelerator.num_processes,
@@ -49,13 +55,18 @@ def run(cfg: DictConfig) -> dict:
     if cfg.train.dry_run:
         accelerator.wait_for_everyone()
         return summary
+
+    def dataset():
+        return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
+                                       target_dtype=resolved.target_dtype)
+
     if accelerator.is_main_process:
-        datasets = pipeline.ensure_dataset(cfg)
+        datasets = dataset()
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
-        datasets = pipeline.ensure_dataset(cfg)  # cached by now: only resolves paths
+        datasets = dataset()  # cached by now: only resolves paths
     summary["dataset"] = str(datasets.train)
-    result = pipeline.run_training(cfg, accelerator, datasets)
+    result = pipeline.run_training(cfg, resolved, accelerator, datasets)
     summary.update(result)
     if accelerator.is_main_process and summary.get("export"):
         spec = pipeline.run_speculative_check(cfg, summary["export"])
@@ -72,7 +83,7 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
-def _write_rank_record(out: Path, accelerator, cfg: DictConfig) -> None:
+def _write_rank_record(out: Path, accelerator, cfg) -> None:
     """ranks/rank<r>.json: what each process saw (tests assert the world size from these)."""
     import json
     rank_dir = out / "ranks"

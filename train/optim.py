@@ -147,12 +147,15 @@ def _has_triton() -> bool:
         return False
 
 
-def build_optimizer(params, optim_cfg, *, master_weights: bool) -> torch.optim.Optimizer:
+def build_optimizer(params, optim_cfg, *, master_weights: bool,
+                    impl: str = "auto") -> torch.optim.Optimizer:
+    """AdamW of the `optim` group: `MasterAdamW` (update `impl`, as `train.config.resolve`
+    decides it) over bf16 parameters, else torch AdamW (fused when the parameters are on CUDA)."""
     params = [p for p in params if p.requires_grad]
     kw = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
               weight_decay=optim_cfg.weight_decay)
     if master_weights:
-        return MasterAdamW(params, **kw)
+        return MasterAdamW(params, impl=impl, **kw)
     fused = all(p.is_cuda for p in params) or None
     return torch.optim.AdamW(params, fused=fused, **kw)
 

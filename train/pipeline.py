@@ -15,8 +15,7 @@ from pathlib import Path
 
 from eyas.data.prompts import prompts_path
 from eyas.data.utils import atomic_write_bytes
-from eyas.train.config import ConfigError
-from eyas.train.config import enum_value as _value
+from eyas.train.config import ConfigError, DataConfig, TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -28,24 +27,25 @@ class DatasetPaths:
     conversations: Path | None = None
 
 
-def _embedded_key(cfg) -> str:
-    prompts = Path(cfg.data.prompts or prompts_path("default"))
+def _embedded_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
+    prompts = Path(data.prompts or prompts_path("default"))
     if not prompts.is_file():
         raise ConfigError(f"dataset: the prompts file {prompts} does not exist "
                           f"(set data.prompts=FILE.jsonl)")
     h = hashlib.sha256()
     h.update(prompts.read_bytes())
-    ids = None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids)
-    fields = [cfg.target.name, cfg.target.dtype, ids, cfg.data.num_prompts, cfg.data.max_new_tokens,
-              cfg.data.max_length, str(cfg.data.aux_format), str(cfg.data.teacher), cfg.train.seed]
-    if cfg.data.samples_per_prompt > 1:   # appended only then: one-answer caches keep their key
-        fields += [cfg.data.samples_per_prompt, cfg.data.temperature, cfg.data.top_p]
-    if cfg.data.synthetic_prompts > 0:    # likewise
-        fields += ["synthetic", cfg.data.synthetic_prompts, cfg.data.synthetic_temperature,
-                   cfg.data.generation_batch_size]   # batch b of prompts is seeded by b
-        if cfg.data.synthetic_opener_words > 0:
-            fields += ["openers", cfg.data.synthetic_opener_words]
-    if cfg.data.extract_pad_batches:
+    ids = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
+    # str(enum) is "AuxFormat.bf16": the spelling the keys of existing caches were made with
+    fields = [target.name, target.dtype, ids, data.num_prompts, data.max_new_tokens,
+              data.max_length, str(data.aux_format), str(data.teacher), seed]
+    if data.samples_per_prompt > 1:   # appended only then: one-answer caches keep their key
+        fields += [data.samples_per_prompt, data.temperature, data.top_p]
+    if data.synthetic_prompts > 0:    # likewise
+        fields += ["synthetic", data.synthetic_prompts, data.synthetic_temperature,
+                   data.generation_batch_size]   # batch b of prompts is seeded by b
+        if data.synthetic_opener_words > 0:
+            fields += ["openers", data.synthetic_opener_words]
+    if data.extract_pad_batches:
         fields += ["pad_batches"]
     h.update(json.dumps(fields).encode())
     return h.hexdigest()[:16]
@@ -74,95 +74,93 @@ def _sampled_prompts(prepare, subset: Path, extra: int) -> list[str]:
     return out
 
 
-def _synthetic_prompts(cfg, root: Path, model, tokenizer, prompts: Path) -> list[str]:
+def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer,
+                       prompts: Path) -> list[str]:
     """`data.synthetic_prompts` prompts sampled from the target (cached in root), as JSONL lines;
     none repeats a shipped prompt or a held-out one."""
     from eyas.data.synthesize import prompt_openers, prompt_texts, synthesize_prompts
     path = root / "prompts.synthetic.jsonl"
-    words = cfg.data.synthetic_opener_words
+    words = data.synthetic_opener_words
     if not path.is_file():
         openers = prompt_openers(prompt_texts(prompts), words) if words > 0 else []
-        synthesize_prompts(model, tokenizer, cfg.data.synthetic_prompts, path, openers=openers,
-                           temperature=cfg.data.synthetic_temperature,
-                           batch_size=cfg.data.generation_batch_size, seed=cfg.train.seed,
+        synthesize_prompts(model, tokenizer, data.synthetic_prompts, path, openers=openers,
+                           temperature=data.synthetic_temperature,
+                           batch_size=data.generation_batch_size, seed=seed,
                            exclude=prompt_texts(prompts) + prompt_texts(prompts_path("heldout")))
     return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def build_embedded_dataset(cfg) -> DatasetPaths:
+def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
+                           target_dtype) -> DatasetPaths:
     """Generate conversations with the target, tokenise, extract hidden states (cached).
 
     Each prompt is answered `data.samples_per_prompt` times into one conversations file: answer
     0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
+    target_dtype: the torch dtype the target runs in (`Resolved.target_dtype`).
     """
     from eyas.data import extract, generate, prepare
-    root = Path(cfg.data.cache_dir).expanduser() / "datasets" / _embedded_key(cfg)
+    root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
     if (hidden / "manifest.json").is_file():
         log.info("embedded dataset: cached at %s", hidden)
         return DatasetPaths(train=hidden, eval=None, conversations=conversations)
     root.mkdir(parents=True, exist_ok=True)
-    prompts = Path(cfg.data.prompts or prompts_path("default"))
+    prompts = Path(data.prompts or prompts_path("default"))
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
-    lines = lines[:cfg.data.num_prompts]
-    samples, n_synth = cfg.data.samples_per_prompt, cfg.data.synthetic_prompts
+    lines = lines[:data.num_prompts]
+    samples, n_synth = data.samples_per_prompt, data.synthetic_prompts
     log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each (resumable; "
-             "cached in %s)", cfg.target.name, len(lines), prompts.name,
+             "cached in %s)", target.name, len(lines), prompts.name,
              f" and {n_synth} it writes itself" if n_synth else "", samples, root)
-    import torch
-
     from eyas.data.targets import load_target
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-             "fp32": torch.float32}.get(cfg.target.dtype)
-    if dtype is None:
-        raise ValueError(f"target.dtype={cfg.target.dtype!r}: expected auto, bfloat16 or float32")
-    model, tokenizer = load_target(cfg.target.name, dtype=dtype, device=device)
+    from eyas.train.config import default_device
+    device = default_device().type
+    model, tokenizer = load_target(target.name, dtype=target_dtype, device=device)
     subset = root / "prompts.jsonl"
     if not subset.is_file():
         if n_synth:
-            lines += _synthetic_prompts(cfg, root, model, tokenizer, prompts)
+            lines += _synthetic_prompts(data, seed, root, model, tokenizer, prompts)
         _write_lines(subset, lines)
     generate.generate_conversations(
-        subset, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
-        batch_size=cfg.data.generation_batch_size, temperature=0.0, seed=cfg.train.seed,
+        subset, target.name, conversations, max_new_tokens=data.max_new_tokens,
+        batch_size=data.generation_batch_size, temperature=0.0, seed=seed,
         model=model, tokenizer=tokenizer)
     if samples > 1:   # answers 1.. of each prompt, sampled, appended to the same file
         sampled = root / "prompts.sampled.jsonl"
         if not sampled.is_file():
             _write_lines(sampled, _sampled_prompts(prepare, subset, samples - 1))
         generate.generate_conversations(
-            sampled, cfg.target.name, conversations, max_new_tokens=cfg.data.max_new_tokens,
-            batch_size=cfg.data.generation_batch_size, temperature=cfg.data.temperature,
-            top_p=cfg.data.top_p, seed=cfg.train.seed, model=model, tokenizer=tokenizer)
+            sampled, target.name, conversations, max_new_tokens=data.max_new_tokens,
+            batch_size=data.generation_batch_size, temperature=data.temperature,
+            top_p=data.top_p, seed=seed, model=model, tokenizer=tokenizer)
     tokens = root / "tokens"
     if not (tokens / "manifest.json").is_file():
-        prepare.prepare(conversations, cfg.target.name, tokens, max_length=cfg.data.max_length,
+        prepare.prepare(conversations, target.name, tokens, max_length=data.max_length,
                         on_error="skip")
-    extract.extract(tokens, cfg.target.name, hidden,
-                    layers=None if cfg.target.aux_layer_ids is None else list(cfg.target.aux_layer_ids),
-                    aux_format=_value(cfg.data.aux_format), teacher=_value(cfg.data.teacher),
-                    pad_batches=cfg.data.extract_pad_batches, model=model, device=device)
+    extract.extract(tokens, target.name, hidden,
+                    layers=None if target.aux_layer_ids is None else list(target.aux_layer_ids),
+                    aux_format=data.aux_format.value, teacher=data.teacher.value,
+                    pad_batches=data.extract_pad_batches, model=model, device=device)
     return DatasetPaths(train=hidden, eval=None, conversations=conversations)
 
 
-def ensure_dataset(cfg) -> DatasetPaths:
+def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
+                   target_dtype) -> DatasetPaths:
     """The hidden-state dataset(s) this run trains and evaluates on."""
-    if cfg.data.dataset:
-        train_dir = Path(cfg.data.dataset).expanduser()
+    if data.dataset:
+        train_dir = Path(data.dataset).expanduser()
         if not (train_dir / "manifest.json").is_file():
             raise FileNotFoundError(f"data.dataset={train_dir}: no manifest.json there; write one "
                                     f"with `eyas extract --tokens DIR --target MODEL --out DIR`")
-        eval_dir = Path(cfg.data.eval_dataset).expanduser() if cfg.data.eval_dataset else None
+        eval_dir = Path(data.eval_dataset).expanduser() if data.eval_dataset else None
         return DatasetPaths(train=train_dir, eval=eval_dir)
-    return build_embedded_dataset(cfg)
+    return build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
 
 
-def run_training(cfg, accelerator, datasets: DatasetPaths):
+def run_training(cfg, resolved, accelerator, datasets: DatasetPaths):
     from eyas.train import trainer
-    return trainer.train(cfg, accelerator, datasets)
+    return trainer.train(cfg, resolved, accelerator, datasets)
 
 
 def run_speculative_check(cfg, export_dir: str | Path) -> dict | None:

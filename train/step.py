@@ -17,6 +17,7 @@ from torch.profiler import record_function
 from eyas import kernels
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.objective import metric_mask, metric_rows, row_weights
+from eyas.train.config import Normalisation
 
 
 @dataclass
@@ -28,18 +29,23 @@ class StepOutput:
 
 
 class TrainingModule(nn.Module):
-    """Drafter + frozen target head rows (the teacher) + the loss configuration."""
+    """Drafter + frozen target head rows (the teacher) + the loss configuration.
+
+    loss_cfg: the `loss` group (`train.config.LossConfig`); loss_impl: "triton" or "torch" (as
+    `train.config.resolve` decides it); ttt_steps: the unroll depth, by default the drafter's
+    own (`Eagle3Config.ttt_steps`, its one holder in training).
+    """
 
     def __init__(self, drafter: Eagle3Drafter, target_head_rows: Tensor, loss_cfg, *,
-                 loss_impl: str, ttt_steps: int):
+                 loss_impl: str, ttt_steps: int | None = None):
         super().__init__()
         self.drafter = drafter
         # [Vd, tH] target lm_head rows i + d2t[i]: the teacher over the draft vocabulary.
         self.register_buffer("target_head_rows", target_head_rows, persistent=False)
         self.loss_impl = loss_impl
-        self.ttt_steps = ttt_steps
+        self.ttt_steps = int(ttt_steps if ttt_steps is not None else drafter.config.ttt_steps)
         self.step_weight = float(loss_cfg.step_weight)
-        self.normalisation = str(getattr(loss_cfg.normalisation, "value", loss_cfg.normalisation))
+        self.normalisation = Normalisation(loss_cfg.normalisation).value
         self.position_mask = bool(loss_cfg.position_mask)
         self.chunk_size = loss_cfg.chunk_size
 
@@ -113,9 +119,3 @@ def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool) -> tuple[An
     batch = batch.to(device)
     return batch, batch_inputs(batch, rows)
 
-
-def resolve_loss_impl(impl: str, device: torch.device) -> str:
-    impl = str(getattr(impl, "value", impl))
-    if impl == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return impl

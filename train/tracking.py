@@ -1,5 +1,6 @@
-"""Metrics out of the loop: a JSONL file always, wandb through accelerate when configured,
-a tqdm bar on rank 0, and the FLOP count behind MFU.
+"""Metrics out of the loop: the window accumulated on the device between two log lines, a
+JSONL file always, wandb through accelerate when configured, a tqdm bar on rank 0, and the FLOP
+count behind MFU.
 
 FLOPs per trained token (`flops_per_token`), counting multiply-adds as 2 FLOPs:
     per TTT step (K of them): 6 · P_step        P_step = q,k,v (from the 2H input), o, gate, up,
@@ -19,8 +20,13 @@ import json
 import logging
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from eyas.models.metrics import accept_counts, add_counts, summarize
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,57 @@ def flops_per_token(config, ttt_steps: int, mean_doc_len: float) -> float:
 
 def default_peak_flops(device) -> float | None:
     return 989e12 if getattr(device, "type", str(device)) == "cuda" else None
+
+
+class MetricsWindow:
+    """Loss, counts, tokens and timings accumulated between two log lines."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.loss, self.step_loss, self.n = 0.0, 0.0, 0   # device tensors after the first add
+        self.tokens, self.counts, self.wait = 0, None, 0.0
+        self.gnorm, self.t0 = None, time.perf_counter()
+
+    def add(self, res, batch, d2t):
+        """Accumulate one micro-batch on the device (no host sync). A micro-batch with a NaN/inf
+        loss adds only its tokens: its step is skipped and its metrics are meaningless."""
+        loss = res.loss.detach().float()
+        ok = torch.isfinite(loss)
+        self.loss = self.loss + torch.where(ok, loss, 0.0)
+        self.step_loss = self.step_loss + torch.where(ok, res.step_loss.detach().float(), 0.0)
+        self.n = self.n + ok.to(torch.int64)
+        self.tokens += batch.num_tokens
+        counts = accept_counts(res.draft_argmax.detach(), d2t, batch.target_argmax,
+                               res.metric_mask)
+        self.counts = add_counts(self.counts, {k: v * ok for k, v in counts.items()})
+
+    def flush(self, accelerator, flops_per_token: float, peak: float | None,
+              lr: float) -> dict[str, float]:
+        """The record of this window, summed over ranks; the host syncs happen here."""
+        dt = time.perf_counter() - self.t0
+        dev = accelerator.device
+        n = accelerator.reduce(torch.as_tensor(self.n, dtype=torch.float32, device=dev), "sum")
+        loss = accelerator.reduce(torch.as_tensor(self.loss, dtype=torch.float32, device=dev),
+                                  "sum")
+        tokens = accelerator.reduce(torch.tensor(float(self.tokens), device=dev), "sum")
+        rec = {"loss": float(loss / n), "lr": lr,        # NaN if no micro-batch was finite
+               "tokens_per_s": float(tokens) / dt, "data_wait": self.wait / dt,
+               "grad_norm": float(self.gnorm) if self.gnorm is not None else float("nan")}
+        if self.counts is not None:
+            per_step = accelerator.reduce(self.step_loss, "sum") / n             # [K]
+            rec.update({f"loss_{k}": float(v) for k, v in enumerate(per_step)})
+            counts = {k: accelerator.reduce(v, "sum") for k, v in self.counts.items()}
+            rec.update(summarize(counts))
+        else:
+            rec["tau"] = float("nan")
+        if peak:
+            rec["mfu"] = flops_per_token * rec["tokens_per_s"] / (peak * accelerator.num_processes)
+        if dev.type == "cuda":
+            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        self.reset()
+        return rec
 
 
 class MetricsLogger:

@@ -1,9 +1,12 @@
-"""The training loop: build everything from the config, train, evaluate, checkpoint, export.
+"""The training loop: build data, model and optimizer from the typed config, then fit.
 
-    train(cfg, accelerator, datasets) -> summary dict
+    train(cfg, resolved, accelerator, datasets) -> summary dict
 
-Reading order: `build()` (data, vocab, drafter, optimizer), then `train()` (the loop), then
-`evaluate()` (exact acceptance counts on the held-out split) and `export_final()`.
+Reading order: `build_data` (datasets, held-out split, loaders), `build_model` (vocab map,
+drafter, training module), `build_optimizer` (optimizer, schedule), `setup` (all three, then
+`accelerator.prepare`), `fit` (the loop: resume → step → log → eval → save → export) and
+`train_step` (the micro-batches of one optimizer step). Evaluation is the one loop of
+`train.evaluate.count_acceptance`; metrics and their names come from `models.metrics`.
 
 Off DeepSpeed the optimizer step never waits for the device (`train.update.micro_step`):
 whether a step with a NaN/inf loss or gradient is skipped is decided on the device, and the
@@ -19,342 +22,353 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
+from torch import Tensor, nn
 
 from eyas.data.dataset import open_dataset
-from eyas.data.loader import PackedLoader
+from eyas.data.loader import Batch, PackedLoader
 from eyas.data.packing import split_indices
 from eyas.data.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.metrics import accept_counts, add_counts, finalize
+from eyas.models.metrics import summarize
 from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
-from eyas.train.config import DistBackend, to_plain
-from eyas.train.config import enum_value as _value
-from eyas.train.dist import param_dtype
-from eyas.train.evaluate import chain_counts
-from eyas.train.optim import build_optimizer, build_scheduler
-from eyas.train.step import TrainingModule, resolve_loss_impl, to_device
-from eyas.train.tracking import MetricsLogger, default_peak_flops, flops_per_token, progress_bar
+from eyas.train.config import (DataConfig, DistBackend, DrafterConfig, EyasConfig, LossConfig,
+                               OptimConfig, Resolved, TargetConfig, TrackerKind, to_plain)
+from eyas.train.evaluate import count_acceptance
+from eyas.train.optim import build_optimizer as make_optimizer
+from eyas.train.optim import build_scheduler
+from eyas.train.step import TrainingModule, to_device
+from eyas.train.tracking import (MetricsLogger, MetricsWindow, default_peak_flops,
+                                 flops_per_token, progress_bar)
 from eyas.train.update import SkippedSteps, host_checked_micro_step, micro_step
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Setup:
-    module: Any                 # the prepared TrainingModule (DDP / DeepSpeed engine)
-    optimizer: Any
-    scheduler: Any
-    train_loader: PackedLoader
-    eval_loader: PackedLoader | None
-    config: Eagle3Config
-    d2t: torch.Tensor
-    t2d: torch.Tensor
-    target_config: dict
+class Data:
+    """The training and held-out loaders of this rank, and what the dataset says of its target."""
+    train: PackedLoader
+    eval: PackedLoader | None
+    target_config: dict         # the target's config.json (from the manifest if it has one)
+    aux_layer_ids: list[int]    # the aux layers the dataset stores (HF hidden_states ids)
+
+
+@dataclass
+class Model:
+    """The drafter in its training module, with the vocab map it was built with."""
+    module: TrainingModule
+    config: Eagle3Config        # the one holder of ttt_steps downstream
+    d2t: Tensor
+    t2d: Tensor
+
+
+@dataclass
+class Trainer:
+    """Everything `fit` runs: the typed config, the prepared module and optimizer, the data."""
+    cfg: EyasConfig
+    accelerator: Accelerator
+    module: nn.Module           # the prepared TrainingModule (DDP wrapper / DeepSpeed engine)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    data: Data
+    model: Model
     total_steps: int
     flops_per_token: float
-    ttt_steps: int
-    skip_masked_rows: bool      # list the loss rows on the host (loss.skip_masked_rows)
+    out: Path
 
 
-def _vocab(cfg, accelerator, train_ds, V: int, out: Path, warm) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft vocab map: the warm-start drafter's, a given file, or built (rank 0) and shared."""
-    if warm is not None:
-        log.info("vocab map: kept from the warm-start drafter %s", cfg.drafter.warm_start)
-        return warm.d2t, warm.t2d
-    if cfg.data.vocab:
-        return load_vocab(cfg.data.vocab)
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def build_data(data_cfg: DataConfig, target: TargetConfig, datasets, *, seed: int, rank: int,
+               world_size: int, pin_memory: bool) -> Data:
+    """Open the dataset(s), split the held-out part off, and build this rank's loaders."""
+    train_ds = open_dataset(datasets.train)
+    manifest = train_ds.manifest
+    aux_ids = list(manifest["aux_layer_ids"])
+    if target.aux_layer_ids is not None and list(target.aux_layer_ids) != aux_ids:
+        raise ValueError(f"target.aux_layer_ids={list(target.aux_layer_ids)} but the dataset "
+                         f"{datasets.train} stores layers {aux_ids}; set target.aux_layer_ids="
+                         f"null or re-extract with --layers")
+    if datasets.eval is not None:
+        eval_ds, train_idx, eval_idx = open_dataset(datasets.eval), None, None
+    else:
+        train_idx, eval_idx = split_indices(len(train_ds), data_cfg.eval_fraction, seed)
+        eval_ds = train_ds if len(eval_idx) else None
+    train = PackedLoader(train_ds, data_cfg.token_budget, rank, world_size, seed,
+                         num_workers=data_cfg.num_workers, indices=train_idx,
+                         pin_memory=pin_memory)
+    held_out = None if eval_ds is None else PackedLoader(
+        eval_ds, data_cfg.token_budget, rank, world_size, seed, shuffle=False,
+        num_workers=data_cfg.num_workers, indices=eval_idx)
+    target_config = manifest.get("target_config") or load_target_config(target.name)
+    return Data(train, held_out, target_config, aux_ids)
+
+
+def build_vocab_map(data_cfg: DataConfig, target: TargetConfig, draft_vocab_size: int,
+                    train_ds, vocab_size: int, accelerator, out: Path) -> tuple[Tensor, Tensor]:
+    """The draft vocab map: a given file, or built from the training set (rank 0) and shared."""
+    if data_cfg.vocab:
+        return load_vocab(data_cfg.vocab)
     path = out / "vocab.safetensors"
     if accelerator.is_main_process:
         force = []
         try:
             from eyas.data.vocab import special_token_ids
             from eyas.data.targets import load_tokenizer
-            force = special_token_ids(load_tokenizer(cfg.target.name, cfg.data.cache_dir))
+            force = special_token_ids(load_tokenizer(target.name, data_cfg.cache_dir))
         except Exception as e:  # config-only targets have no tokenizer here
             log.info("no tokenizer for %s (%s): no special tokens forced into the draft vocab",
-                     cfg.target.name, e)
-        size = min(int(cfg.drafter.draft_vocab_size), V)
-        d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=V)
+                     target.name, e)
+        size = min(int(draft_vocab_size), vocab_size)
+        d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=vocab_size)
         save_vocab(path, d2t, t2d)
     accelerator.wait_for_everyone()
     return load_vocab(path)
 
 
-def build(cfg, accelerator, datasets, out: Path) -> Setup:
-    set_seed(cfg.train.seed)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
-    device = accelerator.device
-    rank, world = accelerator.process_index, accelerator.num_processes
-
-    train_ds = open_dataset(datasets.train)
-    manifest = train_ds.manifest
-    target_cfg = manifest.get("target_config") or load_target_config(cfg.target.name)
-    tcfg = text_config(target_cfg)
-    aux_ids = list(manifest["aux_layer_ids"])
-    if cfg.target.aux_layer_ids is not None and list(cfg.target.aux_layer_ids) != aux_ids:
-        raise ValueError(f"target.aux_layer_ids={list(cfg.target.aux_layer_ids)} but the dataset "
-                         f"{datasets.train} stores layers {aux_ids}; set target.aux_layer_ids="
-                         f"null or re-extract with --layers")
-    V = int(tcfg["vocab_size"])
-    if datasets.eval is not None:
-        eval_ds, train_idx, eval_idx = open_dataset(datasets.eval), None, None
-    else:
-        train_idx, eval_idx = split_indices(len(train_ds), cfg.data.eval_fraction, cfg.train.seed)
-        eval_ds = train_ds if len(eval_idx) else None
-
+def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: DataConfig,
+                target: TargetConfig, data: Data, resolved: Resolved, accelerator,
+                out: Path) -> Model:
+    """Vocab map, drafter config and weights (target embedding, warm start or lm_head from the
+    target head), in the resolved dtype, inside the training module with the teacher rows."""
+    V = int(text_config(data.target_config)["vocab_size"])
     warm = None
-    if cfg.drafter.warm_start:
+    if drafter_cfg.warm_start:
         from eyas.models.serving.importer import import_drafter
-        warm = import_drafter(cfg.drafter.warm_start, target_cfg)
-    d2t, t2d = _vocab(cfg, accelerator, train_ds, V, out, warm)
-
-    overrides = {k: cfg.drafter[k] for k in ("num_attention_heads", "num_key_value_heads",
-                                              "head_dim", "intermediate_size",
-                                              "max_position_embeddings")
-                 if cfg.drafter[k] is not None}
-    config = (Eagle3Config.from_config_dict(warm.config_dict, ttt_steps=cfg.drafter.ttt_steps)
-              if warm is not None else
-              Eagle3Config.from_target(target_cfg, draft_vocab_size=int(d2t.numel()),
-                                       aux_layer_ids=aux_ids, ttt_steps=cfg.drafter.ttt_steps,
-                                       **overrides))
-    if list(config.aux_layer_ids) != aux_ids:
+        warm = import_drafter(drafter_cfg.warm_start, data.target_config)
+        log.info("vocab map: kept from the warm-start drafter %s", drafter_cfg.warm_start)
+        d2t, t2d = warm.d2t, warm.t2d
+        config = Eagle3Config.from_config_dict(warm.config_dict, ttt_steps=drafter_cfg.ttt_steps)
+    else:
+        d2t, t2d = build_vocab_map(data_cfg, target, drafter_cfg.draft_vocab_size,
+                                   data.train.dataset, V, accelerator, out)
+        shape = {**drafter_cfg.overrides(), "draft_vocab_size": int(d2t.numel())}
+        config = Eagle3Config.from_target(data.target_config, aux_layer_ids=data.aux_layer_ids,
+                                          **shape)
+    if list(config.aux_layer_ids) != data.aux_layer_ids:
         raise ValueError(f"the warm-start drafter reads layers {config.aux_layer_ids} but the "
-                         f"dataset stores {aux_ids}: re-extract with --layers "
+                         f"dataset stores {data.aux_layer_ids}: re-extract with --layers "
                          f"{','.join(map(str, config.aux_layer_ids))}")
-    attention = _value(cfg.drafter.attention)
-    if attention == "auto":
-        attention = "flex" if device.type == "cuda" else "eager"
-    drafter = Eagle3Drafter(config, attention=attention,
-                            compile_flex=bool(cfg.drafter.compile) and device.type == "cuda",
-                            checkpoint_mlp=bool(cfg.drafter.checkpoint_mlp))
-    embed, head = load_embedding_and_head(cfg.target.name, cfg.data.cache_dir)
+    drafter = Eagle3Drafter(config, attention=resolved.attention, compile_flex=resolved.compile,
+                            checkpoint_mlp=bool(drafter_cfg.checkpoint_mlp))
+    embed, head = load_embedding_and_head(target.name, data_cfg.cache_dir)
     drafter.load_target_embedding(embed)
     if warm is not None:
         missing = drafter.load_state_dict(warm.state_dict, strict=False)
-        log.info("warm start from %s (missing: %s)", cfg.drafter.warm_start,
+        log.info("warm start from %s (missing: %s)", drafter_cfg.warm_start,
                  [k for k in missing.missing_keys if k != "embed_tokens.weight"])
         drafter.set_vocab_map(d2t, t2d)
-    elif cfg.drafter.init_lm_head_from_target:
+    elif drafter_cfg.init_lm_head_from_target:
         drafter.init_lm_head_from_target(head, d2t)
     else:
         drafter.set_vocab_map(d2t, t2d)
-    dtype = param_dtype(cfg, device)
-    drafter.to(dtype)
-    head_rows = head[torch.arange(d2t.numel()) + d2t].to(dtype).contiguous()
-    module = TrainingModule(drafter, head_rows, cfg.loss,
-                            loss_impl=resolve_loss_impl(cfg.loss.impl, device),
-                            ttt_steps=cfg.drafter.ttt_steps)
+    drafter.to(resolved.param_dtype)
+    head_rows = head[torch.arange(d2t.numel()) + d2t].to(resolved.param_dtype).contiguous()
+    module = TrainingModule(drafter, head_rows, loss_cfg, loss_impl=resolved.loss_impl)
+    return Model(module, config, d2t, t2d)
+
+
+def build_optimizer(module: nn.Module, optim_cfg: OptimConfig, total_steps: int, *,
+                    master_weights: bool, impl: str):
+    """(optimizer, LR schedule): fp32 master weights over bf16 parameters off DeepSpeed."""
+    optimizer = make_optimizer(module.parameters(), optim_cfg, master_weights=master_weights,
+                               impl=impl)
+    return optimizer, build_scheduler(optimizer, optim_cfg, total_steps)
+
+
+def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path) -> Trainer:
+    """Seed, build data, model and optimizer, and hand them to accelerate."""
+    set_seed(cfg.train.seed)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    data = build_data(cfg.data, cfg.target, datasets, seed=cfg.train.seed,
+                      rank=accelerator.process_index, world_size=accelerator.num_processes,
+                      pin_memory=resolved.pin_memory)
+    model = build_model(cfg.drafter, cfg.loss, cfg.data, cfg.target, data, resolved,
+                        accelerator, out)
     deepspeed = cfg.dist.backend == DistBackend.deepspeed
     if deepspeed and cfg.dist.zero_stage == 3:
-        module.register_for_zero3()
-
-    train_loader = PackedLoader(train_ds, cfg.data.token_budget, rank, world, cfg.train.seed,
-                                num_workers=cfg.data.num_workers, indices=train_idx,
-                                pin_memory=device.type == "cuda")
-    eval_loader = None if eval_ds is None else PackedLoader(
-        eval_ds, cfg.data.token_budget, rank, world, cfg.train.seed, shuffle=False,
-        num_workers=cfg.data.num_workers, indices=eval_idx)
-    per_epoch = math.ceil(len(train_loader) / cfg.optim.grad_accum)
+        model.module.register_for_zero3()
+    per_epoch = math.ceil(len(data.train) / cfg.optim.grad_accum)
     total = cfg.train.max_steps or per_epoch * cfg.train.epochs
-    module.to(device)  # the optimizer's fp32 master copies must live where the parameters do
-    optimizer = build_optimizer(module.parameters(), cfg.optim,
-                                master_weights=not deepspeed and dtype != torch.float32)
-    scheduler = build_scheduler(optimizer, cfg.optim, total)
-    module, optimizer = accelerator.prepare(module, optimizer)
+    model.module.to(accelerator.device)   # the fp32 master copies live where the parameters do
+    optimizer, scheduler = build_optimizer(
+        model.module, cfg.optim, total, impl=resolved.optim_impl,
+        master_weights=not deepspeed and resolved.param_dtype != torch.float32)
+    module, optimizer = accelerator.prepare(model.module, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    lengths = train_ds.sample_lengths
-    fpt = flops_per_token(config, cfg.drafter.ttt_steps, float(lengths.mean()) if len(lengths) else 0)
+    c = model.config
+    lengths = data.train.dataset.sample_lengths
+    fpt = flops_per_token(c, c.ttt_steps, float(lengths.mean()) if len(lengths) else 0)
     log.info("drafter: %.1fM trainable parameters, draft vocab %d of %d, aux layers %s, K=%d; "
-             "%d micro-batches/epoch/rank, %d optimizer steps", drafter.num_trainable_parameters() / 1e6,
-             d2t.numel(), V, aux_ids, cfg.drafter.ttt_steps, len(train_loader), total)
-    return Setup(module, optimizer, scheduler, train_loader, eval_loader, config, d2t, t2d,
-                 target_cfg, total, fpt, cfg.drafter.ttt_steps,
-                 bool(cfg.loss.skip_masked_rows))
+             "%d micro-batches/epoch/rank, %d optimizer steps",
+             model.module.drafter.num_trainable_parameters() / 1e6, c.draft_vocab_size,
+             c.vocab_size, c.aux_layer_ids, c.ttt_steps, len(data.train), total)
+    return Trainer(cfg, accelerator, module, optimizer, scheduler, data, model, total, fpt, out)
 
 
-def _drafter(module):
-    inner = getattr(module, "module", module)
-    return inner.drafter
+# ---------------------------------------------------------------------------------------------
+# The loop
 
 
-@torch.no_grad()
-def evaluate(s: Setup, accelerator) -> dict[str, float]:
-    """Exact acceptance counts over the held-out split, summed over ranks, then ratios.
-
-    ``accept_len`` averages the chain over every start position (models.metrics);
-    ``accept_len_trajectory`` walks the text as a greedy decoder does (train.evaluate), which
-    is what real speculative decoding measures on target-generated text.
-    """
-    if s.eval_loader is None:
-        return {}
-    s.module.eval()
-    counts = None
-    d2t = _drafter(s.module).d2t
-    for batch in s.eval_loader:
-        batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
-        res = s.module(**inputs)
-        counts = add_counts(counts, chain_counts(res.draft_argmax, d2t, batch.target_argmax,
-                                                 res.metric_mask))
-    s.module.train()
-    if counts is None:
-        return {}
-    counts = {k: accelerator.reduce(v, reduction="sum") for k, v in counts.items()}
-    out = finalize(counts)
-    rounds, tokens = float(counts["traj_rounds"][-1]), float(counts["traj_tokens"][-1])
-    out["accept_len_trajectory"] = tokens / rounds if rounds > 0 else float("nan")
-    return out
+def train(cfg: EyasConfig, resolved: Resolved, accelerator, datasets) -> dict[str, Any]:
+    """Build everything, then fit; the summary the main job prints from."""
+    return fit(setup(cfg, resolved, accelerator, datasets, Path(cfg.output_dir)))
 
 
-def train(cfg, accelerator, datasets) -> dict[str, Any]:
-    out = Path(cfg.output_dir)
-    s = build(cfg, accelerator, datasets, out)
-    ckpt_root = out / "checkpoints"
-    objective = ckpt.objective_record(cfg, accelerator.num_processes)
-    trackers = _value(cfg.tracker.kind) == "wandb"
+def fit(t: Trainer) -> dict[str, Any]:
+    """resume, then train_step → log → eval → save → export until the last step; the summary."""
+    cfg, acc = t.cfg, t.accelerator
+    trackers = cfg.tracker.kind == TrackerKind.wandb
     if trackers:
-        _init_wandb(cfg, accelerator, out)
-    logger = MetricsLogger(accelerator, out, use_trackers=trackers)
-
-    step, nonfinite, best = 0, 0, None
-    resume = ckpt.resolve_resume(cfg.train.resume, ckpt_root)
-    if resume is not None:
-        state = ckpt.load(accelerator, resume, objective)
-        step, nonfinite = state["step"], state.get("nonfinite", 0)
-        s.train_loader.load_state_dict(state["loader"])
-    skipped = SkippedSteps(cfg.train.max_nonfinite_steps, accelerator.device, done=nonfinite)
-    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
-    update = host_checked_micro_step if deepspeed else micro_step
-
+        _init_wandb(cfg, acc, t.out)
+    logger = MetricsLogger(acc, t.out, use_trackers=trackers)
+    objective = ckpt.objective_record(cfg, acc.num_processes)
+    step, nonfinite = _resume(t, objective)
+    skipped = SkippedSteps(cfg.train.max_nonfinite_steps, acc.device, done=nonfinite)
     peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
-            else default_peak_flops(accelerator.device))
-    bar = progress_bar(s.total_steps, step, accelerator.is_main_process)
-    window = _Window()
-    micro = 0
-    s.module.train()
-    last_eval: dict[str, float] = {}
-    while step < s.total_steps:
-        it = iter(s.train_loader)
-        t_wait = time.perf_counter()
-        for batch in it:
-            window.wait += time.perf_counter() - t_wait
-            batch, inputs = to_device(batch, accelerator.device, s.ttt_steps, s.skip_masked_rows)
-            with accelerator.accumulate(s.module):
-                res = s.module(**inputs)
-                # off DeepSpeed a NaN/inf micro-batch drops its whole optimizer step (train.update)
-                gnorm = update(cfg, accelerator, s.module, s.optimizer, res.loss, skipped, step)
-                window.add(res, batch, _drafter(s.module).d2t)
-            micro += 1
-            if not accelerator.sync_gradients:
-                t_wait = time.perf_counter()
-                continue
-            s.scheduler.step()
-            step += 1
-            window.gnorm = gnorm
-            bar.update(1)
-            done = step >= s.total_steps
-            if step % cfg.train.log_every == 0 or done:
-                skipped.read(step)
-                rec = window.flush(accelerator, s, peak, s.scheduler.get_last_lr()[0])
-                logger.log(step, rec)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                                tau=f"{rec['accept_len']:.2f}")
-            is_eval = (cfg.train.eval_every and step % cfg.train.eval_every == 0) or done
-            if is_eval:
-                last_eval = evaluate(s, accelerator)
-                if last_eval:
-                    logger.log(step, last_eval, prefix="eval")
-                    log.info("eval step %d: accept_len %.3f (decoder walk %.3f), acc_0 %.3f",
-                             step, last_eval["accept_len"], last_eval["accept_len_trajectory"],
-                             last_eval["acc_0"])
-            if (cfg.train.save_every and step % cfg.train.save_every == 0) or done:
-                metric = last_eval.get("accept_len") if is_eval else None
-                metric = metric if metric is not None and math.isfinite(metric) else None
-                state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
-                         "loader": s.train_loader.state_dict(),
-                         "eval": {k: v for k, v in last_eval.items() if math.isfinite(v)}}
-                path = ckpt.save(accelerator, ckpt_root, step, state, keep_last=cfg.train.keep_last,
-                                 best_metric=metric)
-                _write_export_meta(accelerator, path, s, cfg)
-            if cfg.export.every and step % cfg.export.every == 0 and not done:
-                export_final(cfg, accelerator, s, out / f"export-step{step:06d}")
-            if done:
-                break
-            t_wait = time.perf_counter()
-        if step < s.total_steps:
-            s.train_loader.set_epoch(s.train_loader.epoch + 1)
+            else default_peak_flops(acc.device))
+    bar = progress_bar(t.total_steps, step, acc.is_main_process)
+    window, last_eval = MetricsWindow(), {}
+    batches = micro_batches(t.data.train)
+    t.module.train()
+    while step < t.total_steps:
+        window.gnorm = train_step(t, batches, window, skipped, step)
+        step += 1
+        bar.update(1)
+        done = step >= t.total_steps
+        if _every(step, cfg.train.log_every) or done:
+            skipped.read(step)
+            rec = window.flush(acc, t.flops_per_token, peak, t.scheduler.get_last_lr()[0])
+            logger.log(step, rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                            tau=f"{rec['tau']:.2f}")
+        is_eval = _every(step, cfg.train.eval_every) or done
+        if is_eval:
+            last_eval = evaluate(t)
+            if last_eval:
+                logger.log(step, last_eval, prefix="eval")
+                log.info("eval step %d: tau %.3f (decoder walk %.3f), acc_0 %.3f", step,
+                         last_eval["tau"], last_eval["tau_trajectory"], last_eval["acc_0"])
+        if _every(step, cfg.train.save_every) or done:
+            _save(t, step, objective, skipped, last_eval,
+                  best=last_eval.get("tau") if is_eval else None)
+        if _every(step, cfg.export.every) and not done:
+            export_final(t, t.out / f"export-step{step:06d}")
+    batches.close()   # stops the loader's prefetch threads
     bar.close()
     logger.close()
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
-                               "eval": last_eval,
-                               "tau": last_eval.get("accept_len"),
-                               "tau_trajectory": last_eval.get("accept_len_trajectory")}
+                               "eval": last_eval, "tau": last_eval.get("tau"),
+                               "tau_trajectory": last_eval.get("tau_trajectory")}
     if cfg.export.enabled:
-        summary["export"] = str(export_final(cfg, accelerator, s, out / "export"))
-    if accelerator.is_main_process:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        summary["export"] = str(export_final(t, t.out / "export"))
+    if acc.is_main_process:
+        (t.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
 
-class _Window:
-    """Loss, counts, tokens and timings accumulated between two log lines."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.loss, self.step_loss, self.n = 0.0, 0.0, 0   # device tensors after the first add
-        self.tokens, self.counts, self.wait = 0, None, 0.0
-        self.gnorm, self.t0 = None, time.perf_counter()
-
-    def add(self, res, batch, d2t):
-        """Accumulate one micro-batch on the device (no host sync). A micro-batch with a NaN/inf
-        loss adds only its tokens: its step is skipped and its metrics are meaningless."""
-        loss = res.loss.detach().float()
-        ok = torch.isfinite(loss)
-        self.loss = self.loss + torch.where(ok, loss, 0.0)
-        self.step_loss = self.step_loss + torch.where(ok, res.step_loss.detach().float(), 0.0)
-        self.n = self.n + ok.to(torch.int64)
-        self.tokens += batch.num_tokens
-        counts = accept_counts(res.draft_argmax.detach(), d2t, batch.target_argmax,
-                               res.metric_mask)
-        self.counts = add_counts(self.counts, {k: v * ok for k, v in counts.items()})
-
-    def flush(self, accelerator, s: Setup, peak: float | None, lr: float) -> dict[str, float]:
-        """The record of this window, summed over ranks; the host syncs happen here."""
-        dt = time.perf_counter() - self.t0
-        dev = accelerator.device
-        n = accelerator.reduce(torch.as_tensor(self.n, dtype=torch.float32, device=dev), "sum")
-        loss = accelerator.reduce(torch.as_tensor(self.loss, dtype=torch.float32, device=dev),
-                                  "sum")
-        tokens = accelerator.reduce(torch.tensor(float(self.tokens), device=dev), "sum")
-        rec = {"loss": float(loss / n), "lr": lr,        # NaN if no micro-batch was finite
-               "tokens_per_s": float(tokens) / dt, "data_wait": self.wait / dt,
-               "grad_norm": float(self.gnorm) if self.gnorm is not None else float("nan")}
-        if self.counts is not None:
-            per_step = accelerator.reduce(self.step_loss, "sum") / n             # [K]
-            rec.update({f"loss_{k}": float(v) for k, v in enumerate(per_step)})
-            counts = {k: accelerator.reduce(v, "sum") for k, v in self.counts.items()}
-            rec.update(finalize(counts))
-        else:
-            rec["accept_len"] = float("nan")
-        if peak:
-            rec["mfu"] = s.flops_per_token * rec["tokens_per_s"] / (peak * accelerator.num_processes)
-        if dev.type == "cuda":
-            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-        self.reset()
-        return rec
+def train_step(t: Trainer, batches: Iterator[Batch], window: MetricsWindow,
+               skipped: SkippedSteps, step: int) -> Tensor | float | None:
+    """One optimizer step: optim.grad_accum micro-batches (forward, backward, metrics window,
+    then clip + update at the last), then the LR schedule. Returns the gradient norm (a device
+    tensor off DeepSpeed: no host sync here)."""
+    acc, K = t.accelerator, t.model.config.ttt_steps
+    skip_rows, d2t = bool(t.cfg.loss.skip_masked_rows), t.model.module.drafter.d2t
+    deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
+    update = host_checked_micro_step if deepspeed else micro_step
+    while True:
+        t_wait = time.perf_counter()
+        batch = next(batches)
+        window.wait += time.perf_counter() - t_wait
+        batch, inputs = to_device(batch, acc.device, K, skip_rows)
+        with acc.accumulate(t.module):
+            res = t.module(**inputs)
+            # off DeepSpeed a NaN/inf micro-batch drops its whole optimizer step (train.update)
+            gnorm = update(t.cfg.optim, acc, t.module, t.optimizer, res.loss, skipped, step)
+            window.add(res, batch, d2t)
+        if acc.sync_gradients:
+            t.scheduler.step()
+            return gnorm
 
 
-def _init_wandb(cfg, accelerator, out: Path) -> None:
+def micro_batches(loader: PackedLoader) -> Iterator[Batch]:
+    """The training batches, one epoch after another (an optimizer step may span two)."""
+    while True:
+        yield from one_pass(loader)
+
+
+def one_pass(loader: PackedLoader) -> Iterator[Batch]:
+    """The rest of the loader's current epoch. The loader alone owns the epoch: it moves to the
+    next one when a pass ends, so the trainer only iterates (and resume state stays exact)."""
+    if len(loader.plan(loader.epoch)) == 0:
+        raise ValueError("the training loader has no batches: the dataset is empty or smaller "
+                         "than one rank's share")
+    yield from loader
+
+
+def _every(step: int, n: int) -> bool:
+    return bool(n) and step % n == 0
+
+
+def evaluate(t: Trainer) -> dict[str, float]:
+    """Exact acceptance on the held-out split (`train.evaluate.count_acceptance`, summed over
+    ranks): `tau` averages the chain over every start, `tau_trajectory` walks the text as a
+    greedy decoder does (`models.metrics`)."""
+    if t.data.eval is None:
+        return {}
+    K, skip_rows = t.model.config.ttt_steps, bool(t.cfg.loss.skip_masked_rows)
+
+    def forward(batch):
+        batch, inputs = to_device(batch, t.accelerator.device, K, skip_rows)
+        res = t.module(**inputs)
+        return batch, res.draft_argmax, res.metric_mask
+
+    t.module.eval()
+    counts, _ = count_acceptance(forward, t.data.eval, t.model.module.drafter.d2t, K)
+    t.module.train()
+    return summarize(counts)
+
+
+def _resume(t: Trainer, objective: dict) -> tuple[int, int]:
+    """(step, non-finite steps so far) of the checkpoint train.resume names, or (0, 0)."""
+    path = ckpt.resolve_resume(t.cfg.train.resume, t.out / "checkpoints")
+    if path is None:
+        return 0, 0
+    state = ckpt.load(t.accelerator, path, objective)
+    t.data.train.load_state_dict(state["loader"])
+    return state["step"], state.get("nonfinite", 0)
+
+
+def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
+          last_eval: dict[str, float], best: float | None) -> None:
+    """Checkpoint `step` (the eval τ of this step, when finite, competes for `best`)."""
+    state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
+             "loader": t.data.train.state_dict(),
+             "eval": {k: v for k, v in last_eval.items() if math.isfinite(v)}}
+    best = best if best is not None and math.isfinite(best) else None
+    path = ckpt.save(t.accelerator, t.out / "checkpoints", step, state,
+                     keep_last=t.cfg.train.keep_last, best_metric=best)
+    _write_export_meta(t, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outside the loop: tracker, checkpoint metadata, export
+
+
+def _init_wandb(cfg: EyasConfig, accelerator, out: Path) -> None:
     from hydra.core.hydra_config import HydraConfig
-    name, group = cfg.tracker.run_name, cfg.tracker.group
+    tracker = cfg.tracker
+    name, group = tracker.run_name, tracker.group
     try:
         hc = HydraConfig.get()
         if name is None:
@@ -363,33 +377,35 @@ def _init_wandb(cfg, accelerator, out: Path) -> None:
             group = Path(hc.sweep.dir).name
     except ValueError:  # not under Hydra (tests, notebooks)
         name = name or cfg.run_name
-    init = {"wandb": {"name": name, "group": group, "mode": _value(cfg.tracker.mode),
-                      "dir": str(out), "entity": cfg.tracker.entity}}
-    accelerator.init_trackers(cfg.tracker.project, config=to_plain(cfg), init_kwargs=init)
+    init = {"wandb": {"name": name, "group": group, "mode": tracker.mode.value,
+                      "dir": str(out), "entity": tracker.entity}}
+    accelerator.init_trackers(tracker.project, config=to_plain(cfg), init_kwargs=init)
 
 
-def _write_export_meta(accelerator, path: Path, s: Setup, cfg) -> None:
+def _write_export_meta(t: Trainer, path: Path) -> None:
     """eyas.json + vocab next to the accelerate state, so `eyas export CHECKPOINT` works."""
-    if not accelerator.is_main_process:
+    if not t.accelerator.is_main_process:
         return
     from eyas.data.utils import atomic_write_json
-    save_vocab(path / "vocab.safetensors", s.d2t, s.t2d)
-    atomic_write_json(path / "eyas.json", {"drafter": s.config.to_dict(),
-                                           "ttt_steps": cfg.drafter.ttt_steps,
+    m = t.model
+    save_vocab(path / "vocab.safetensors", m.d2t, m.t2d)
+    atomic_write_json(path / "eyas.json", {"drafter": m.config.to_dict(),
+                                           "ttt_steps": m.config.ttt_steps,
                                            "vocab_map": "vocab.safetensors",
-                                           "target": str(cfg.target.name)})
+                                           "target": str(t.cfg.target.name)})
 
 
-def export_final(cfg, accelerator, s: Setup, out_dir: Path) -> Path:
+def export_final(t: Trainer, out_dir: Path) -> Path:
     """Layout-A export of the current weights (gathers ZeRO-3 shards), written by rank 0."""
     from eyas.models.serving.export import export_drafter
-    state = accelerator.get_state_dict(s.module)
-    if accelerator.is_main_process:
-        export_drafter(state, s.config, s.d2t, s.t2d, out_dir, target_config=s.target_config,
-                       ttt_steps=cfg.drafter.ttt_steps, overwrite=True,
-                       speculators=cfg.export.speculators_config,
-                       verifier=str(cfg.target.name) if cfg.export.speculators_config else None,
+    acc, m, cfg = t.accelerator, t.model, t.cfg
+    state = acc.get_state_dict(t.module)
+    if acc.is_main_process:
+        spec = cfg.export.speculators_config
+        export_drafter(state, m.config, m.d2t, m.t2d, out_dir, target_config=t.data.target_config,
+                       ttt_steps=m.config.ttt_steps, overwrite=True, speculators=spec,
+                       verifier=str(cfg.target.name) if spec else None,
                        training={"run": cfg.run_name, "target": str(cfg.target.name)})
         log.info("exported %s", out_dir)
-    accelerator.wait_for_everyone()
+    acc.wait_for_everyone()
     return out_dir

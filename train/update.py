@@ -25,7 +25,7 @@ from eyas.train.optim import MasterAdamW
 log = logging.getLogger(__name__)
 
 
-def micro_step(cfg, accelerator, module, optimizer, loss: Tensor, skipped: SkippedSteps,
+def micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor, skipped: SkippedSteps,
                step: int) -> Tensor | None:
     """Backward of one micro-batch and, after the last one of the accumulation, clip and
     optimizer step, with no host sync. Returns the gradient norm (a device tensor, non-finite
@@ -34,7 +34,7 @@ def micro_step(cfg, accelerator, module, optimizer, loss: Tensor, skipped: Skipp
     accelerator.backward(poisoned(loss))
     if not accelerator.sync_gradients:
         return None
-    norm = grad_norm(cfg, accelerator, module)
+    norm = grad_norm(optim_cfg.clip_grad_norm, accelerator, module)
     skip = ~torch.isfinite(norm)
     step_unless(optimizer, skip)
     skipped.add(skip)
@@ -52,10 +52,10 @@ def poisoned(loss: Tensor) -> Tensor:
     return loss * torch.where(torch.isfinite(loss.detach()), 1.0, float("nan"))
 
 
-def grad_norm(cfg, accelerator, module) -> Tensor:
-    """Clip to optim.clip_grad_norm (0: no clipping) and return the global gradient norm, a
-    device tensor: converting it to a float here would wait for the whole backward."""
-    max_norm = cfg.optim.clip_grad_norm if cfg.optim.clip_grad_norm > 0 else float("inf")
+def grad_norm(clip: float, accelerator, module) -> Tensor:
+    """Clip to `clip` (optim.clip_grad_norm; 0: no clipping) and return the global gradient
+    norm, a device tensor: converting it to a float here would wait for the whole backward."""
+    max_norm = clip if clip > 0 else float("inf")
     return accelerator.clip_grad_norm_(module.parameters(), max_norm)
 
 
@@ -70,7 +70,7 @@ def step_unless(optimizer, skip: Tensor) -> None:
         optimizer.step()
 
 
-def host_checked_micro_step(cfg, accelerator, module, optimizer, loss: Tensor,
+def host_checked_micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor,
                             skipped: SkippedSteps, step: int) -> float | None:
     """The DeepSpeed path: its engine syncs inside its own step anyway, so the loss is checked
     on the host per micro-batch (a non-finite micro-batch is skipped alone), the engine's

@@ -326,7 +326,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-samples", type=int, default=2000,
                    help="samples read for the vocabulary coverage (spread over the dataset)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     report = diagnose(args.dir, args.target_config, data=args.data,
                       num_speculative_tokens=args.num_speculative_tokens,
                       max_samples=args.max_samples)
@@ -335,4 +334,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    from eyas.data.log import run_main
+    run_main(cli_main)

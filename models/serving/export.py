@@ -346,7 +346,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-size-gb", type=float, default=None,
                    help="split model.safetensors into shards of at most this size")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = json.loads(Path(args.drafter_config).read_text()) if args.drafter_config else None
     try:
         out = export_checkpoint(
@@ -371,4 +370,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    from eyas.data.log import run_main
+    run_main(cli_main)

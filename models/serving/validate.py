@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +138,6 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="also load DIR with these engines' own loaders on CPU, in their own "
                         "venvs, e.g. vllm,sglang (see `eyas engines --help`)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     findings = validate(args.dir, args.target_config, check_values=not args.no_values,
                         numeric=args.numeric, target_weights=args.target_weights)
     if args.json:
@@ -155,4 +153,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli_main())
+    from eyas.data.log import run_main
+    run_main(cli_main)

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from eyas.models.metrics import accept_counts, add_counts, finalize
+from eyas.models.metrics import accept_counts, add_counts, summarize
 from eyas.models.objective import metric_mask
 from eyas.models.ttt import structural_valid
 
@@ -45,29 +45,29 @@ def test_hand_built_pattern():
     assert counts["cond_total"].tolist() == [7, 5, 3]
     # chains from the 7 starts: L = 3,1,2,0,2,1,0 → Σ(L+1) = 9 + 7
     assert int(counts["chain_starts"]) == 7
-    assert int(counts["accept_len_sum"]) == 16
+    assert int(counts["tau_sum"]) == 16
     assert all(v.dtype == torch.int64 for v in counts.values())
-    m_ = finalize(counts)
+    m_ = summarize(counts)
     assert m_["acc_0"] == 5 / 7 and m_["acc_1"] == 4 / 6 and m_["acc_2"] == 3 / 5
     assert m_["cond_acc_0"] == 5 / 7 and m_["cond_acc_1"] == 3 / 5 and m_["cond_acc_2"] == 1 / 3
-    assert m_["acc"] == 12 / 18
-    assert m_["accept_len"] == 16 / 7
-    assert math.isclose(m_["accept_len_independent"],
+    assert m_["acc_overall"] == 12 / 18
+    assert m_["tau"] == 16 / 7
+    assert math.isclose(m_["tau_independent"],
                         1 + 5 / 7 + 5 / 7 * 4 / 6 + 5 / 7 * 4 / 6 * 3 / 5, rel_tol=1e-15)
-    # τ identity: accept_len = 1 + Σ_k cond_correct_k / starts
-    assert m_["accept_len"] == 1 + sum(counts["cond_correct"].tolist()) / 7
+    # τ identity: tau = 1 + Σ_k cond_correct_k / starts
+    assert m_["tau"] == 1 + sum(counts["cond_correct"].tolist()) / 7
 
 
 def test_all_correct_and_all_wrong():
     ones = [[1] * 6] * 3
     mask = [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0]]
-    m_ = finalize(accept_counts(*_case(ones, mask)))
+    m_ = summarize(accept_counts(*_case(ones, mask)))
     assert [m_[f"acc_{k}"] for k in range(3)] == [1.0, 1.0, 1.0]
     # chains are capped by the document end: rows 0-2 get 3, row 3 gets 2, row 4 gets 1
-    assert m_["accept_len"] == (4 + 4 + 4 + 3 + 2) / 5
+    assert m_["tau"] == (4 + 4 + 4 + 3 + 2) / 5
     zeros = [[0] * 6] * 3
-    m0 = finalize(accept_counts(*_case(zeros, mask)))
-    assert m0["acc_0"] == 0.0 and m0["accept_len"] == 1.0 and m0["accept_len_independent"] == 1.0
+    m0 = summarize(accept_counts(*_case(zeros, mask)))
+    assert m0["acc_0"] == 0.0 and m0["tau"] == 1.0 and m0["tau_independent"] == 1.0
     assert math.isnan(m0["cond_acc_1"])                       # no chain survives to step 1
 
 
@@ -85,7 +85,7 @@ def test_counts_sum_across_batches_like_ranks():
     b = accept_counts(*_case([[1, 1, 1, 1]], [[1, 1, 0, 0]]))
     total = add_counts(add_counts(None, a), b)
     assert total["correct"].tolist() == [4] and total["total"].tolist() == [5]
-    assert finalize(total)["accept_len"] == (2 + 1 + 2 + 2 + 2) / 5
+    assert summarize(total)["tau"] == (2 + 1 + 2 + 2 + 2) / 5
 
 
 def test_metric_mask_uses_validity_and_shifted_loss_mask():

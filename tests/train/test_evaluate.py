@@ -14,12 +14,11 @@ from eyas.data.prompts import prompts_path
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
-from eyas.models.metrics import COUNT_KEYS, accept_counts
+from eyas.models.metrics import COUNT_KEYS, accept_counts, chain_counts, summarize, tau_curves
 from eyas.models.objective import metric_mask
 from eyas.data.targets import load_embedding_and_head, load_target_config
 from eyas.models.ttt import structural_valid
-from eyas.train.evaluate import (chain_counts, cli_main, draft_argmax, offline_eval,
-                            summarize_counts)
+from eyas.train.evaluate import cli_main, draft_argmax, offline_eval
 from eyas.train.step import TrainingModule, batch_inputs
 
 K = 3
@@ -53,9 +52,9 @@ def test_tau_by_hand():
     assert c["cond_correct"].tolist() == [5, 3, 1]
     assert c["cond_total"].tolist() == [6, 4, 2]
     assert int(c["chain_starts"]) == 6
-    r = summarize_counts(c)
-    assert r["acc"] == pytest.approx([5 / 6, 5 / 6, 3 / 6])
-    assert r["cond_acc"] == pytest.approx([5 / 6, 3 / 4, 1 / 2])
+    r = {**summarize(c), **tau_curves(c)}
+    assert [r[f"acc_{k}"] for k in range(3)] == pytest.approx([5 / 6, 5 / 6, 3 / 6])
+    assert [r[f"cond_acc_{k}"] for k in range(3)] == pytest.approx([5 / 6, 3 / 4, 1 / 2])
     assert r["tau_by_k"] == pytest.approx([11 / 6, 14 / 6, 15 / 6])     # (6 + Σ min(L, K')) / 6
     assert r["tau"] == r["tau_by_k"][-1]
     assert r["tau_independent_by_k"] == pytest.approx(
@@ -65,6 +64,8 @@ def test_tau_by_hand():
     assert c["traj_rounds"].tolist() == [3, 2, 2]
     assert c["traj_tokens"].tolist() == [5, 5, 5]
     assert r["tau_trajectory_by_k"] == pytest.approx([5 / 3, 2.5, 2.5])
+    assert r["tau_trajectory"] == r["tau_trajectory_by_k"][-1]
+    assert r["tau_independent"] == r["tau_independent_by_k"][-1]
 
 
 def _walk_bruteforce(draft, target, loss_mask, doc_ids, kk):
@@ -225,7 +226,8 @@ def test_cli_offline_and_speculative(tiny_llama_dataset, tmp_path, capsys):
     assert cli_main(["--drafter", str(out), "--data", str(tiny_llama_dataset), "--k", "3",
                      "--out", str(f), "--token-budget", "256", "--eval-fraction", "0.25"]) == 0
     res = json.loads(f.read_text())
-    for key in ("tau", "tau_by_k", "acc", "cond_acc", "tau_independent", "tau_trajectory"):
+    for key in ("tau", "tau_by_k", "acc_0", "acc_2", "cond_acc_0", "cond_acc_2", "acc_overall",
+                "tau_independent", "tau_trajectory"):
         assert key in res
     assert res["num_samples"] == 6 and len(res["tau_by_k"]) == 3
     assert "tau_traj" in capsys.readouterr().out

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from eyas.data.prompts import prompts_path
 from eyas.data.shards import open_dataset
-from eyas.train.config import ConfigError, check, register
+from eyas.train.config import ConfigError, check, default_device, register, resolve
 from eyas.train.pipeline import _embedded_key, build_embedded_dataset
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -21,6 +22,22 @@ def _cfg(*overrides):
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="config", overrides=["target=tiny_llama", *overrides])
+
+
+def _typed(cfg):
+    cfg.output_dir = "unused"   # ${hydra:...} resolves only inside a Hydra job
+    return OmegaConf.to_object(cfg)
+
+
+def _key(cfg) -> str:
+    c = _typed(cfg)
+    return _embedded_key(c.data, c.target, c.train.seed)
+
+
+def _build(cfg):
+    c = _typed(cfg)
+    return build_embedded_dataset(c.data, c.target, seed=c.train.seed,
+                                  target_dtype=resolve(c, default_device()).target_dtype)
 
 
 def _old_key(cfg) -> str:
@@ -42,11 +59,11 @@ def _records(path: Path) -> dict[str, dict]:
 
 def test_key_unchanged_for_one_sample_and_distinct_for_several():
     one = _cfg("data.num_prompts=3", "data.max_new_tokens=8")
-    assert _embedded_key(one) == _old_key(one)
+    assert _key(one) == _old_key(one)
     # sampling settings do not matter (nor enter the key) while there is only the greedy answer
-    assert _embedded_key(_cfg("data.num_prompts=3", "data.max_new_tokens=8",
-                              "data.temperature=1.3", "data.top_p=0.5")) == _old_key(one)
-    keys = {_embedded_key(_cfg("data.num_prompts=3", "data.max_new_tokens=8", *o)) for o in (
+    assert _key(_cfg("data.num_prompts=3", "data.max_new_tokens=8",
+                     "data.temperature=1.3", "data.top_p=0.5")) == _old_key(one)
+    keys = {_key(_cfg("data.num_prompts=3", "data.max_new_tokens=8", *o)) for o in (
         ["data.samples_per_prompt=2"], ["data.samples_per_prompt=3"],
         ["data.samples_per_prompt=2", "data.temperature=1.0"],
         ["data.samples_per_prompt=2", "data.top_p=0.5"])}
@@ -55,8 +72,8 @@ def test_key_unchanged_for_one_sample_and_distinct_for_several():
 
 def test_samples_per_prompt_appends_sampled_answers(tmp_path):
     base = ["data.num_prompts=3", "data.max_new_tokens=8", f"data.cache_dir={tmp_path}"]
-    one = build_embedded_dataset(_cfg(*base))
-    two = build_embedded_dataset(_cfg(*base, "data.samples_per_prompt=2"))
+    one = _build(_cfg(*base))
+    two = _build(_cfg(*base, "data.samples_per_prompt=2"))
     assert one.train != two.train
 
     greedy, both = _records(one.conversations), _records(two.conversations)
@@ -116,9 +133,9 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
             f"data.cache_dir={tmp_path}"]
     cfg = _cfg(*base)
     check(cfg)
-    assert _embedded_key(cfg) != _embedded_key(_cfg(*base[:-4], f"data.cache_dir={tmp_path}"))
-    assert _embedded_key(cfg) != _embedded_key(_cfg(*base, "data.synthetic_opener_words=2"))
-    paths = build_embedded_dataset(cfg)
+    assert _key(cfg) != _key(_cfg(*base[:-4], f"data.cache_dir={tmp_path}"))
+    assert _key(cfg) != _key(_cfg(*base, "data.synthetic_opener_words=2"))
+    paths = _build(cfg)
     recs = _records(paths.conversations)
     first = json.loads(prompts_path("default").read_text().splitlines()[0])["id"]
     assert sorted(recs) == sorted([first, "synth-000000", "synth-000001"])

@@ -144,8 +144,8 @@ def test_wandb_offline_run_directory(tmp_path, tiny_llama_dataset):
     record = next(runs[0].glob("run-*.wandb")).read_bytes()
     for key in (b"ttt_steps", b"token_budget", b"train/loss", b"train/loss_0", b"train/loss_2",
                 b"train/acc_0", b"train/cond_acc_0",
-                b"train/accept_len", b"train/lr", b"train/grad_norm", b"train/tokens_per_s",
-                b"train/data_wait", b"eval/accept_len", b"eval/accept_len_trajectory"):
+                b"train/tau", b"train/lr", b"train/grad_norm", b"train/tokens_per_s",
+                b"train/data_wait", b"eval/tau", b"eval/tau_trajectory"):
         assert key in record, key
 
 

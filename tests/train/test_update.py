@@ -9,8 +9,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
+from eyas.train.config import OptimConfig
 from eyas.train.optim import MasterAdamW
-from eyas.train.trainer import _Window
+from eyas.train.tracking import MetricsWindow
 from eyas.train.update import SkippedSteps, micro_step
 
 K, T = 2, 6
@@ -54,12 +55,12 @@ def _batch(device):
 def _step(acc, s, skipped, window, adds):
     """One optimizer step over len(adds) micro-batches, as train.trainer's loop runs them;
     the gradient norm it returns."""
-    cfg = SimpleNamespace(optim=SimpleNamespace(clip_grad_norm=0.5))
+    optim = OptimConfig(clip_grad_norm=0.5)
     norm = None
     for add in adds:
         with acc.accumulate(s.module):
             res = s.module(torch.randn(3, 8, dtype=torch.bfloat16).to(acc.device), add)
-            norm = micro_step(cfg, acc, s.module, s.optimizer, res.loss, skipped, 0)
+            norm = micro_step(optim, acc, s.module, s.optimizer, res.loss, skipped, 0)
             window.add(res, _batch(acc.device), s.module.drafter.d2t)
     return norm
 
@@ -95,7 +96,7 @@ def _no_python_numbers(enabled: bool):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_nonfinite_micro_batch_drops_its_whole_optimizer_step(setup, bad):
     acc, s, skipped = setup
-    window = _Window()
+    window = MetricsWindow()
     before = _weights(s)
     # the second micro-batch of the step is NaN/inf through a constant term of its loss, whose
     # gradients stay finite: the trainer must skip the step anyway

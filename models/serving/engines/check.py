@@ -131,7 +131,6 @@ def run_probe(engine: str, jobs: list[dict[str, Any]], python: Path, workdir: Pa
             for line in out_file.read_text().splitlines():
                 rec = json.loads(line)
                 results[rec["id"]] = rec
-        done = [j for j in pending if j["id"] in results]
         left = [j for j in pending if j["id"] not in results]
         if not left:
             break
