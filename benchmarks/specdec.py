@@ -31,8 +31,8 @@ import torch
 from eyas.data.prompts import prompts_path
 from eyas.models.serving.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
                             summarize)
-from eyas.data.targets import load_target
-from eyas.train.evaluate import DTYPES, json_safe, load_prompts, offline_eval
+from eyas.data.targets import TARGET_DTYPES, load_target
+from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, load_prompts, offline_eval
 
 
 def random_drafter(model, out: Path, k: int) -> Path:
@@ -72,7 +72,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, action="append", help="draft tokens per round (repeatable)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--dtype", choices=SPECDEC_DTYPES, default="fp32")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
     p.add_argument("--json", default=None, help="write all results here")
@@ -82,14 +82,14 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="eyas-specdec-"))
     t0, c0 = time.perf_counter(), time.process_time()
-    model, tok = load_target(args.target, dtype=DTYPES[args.dtype])
+    model, tok = load_target(args.target, dtype=TARGET_DTYPES[args.dtype])
     path = prompts_path(args.prompts) if args.prompts in ("heldout", "default") else args.prompts
     named = load_prompts(path, tok, num_prompts=args.num_prompts)
     names, prompts = [n for n, _ in named], [ids for _, ids in named]
     drafter_dir = Path(args.drafter) if args.drafter else random_drafter(model, tmp / "rand",
                                                                           max(ks))
     emb = model.get_input_embeddings().weight.detach()
-    engine, cfg = load_engine_drafter(drafter_dir, emb, dtype=DTYPES[args.dtype])
+    engine, cfg = load_engine_drafter(drafter_dir, emb, dtype=TARGET_DTYPES[args.dtype])
     stop = stop_token_ids(model, tok)
     results, answers = {}, None
     for k in ks:

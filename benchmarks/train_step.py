@@ -77,12 +77,12 @@ class Case(NamedTuple):
 CASES = {
     "base": Case(False, "torch", True, False, False),
     "compile": Case(True, "torch", True, False, False),
-    "fused": Case(True, "auto", True, False, False),
-    "nosync": Case(True, "auto", False, False, False),
-    "ckpt": Case(True, "auto", True, True, False),
-    "rows": Case(True, "auto", True, False, True),
-    "rows+ckpt": Case(True, "auto", True, True, True),
-    "async": Case(True, "auto", False, False, True, norm_sync=False),
+    "fused": Case(True, "triton", True, False, False),
+    "nosync": Case(True, "triton", False, False, False),
+    "ckpt": Case(True, "triton", True, True, False),
+    "rows": Case(True, "triton", True, False, True),
+    "rows+ckpt": Case(True, "triton", True, True, True),
+    "async": Case(True, "triton", False, False, True, norm_sync=False),
 }
 
 

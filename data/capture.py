@@ -59,19 +59,17 @@ def find_text_model(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Modu
 
 def check_aux_layers(layers: list[int] | tuple[int, ...] | None, num_layers: int) -> list[int]:
     """The aux layer ids (HF hidden_states indices): `layers` validated, or the default."""
-    from eyas.data.targets import default_aux_layer_ids
+    from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, default_aux_layer_ids
     if layers is None:
         return default_aux_layer_ids(num_layers)
     ids = [int(x) for x in layers]
-    if len(ids) != 3 or not (1 <= ids[0] < ids[1] < ids[2] < num_layers):
+    why = aux_layer_ids_error(ids, num_layers)
+    if why is not None:
         raise ExtractError(
             f"aux layer ids {ids} are invalid for a target with {num_layers} decoder layers: "
-            f"expected three HF hidden_states indices 1 <= a < b < c < {num_layers} (the "
-            f"default is {default_aux_layer_ids(num_layers)}); fix the override "
+            f"{why}; expected {AUX_IDS_RULE} (the default is "
+            f"{default_aux_layer_ids(num_layers)}); fix the override "
             f"(--layers a,b,c / target.aux_layer_ids)")
-    if ids[0] < 2:
-        log.warning("aux layer id %d < 2: SGLang's DeepSeek path expects the lowest id >= 2 "
-                    "(serving-contract.md §2)", ids[0])
     return ids
 
 

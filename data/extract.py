@@ -49,9 +49,8 @@ from typing import Any
 import torch
 from torch import nn
 
-# the capture layer; its names are re-exported here for callers of data.extract
-from eyas.data.capture import (Capture, ExtractError, check_aux_layers,  # noqa: F401
-                          chunked_argmax_topk, find_text_model, logit_transform)
+from eyas.data.capture import (Capture, ExtractError, check_aux_layers, chunked_argmax_topk,
+                               find_text_model, logit_transform)
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +100,19 @@ def _bytes_per_token(hidden: int, aux_format: str, teacher: str, topk: int) -> i
     return aux + last + 9 + (12 * topk if teacher in ("topk", "both") else 0)
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+#: the precisions a target can be extracted in (their names are recorded in the manifest)
+DTYPES = ("bfloat16", "float32")
 
 
 def _load_model(target, device, device_map, dtype: str):
-    from eyas.data.targets import load_target, resolve_target
+    from eyas.data.targets import TARGET_DTYPES, load_target, resolve_target
     if dtype not in DTYPES:
         raise ExtractError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     if device_map is None:
-        return load_target(target, dtype=DTYPES[dtype], device=device)[0]
+        return load_target(target, dtype=TARGET_DTYPES[dtype], device=device)[0]
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(resolve_target(target), dtype=DTYPES[dtype],
+    model = AutoModelForCausalLM.from_pretrained(resolve_target(target),
+                                                 dtype=TARGET_DTYPES[dtype],
                                                  device_map=device_map).eval()
     return model.requires_grad_(False)
 
@@ -244,8 +245,8 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
                                f"data.prepare")
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     if model is None:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = _load_model(target, device, device_map, dtype)
+        from eyas.data.targets import default_device
+        model = _load_model(target, device or default_device(), device_map, dtype)
     text, dec_layers, norm, head = find_text_model(model)
     num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
     aux_ids = check_aux_layers(layers, num_layers)

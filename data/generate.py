@@ -186,11 +186,9 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
         return out_path
 
     if model is None or tokenizer is None:
-        from eyas.data.targets import load_target
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if dtype == "auto":
-            dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
-        model, tokenizer = load_target(target, dtype=getattr(torch, dtype), device=device)
+        from eyas.data.targets import default_device, load_target, target_dtype
+        device = device or default_device()
+        model, tokenizer = load_target(target, dtype=target_dtype(dtype, device), device=device)
     template, _ = resolve_template(chat_template)
     if template is None and not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat template; pass chat_template=")

@@ -3,7 +3,7 @@
 The `eyas` command (`train/cli.py`), the training entry point (`train/main.py`) and the data
 producers run as `python -m eyas.data.<module>` (e.g. extraction under `accelerate launch`)
 call `setup_logging`; library code only creates module loggers. It lives in data/, the leaf
-every other package may import (`train.log` re-exports it).
+every other package may import.
 """
 
 from __future__ import annotations

@@ -93,6 +93,60 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg.get("text_config") or cfg
 
 
+# ---------------------------------------------------------------------------------------------
+# Devices and precisions
+
+#: names a target's precision can be given by (config `target.dtype`, `--dtype`); "auto" = the
+#: device's default (`target_dtype`)
+TARGET_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                 "float32": torch.float32, "fp32": torch.float32}
+
+
+def default_device() -> torch.device:
+    """The device this process computes on when none is named: CUDA if present, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fast_device(device: torch.device | str | None = None) -> bool:
+    """eyas's one device rule: the fast paths (bf16, flex attention, Triton kernels,
+    torch.compile, pinned memory) on CUDA, the reference paths elsewhere, where bf16 matmuls are
+    emulated several times slower and torch's flex_attention has no backward."""
+    return torch.device(device if device is not None else default_device()).type == "cuda"
+
+
+def target_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
+    """The torch dtype for a precision name, "auto" deciding by `fast_device`."""
+    if name == "auto":
+        return torch.bfloat16 if fast_device(device) else torch.float32
+    if name not in TARGET_DTYPES:
+        raise ValueError(f"dtype={name!r}: expected auto or one of {', '.join(TARGET_DTYPES)}")
+    return TARGET_DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Aux layers
+
+#: the aux-layer-id rule (`aux_layer_ids_error`) in words, for error messages
+AUX_IDS_RULE = ("three strictly ascending HF hidden_states ids 2 <= a < b < c < N (N = decoder "
+                "layers; vLLM id = SGLang id + 1, serving-contract §2)")
+
+
+def aux_layer_ids_error(ids, num_layers: int | None = None) -> str | None:
+    """Why `ids` cannot be a drafter's aux layers, or None when they can.
+
+    Ids are HF `hidden_states[k]` indices (= vLLM ids; the input of decoder layer k): three,
+    strictly ascending, below the number of layers when it is known, and the lowest >= 2, since
+    SGLang spells each id k - 1 and its DeepSeek path adds 1 only when its first id is 1."""
+    ids = [int(i) for i in ids]
+    if len(ids) != 3 or not all(a < b for a, b in zip(ids, ids[1:])):
+        return f"{ids} are not three strictly ascending ids"
+    if ids[0] < 2:
+        return f"the lowest id {ids[0]} is below 2"
+    if num_layers is not None and ids[-1] >= num_layers:
+        return f"the highest id {ids[-1]} is not below the {num_layers} decoder layers"
+    return None
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's default aux layers in the HF `hidden_states[k]` convention: 2, N//2, N-3."""
     if num_layers < 7:

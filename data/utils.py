@@ -60,6 +60,7 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
     os.close(fd)
     tmp = Path(tmp_name)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; files get the user's umask
         yield tmp
         if fsync:
             with open(tmp, "rb+") as f:
@@ -71,6 +72,13 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _fresh_dir(parent: Path, name: str) -> Path:

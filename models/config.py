@@ -20,6 +20,8 @@ import logging
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, default_aux_layer_ids
+
 log = logging.getLogger(__name__)
 
 #: fields that steer training only; `to_config_dict` never writes them
@@ -63,19 +65,6 @@ class DrafterShape:
         """The fields set explicitly (not None), as `Eagle3Config.from_target` keywords."""
         return {f.name: getattr(self, f.name) for f in fields(DrafterShape)
                 if getattr(self, f.name) is not None}
-
-
-#: the one aux-layer-id rule (`valid_aux_layer_ids`), as words for error messages
-AUX_IDS_RULE = ("3 strictly ascending HF hidden_states ids with the lowest >= 2 (vLLM id = "
-                "SGLang id + 1, serving-contract §2)")
-
-
-def valid_aux_layer_ids(ids) -> bool:
-    """Whether `ids` can be the aux layer ids (HF `hidden_states[k]` = vLLM ids): three strictly
-    ascending ids, the lowest >= 2, since SGLang spells each id k - 1 and its DeepSeek path adds
-    1 only when its first id is 1 (serving-contract §2)."""
-    ids = [int(i) for i in ids]
-    return len(ids) == 3 and all(a < b for a, b in zip(ids, ids[1:])) and ids[0] >= 2
 
 
 @dataclass
@@ -138,9 +127,11 @@ class Eagle3Config:
             raise ValueError(
                 f"hidden_size={self.hidden_size} == 3 * target_hidden_size: SGLang then skips fc "
                 f"and serves a different function; use the target's hidden size")
-        if not valid_aux_layer_ids(self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids must be {AUX_IDS_RULE}, got {self.aux_layer_ids}; "
-                             f"the default for N target layers is [2, N//2, N-3]")
+        why = aux_layer_ids_error(self.aux_layer_ids)
+        if why is not None:
+            raise ValueError(f"aux_layer_ids={list(self.aux_layer_ids)}: {why}; expected "
+                             f"{AUX_IDS_RULE}; the default for N target layers is "
+                             f"[2, N//2, N-3]")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
         if self.norm_before_residual:
@@ -166,13 +157,11 @@ class Eagle3Config:
                                  f"config.json dict (keys seen: {sorted(tc)[:12]}...)")
         num_layers = int(tc["num_hidden_layers"])
         if aux_layer_ids is None:
-            if num_layers < 7:
-                raise ValueError(f"target has num_hidden_layers={num_layers} < 7: no distinct "
-                                 f"default aux layers; pass aux_layer_ids=[a, b, c]")
-            aux_layer_ids = [2, num_layers // 2, num_layers - 3]
-        if max(aux_layer_ids) >= num_layers:
-            raise ValueError(f"aux_layer_ids={aux_layer_ids} but the target has {num_layers} "
-                             f"layers: hidden_states[k] is a layer INPUT only for k < {num_layers}")
+            aux_layer_ids = default_aux_layer_ids(num_layers)
+        why = aux_layer_ids_error(aux_layer_ids, num_layers)
+        if why is not None:
+            raise ValueError(f"aux_layer_ids={list(aux_layer_ids)}: {why}; expected "
+                             f"{AUX_IDS_RULE}")
         vocab = int(tc["vocab_size"])
         scaling = _copyable_rope_scaling(tc)
         kwargs: dict[str, Any] = dict(

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from eyas.data.vocab_map import VocabMap
 from eyas.models.attention import ATTENTION_KINDS, TTTAttention
 from eyas.models.config import Eagle3Config, rope_type
 from eyas.models.ttt import step_positions, step_tokens, structural_valid
@@ -314,26 +315,19 @@ class Eagle3Drafter(nn.Module):
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor | None = None) -> None:
         """Install a draft vocabulary: d2t [Vd] int64 offsets (target id = i + d2t[i]); t2d [V] bool.
 
-        Checks serving-contract §3's invariants (ids strictly increasing, within [0, V), t2d equal
-        to the selected set). t2d is derived from d2t when not given.
+        `data.vocab_map.VocabMap.validate` checks serving-contract §3's invariants (ids strictly
+        increasing, within [0, V), t2d equal to the selected set). t2d is derived from d2t when
+        not given.
         """
         V, Vd = self.config.vocab_size, self.config.draft_vocab_size
         d2t = torch.as_tensor(d2t).to(torch.int64).cpu()
         if d2t.shape != (Vd,):
             raise ValueError(f"d2t has shape {tuple(d2t.shape)}, expected ({Vd},) = [draft_vocab_size]")
-        ids = torch.arange(Vd) + d2t
-        if Vd > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise ValueError("d2t does not give strictly increasing target ids i + d2t[i]: it must "
-                             "hold OFFSETS of the ascending selected ids (not absolute ids)")
-        if int(ids.min()) < 0 or int(ids.max()) >= V:
-            raise ValueError(f"d2t maps to target ids in [{int(ids.min())}, {int(ids.max())}], "
-                             f"outside [0, {V})")
-        derived = torch.zeros(V, dtype=torch.bool)
-        derived[ids] = True
-        if t2d is not None and not torch.equal(torch.as_tensor(t2d).bool().cpu(), derived):
-            raise ValueError("t2d disagrees with d2t: t2d must mark exactly the ids i + d2t[i]")
-        self.d2t.copy_(d2t.to(self.d2t.device))
-        self.t2d.copy_(derived.to(self.t2d.device))
+        vocab = (VocabMap.from_d2t(d2t, V) if t2d is None
+                 else VocabMap(d2t, torch.as_tensor(t2d).bool().cpu()))
+        vocab.validate(target_vocab_size=V, draft_vocab_size=Vd)
+        self.d2t.copy_(vocab.d2t.to(self.d2t.device))
+        self.t2d.copy_(vocab.t2d.to(self.t2d.device))
 
     def init_lm_head_from_target(self, target_head_weight: Tensor, d2t: Tensor) -> None:
         """Install the vocabulary map `d2t` and copy target head rows into lm_head (row i ← id i+d2t[i]).

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eyas.data.utils import atomic_write_json
+from eyas.data.utils import atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,11 @@ def latest(root: Path) -> Path | None:
 
 def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last: int,
          best_metric: float | None = None) -> Path:
-    """Write checkpoint `step` on every rank; rank 0 publishes it and rotates old ones."""
+    """Write checkpoint `step` on every rank; rank 0 publishes it and rotates old ones.
+
+    Every rank writes its part into one `.step-N.tmp` directory that all of them can name, then
+    rank 0 renames it onto `step-N` (a single-writer `data.utils.atomic_write_dir` cannot be
+    shared by the ranks)."""
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / _name(step), root / f".{_name(step)}.tmp"
     if accelerator.is_main_process and tmp.exists():
@@ -87,9 +91,7 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
 
 
 def _write_pointer(path: Path, name: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(name)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, name.encode())
 
 
 def _read_best(root: Path) -> tuple[str, float] | None:

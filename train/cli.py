@@ -85,12 +85,14 @@ USAGE = "usage: eyas <command> [--help] [args...]\n\ncommands:\n" + "\n".join(
 
 
 def _cpu_threads() -> None:
-    """Leave a core free on small CPU machines (OpenMP threads spin-wait on busy cores)."""
+    """On the CPU, the trainer's thread rule for one process (train.dist.set_cpu_threads) unless
+    OMP_NUM_THREADS is set: OpenMP threads spin-wait on busy cores."""
     import os
 
-    import torch
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    from eyas.data.targets import fast_device
+    from eyas.train.dist import set_cpu_threads
+    if not fast_device() and "OMP_NUM_THREADS" not in os.environ:
+        set_cpu_threads(None, processes_per_node=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"eyas: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    from eyas.train.log import setup_logging
+    from eyas.data.log import setup_logging
     setup_logging()
     _cpu_threads()
     return int(COMMANDS[name][0](rest) or 0)

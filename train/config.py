@@ -17,7 +17,10 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from eyas.models.config import AUX_IDS_RULE, DrafterShape, valid_aux_layer_ids
+from eyas.data.targets import (AUX_IDS_RULE, TARGET_DTYPES, aux_layer_ids_error, fast_device,
+                               target_dtype)
+from eyas.kernels import triton_available
+from eyas.models.config import DrafterShape
 
 
 class AttentionImpl(str, Enum):
@@ -322,11 +325,11 @@ def check(cfg: DictConfig | Any) -> None:
         fail("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size, ">= 2",
              "drafter.draft_vocab_size=32000")
     ids = cfg.target.aux_layer_ids
-    if ids is not None and not valid_aux_layer_ids(ids):
-        fail("target.aux_layer_ids", list(ids), AUX_IDS_RULE,
+    if ids is not None and aux_layer_ids_error(ids) is not None:
+        fail("target.aux_layer_ids", list(ids), f"{AUX_IDS_RULE} ({aux_layer_ids_error(ids)})",
              "target.aux_layer_ids=[2,16,29] (or null for 2, N//2, N-3)")
-    if cfg.target.dtype not in _TARGET_DTYPES:
-        fail("target.dtype", cfg.target.dtype, f"one of {sorted(_TARGET_DTYPES)}",
+    if cfg.target.dtype != "auto" and cfg.target.dtype not in TARGET_DTYPES:
+        fail("target.dtype", cfg.target.dtype, f"auto or one of {sorted(TARGET_DTYPES)}",
              "target.dtype=auto")
     if cfg.data.token_budget < 16:
         fail("data.token_budget", cfg.data.token_budget, ">= 16", "data.token_budget=2048")
@@ -385,10 +388,6 @@ def to_plain(cfg: EyasConfig | DictConfig) -> dict:
 # ---------------------------------------------------------------------------------------------
 # "auto", decided once
 
-_TARGET_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                  "float32": torch.float32, "fp32": torch.float32}
-
-
 @dataclass(frozen=True)
 class Resolved:
     """Every "auto" of the config decided for one device (`resolve`)."""
@@ -409,27 +408,21 @@ class Resolved:
     """pinned host batches (copies to the device overlap compute)"""
 
 
-def default_device() -> torch.device:
-    """The device this process trains on, before the Accelerator exists: CUDA if present."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
-    """Decide every "auto" for `device`, with one rule: the fast paths (flex attention, Triton
-    kernels, torch.compile, bf16, pinned memory) on CUDA, the reference paths on the CPU (torch's
-    flex_attention has no CPU backward, and bf16 matmuls are emulated there, several times
-    slower). Explicit settings are kept."""
-    cuda = torch.device(device).type == "cuda"
+    """Decide every "auto" of the config for `device` by the one device rule
+    (`data.targets.fast_device`): the fast paths on CUDA, the reference paths elsewhere.
+    Explicit settings are kept."""
+    fast = fast_device(device)
 
-    def pick(choice: Enum, fast: str, slow: str) -> str:
-        return (fast if cuda else slow) if choice.value == "auto" else choice.value
+    def pick(choice: Enum, fast_path: str, reference: str) -> str:
+        return (fast_path if fast else reference) if choice.value == "auto" else choice.value
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     return Resolved(
         attention=pick(cfg.drafter.attention, "flex", "eager"),
-        compile=bool(cfg.drafter.compile) and cuda,
+        compile=bool(cfg.drafter.compile) and fast,
         loss_impl=pick(cfg.loss.impl, "triton", "torch"),
-        optim_impl="triton" if cuda else "torch",
+        optim_impl="triton" if fast and triton_available() else "torch",
         param_dtype=dtypes[pick(cfg.train.param_dtype, "bf16", "fp32")],
-        target_dtype=_TARGET_DTYPES[cfg.target.dtype] or (torch.bfloat16 if cuda else torch.float32),
-        pin_memory=cuda)
+        target_dtype=target_dtype(cfg.target.dtype, device),
+        pin_memory=fast)

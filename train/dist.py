@@ -21,7 +21,8 @@ import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-from eyas.train.config import DistBackend, default_device
+from eyas.data.targets import fast_device
+from eyas.train.config import DistBackend
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
 
     optim_cfg: grad_accum and clip_grad_norm (DeepSpeed applies them itself); bf16: the
     parameters are bf16 (`Resolved.param_dtype`); cpu_threads: train.cpu_threads."""
-    on_cpu = default_device().type == "cpu"
+    on_cpu = not fast_device()
     deepspeed = dist_cfg.backend == DistBackend.deepspeed
     kwargs = dict(
         gradient_accumulation_steps=optim_cfg.grad_accum,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from eyas.data.targets import TARGET_DTYPES, fast_device, target_dtype
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
 
@@ -102,9 +103,10 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
     dev = torch.device(device)
     imp = import_drafter(drafter_dir)
     cfg = imp.config
-    attention = attention or ("flex" if dev.type == "cuda" else "lse-eager")
+    fast = fast_device(dev)   # evaluation has no backward: "lse-eager" is flex's math, densely
+    attention = attention or ("flex" if fast else "lse-eager")
     with torch.device("meta"):
-        drafter = Eagle3Drafter(cfg, attention=attention, compile_flex=dev.type == "cuda")
+        drafter = Eagle3Drafter(cfg, attention=attention, compile_flex=fast)
     embed, _ = load_embedding_and_head(target, cache_dir)
     if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(f"{drafter_dir}: the drafter needs a target embedding [vocab_size, "
@@ -115,6 +117,20 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
     state = dict(imp.state_dict, **{"embed_tokens.weight": embed, "d2t": d2t, "t2d": t2d})
     drafter.load_state_dict(state, strict=True, assign=True)
     return drafter.to(device=dev, dtype=dtype).eval()
+
+
+def _drafter_for(drafter_dir_or_module, ds, dataset_dir, *, target, cache_dir, dtype,
+                 device: torch.device):
+    """(drafter, name): a module as it is, or an exported directory imported onto `device` with
+    the embedding of `target` (default: the dataset manifest's)."""
+    if not isinstance(drafter_dir_or_module, (str, Path)):
+        return drafter_dir_or_module, type(drafter_dir_or_module).__name__
+    tgt = target or ds.manifest.get("target")
+    if tgt is None:
+        raise ValueError(f"{dataset_dir}/manifest.json names no target: pass target=")
+    drafter = load_training_drafter(drafter_dir_or_module, tgt, cache_dir=cache_dir,
+                                    dtype=dtype or target_dtype("auto", device), device=device)
+    return drafter, str(drafter_dir_or_module)
 
 
 def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, token_budget: int,
@@ -145,16 +161,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
             raise ValueError(f"{dataset_dir}: dataset has no {f!r} field (fields: "
                              f"{sorted(ds.fields)}); offline evaluation needs a hidden-state "
                              f"dataset from `eyas extract`")
-    if isinstance(drafter_dir_or_module, (str, Path)):
-        tgt = target or ds.manifest.get("target")
-        if tgt is None:
-            raise ValueError(f"{dataset_dir}/manifest.json names no target: pass target=")
-        dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-        drafter = load_training_drafter(drafter_dir_or_module, tgt, cache_dir=cache_dir,
-                                        dtype=dtype, device=dev)
-        name = str(drafter_dir_or_module)
-    else:
-        drafter, name = drafter_dir_or_module, type(drafter_dir_or_module).__name__
+    drafter, name = _drafter_for(drafter_dir_or_module, ds, dataset_dir, target=target,
+                                 cache_dir=cache_dir, dtype=dtype, device=dev)
     aux_ids = list(ds.manifest.get("aux_layer_ids") or [])
     if aux_ids and list(drafter.config.aux_layer_ids) != aux_ids:
         raise ValueError(f"the drafter reads aux layers {list(drafter.config.aux_layer_ids)} but "
@@ -184,7 +192,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
 # ---------------------------------------------------------------------------------------------
 # Real speculative decoding
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+#: precisions of real decoding (`--dtype`; the names of benchmarks/specdec.py)
+SPECDEC_DTYPES = ("bf16", "fp32")
 
 
 def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
@@ -238,18 +247,18 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     Returns models.serving.specdec.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import load_engine_drafter, run_prompts, stop_token_ids
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype not in SPECDEC_DTYPES:
+        raise ValueError(f"dtype must be one of {list(SPECDEC_DTYPES)}, got {dtype!r}")
     if model is None or tokenizer is None:
         from eyas.data.targets import load_target
-        model, tokenizer = load_target(target, dtype=DTYPES[dtype], cache_dir=cache_dir)
-    elif next(model.parameters()).dtype != DTYPES[dtype]:
+        model, tokenizer = load_target(target, dtype=TARGET_DTYPES[dtype], cache_dir=cache_dir)
+    elif next(model.parameters()).dtype != TARGET_DTYPES[dtype]:
         raise ValueError(f"the model passed in is {next(model.parameters()).dtype}, but "
                          f"dtype={dtype!r}: pass the matching dtype (or let it load the target)")
     prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
     tcfg = model.config.get_text_config()
     embed = model.get_input_embeddings().weight.detach().cpu()        # the drafter runs on CPU
-    engine, cfg = load_engine_drafter(drafter_dir, embed, dtype=DTYPES[dtype])
+    engine, cfg = load_engine_drafter(drafter_dir, embed, dtype=TARGET_DTYPES[dtype])
     if int(cfg.get("target_hidden_size") or -1) != int(tcfg.hidden_size):
         raise ValueError(f"{drafter_dir}/config.json target_hidden_size="
                          f"{cfg.get('target_hidden_size')} but target {target} has hidden size "
@@ -343,7 +352,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                    f"{EvalConfig.max_new_tokens})")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="--prompts: the first N prompts (default all)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    p.add_argument("--dtype", choices=SPECDEC_DTYPES, default=None,
                    help="compute dtype (--prompts default fp32: exact token identity, and faster "
                    "than bf16 on CPUs without bf16 units; bf16 = the serving numerics. --data "
                    "default: bf16 on CUDA, fp32 on CPU)")
@@ -379,7 +388,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
                            indices=indices, device=args.device, target=args.target,
                            cache_dir=args.cache_dir,
-                           dtype=DTYPES[args.dtype] if args.dtype else None)
+                           dtype=TARGET_DTYPES[args.dtype] if args.dtype else None)
     from eyas.data.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
@@ -388,4 +397,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli_main())
+    from eyas.data.log import run_main
+    run_main(cli_main)

@@ -19,8 +19,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from eyas.train.config import ConfigError, TrackerKind, default_device, load, register, resolve
-from eyas.train.log import setup_logging
+from eyas.data.targets import default_device
+from eyas.train.config import ConfigError, TrackerKind, load, register, resolve
+from eyas.data.log import setup_logging
 
 log = logging.getLogger("eyas")
 
@@ -103,7 +104,7 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as e:
         log.error("bad configuration: %s", e)
         raise SystemExit(2) from None
-    from eyas.train.log import current_rank
+    from eyas.data.log import current_rank
     if current_rank() == 0:
         if summary.get("export"):
             print(f"export: {summary['export']}")

@@ -27,7 +27,7 @@ class MasterAdamW(torch.optim.Optimizer):
     `param_groups` are the model's own parameters, so accelerate, clipping and LR schedulers
     work unchanged; `step()` updates the fp32 masters from the parameters' gradients and writes
     the result back rounded to the parameter dtype. impl: "triton" (fused kernel), "torch"
-    (fp32 gradient copies + torch AdamW, fused on CUDA) or "auto" (triton on CUDA).
+    (fp32 gradient copies + torch AdamW, fused on CUDA), as `train.config.resolve` decides it.
 
     `step(skip=flag)` takes the decision to skip the update as a 0-dim device tensor of any
     dtype (nonzero = skip; e.g. a non-finite gradient norm) instead of a host bool: a skipped
@@ -37,26 +37,18 @@ class MasterAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, impl: str = "auto"):
+                 weight_decay: float = 0.0, impl: str = "torch"):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
-        if impl not in ("auto", "triton", "torch"):
-            raise ValueError(f"MasterAdamW impl must be auto, triton or torch, got {impl!r}")
+        if impl not in ("triton", "torch"):
+            raise ValueError(f"MasterAdamW impl must be triton or torch, got {impl!r}")
         self.masters = [[p.detach().float().clone() for p in g["params"]]
                         for g in self.param_groups]
         fused = all(p.is_cuda for g in self.param_groups for p in g["params"])
         groups = [dict(params=m, **{k: v for k, v in g.items() if k != "params"})
                   for g, m in zip(self.param_groups, self.masters)]
         self.inner = torch.optim.AdamW(groups, fused=fused or None)
-        self.requested_impl = impl
-
-    @property
-    def impl(self) -> str:
-        """The implementation the next step uses ("auto" resolves on the parameters' device)."""
-        if self.requested_impl != "auto":
-            return self.requested_impl
-        on_cuda = all(p.is_cuda for g in self.param_groups for p in g["params"])
-        return "triton" if on_cuda and _has_triton() else "torch"
+        self.impl = impl
 
     def _follow_parameters(self) -> None:
         """Keep masters and moments on their parameters' device.
@@ -139,16 +131,8 @@ class MasterAdamW(torch.optim.Optimizer):
             group.update(saved)
 
 
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def build_optimizer(params, optim_cfg, *, master_weights: bool,
-                    impl: str = "auto") -> torch.optim.Optimizer:
+                    impl: str = "torch") -> torch.optim.Optimizer:
     """AdamW of the `optim` group: `MasterAdamW` (update `impl`, as `train.config.resolve`
     decides it) over bf16 parameters, else torch AdamW (fused when the parameters are on CUDA)."""
     params = [p for p in params if p.requires_grad]

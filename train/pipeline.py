@@ -113,8 +113,7 @@ def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
     log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each (resumable; "
              "cached in %s)", target.name, len(lines), prompts.name,
              f" and {n_synth} it writes itself" if n_synth else "", samples, root)
-    from eyas.data.targets import load_target
-    from eyas.train.config import default_device
+    from eyas.data.targets import default_device, load_target
     device = default_device().type
     model, tokenizer = load_target(target.name, dtype=target_dtype, device=device)
     subset = root / "prompts.jsonl"

@@ -166,8 +166,8 @@ def test_data_parallel_ranks_then_finalize(tmp_path, tokens_dir):
 
 def test_aux_layer_validation_names_the_override(tmp_path, tokens_dir):
     assert check_aux_layers(None, 30) == [2, 15, 27]
-    for bad in ([0, 3, 5], [2, 5, 8], [5, 3, 6], [2, 3]):
-        with pytest.raises(ExtractError, match=r"1 <= a < b < c < 8.*--layers"):
+    for bad in ([0, 3, 5], [1, 3, 5], [2, 5, 8], [5, 3, 6], [2, 3]):
+        with pytest.raises(ExtractError, match=r"8 decoder layers.*2 <= a < b < c < N.*--layers"):
             extract(tokens_dir, "tiny-llama", tmp_path / "x", model=target("tiny-llama"),
                     layers=bad)
 

@@ -153,3 +153,24 @@ def test_every_target_preset_builds_a_drafter_on_meta(preset):
     assert not drafter.embed_tokens.weight.requires_grad
     assert config.to_config_dict()["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
         i - 1 for i in config.aux_layer_ids]
+
+
+def test_resolve_decides_every_auto_by_one_device_rule():
+    import torch
+
+    from eyas.kernels import triton_available
+    from eyas.train.config import load, resolve
+    cfg = load(_compose())
+    cpu, cuda = resolve(cfg, "cpu"), resolve(cfg, torch.device("cuda"))
+    assert (cpu.attention, cpu.compile, cpu.loss_impl, cpu.optim_impl, cpu.param_dtype,
+            cpu.target_dtype, cpu.pin_memory) == ("eager", False, "torch", "torch",
+                                                  torch.float32, torch.float32, False)
+    assert (cuda.attention, cuda.compile, cuda.loss_impl, cuda.param_dtype, cuda.target_dtype,
+            cuda.pin_memory) == ("flex", True, "triton", torch.bfloat16, torch.bfloat16, True)
+    assert cuda.optim_impl == ("triton" if triton_available() else "torch")
+    explicit = load(_compose(["drafter.attention=eager", "loss.impl=torch", "drafter.compile=false",
+                              "train.param_dtype=fp32", "target.dtype=float32"]))
+    pinned = resolve(explicit, "cuda")
+    assert (pinned.attention, pinned.compile, pinned.loss_impl, pinned.param_dtype,
+            pinned.target_dtype) == ("eager", False, "torch", torch.float32, torch.float32)
+    assert resolve(load(_compose(["target.dtype=bf16"])), "cpu").target_dtype == torch.bfloat16
