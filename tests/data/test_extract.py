@@ -142,7 +142,7 @@ def test_resume_recomputes_only_the_missing_shard(tmp_path, tokens_dir):
     for i, r in enumerate(ref):
         assert all(torch.equal(ds[i][k], v) for k, v in r.items())
     with pytest.raises(ExtractError, match="started with different settings.*aux_layer_ids"):
-        extract(tokens_dir, "tiny-llama", out, model=model, shard_tokens=70, layers=[1, 3, 5])
+        extract(tokens_dir, "tiny-llama", out, model=model, shard_tokens=70, layers=[2, 3, 5])
 
 
 def test_data_parallel_ranks_then_finalize(tmp_path, tokens_dir):

@@ -160,7 +160,7 @@ def test_resolve_decides_every_auto_by_one_device_rule():
 
     from eyas.kernels import triton_available
     from eyas.train.config import load, resolve
-    cfg = load(_compose())
+    cfg = load(_compose(["output_dir=unused"]))
     cpu, cuda = resolve(cfg, "cpu"), resolve(cfg, torch.device("cuda"))
     assert (cpu.attention, cpu.compile, cpu.loss_impl, cpu.optim_impl, cpu.param_dtype,
             cpu.target_dtype, cpu.pin_memory) == ("eager", False, "torch", "torch",
@@ -169,8 +169,8 @@ def test_resolve_decides_every_auto_by_one_device_rule():
             cuda.pin_memory) == ("flex", True, "triton", torch.bfloat16, torch.bfloat16, True)
     assert cuda.optim_impl == ("triton" if triton_available() else "torch")
     explicit = load(_compose(["drafter.attention=eager", "loss.impl=torch", "drafter.compile=false",
-                              "train.param_dtype=fp32", "target.dtype=float32"]))
+                              "train.param_dtype=fp32", "target.dtype=float32", "output_dir=unused"]))
     pinned = resolve(explicit, "cuda")
     assert (pinned.attention, pinned.compile, pinned.loss_impl, pinned.param_dtype,
             pinned.target_dtype) == ("eager", False, "torch", torch.float32, torch.float32)
-    assert resolve(load(_compose(["target.dtype=bf16"])), "cpu").target_dtype == torch.bfloat16
+    assert resolve(load(_compose(["target.dtype=bf16", "output_dir=unused"])), "cpu").target_dtype == torch.bfloat16
