@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from eyas.data.extract import extract, length_groups
+from eyas.data.log import setup_logging
 from eyas.data.prepare import prepare
 from eyas.data.prompts import prompts_path
 from eyas.data.shards import open_dataset
@@ -94,7 +95,7 @@ def main() -> None:
     p.add_argument("--work", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
     work = Path(args.work or tempfile.mkdtemp(prefix="eyas-bench-extract-"))

@@ -27,8 +27,8 @@ py=${PYTHON:-python3}
 eyas() { "$py" -m eyas.train.cli "$@"; }
 mkdir -p "$out"
 export EYAS_RUN_ID=smollm2-quality
-shipped=${SHIPPED:-$("$py" -c "from data.prompts import prompts_path; print(prompts_path('default'))")}
-heldout=${HELDOUT:-$("$py" -c "from data.prompts import prompts_path; print(prompts_path('heldout'))")}
+shipped=${SHIPPED:-$("$py" -c "from eyas.data.prompts import prompts_path; print(prompts_path('default'))")}
+heldout=${HELDOUT:-$("$py" -c "from eyas.data.prompts import prompts_path; print(prompts_path('heldout'))")}
 
 if [ ! -f "$out/prompts.jsonl" ]; then
   openers=()

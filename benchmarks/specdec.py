@@ -118,8 +118,8 @@ def main() -> int:
               f"{r['tokens_generated']:>7} {r['tokens_per_s']:>7.1f} "
               f"{r['baseline_tokens_per_s']:>7.1f} {r['speedup']:>7.2f}x "
               f"{r['speedup_cpu']:>5.2f}x {str(r['tokens_identical']):>5}")
-        print("   per-position acceptance: " + " ".join(
-            f"{x:.2f}" for x in r["per_position_acceptance"]))
+        print("   cond_acc_{k}, k = 0..K-1: " + " ".join(
+            f"{r[f'cond_acc_{j}']:.2f}" for j in range(k)))
     print("(tok/s and speedup: wall clock; cpu_x: speedup by process CPU time, the fair figure "
           "on a shared machine)")
     print(f"total wall {time.perf_counter() - t0:.1f} s, CPU {time.process_time() - c0:.1f} s")

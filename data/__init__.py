@@ -1,7 +1,7 @@
 """eyas data layer: token and hidden-state datasets, packed loading, draft vocabularies.
 
 Formats and I/O only (no distributed code). The on-disk format is documented in data/FORMAT.md.
-Submodules are imported lazily so `import data` stays cheap.
+Submodules are imported lazily so `import eyas.data` stays cheap.
 """
 
 from __future__ import annotations

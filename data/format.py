@@ -1,6 +1,6 @@
 """Low-level pieces of the eyas dataset format: dtypes, header parsing, checksums, errors.
 
-The format itself is documented once, in data/FORMAT.md (format version `FORMAT_VERSION`).
+The format itself is documented in data/FORMAT.md (format version `FORMAT_VERSION`).
 This module knows nothing about datasets or loaders; `data.shards` builds on it.
 """
 

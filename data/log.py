@@ -1,4 +1,4 @@
-"""Logging for entry points: one format, records from rank 0 only, installed in one place.
+"""Logging for entry points: timestamped records from rank 0 (warnings from every rank).
 
 The `eyas` command (`train/cli.py`), the training entry point (`train/main.py`) and the data
 producers run as `python -m eyas.data.<module>` (e.g. extraction under `accelerate launch`)

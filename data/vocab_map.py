@@ -1,12 +1,11 @@
-"""The vocab map: which target id each draft (`lm_head`) row stands for, and its one validator.
+"""The vocab map: which target id each draft (`lm_head`) row stands for, and its validator.
 
     d2t [Vd] int64   offsets: target_id = i + d2t[i]     (strictly increasing ids)
     t2d [V]  bool    t2d[v] == (v is selected);  t2d.sum() == Vd
 
-(serving-contract §3). `VocabMap.from_d2t` derives t2d from d2t (the only place it is derived);
-`VocabMap.validate` checks every invariant and raises a ValueError naming the tensor, the entry
-and the value that break it. Builders (data.vocab), the exporter, the importer and the doctor all
-go through this type.
+(serving-contract §3). `VocabMap.from_d2t` derives t2d from d2t; `VocabMap.validate` checks
+every invariant and raises a ValueError naming the tensor, the entry and the value that break
+it. Builders (data.vocab), the exporter, the importer and the doctor all go through this type.
 """
 
 from __future__ import annotations

@@ -321,10 +321,9 @@ def format_table(res: dict[str, Any]) -> str:
                  f"{_fmt(res['baseline_tokens_per_s'], '.1f')}   speedup "
                  f"{_fmt(res['speedup'], '.2f')}x   (by CPU time: "
                  f"{_fmt(res['speedup_cpu'], '.2f')}x)")
-    lines.append(f"  {'pos':>3} {'acceptance':>10} {'rate':>6}")
-    for j, (a, r) in enumerate(zip(res["per_position_acceptance"],
-                                   res["per_position_accept_rate"])):
-        lines.append(f"  {j + 1:>3} {_fmt(a):>10} {_fmt(r):>6}")
+    lines.append(f"  {'k':>3} {'cond_acc_{k}':>12} {'alive_{k}':>9}")
+    for j in range(res["k"]):
+        lines.append(f"  {j:>3} {_fmt(res[f'cond_acc_{j}']):>12} {_fmt(res[f'alive_{j}']):>9}")
     return "\n".join(lines)
 
 

@@ -43,7 +43,7 @@ CORE_TENSORS = (
 VOCAB_TENSORS = ("d2t", "t2d")
 
 LAYOUT_A_ARCH = "LlamaForCausalLMEagle3"
-#: safetensors header dtype strings of float tensors (from the one dtype table, data.format)
+#: safetensors header dtype names of the float torch dtypes (`eyas.data.format.ST_TO_TORCH`)
 FLOAT_DTYPES = tuple(k for k, v in ST_TO_TORCH.items() if v.is_floating_point)
 
 

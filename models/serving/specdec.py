@@ -24,6 +24,18 @@ a divergence can be attributed). In fp32 the sequences are identical.
 Counts per request: decode rounds (= verify forwards), tokens emitted per round (bonus included,
 cut at the first stop token and at max_new_tokens), and per draft position j the rounds that
 reached it (all earlier drafts accepted) and accepted it. τ = emitted decode tokens / rounds.
+
+Result keys (`summarize`), flat as `eyas.models.metrics.summarize` writes them (j = 0..K-1, the
+draft position, = the TTT step k that drafts it):
+    cond_acc_{j}  = accepted[j] / reached[j]: P(draft j accepted | drafts 0..j-1 accepted), the
+                    offline `cond_acc_{k}` measured on real rounds
+    alive_{j}     = accepted[j] / rounds: P(drafts 0..j all accepted) per round, i.e. the share of
+                    rounds accepting more than j drafts (`alive(k, t)` of `models/metrics.py`
+                    averaged over rounds). It is NOT the offline `acc_{k}`, which counts step k
+                    correct whether or not the earlier steps were: a round never verifies a draft
+                    after a rejected one, so real decoding has no `acc_{k}`.
+    accepted_drafts_histogram[n] = rounds that accepted exactly n = 0..K drafts (the bonus token
+                    not counted, unlike τ, the acceptance length)
 """
 
 from __future__ import annotations
@@ -333,8 +345,9 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
     return {
         "mode": "speculative", "k": k, "num_prompts": len(pairs),
         "tau": decode_tokens / rounds if rounds else nan,
-        "per_position_acceptance": [a / r if r else nan for a, r in zip(accepted, reached)],
-        "per_position_accept_rate": [a / rounds if rounds else nan for a in accepted],
+        **{f"cond_acc_{j}": a / r if r else nan for j, (a, r) in enumerate(zip(accepted, reached))},
+        # alive_{j}, not acc_{j}: drafts 0..j all accepted, per round (module docstring)
+        **{f"alive_{j}": a / rounds if rounds else nan for j, a in enumerate(accepted)},
         "mean_accepted_drafts": sum(accepted) / rounds if rounds else nan,
         "tokens_identical": not mismatches, "mismatches": mismatches,
         "tokens_generated": gen, "decode_rounds": rounds, "decode_tokens": decode_tokens,
@@ -350,7 +363,7 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
         "cpu_seconds": c_spec, "baseline_cpu_seconds": c_base,
         "speedup_cpu": (gen / c_spec) / (base_gen / c_base) if c_spec > 0 and c_base > 0 else nan,
         "counts": {"reached": reached, "accepted": accepted},
-        "accept_length_histogram": histogram,      # rounds that accepted 0..K drafts
+        "accepted_drafts_histogram": histogram,    # rounds that accepted 0..K drafts (no bonus)
         "per_prompt": [{"prompt": n, "tokens": len(s.tokens), "rounds": s.rounds,
                         "decode_tokens": s.decode_tokens,
                         "tau": s.decode_tokens / s.rounds if s.rounds else nan,

@@ -13,6 +13,7 @@ float noise, so greedy outputs must be identical token for token). Drafters:
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from eyas.models.serving.export import export_drafter
 from eyas.models.serving.reference import EngineDrafter
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, run_prompts, speculative_decode,
-                            stop_token_ids)
+                            stop_token_ids, summarize)
 from eyas.data.targets import default_aux_layer_ids, load_target
 from eyas.models.serving.contract import TensorDir
 
@@ -74,6 +75,17 @@ def test_random_drafter_is_token_identical(tiny, random_export, caplog):
     assert res["drafter_forwards"] == K * res["decode_rounds"]
     assert res["counts"]["reached"][0] == res["decode_rounds"]
     assert res["tau"] == pytest.approx(1 + res["mean_accepted_drafts"], abs=0.05)
+    reached, accepted = res["counts"]["reached"], res["counts"]["accepted"]
+    hist = res["accepted_drafts_histogram"]
+    assert len(hist) == K + 1 and sum(hist) == res["decode_rounds"]
+    for j in range(K):
+        if reached[j]:
+            assert res[f"cond_acc_{j}"] == accepted[j] / reached[j]
+        else:
+            assert math.isnan(res[f"cond_acc_{j}"])
+        assert res[f"alive_{j}"] == accepted[j] / res["decode_rounds"]
+        assert accepted[j] == sum(hist[j + 1:]) and reached[j] == sum(hist[j:])
+    assert not any(f"acc_{j}" in res for j in range(K))
     json.dumps(res)   # plain types only
 
 
@@ -145,6 +157,12 @@ def test_scripted_drafter_exact_acceptance(tiny, random_export, pattern):
         (rounds, emitted, reached, accepted)
     assert res.target_forwards == rounds + 1
     assert lengths == ({K} if pattern == "perfect" else {0, 1, 2, 3})
+    out = summarize([("p", res, res)], K)
+    assert [out[f"cond_acc_{j}"] for j in range(K)] == [a / r for a, r in zip(accepted, reached)]
+    assert [out[f"alive_{j}"] for j in range(K)] == [a / rounds for a in accepted]
+    # rounds accepting exactly n drafts: reached n, did not accept draft n (all K: accepted K-1)
+    assert out["accepted_drafts_histogram"] == \
+        [r - a for r, a in zip(reached, accepted)] + [accepted[-1]]
 
     # the drafter saw every verified position exactly once, in order, paired with token i+1,
     # with the target's aux states at i (compared with one full forward of the final text)
