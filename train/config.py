@@ -409,7 +409,7 @@ class Resolved:
 
 
 def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
-    """Decide every "auto" of the config for `device` by the one device rule
+    """Decide every "auto" of the config for `device` by the device rule
     (`data.targets.fast_device`): the fast paths on CUDA, the reference paths elsewhere.
     Explicit settings are kept."""
     fast = fast_device(device)

@@ -1,4 +1,4 @@
-"""The one place that builds the Accelerator (DDP or DeepSpeed ZeRO) from the `dist` group.
+"""Builds the Accelerator (DDP or DeepSpeed ZeRO) from the `dist` group.
 
 Topology (how many processes, nodes) comes from `accelerate launch` (see launch.sh and
 conf/accelerate/); the engine (DDP vs ZeRO stage) comes from the Hydra `dist` group, so a

@@ -327,9 +327,8 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data).
-    Defaults shared with training come from the schema (`train.config`)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The options of `eyas evaluate`; defaults shared with training come from the schema."""
     from eyas.train.config import DataConfig, EvalConfig, TrainConfig
     p = argparse.ArgumentParser(
         prog="eyas evaluate",
@@ -366,6 +365,12 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest)")
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.k < 1:
         p.error("--k must be >= 1")

@@ -70,9 +70,11 @@ def run(composed: DictConfig) -> dict:
     result = pipeline.run_training(cfg, resolved, accelerator, datasets)
     summary.update(result)
     if accelerator.is_main_process and summary.get("export"):
-        spec = pipeline.run_speculative_check(cfg, summary["export"])
+        target = cfg.target.name
+        spec = pipeline.run_speculative_check(cfg.eval, target, summary["export"],
+                                              k=cfg.drafter.ttt_steps)
         try:
-            summary["engines"] = pipeline.run_engine_check(cfg, summary["export"])
+            summary["engines"] = pipeline.run_engine_check(cfg.eval, target, summary["export"])
         except Exception as e:  # the engines are a check, not part of training
             log.warning("engine check could not run: %s", e)
         if spec:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eyas.data.prompts import prompts_path
 from eyas.data.utils import atomic_write_bytes
-from eyas.train.config import ConfigError, DataConfig, TargetConfig
+from eyas.train.config import ConfigError, DataConfig, EvalConfig, TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -162,24 +162,27 @@ def run_training(cfg, resolved, accelerator, datasets: DatasetPaths):
     return trainer.train(cfg, resolved, accelerator, datasets)
 
 
-def run_speculative_check(cfg, export_dir: str | Path) -> dict | None:
-    """Real greedy speculative decoding with the target on held-out prompts (rank 0 only)."""
-    if not cfg.eval.speculative:
+def run_speculative_check(eval_cfg: EvalConfig, target: str, export_dir: str | Path, *,
+                          k: int) -> dict | None:
+    """Real greedy speculative decoding of `k` drafts per round with the target on held-out
+    prompts (rank 0 only)."""
+    if not eval_cfg.speculative:
         return None
     from eyas.train import evaluate
-    prompts = Path(cfg.eval.prompts or prompts_path("heldout"))
-    return evaluate.speculative_eval(export_dir, cfg.target.name, prompts,
-                                     k=cfg.drafter.ttt_steps, num_prompts=cfg.eval.num_prompts,
-                                     max_new_tokens=cfg.eval.max_new_tokens)
+    prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
+    return evaluate.speculative_eval(export_dir, target, prompts, k=k,
+                                     num_prompts=eval_cfg.num_prompts,
+                                     max_new_tokens=eval_cfg.max_new_tokens)
 
 
-def run_engine_check(cfg, export_dir: str | Path) -> dict[str, str] | None:
+def run_engine_check(eval_cfg: EvalConfig, target: str,
+                     export_dir: str | Path) -> dict[str, str] | None:
     """Load the export with vLLM's and SGLang's own loaders, if their venvs already exist.
 
     Returns {engine: verdict} ("ok", or the first finding's code), or None when neither venv
     is installed (`eyas engines setup` creates them; the main job never builds them itself).
     """
-    if not cfg.eval.engines:
+    if not eval_cfg.engines:
         return None
     from eyas.models.serving.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
     present = [e for e in DEFAULT_VERSIONS if ready_info(venv_dir(e))]
@@ -188,7 +191,7 @@ def run_engine_check(cfg, export_dir: str | Path) -> dict[str, str] | None:
         return None
     from eyas.models.serving.engines import check_engines
     from eyas.data.targets import load_target_config
-    reports = check_engines(export_dir, load_target_config(cfg.target.name), engines=present,
+    reports = check_engines(export_dir, load_target_config(target), engines=present,
                             setup=False)
     return {e: ("ok" if r.ok else (r.findings[0].code if r.findings else "failed"))
             for e, r in reports.items()}

@@ -5,7 +5,7 @@
 Reading order: `build_data` (datasets, held-out split, loaders), `build_model` (vocab map,
 drafter, training module), `build_optimizer` (optimizer, schedule), `setup` (all three, then
 `accelerator.prepare`), `fit` (the loop: resume → step → log → eval → save → export) and
-`train_step` (the micro-batches of one optimizer step). Evaluation is the one loop of
+`train_step` (the micro-batches of one optimizer step). Evaluation runs the loop of
 `train.evaluate.count_acceptance`; metrics and their names come from `models.metrics`.
 
 Off DeepSpeed the optimizer step never waits for the device (`train.update.micro_step`):
@@ -64,7 +64,7 @@ class Data:
 class Model:
     """The drafter in its training module, with the vocab map it was built with."""
     module: TrainingModule
-    config: Eagle3Config        # the one holder of ttt_steps downstream
+    config: Eagle3Config        # holds ttt_steps for everything downstream
     d2t: Tensor
     t2d: Tensor
 
