@@ -319,9 +319,8 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data).
-    Defaults shared with training come from the schema (`train.config`)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas evaluate` arguments."""
     from eyas.train.config import DataConfig, EvalConfig, TrainConfig
     p = argparse.ArgumentParser(
         prog="eyas evaluate",
@@ -358,6 +357,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest)")
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data).
+    Defaults shared with training come from the schema (`train.config`)."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.k < 1:
         p.error("--k must be >= 1")
