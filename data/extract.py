@@ -51,6 +51,9 @@ from torch import nn
 
 from eyas.data.capture import (Capture, ExtractError, check_aux_layers, chunked_argmax_topk,
                                find_text_model, logit_transform)
+from eyas.data.settings import (DTYPE_CHOICES, AuxFormat, ExtractionSettings, TargetSettings,
+                                default, field_help)
+from eyas.data.targets import target_dtype_name
 
 log = logging.getLogger(__name__)
 
@@ -194,12 +197,14 @@ def _run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[d
 
 
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
-            layers: list[int] | None = None, aux_format: str = "bf16", teacher: str = "last",
+            layers: list[int] | None = None, aux_format: str = ExtractionSettings.aux_format.value,
+            teacher: str = ExtractionSettings.teacher.value,
             topk: int = 32, batch_tokens: int = 8192, shard_tokens: int | None = None,
             shard_bytes: int = 1 << 30, max_samples: int | None = None,
             device: str | torch.device | None = None, device_map: str | None = None,
             rank: int = 0, world_size: int = 1, finalize_manifest: bool | None = None,
-            pad_batches: bool = False, row_chunk: int = 1024, vocab_chunk: int = 65536,
+            pad_batches: bool = ExtractionSettings.extract_pad_batches, row_chunk: int = 1024,
+            vocab_chunk: int = 65536,
             dtype: str = "bfloat16", model: nn.Module | None = None) -> dict[str, Any]:
     """Run `target` over the token dataset at `tokens_dir`; write a hidden dataset to `out_dir`.
 
@@ -345,8 +350,8 @@ def finalize(out_dir: str | Path) -> dict[str, Any]:
     return write_manifest(out, plan["manifest"], metas)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas extract` arguments (defaults shared with training come from `data.settings`)."""
     p = argparse.ArgumentParser(
         prog="eyas extract", description="Run the target over a token dataset and store the "
         "EAGLE-3 training features (aux states, teacher, target argmax). Resumable; launch with "
@@ -354,24 +359,34 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", required=True, help="token dataset (from eyas prepare)")
     p.add_argument("--target", required=True, help="model directory or preset name")
     p.add_argument("--out", required=True, help="output hidden-state dataset directory")
-    p.add_argument("--layers", default=None, help="aux layer ids a,b,c (HF hidden_states "
-                   "indices); default 2,N//2,N-3")
-    p.add_argument("--aux-format", choices=("bf16", "fp8"), default="bf16")
-    p.add_argument("--teacher", choices=TEACHERS, default="last")
+    p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
+                   help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids"))
+    ex = ExtractionSettings
+    p.add_argument("--aux-format", choices=[f.value for f in AuxFormat],
+                   default=default(ex, "aux_format"),
+                   help=field_help(ex, "aux_format", "data.aux_format"))
+    p.add_argument("--teacher", choices=TEACHERS, default=default(ex, "teacher"),
+                   help=field_help(ex, "teacher", "data.teacher", "both: the two."))
     p.add_argument("--topk", type=int, default=32)
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--batch-tokens", type=int, default=8192)
-    p.add_argument("--pad-batches", action="store_true", help="pad samples of different "
-                   "lengths into one forward (faster; not bitwise equal to unpadded forwards)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16",
-                   help="what the target runs in; match the precision it is served in")
+    p.add_argument("--pad-batches", action="store_true", default=ex.extract_pad_batches,
+                   help=field_help(ex, "extract_pad_batches", "data.extract_pad_batches"))
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=TargetSettings.dtype,
+                   help=field_help(TargetSettings, "dtype", "target.dtype",
+                                   "Match the precision the target is served in."))
     p.add_argument("--shard-tokens", type=int, default=None)
     p.add_argument("--device", default="auto", help="auto (cuda:<local rank> if available), "
                    "cpu, cuda:0, ...")
     p.add_argument("--device-map", default=None, help="'auto': one large target across GPUs")
     p.add_argument("--finalize-only", action="store_true",
                    help="only write the manifest from the shards present")
-    args = p.parse_args(argv)
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`."""
+    args = build_parser().parse_args(argv)
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
         return 0
@@ -384,7 +399,8 @@ def cli_main(argv: list[str] | None = None) -> int:
                       aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
                       batch_tokens=args.batch_tokens, shard_tokens=args.shard_tokens,
                       max_samples=args.max_samples, device=device, device_map=args.device_map,
-                      pad_batches=args.pad_batches, dtype=args.dtype,
+                      pad_batches=args.pad_batches,
+                      dtype=target_dtype_name(args.dtype, device),
                       rank=state.process_index, world_size=state.num_processes,
                       finalize_manifest=False)
     state.wait_for_everyone()

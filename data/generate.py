@@ -36,6 +36,7 @@ import torch
 
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, resolve_template)
+from eyas.data.settings import GenerationSettings, SeedSettings, TargetSettings
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +121,12 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
 
 
 def generate_conversations(prompts_path: str | Path, target: str | Path, out_path: str | Path, *,
-                           max_new_tokens: int = 512, batch_size: int = 16,
-                           temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                           device: str | torch.device | None = None, dtype: str = "auto",
+                           max_new_tokens: int = GenerationSettings.max_new_tokens,
+                           batch_size: int = GenerationSettings.generation_batch_size,
+                           temperature: float = GenerationSettings.temperature,
+                           top_p: float = GenerationSettings.top_p, seed: int = SeedSettings.seed,
+                           device: str | torch.device | None = None,
+                           dtype: str = TargetSettings.dtype,
                            chat_template: str | None = None,
                            template_kwargs: dict[str, Any] | None = None, on_error: str = "raise",
                            chunk_records: int | None = None, model=None,
@@ -141,7 +145,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
         device, dtype: where and in which precision the target generates (device None: the
             first GPU if there is one, else the CPU). dtype "auto": bfloat16
             on a GPU, float32 on a CPU (most CPUs emulate bf16 matmuls, ~4x slower); the text
-            is what matters here, the features are extracted in bf16 later.
+            is what matters here, the features are extracted later in the extraction's dtype.
         model, tokenizer: already loaded ones (skip loading `target`).
 
     Returns `out_path`.

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from eyas.data.format import MANIFEST_NAME, DatasetError
+from eyas.data.settings import AuxFormat, ExtractionSettings, TargetSettings, default, field_help
 from eyas.data.shards import write_manifest, write_shard
 from eyas.data.utils import progress
 
@@ -223,7 +224,8 @@ def _speculators_samples(src: Path, info: dict[str, Any], loss_mask: str,
 
 def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.PathLike, *,
                          target: str | os.PathLike, layers: list[int] | None = None,
-                         aux_format: str = "bf16", loss_mask: str = "dataset",
+                         aux_format: str = ExtractionSettings.aux_format.value,
+                         loss_mask: str = "dataset",
                          keep_prenorm: bool = False, shard_bytes: int = 1 << 30
                          ) -> dict[str, Any]:
     """Convert `src` (a SpecForge or speculators output folder) into an eyas dataset at `out`.
@@ -287,8 +289,8 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
     return write_manifest(out, manifest, buf.metas)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas import {specforge,speculators} SRC --out DIR --target MODEL [--layers a,b,c]`."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas import` arguments (defaults shared with training come from `data.settings`)."""
     p = argparse.ArgumentParser(
         prog="eyas import", description="Convert hidden states written by SpecForge (offline "
         ".ckpt files) or speculators (hs_*.safetensors) into an eyas dataset, without running "
@@ -297,16 +299,24 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("src", help="the tool's output directory")
     p.add_argument("--out", required=True, help="new eyas dataset directory")
     p.add_argument("--target", required=True, help="the target model (preset or directory)")
-    p.add_argument("--layers", default=None, help="aux layer ids a,b,c as HF hidden_states "
-                   "indices (= vLLM ids = SGLang ids + 1); default 2,N//2,N-3")
-    p.add_argument("--aux-format", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
+                   help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids",
+                                   "SGLang ids + 1."))
+    p.add_argument("--aux-format", choices=[f.value for f in AuxFormat],
+                   default=default(ExtractionSettings, "aux_format"),
+                   help=field_help(ExtractionSettings, "aux_format", "data.aux_format"))
     p.add_argument("--loss-mask", choices=("dataset", "all"), default="dataset",
                    help="speculators: read masks from the preprocessed dataset, or all ones")
     p.add_argument("--keep-prenorm", action="store_true",
                    help="speculators: keep the pre-norm last state (default: apply the target's "
                         "final norm, as eyas expects)")
     p.add_argument("--shard-mb", type=int, default=1024, help="payload per shard (MiB)")
-    args = p.parse_args(argv)
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas import {specforge,speculators} SRC --out DIR --target MODEL [--layers a,b,c]`."""
+    args = build_parser().parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     m = import_hidden_states(args.source, args.src, args.out, target=args.target, layers=layers,
                              aux_format=args.aux_format, loss_mask=args.loss_mask,

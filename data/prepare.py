@@ -41,6 +41,8 @@ import torch
 
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, resolve_template)
+from eyas.data.settings import (DTYPE_CHOICES, GenerationSettings, SeedSettings, TargetSettings,
+                                TokenizeSettings, field_help)
 from eyas.data.templates import EOT_STRINGS, TemplateRenderer, tokenizer_identity
 
 __all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
@@ -74,7 +76,8 @@ def _clear_stale_shards(out: Path) -> None:
 
 
 def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
-            max_length: int = 2048, on_error: str = "raise", generate: bool = False,
+            max_length: int = TokenizeSettings.max_length, on_error: str = "raise",
+            generate: bool = False,
             chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
             eot_strings: list[str] | None = None, on_nonprefix: str = "split",
             shard_samples: int = 1024, tokenizer=None,
@@ -200,8 +203,8 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas prepare --input FILE.jsonl --target MODEL --out DIR [--generate ...]`."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas prepare` arguments (defaults shared with training come from `data.settings`)."""
     p = argparse.ArgumentParser(
         prog="eyas prepare", description="Tokenise conversations (OpenAI messages or ShareGPT "
         "JSONL) with the target's chat template into a token dataset with assistant loss masks. "
@@ -209,7 +212,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", required=True, help="conversations (or prompts) JSONL")
     p.add_argument("--target", required=True, help="model directory or preset name")
     p.add_argument("--out", required=True, help="output dataset directory")
-    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--max-length", type=int, default=TokenizeSettings.max_length,
+                   help=field_help(TokenizeSettings, "max_length", "data.max_length"))
     p.add_argument("--on-error", choices=ERROR_MODES, default="raise")
     p.add_argument("--chat-template", default=None,
                    help="shipped template name (llama-3.1, qwen3, deepseek-v3) or .jinja path")
@@ -219,23 +223,34 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-samples", type=int, default=1024)
     g = p.add_argument_group("generation (--generate)")
     g.add_argument("--generate", action="store_true", help="generate assistant turns first")
-    g.add_argument("--max-new-tokens", type=int, default=512)
-    g.add_argument("--batch-size", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    gen = GenerationSettings
+    g.add_argument("--max-new-tokens", type=int, default=gen.max_new_tokens,
+                   help=field_help(gen, "max_new_tokens"))
+    g.add_argument("--batch-size", type=int, default=gen.generation_batch_size,
+                   help=field_help(gen, "generation_batch_size", "data.generation_batch_size"))
+    g.add_argument("--temperature", type=float, default=gen.temperature,
+                   help=field_help(gen, "temperature"))
+    g.add_argument("--top-p", type=float, default=gen.top_p, help=field_help(gen, "top_p"))
+    g.add_argument("--seed", type=int, default=SeedSettings.seed,
+                   help=field_help(SeedSettings, "seed", "train.seed"))
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="generation precision; auto = bf16 on GPU, fp32 on CPU")
-    args = p.parse_args(argv)
-    gen = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-               temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device,
-               dtype=args.dtype)
+    g.add_argument("--dtype", default=TargetSettings.dtype, choices=DTYPE_CHOICES,
+                   help=field_help(TargetSettings, "dtype", "target.dtype"))
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas prepare --input FILE.jsonl --target MODEL --out DIR [--generate ...]`."""
+    args = build_parser().parse_args(argv)
+    gen = GenerationSettings(max_new_tokens=args.max_new_tokens,
+                             generation_batch_size=args.batch_size,
+                             temperature=args.temperature, top_p=args.top_p)
     summary = prepare(args.input, args.target, args.out, max_length=args.max_length,
                       on_error=args.on_error, generate=args.generate,
                       chat_template=args.chat_template,
                       template_kwargs=_parse_kv(args.template_arg),
                       on_nonprefix=args.on_nonprefix, shard_samples=args.shard_samples,
-                      generate_kwargs=gen)
+                      generate_kwargs={**gen.generate_kwargs(), "seed": args.seed,
+                                       "device": args.device, "dtype": args.dtype})
     print(json.dumps(summary, indent=1))
     return 0

@@ -38,6 +38,8 @@ from typing import Iterable
 import torch
 
 from eyas.data.generate import _generate_batch, _stop_ids
+from eyas.data.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings, TargetSettings,
+                                field_help)
 from eyas.data.utils import atomic_write_bytes, progress
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,9 @@ def prompt_openers(texts: Iterable[str], words: int) -> list[str]:
 
 @torch.no_grad()
 def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
-                       temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 128,
-                       batch_size: int = 256, seed: int = 0, exclude: Iterable[str] = (),
+                       temperature: float = SynthesisSettings.synthetic_temperature,
+                       top_p: float = 1.0, max_new_tokens: int = 128, batch_size: int = 256,
+                       seed: int = SeedSettings.seed, exclude: Iterable[str] = (),
                        id_prefix: str = "synth", chat_template: str | None = None,
                        max_rounds: int = 8, openers: Iterable[str] = ()) -> Path:
     """Sample `n` distinct user prompts from the target; write them to `out_path` (JSONL).
@@ -155,19 +158,23 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
     return Path(out_path)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas synthesize` arguments (defaults shared with training come from `data.settings`)."""
     p = argparse.ArgumentParser(
         prog="eyas synthesize", description=__doc__.split("\n\n")[0],
         epilog="Answer them afterwards with `eyas prepare --generate --input OUT ...`.")
     p.add_argument("--target", required=True, help="preset name or model directory")
     p.add_argument("--n", type=int, required=True, help="prompts to write")
     p.add_argument("--out", required=True, help="output JSONL")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=SynthesisSettings.synthetic_temperature,
+                   help=field_help(SynthesisSettings, "synthetic_temperature",
+                                   "data.synthetic_temperature"))
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="longest prompt (longer ones are dropped)")
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=SeedSettings.seed,
+                   help=field_help(SeedSettings, "seed", "train.seed"))
     p.add_argument("--id-prefix", default="synth",
                    help="record ids are PREFIX-000000, ... (keep them unique across files)")
     p.add_argument("--exclude", action="append", default=[], metavar="PROMPTS.jsonl",
@@ -177,16 +184,23 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="start every prompt with the first --opener-words words of a random "
                         "user message from these files (repeatable), to write prompts in their "
                         "style")
-    p.add_argument("--opener-words", type=int, default=2)
+    p.add_argument("--opener-words", type=int, default=2,
+                   help="words per opener with --openers-from (default 2)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    args = p.parse_args(argv)
+    p.add_argument("--dtype", default=TargetSettings.dtype, choices=DTYPE_CHOICES,
+                   help=field_help(TargetSettings, "dtype", "target.dtype"))
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     starts = prompt_openers([t for f in args.openers_from for t in prompt_texts(f)],
                             args.opener_words) if args.openers_from else []
 
     from eyas.data.prompts import prompts_path
-    from eyas.data.targets import load_target
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    from eyas.data.targets import default_device, load_target, target_dtype
+    device = args.device or default_device()
+    dtype = target_dtype(args.dtype, device)
     model, tokenizer = load_target(args.target, dtype=dtype, device=device)
     exclude = prompt_texts(prompts_path("heldout"))
     for f in args.exclude:

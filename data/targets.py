@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from eyas.data.settings import DTYPE_CHOICES, DTYPE_NAMES
 from eyas.data.utils import atomic_write_dir
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,9 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # Devices and precisions
 
-#: names a target's precision can be given by (config `target.dtype`, `--dtype`); "auto" = the
-#: device's default (`target_dtype`)
-TARGET_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                 "float32": torch.float32, "fp32": torch.float32}
+#: precision spellings (config `target.dtype`, `--dtype`) -> torch dtypes; "auto" is decided
+#: per device (`target_dtype`)
+TARGET_DTYPES = {name: getattr(torch, canonical) for name, canonical in DTYPE_NAMES.items()}
 
 
 def default_device() -> torch.device:
@@ -114,13 +114,19 @@ def fast_device(device: torch.device | str | None = None) -> bool:
     return torch.device(device if device is not None else default_device()).type == "cuda"
 
 
-def target_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
-    """The torch dtype for a precision name, "auto" deciding by `fast_device`."""
+def target_dtype_name(name: str, device: torch.device | str | None = None) -> str:
+    """The canonical torch dtype name for a precision spelling, "auto" deciding by
+    `fast_device`: bfloat16 there, float32 elsewhere."""
     if name == "auto":
-        return torch.bfloat16 if fast_device(device) else torch.float32
-    if name not in TARGET_DTYPES:
-        raise ValueError(f"dtype={name!r}: expected auto or one of {', '.join(TARGET_DTYPES)}")
-    return TARGET_DTYPES[name]
+        return "bfloat16" if fast_device(device) else "float32"
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype={name!r}: expected one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPE_NAMES[name]
+
+
+def target_dtype(name: str, device: torch.device | str | None = None) -> torch.dtype:
+    """The torch dtype for a precision spelling (`target_dtype_name`)."""
+    return getattr(torch, target_dtype_name(name, device))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eyas.data.settings import VocabSettings, field_help
 from eyas.data.utils import atomic_path, progress
 from eyas.data.vocab_map import VocabMap
 
@@ -80,9 +81,9 @@ def count_tokens(dataset, target_vocab_size: int, count: str = "auto") -> np.nda
     return counts
 
 
-def build_vocab(dataset_or_token_counts: Any, size: int = 32000, force_ids: Iterable[int] = (),
-                target_vocab_size: int | None = None, *, count: str = "auto"
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def build_vocab(dataset_or_token_counts: Any, size: int = VocabSettings.draft_vocab_size,
+                force_ids: Iterable[int] = (), target_vocab_size: int | None = None, *,
+                count: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Select a draft vocabulary of exactly `size` target ids -> (d2t int64 [size], t2d bool [V]).
 
     Args:
@@ -212,14 +213,15 @@ def special_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas vocab`: build a draft vocabulary from a dataset and save it."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas vocab` arguments (defaults shared with training come from `data.settings`)."""
     p = argparse.ArgumentParser(
         prog="eyas vocab", description="Build a draft vocabulary (d2t offsets, t2d mask) from the "
         "most frequent prediction targets of a dataset. When fine-tuning an existing drafter, "
         "keep its mapping instead of building a new one.")
     p.add_argument("--data", required=True, help="dataset directory (tokens or hidden)")
-    p.add_argument("--size", type=int, default=32000, help="draft vocabulary size Vd (32000)")
+    p.add_argument("--size", type=int, default=VocabSettings.draft_vocab_size,
+                   help=field_help(VocabSettings, "draft_vocab_size", "drafter.draft_vocab_size"))
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--force-special-from", metavar="TARGET",
                    help="force the special and chat-template tokens of TARGET's tokenizer "
@@ -229,6 +231,12 @@ def cli_main(argv: list[str] | None = None) -> int:
                    help="which tokens are counted (see data.vocab.count_tokens)")
     p.add_argument("--target-vocab-size", type=int, default=None,
                    help="V, if the dataset manifest does not record it")
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas vocab`: build a draft vocabulary from a dataset and save it."""
+    p = build_parser()
     args = p.parse_args(argv)
     from eyas.data.dataset import open_dataset
 

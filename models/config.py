@@ -20,6 +20,7 @@ import logging
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+from eyas.data.settings import VocabSettings
 from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, default_aux_layer_ids
 
 log = logging.getLogger(__name__)
@@ -42,12 +43,11 @@ _FIXED_KEYS = {
 
 
 @dataclass
-class DrafterShape:
+class DrafterShape(VocabSettings):
     """The drafter's shape as chosen by a user: None derives the field from the target
-    (`Eagle3Config.from_target`). The Hydra schema's `drafter` group extends it."""
+    (`Eagle3Config.from_target`). The Hydra schema's `drafter` group extends it. Its first
+    field, draft_vocab_size, is `data.settings.VocabSettings` (also `eyas vocab --size`)."""
 
-    draft_vocab_size: int = 32000
-    """Rows of the draft lm_head (capped at the target vocabulary)."""
     ttt_steps: int = 7
     """K: training-time-test unroll length; must be >= the serving num_speculative_tokens."""
     num_attention_heads: Optional[int] = None
@@ -141,7 +141,8 @@ class Eagle3Config:
 
     # ------------------------------------------------------------------ target → drafter
     @classmethod
-    def from_target(cls, target_config: dict[str, Any], *, draft_vocab_size: int = 32000,
+    def from_target(cls, target_config: dict[str, Any], *,
+                    draft_vocab_size: int = VocabSettings.draft_vocab_size,
                     aux_layer_ids: list[int] | None = None, **overrides: Any) -> Eagle3Config:
         """Derive a drafter for a target from its config.json dict.
 

@@ -17,8 +17,9 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from eyas.data.targets import (AUX_IDS_RULE, TARGET_DTYPES, aux_layer_ids_error, fast_device,
-                               target_dtype)
+from eyas.data.settings import (DTYPE_CHOICES, ExtractionSettings, GenerationSettings,
+                                SeedSettings, SynthesisSettings, TargetSettings, TokenizeSettings)
+from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, fast_device, target_dtype
 from eyas.kernels import triton_available
 from eyas.models.config import DrafterShape
 
@@ -38,16 +39,6 @@ class LossImpl(str, Enum):
 class Normalisation(str, Enum):
     valid = "valid"
     specforge = "specforge"
-
-
-class AuxFormat(str, Enum):
-    bf16 = "bf16"
-    fp8 = "fp8"
-
-
-class TeacherKind(str, Enum):
-    last = "last"
-    topk = "topk"
 
 
 class Schedule(str, Enum):
@@ -79,15 +70,9 @@ class WandbMode(str, Enum):
 
 
 @dataclass
-class TargetConfig:
-    name: str = "smollm2"
-    """Target model: a preset (smollm2, tiny-llama, tiny-deepseek-v3, llama-3.1-8b, qwen3-8b,
-    deepseek-v3, kimi-k2.5) or a local Hugging Face model directory."""
-    aux_layer_ids: Optional[List[int]] = None
-    """Aux layers as HF `hidden_states[k]` ids (= vLLM ids); null = 2, N//2, N-3."""
-    dtype: str = "auto"
-    """dtype the target runs in for generation and extraction: bfloat16 (bf16), float32 (fp32),
-    or auto (bfloat16 on CUDA; float32 on CPU, where bf16 matmuls are emulated ~10x slower)."""
+class TargetConfig(TargetSettings):
+    """The target group: its fields (name, aux_layer_ids, dtype) are `data.settings.TargetSettings`,
+    shared with `eyas prepare`, `eyas extract` and `eyas import`."""
 
 
 @dataclass
@@ -110,7 +95,19 @@ class DrafterConfig(DrafterShape):
 
 
 @dataclass
-class DataConfig:
+class DataConfig(ExtractionSettings, SynthesisSettings, GenerationSettings, TokenizeSettings):
+    """The data group: the settings it shares with `eyas prepare`, `eyas synthesize` and `eyas
+    extract` (`data.settings`: max_length; max_new_tokens, generation_batch_size, temperature,
+    top_p; synthetic_temperature, synthetic_opener_words; extract_pad_batches, aux_format,
+    teacher) plus the embedded default dataset and the loader. The embedded default answers with
+    shorter turns than `eyas prepare --generate`, answer 0 greedy and the others sampled."""
+
+    max_new_tokens: int = 96
+    """Length cap of generated assistant turns for the embedded default."""
+    temperature: float = 0.7
+    """Sampling temperature of answers 1.. (answer 0 is always greedy, what decoding serves)."""
+    top_p: float = 0.95
+    """Nucleus (top-p) cutoff of the sampled answers 1.. of the embedded default."""
     dataset: Optional[str] = None
     """Hidden-state dataset directory; null = build the embedded default (cached)."""
     eval_dataset: Optional[str] = None
@@ -119,40 +116,18 @@ class DataConfig:
     """Prompts for the embedded default (messages JSONL); null = the shipped prompts."""
     num_prompts: int = 96
     """How many shipped prompts the embedded default answers with the target."""
-    max_new_tokens: int = 96
-    """Length cap of generated assistant turns for the embedded default."""
-    generation_batch_size: int = 16
-    """Prompts per generate() call when building the embedded default."""
     samples_per_prompt: int = 1
     """Answers per prompt for the embedded default: answer 0 greedy, the others sampled."""
-    temperature: float = 0.7
-    """Sampling temperature of answers 1.. (answer 0 is always greedy, what decoding serves)."""
-    top_p: float = 0.95
-    """Nucleus (top-p) cutoff of the sampled answers 1.. of the embedded default."""
     synthetic_prompts: int = 0
     """Extra prompts the embedded default samples from the target itself (data.synthesize),
-    answered like the shipped ones; the held-out prompts are never among them."""
-    synthetic_temperature: float = 1.0
-    """Sampling temperature of those synthetic prompts."""
-    synthetic_opener_words: int = 0
-    """0: synthetic prompts come from the chat template alone. N > 0: each starts with the first
-    N words of a random shipped prompt (data.prompts) and the target writes the rest, so they
-    follow the shipped prompts' style."""
-    extract_pad_batches: bool = False
-    """Extraction pads samples of different lengths into one forward (much faster on a GPU;
-    the features then differ from unpadded forwards by kernel rounding only)."""
-    max_length: int = 2048
-    """Longest conversation kept when tokenising (tokens)."""
+    answered like the shipped ones; the held-out prompts are never among them. With
+    synthetic_opener_words > 0 their openers come from the shipped prompts (data.prompts)."""
     cache_dir: str = "~/.cache/eyas"
     """Where targets and the embedded default dataset are cached."""
     token_budget: int = 2048
     """Tokens per packed micro-batch (per rank)."""
     eval_fraction: float = 0.05
     """Fraction of samples held out for evaluation when eval_dataset is null."""
-    aux_format: AuxFormat = AuxFormat.bf16
-    """Storage of aux states when extracting: bf16 or fp8 (e4m3 + per-token scale)."""
-    teacher: TeacherKind = TeacherKind.last
-    """Teacher stored by extraction: the post-norm last hidden state, or top-k logits."""
     num_workers: int = 1
     """Background prefetch workers of the packed loader."""
     vocab: Optional[str] = None
@@ -224,9 +199,10 @@ class TrackerConfig:
 
 
 @dataclass
-class TrainConfig:
-    seed: int = 0
-    """Seed of weights, data order and dropout-free randomness."""
+class TrainConfig(SeedSettings):
+    """The train group: the seed (`data.settings.SeedSettings`, also the seed of generation and
+    synthesis) plus the loop's settings."""
+
     epochs: int = 1
     """Passes over the training set (max_steps wins when set)."""
     max_steps: Optional[int] = None
@@ -328,8 +304,8 @@ def check(cfg: DictConfig | Any) -> None:
     if ids is not None and aux_layer_ids_error(ids) is not None:
         fail("target.aux_layer_ids", list(ids), f"{AUX_IDS_RULE} ({aux_layer_ids_error(ids)})",
              "target.aux_layer_ids=[2,16,29] (or null for 2, N//2, N-3)")
-    if cfg.target.dtype != "auto" and cfg.target.dtype not in TARGET_DTYPES:
-        fail("target.dtype", cfg.target.dtype, f"auto or one of {sorted(TARGET_DTYPES)}",
+    if cfg.target.dtype not in DTYPE_CHOICES:
+        fail("target.dtype", cfg.target.dtype, f"one of {list(DTYPE_CHOICES)}",
              "target.dtype=auto")
     if cfg.data.token_budget < 16:
         fail("data.token_budget", cfg.data.token_budget, ">= 16", "data.token_budget=2048")

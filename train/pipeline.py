@@ -129,18 +129,16 @@ def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
         sampled = root / "prompts.sampled.jsonl"
         if not sampled.is_file():
             _write_lines(sampled, _sampled_prompts(prepare, subset, samples - 1))
-        generate.generate_conversations(
-            sampled, target.name, conversations, max_new_tokens=data.max_new_tokens,
-            batch_size=data.generation_batch_size, temperature=data.temperature,
-            top_p=data.top_p, seed=seed, model=model, tokenizer=tokenizer)
+        generate.generate_conversations(sampled, target.name, conversations,
+                                        **data.generate_kwargs(), seed=seed, model=model,
+                                        tokenizer=tokenizer)
     tokens = root / "tokens"
     if not (tokens / "manifest.json").is_file():
         prepare.prepare(conversations, target.name, tokens, max_length=data.max_length,
                         on_error="skip")
     extract.extract(tokens, target.name, hidden,
                     layers=None if target.aux_layer_ids is None else list(target.aux_layer_ids),
-                    aux_format=data.aux_format.value, teacher=data.teacher.value,
-                    pad_batches=data.extract_pad_batches, model=model, device=device)
+                    **data.extract_kwargs(), model=model, device=device)
     return DatasetPaths(train=hidden, eval=None, conversations=conversations)
 
 

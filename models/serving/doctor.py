@@ -307,8 +307,8 @@ def format_report(report: Report, export_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas doctor DIR --target-config FILE [--data DATASET_DIR] [--num-speculative-tokens K]`."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas doctor` arguments."""
     p = argparse.ArgumentParser(
         prog="eyas doctor",
         description="Explain the likely causes of low acceptance of an exported drafter: contract "
@@ -325,6 +325,12 @@ def cli_main(argv: list[str] | None = None) -> int:
                         "speculative-num-steps)")
     p.add_argument("--max-samples", type=int, default=2000,
                    help="samples read for the vocabulary coverage (spread over the dataset)")
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas doctor DIR --target-config FILE [--data DATASET_DIR] [--num-speculative-tokens K]`."""
+    p = build_parser()
     args = p.parse_args(argv)
     report = diagnose(args.dir, args.target_config, data=args.data,
                       num_speculative_tokens=args.num_speculative_tokens,

@@ -322,8 +322,8 @@ def serve_commands(export_dir: str | Path, target: str, k: int) -> tuple[str, st
     return vllm, sglang
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas export CHECKPOINT OUT_DIR [--target-config FILE] [--speculators-config] …`."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas export` arguments."""
     p = argparse.ArgumentParser(
         prog="eyas export",
         description="Write a trained drafter as a directory vLLM and SGLang serve as is "
@@ -345,6 +345,12 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     p.add_argument("--shard-size-gb", type=float, default=None,
                    help="split model.safetensors into shards of at most this size")
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas export CHECKPOINT OUT_DIR [--target-config FILE] [--speculators-config] …`."""
+    p = build_parser()
     args = p.parse_args(argv)
     config = json.loads(Path(args.drafter_config).read_text()) if args.drafter_config else None
     try:

@@ -116,8 +116,8 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
     return findings
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas validate DIR --target-config FILE [--target-weights DIR] [--numeric]`."""
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas validate` arguments."""
     p = argparse.ArgumentParser(
         prog="eyas validate",
         description="Check an exported EAGLE-3 drafter directory against what vLLM and SGLang "
@@ -137,6 +137,12 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--engines", default=None,
                    help="also load DIR with these engines' own loaders on CPU, in their own "
                         "venvs, e.g. vllm,sglang (see `eyas engines --help`)")
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas validate DIR --target-config FILE [--target-weights DIR] [--numeric]`."""
+    p = build_parser()
     args = p.parse_args(argv)
     findings = validate(args.dir, args.target_config, check_values=not args.no_values,
                         numeric=args.numeric, target_weights=args.target_weights)

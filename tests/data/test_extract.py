@@ -238,3 +238,14 @@ def test_float32_target_is_recorded_and_guards_resume(tmp_path, tokens_dir):
     assert extract(tokens_dir, "tiny-llama", out, model=target("tiny-llama"))["computed"] == []
     with pytest.raises(ExtractError, match="dtype='fp16': expected one of bfloat16, float32"):
         extract(tokens_dir, "tiny-llama", tmp_path / "other", dtype="fp16", device="cpu")
+
+
+def test_cli_dtype_auto_is_the_trainers_rule(tmp_path, tokens_dir):
+    """`eyas extract --dtype` defaults to target.dtype's auto: float32 on the CPU (as the
+    trainer extracts there); an explicit alias such as bf16 is kept."""
+    from eyas.data.extract import cli_main
+    base = ["--tokens", str(tokens_dir), "--target", "tiny-llama", "--device", "cpu"]
+    assert cli_main(base + ["--out", str(tmp_path / "auto")]) == 0
+    assert open_dataset(tmp_path / "auto").manifest["target_dtype"] == "float32"
+    assert cli_main(base + ["--out", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    assert open_dataset(tmp_path / "bf16").manifest["target_dtype"] == "bfloat16"

@@ -82,14 +82,16 @@ def test_cross_field_errors_name_the_fix(override, fix):
     assert fix in str(e.value) and override.split("=")[0] in str(e.value)
 
 
-def test_every_field_is_documented():
-    """Each dataclass field carries a docstring line right under it in train/config.py."""
+@pytest.mark.parametrize("path,suffix", [("train/config.py", "Config"),
+                                         ("data/settings.py", "Settings")])
+def test_every_field_is_documented(path, suffix):
+    """Each schema field carries a docstring line right under it (train/config.py and the
+    data-side settings it extends, data/settings.py)."""
     import ast
-    src = (ROOT / "train" / "config.py").read_text()
-    tree = ast.parse(src)
+    tree = ast.parse((ROOT / path).read_text())
     missing = []
     for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name.endswith("Config") and node.name not in (
+        if isinstance(node, ast.ClassDef) and node.name.endswith(suffix) and node.name not in (
                 "EyasConfig", "ConfigError"):
             body = node.body
             for i, stmt in enumerate(body):

@@ -32,7 +32,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "engine, ~14 GB for both with the shared uv cache)")
 
 
-def _check_parser(prog: str) -> argparse.ArgumentParser:
+def build_check_parser(prog: str = "eyas engines check") -> argparse.ArgumentParser:
+    """The `eyas engines check` arguments."""
     p = argparse.ArgumentParser(
         prog=prog, description="Load an exported drafter with vLLM's and SGLang's own loaders "
         "on CPU (each in its own venv) and report load errors, silently dropped tensors, "
@@ -55,7 +56,7 @@ def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines ch
     """`eyas engines check DIR --target-config T [--engines vllm,sglang] …` (also behind
     `eyas validate --engines`)."""
     from eyas.models.serving.engines.check import check_engines, format_reports
-    args = _check_parser(prog).parse_args(argv)
+    args = build_check_parser(prog).parse_args(argv)
     versions = {"vllm": args.vllm_version, "sglang": args.sglang_version}
     try:
         reports = check_engines(args.dir, args.target_config, args.engines,

@@ -1,0 +1,120 @@
+"""Every `eyas` subcommand option that the trainer also configures defaults to the schema's value.
+
+Each parser is parsed with the fewest arguments it accepts and every default is compared with
+the schema (`train.config.EyasConfig`, whose data-side groups extend `data.settings`). An option
+named like a schema field must be mapped here or listed, with its reason, as deliberately
+different, so a new literal default fails this test.
+"""
+
+from dataclasses import fields, is_dataclass
+from enum import Enum
+
+import pytest
+
+from eyas.data import extract, importers, prepare, synthesize, vocab
+from eyas.data.settings import GenerationSettings
+from eyas.models.serving import doctor, export, validate
+from eyas.models.serving.engines.cli import build_check_parser
+from eyas.train import evaluate
+from eyas.train.config import EyasConfig
+
+PARSERS = {
+    "prepare": (prepare.build_parser, ["--input", "i", "--target", "t", "--out", "o"]),
+    "synthesize": (synthesize.build_parser, ["--target", "t", "--n", "1", "--out", "o"]),
+    "extract": (extract.build_parser, ["--tokens", "i", "--target", "t", "--out", "o"]),
+    "import": (importers.build_parser, ["specforge", "s", "--out", "o", "--target", "t"]),
+    "vocab": (vocab.build_parser, ["--data", "d", "--out", "o"]),
+    "export": (export.build_parser, ["ckpt", "out"]),
+    "validate": (validate.build_parser, ["d", "--target-config", "t"]),
+    "doctor": (doctor.build_parser, ["d", "--target-config", "t"]),
+    "engines check": (build_check_parser, ["d", "--target-config", "t"]),
+    "evaluate": (evaluate.build_parser, ["--drafter", "d", "--data", "x", "--k", "3", "--out", "o"]),
+}
+
+# (subcommand, option dest) -> the schema key whose default it must have
+SHARED = {
+    ("prepare", "max_length"): "data.max_length",
+    ("prepare", "batch_size"): "data.generation_batch_size",
+    ("prepare", "seed"): "train.seed",
+    ("prepare", "dtype"): "target.dtype",
+    ("synthesize", "temperature"): "data.synthetic_temperature",
+    ("synthesize", "seed"): "train.seed",
+    ("synthesize", "dtype"): "target.dtype",
+    ("extract", "layers"): "target.aux_layer_ids",
+    ("extract", "aux_format"): "data.aux_format",
+    ("extract", "teacher"): "data.teacher",
+    ("extract", "pad_batches"): "data.extract_pad_batches",
+    ("extract", "dtype"): "target.dtype",
+    ("import", "layers"): "target.aux_layer_ids",
+    ("import", "aux_format"): "data.aux_format",
+    ("vocab", "size"): "drafter.draft_vocab_size",
+    ("export", "speculators_config"): "export.speculators_config",
+    ("evaluate", "max_new_tokens"): "eval.max_new_tokens",
+    ("evaluate", "token_budget"): "data.token_budget",
+    ("evaluate", "seed"): "train.seed",
+}
+
+# `eyas prepare --generate` answers like data.generate (`data.settings.GenerationSettings`); the
+# trainer's embedded default overrides these three for its short, partly sampled answers
+GENERATOR = {("prepare", "max_new_tokens"), ("prepare", "temperature"), ("prepare", "top_p")}
+
+# options named like a schema field that mean something else, and why
+DIFFERENT = {
+    ("synthesize", "top_p"): "the prompt sampler's cutoff; the trainer samples prompts at 1.0 too "
+                             "(synthesize_prompts' default), data.top_p is for answers",
+    ("synthesize", "max_new_tokens"): "longest synthetic prompt, not an answer length",
+    ("evaluate", "num_prompts"): "default all prompts of --prompts; eval.num_prompts picks from "
+                                 "the shipped held-out file",
+    ("evaluate", "dtype"): "the drafter's compute dtype in evaluation, not the target's",
+    ("evaluate", "eval_fraction"): "unset = the whole dataset; set = the trainer's split",
+    ("evaluate", "prompts"): "required choice of mode, no default",
+    ("evaluate", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default "
+                               "(test_unset_cache_dir_is_the_schema_default)",
+    ("doctor", "data"): "the dataset the drafter was trained on; none means no data checks",
+    ("validate", "engines"): "engine names to load with; eval.engines is an on/off switch",
+    ("engines check", "engines"): "engine names to load with; eval.engines is an on/off switch",
+}
+
+
+def _schema_value(key: str):
+    group, name = key.split(".")
+    value = getattr(getattr(EyasConfig(output_dir="x"), group), name)
+    return value.value if isinstance(value, Enum) else value
+
+
+def _schema_field_names() -> set[str]:
+    cfg = EyasConfig(output_dir="x")
+    return {f.name for g in fields(cfg) if is_dataclass(getattr(cfg, g.name))
+            for f in fields(getattr(cfg, g.name))}
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_cli_defaults_are_the_schema_defaults(name):
+    build, argv = PARSERS[name]
+    args = vars(build().parse_args(argv))
+    for (cli, dest), key in SHARED.items():
+        if cli == name:
+            assert args[dest] == _schema_value(key), f"eyas {name} --{dest}: not {key}'s default"
+    for cli, dest in GENERATOR:
+        if cli == name:
+            field = "generation_batch_size" if dest == "batch_size" else dest
+            assert args[dest] == getattr(GenerationSettings, field), f"eyas {name} --{dest}"
+    unmapped = sorted(d for d in args if d in _schema_field_names() and (name, d) not in SHARED
+                      and (name, d) not in GENERATOR and (name, d) not in DIFFERENT)
+    assert not unmapped, (f"eyas {name}: options named like schema fields {unmapped}: map them "
+                          f"in SHARED (and take the default from the schema) or list in DIFFERENT")
+
+
+def test_embedded_default_overrides_only_the_answer_shape():
+    """data.* differs from `eyas prepare --generate` only where the embedded default says so."""
+    data = EyasConfig(output_dir="x").data
+    differ = {f.name for f in fields(GenerationSettings)
+              if getattr(data, f.name) != getattr(GenerationSettings, f.name)}
+    assert differ == {"max_new_tokens", "temperature", "top_p"}
+
+
+def test_unset_cache_dir_is_the_schema_default():
+    from pathlib import Path
+
+    from eyas.data.targets import DEFAULT_CACHE_DIR
+    assert DEFAULT_CACHE_DIR == Path(EyasConfig(output_dir="x").data.cache_dir).expanduser()
