@@ -6,81 +6,52 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-
-# one function per subcommand: each imports its module's cli_main only when it runs, so
-# `eyas --help` stays fast and every arrow is a plain import
-def _prepare(argv: list[str]) -> int:
-    from eyas.data.prepare import cli_main
-    return cli_main(argv)
-
-
-def _synthesize(argv: list[str]) -> int:
-    from eyas.data.synthesize import cli_main
-    return cli_main(argv)
-
-
-def _extract(argv: list[str]) -> int:
-    from eyas.data.extract import cli_main
-    return cli_main(argv)
-
-
-def _import(argv: list[str]) -> int:
-    from eyas.data.importers import cli_main
-    return cli_main(argv)
-
-
-def _vocab(argv: list[str]) -> int:
-    from eyas.data.vocab import cli_main
-    return cli_main(argv)
-
-
-def _inspect(argv: list[str]) -> int:
-    from eyas.data.inspect import cli_main
-    return cli_main(argv)
-
-
-def _export(argv: list[str]) -> int:
-    from eyas.models.serving.export import cli_main
-    return cli_main(argv)
-
-
-def _validate(argv: list[str]) -> int:
-    from eyas.models.serving.validate import cli_main
-    return cli_main(argv)
-
-
-def _doctor(argv: list[str]) -> int:
-    from eyas.models.serving.doctor import cli_main
-    return cli_main(argv)
-
-
-def _engines(argv: list[str]) -> int:
-    from eyas.models.serving.engines import cli_main
-    return cli_main(argv)
-
-
-def _evaluate(argv: list[str]) -> int:
-    from eyas.train.evaluate import cli_main
-    return cli_main(argv)
-
-
-# subcommand -> (its runner, one-line help)
-COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "prepare": (_prepare, "tokenise conversations (or generate them with the target) into a token dataset"),
-    "synthesize": (_synthesize, "sample user prompts from the target itself (more, different prompts)"),
-    "extract": (_extract, "run the target over a token dataset and store its hidden states"),
-    "import": (_import, "convert SpecForge/speculators hidden states into an eyas dataset"),
-    "vocab": (_vocab, "build the draft vocabulary map (d2t/t2d) from a dataset"),
-    "inspect": (_inspect, "summarise a dataset: samples, tokens, bytes/token, modes"),
-    "export": (_export, "turn a training checkpoint into a directory vLLM and SGLang load"),
-    "validate": (_validate, "check an exported drafter against the serving contract"),
-    "doctor": (_doctor, "explain the likely causes of low acceptance"),
-    "engines": (_engines, "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
-    "evaluate": (_evaluate, "offline acceptance on a dataset, or real speculative decoding"),
+# subcommand -> one-line help
+COMMANDS: dict[str, str] = {
+    "prepare": "tokenise conversations (or generate them with the target) into a token dataset",
+    "synthesize": "sample user prompts from the target itself (more, different prompts)",
+    "extract": "run the target over a token dataset and store its hidden states",
+    "import": "convert SpecForge/speculators hidden states into an eyas dataset",
+    "vocab": "build the draft vocabulary map (d2t/t2d) from a dataset",
+    "inspect": "summarise a dataset: samples, tokens, bytes/token, modes",
+    "export": "turn a training checkpoint into a directory vLLM and SGLang load",
+    "validate": "check an exported drafter against the serving contract",
+    "doctor": "explain the likely causes of low acceptance",
+    "engines": "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)",
+    "evaluate": "offline acceptance on a dataset, or real speculative decoding",
 }
 
+
+def _cli_main(name: str) -> Callable[[list[str]], int]:
+    """The `cli_main` of subcommand `name`, imported only when it runs (so `eyas --help` stays
+    fast), each by a plain import."""
+    if name == "prepare":
+        from eyas.data.prepare import cli_main
+    elif name == "synthesize":
+        from eyas.data.synthesize import cli_main
+    elif name == "extract":
+        from eyas.data.extract import cli_main
+    elif name == "import":
+        from eyas.data.importers import cli_main
+    elif name == "vocab":
+        from eyas.data.vocab import cli_main
+    elif name == "inspect":
+        from eyas.data.inspect import cli_main
+    elif name == "export":
+        from eyas.models.serving.export import cli_main
+    elif name == "validate":
+        from eyas.models.serving.validate import cli_main
+    elif name == "doctor":
+        from eyas.models.serving.doctor import cli_main
+    elif name == "engines":
+        from eyas.models.serving.engines import cli_main
+    else:
+        from eyas.train.evaluate import cli_main
+    return cli_main
+
+
 USAGE = "usage: eyas <command> [--help] [args...]\n\ncommands:\n" + "\n".join(
-    f"  {name:<11}{text}" for name, (_, text) in COMMANDS.items()) + (
+    f"  {name:<11}{text}" for name, text in COMMANDS.items()) + (
     "\n\ntraining: accelerate launch train/main.py [hydra overrides]   (or ./launch.sh --help)")
 
 
@@ -107,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from eyas.data.log import setup_logging
     setup_logging()
     _cpu_threads()
-    return int(COMMANDS[name][0](rest) or 0)
+    return int(_cli_main(name)(rest) or 0)
 
 
 if __name__ == "__main__":
