@@ -69,9 +69,10 @@ def run(composed: DictConfig) -> dict:
         summary.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
         if accelerator.is_main_process and summary.get("export"):
             summary.update(_checks(cfg, summary["export"]))
+    else:
+        accelerator.wait_for_everyone()  # every rank's record is written
     if accelerator.is_main_process:
         _write_summary(out, summary)
-    accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
 

@@ -91,13 +91,18 @@ def verdict(out: Path, *, resume: str | None, overwrite: bool) -> str | None:
     first) or the one-line refusal."""
     if not out.is_dir() or not any(out.iterdir()):
         return None
+    if overwrite:
+        inside = resume and out.resolve() in Path(resume).expanduser().resolve().parents
+        if inside:
+            return (f"train.overwrite=true would remove {resume}, the checkpoint train.resume "
+                    f"names. Fix: drop train.overwrite=true, or resume from a checkpoint "
+                    f"outside {out}")
+        remove_run(out)
+        return None
     if resume:
         if resume == "latest" and ckpt.latest(out / "checkpoints") is None:
             log.warning("train.resume=latest: %s holds no complete checkpoint (%s); training "
                         "starts at step 0 in it", out, describe(out))
-        return None
-    if overwrite:
-        remove_run(out)
         return None
     return (f"the run directory {out} is not empty ({describe(out)}). Fix: resume that run "
             f"with train.resume=latest, replace it with train.overwrite=true, or name a new "

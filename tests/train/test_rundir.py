@@ -74,6 +74,16 @@ def test_overwrite_removes_the_old_run_and_keeps_foreign_files(tmp_path, caplog)
     assert "removed the previous run" in caplog.text and "kept notes.txt" in caplog.text
 
 
+def test_overwrite_refuses_to_remove_the_checkpoint_it_resumes_from(tmp_path):
+    out = _old_run(tmp_path / "r")
+    step = out / "checkpoints" / "step-000002"
+    assert "would remove" in rundir.verdict(out, resume=str(step), overwrite=True)
+    assert step.is_dir()
+    other = _old_run(tmp_path / "other") / "checkpoints" / "step-000004"
+    assert rundir.verdict(out, resume=str(other), overwrite=True) is None
+    assert not (out / "checkpoints").exists() and other.is_dir()
+
+
 def test_overwrite_with_resume_latest_is_a_config_error():
     from omegaconf import OmegaConf
     from eyas.train.config import EyasConfig, check
