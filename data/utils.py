@@ -60,8 +60,8 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; files get the user's umask
         yield tmp
+        umask_mode(tmp)  # after the caller: writers such as safetensors recreate the file 0600
         if fsync:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
@@ -72,6 +72,12 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         raise
+
+
+def umask_mode(path: str | os.PathLike) -> None:
+    """Give a file the mode a plain `open()` would: ``0o666 & ~umask`` (mkstemp and safetensors
+    create files 0600, which a serving container running as another user cannot read)."""
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def _umask() -> int:

@@ -216,7 +216,12 @@ class TrainConfig(SeedSettings):
     keep_last: int = 2
     """Checkpoints kept by rotation (the best one is kept too)."""
     resume: Optional[str] = None
-    """Checkpoint directory to resume from, or "latest" (newest in this run's dir)."""
+    """Checkpoint directory to resume from, or "latest" (newest in this run's dir). A run dir
+    that is not empty is reused only when resuming or with train.overwrite=true."""
+    overwrite: bool = False
+    """Reuse a run directory that holds an earlier run: its checkpoints, latest/best pointers,
+    metrics, exports and summary are removed first (and the removal logged). False = such a
+    directory is refused, naming what it holds."""
     max_nonfinite_steps: int = 20
     """Abort after this many optimizer steps skipped for a NaN/inf loss or gradient norm. A
     non-finite micro-batch drops the whole optimizer step it belongs to (as GradScaler does);
@@ -275,7 +280,8 @@ class EyasConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run_name: str = "eyas"
-    """Name of the run directory runs/<run_name> (launch.sh sets a timestamp)."""
+    """Name of the run directory runs/<run_name>: $EYAS_RUN_ID when set, else the start time
+    YYYYmmdd-HHMMSS (rank 0's, on every rank of a launch)."""
     output_dir: str = MISSING
     """Where this job writes (set by conf/config.yaml to Hydra's run dir)."""
 
@@ -345,6 +351,10 @@ def check(cfg: DictConfig | Any) -> None:
              f"or dist.zero_stage=0")
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
+    if cfg.train.overwrite and cfg.train.resume == "latest":
+        fail("train.overwrite", True, "false with train.resume=latest (overwrite removes the "
+             "checkpoints that resume would continue from)",
+             "drop train.overwrite=true to resume, or train.resume=null to start over")
     if cfg.train.epochs < 1 and cfg.train.max_steps is None:
         fail("train.epochs", cfg.train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
 

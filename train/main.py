@@ -29,61 +29,97 @@ register()
 
 
 def run(composed: DictConfig) -> dict:
-    """The whole job for one composed config; returns the final summary."""
+    """The whole job for one composed config; returns the final summary (also written to
+    summary.json once every check has run)."""
     import torch
 
-    from eyas.train import pipeline
+    from eyas.train import pipeline, rundir
     from eyas.train.dist import build_accelerator
 
     cfg = load(composed)                       # checked, typed: the only DictConfig use
     resolved = resolve(cfg, default_device())  # every "auto", decided once
-    out = Path(cfg.output_dir)
     wandb = cfg.tracker.kind == TrackerKind.wandb
-    accelerator = build_accelerator(cfg.dist, cfg.optim, out,
+    accelerator = build_accelerator(cfg.dist, cfg.optim, cfg.output_dir,
                                     bf16=resolved.param_dtype == torch.bfloat16,
                                     cpu_threads=cfg.train.cpu_threads,
                                     log_with="wandb" if wandb else None)
     setup_logging(rank=accelerator.process_index)
+    out, cfg.run_name = rundir.agree(accelerator, Path(cfg.output_dir), cfg.run_name)
+    cfg.output_dir = str(out)
+    rundir.claim(accelerator, out, resume=cfg.train.resume, overwrite=cfg.train.overwrite)
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.resolved.yaml").write_text(OmegaConf.to_yaml(composed, resolve=True))
+        _write_config_record(out, composed)
     log.info("run dir %s; world size %d", out, accelerator.num_processes)
 
     summary: dict = {"world_size": accelerator.num_processes,
                      "distributed_type": accelerator.distributed_type.value,
                      "output_dir": str(out)}
     _write_rank_record(out, accelerator, cfg)
-    if cfg.train.dry_run:
+    if not cfg.train.dry_run:
+        def dataset():
+            return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
+                                           target_dtype=resolved.target_dtype)
+
+        if accelerator.is_main_process:
+            datasets = dataset()
         accelerator.wait_for_everyone()
-        return summary
-
-    def dataset():
-        return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
-                                       target_dtype=resolved.target_dtype)
-
+        if not accelerator.is_main_process:
+            datasets = dataset()  # cached by now: only resolves paths
+        summary["dataset"] = str(datasets.train)
+        summary.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
+        if accelerator.is_main_process and summary.get("export"):
+            summary.update(_checks(cfg, summary["export"]))
+    else:
+        accelerator.wait_for_everyone()  # every rank's record is written
     if accelerator.is_main_process:
-        datasets = dataset()
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        datasets = dataset()  # cached by now: only resolves paths
-    summary["dataset"] = str(datasets.train)
-    result = pipeline.run_training(cfg, resolved, accelerator, datasets)
-    summary.update(result)
-    if accelerator.is_main_process and summary.get("export"):
-        target = cfg.target.name
-        spec = pipeline.run_speculative_check(cfg.eval, target, summary["export"],
-                                              k=cfg.drafter.ttt_steps)
-        try:
-            summary["engines"] = pipeline.run_engine_check(cfg.eval, target, summary["export"])
-        except Exception as e:  # the engines are a check, not part of training
-            log.warning("engine check could not run: %s", e)
-        if spec:
-            summary["speculative"] = spec
-            log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
-                     "for %d tokens, identical to greedy: %s", spec["tau"],
-                     spec["target_forwards"], spec["tokens_generated"], spec["tokens_identical"])
+        _write_summary(out, summary)
     accelerator.end_training()
     return summary
+
+
+def _checks(cfg, export: str) -> dict:
+    """Real speculative decoding and the engines' loaders on the export (rank 0)."""
+    from eyas.train import pipeline
+    found: dict = {}
+    spec = pipeline.run_speculative_check(cfg.eval, cfg.target.name, export,
+                                          k=cfg.drafter.ttt_steps)
+    try:
+        engines = pipeline.run_engine_check(cfg.eval, cfg.target.name, export)
+        if engines:
+            found["engines"] = engines
+    except Exception as e:  # the engines are a check, not part of training
+        log.warning("engine check could not run: %s", e)
+    if spec:
+        found["speculative"] = spec
+        log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
+                 "for %d tokens, identical to greedy: %s", spec["tau"],
+                 spec["target_forwards"], spec["tokens_generated"], spec["tokens_identical"])
+    return found
+
+
+def _write_summary(out: Path, summary: dict) -> None:
+    """summary.json: everything the job prints, as strict JSON (NaN/inf → null), atomically."""
+    import json
+
+    from eyas.data.utils import atomic_write_bytes
+    from eyas.train.evaluate import json_safe
+    text = json.dumps(json_safe(summary), indent=1, allow_nan=False, default=str) + "\n"
+    atomic_write_bytes(out / "summary.json", text.encode())
+
+
+def _write_config_record(out: Path, composed: DictConfig) -> None:
+    """config.resolved.yaml, and Hydra's .hydra/ record (config, hydra, overrides) once the run
+    dir is this run's (conf/config.yaml turns Hydra's own, earlier, writing off)."""
+    from eyas.data.utils import atomic_write_bytes
+    atomic_write_bytes(out / "config.resolved.yaml",
+                       OmegaConf.to_yaml(composed, resolve=True).encode())
+    from hydra.core.hydra_config import HydraConfig
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    for name, node in (("config.yaml", composed), ("hydra.yaml", {"hydra": hc}),
+                       ("overrides.yaml", hc.overrides.task)):
+        atomic_write_bytes(out / ".hydra" / name, OmegaConf.to_yaml(node).encode())
 
 
 def _write_rank_record(out: Path, accelerator, cfg) -> None:
@@ -94,7 +130,8 @@ def _write_rank_record(out: Path, accelerator, cfg) -> None:
     rank_dir.mkdir(parents=True, exist_ok=True)
     record = {"rank": accelerator.process_index, "world_size": accelerator.num_processes,
               "distributed_type": accelerator.distributed_type.value,
-              "device": str(accelerator.device), "run_name": cfg.run_name}
+              "device": str(accelerator.device), "run_name": cfg.run_name,
+              "output_dir": str(out)}
     (rank_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 

@@ -16,7 +16,6 @@ next step while the device still runs this one.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -272,8 +271,6 @@ def fit(t: Trainer) -> dict[str, Any]:
                                "tau_trajectory": last_eval.get("tau_trajectory")}
     if cfg.export.enabled:
         summary["export"] = str(export_final(t, t.out / "export"))
-    if acc.is_main_process:
-        (t.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
 

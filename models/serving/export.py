@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
-from eyas.data.utils import atomic_write_dir
+from eyas.data.utils import atomic_write_dir, umask_mode
 from eyas.data.vocab_map import VocabMap
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
                                           TensorDir, all_finite, expected_shapes,
@@ -139,6 +139,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], d: Path, max_shard_bytes: in
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if not max_shard_bytes or total <= max_shard_bytes:
         save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+        umask_mode(d / "model.safetensors")
         return
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -153,6 +154,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], d: Path, max_shard_bytes: in
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, d / fname, metadata={"format": "pt"})
+        umask_mode(d / fname)
         weight_map.update({n: fname for n in shard})
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")

@@ -8,27 +8,68 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+MAIN = str(ROOT / "train" / "main.py")
 
 
 def _env():
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     env.pop("TRITON_INTERPRET", None)
+    env.pop("EYAS_RUN_ID", None)  # the tests name their runs themselves, or test the default
     return env
+
+
+def launch(cwd: Path, port: int, *overrides: str, nproc: int = 2):
+    """A dry run (compose, start the processes, claim the run dir) of `nproc` processes."""
+    cmd = [sys.executable, MAIN] if nproc == 1 else [
+        ACCELERATE, "launch", "--multi_gpu", "--num_processes", str(nproc), "--num_machines",
+        "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+        str(port), MAIN]
+    return subprocess.run([*cmd, "train.dry_run=true", *overrides], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_two_process_ddp_composes_on_both_ranks(tmp_path):
     run_dir = tmp_path / "run"
-    r = subprocess.run(
-        [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
-         str(ROOT / "train" / "main.py"), "train.dry_run=true", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    r = launch(tmp_path, 29517, f"hydra.run.dir={run_dir}")
     assert r.returncode == 0, r.stderr[-4000:]
     records = [json.loads((run_dir / "ranks" / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert [rec["rank"] for rec in records] == [0, 1]
     assert all(rec["world_size"] == 2 for rec in records)
     assert all(rec["distributed_type"] == "MULTI_CPU" for rec in records)
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("rank*.json"))]
+
+
+def test_two_process_launch_agrees_on_rank_0s_run_dir(tmp_path):
+    # names to the microsecond: the two ranks compose different ones; rank 0's is the run's
+    r = launch(tmp_path, 29518, "run_name=${now:%Y%m%d-%H%M%S-%f}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    dirs = list((tmp_path / "runs").iterdir())
+    assert len(dirs) == 1, dirs  # the other rank's empty directory is gone
+    records = _records(dirs[0])
+    assert [x["output_dir"] for x in records] == [str(dirs[0])] * 2
+    assert [x["run_name"] for x in records] == [dirs[0].name] * 2
+
+
+def test_two_process_launch_refuses_a_used_run_dir_on_every_rank(tmp_path):
+    assert launch(tmp_path, 29519, "run_name=r").returncode == 0
+    run_dir = tmp_path / "runs" / "r"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    r = launch(tmp_path, 29519, "run_name=r")
+    assert r.returncode != 0
+    assert r.stderr.count(f"the run directory {run_dir} is not empty") == 2  # both ranks
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_runs_without_a_name_get_their_own_directories(tmp_path):
+    for _ in range(2):
+        r = launch(tmp_path, 0, nproc=1)
+        assert r.returncode == 0, r.stderr[-4000:]
+    dirs = sorted((tmp_path / "runs").iterdir())
+    assert len(dirs) == 2 and all(len(_records(d)) == 1 for d in dirs)
 
 
 def test_launch_sh_help_explains_itself():

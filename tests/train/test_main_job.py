@@ -26,8 +26,14 @@ def test_embedded_default_pipeline_end_to_end(tmp_path):
     assert lines[-1].startswith("tau: ")
     spec = [line for line in lines if line.startswith("speculative:")]
     assert spec and spec[0].endswith("identical to greedy: True")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    def strict(name):
+        raise ValueError(f"summary.json is not strict JSON: {name}")
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=strict)
     assert summary["steps"] == 3
+    # every result the job printed is in the summary, the real decoding included
+    assert spec[0].startswith(f"speculative: tau {summary['speculative']['tau']:.3f} ")
+    assert summary["speculative"]["tokens_identical"] is True
+    assert lines[-1].startswith(f"tau: {summary['tau']:.3f}")
     # the dataset was built from SmolLM2's own answers and cached under data.cache_dir
     cached = list((tmp_path / "cache" / "datasets").glob("*/hidden/manifest.json"))
     assert len(cached) == 1

@@ -189,3 +189,42 @@ def test_warm_start_keeps_the_drafters_vocab_map(tmp_path, tiny_llama_dataset):
     assert not (tmp_path / "b" / "vocab.safetensors").exists()
     # it starts from the trained weights, not from scratch
     assert losses(tmp_path / "b")[0] < first[0]
+
+
+def _files(run_dir: Path) -> dict:
+    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def _strict_json(path: Path):
+    def refuse(name):
+        raise ValueError(f"{path} is not strict JSON: {name}")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_used_run_dir_is_refused_resumed_or_overwritten(tmp_path, tiny_llama_dataset):
+    r_dir, ck = tmp_path / "r", tmp_path / "r" / "checkpoints"
+    common = ["target=tiny_llama", "train.save_every=1", "train.keep_last=5"]
+    run(r_dir, tiny_llama_dataset, *common, "train.max_steps=4", "export.every=2",
+        "train.eval_every=2")
+    before = _files(r_dir)
+    # the same directory again: refused, nothing of the first run touched
+    r = run(r_dir, tiny_llama_dataset, *common, "train.max_steps=2", check=False)
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = next(x for x in r.stderr.splitlines() if f"the run directory {r_dir}" in x)
+    for word in ("step-000004", "metrics.jsonl", "export/", "summary.json",
+                 "train.resume=latest", "train.overwrite=true"):
+        assert word in line, (word, line)
+    assert _files(r_dir) == before
+    # resuming it continues the run
+    r = run(r_dir, tiny_llama_dataset, *common, "train.max_steps=6", "train.resume=latest")
+    assert "(step 4)" in r.stderr and len(losses(r_dir)) == 6
+    assert _strict_json(r_dir / "summary.json")["steps"] == 6
+    # overwriting it leaves nothing of the old run
+    r = run(r_dir, tiny_llama_dataset, *common, "train.max_steps=1", "train.overwrite=true")
+    assert "removed the previous run" in r.stderr
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-000001"]
+    assert (ck / "latest").read_text() == (ck / "best").read_text() == "step-000001"
+    assert _strict_json(ck / "best.json")["checkpoint"] == "step-000001"
+    assert len(losses(r_dir)) == 1 and not list(r_dir.glob("export-step*"))
+    summary = _strict_json(r_dir / "summary.json")
+    assert summary["steps"] == 1 and summary["export"] == str(r_dir / "export")

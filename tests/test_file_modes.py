@@ -1,0 +1,65 @@
+"""Files eyas writes follow the user's umask (atomic writes must not leave mkstemp's 0600 or
+mkdtemp's 0700): a vLLM container running as another user, or a teammate, can read them."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.data.shards import write_manifest, write_shard
+from eyas.data.targets import load_target_config
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.serving.export import export_drafter
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test; the previous one comes back afterwards."""
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+def _modes(root: Path) -> tuple[set[int], set[int]]:
+    """(modes of the files, modes of the directories) under `root`, `root` included."""
+    files, dirs = set(), {stat.S_IMODE(root.stat().st_mode)}
+    for p in root.rglob("*"):
+        (dirs if p.is_dir() else files).add(stat.S_IMODE(p.stat().st_mode))
+    return files, dirs
+
+
+def _export(out: Path) -> Path:
+    tcfg = load_target_config("tiny-llama")
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=tcfg["vocab_size"], ttt_steps=2)
+    drafter = Eagle3Drafter(cfg, attention="eager")
+    d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+    t2d = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    return export_drafter(drafter.state_dict(), cfg, d2t, t2d, out, target_config=tcfg,
+                          ttt_steps=2)
+
+
+def _dataset(out: Path) -> Path:
+    T = 5
+    sample = {"input_ids": torch.arange(T), "loss_mask": torch.ones(T, dtype=torch.bool),
+              "aux": torch.zeros(T, 3, 4, dtype=torch.bfloat16),
+              "last": torch.zeros(T, 4, dtype=torch.bfloat16),
+              "target_argmax": torch.arange(T)}
+    write_manifest(out, {"kind": "hidden"}, [write_shard(out, 0, [sample])])
+    return out
+
+
+@pytest.mark.parametrize("mask,file_mode,dir_mode", [(0o022, 0o644, 0o755),
+                                                      (0o077, 0o600, 0o700)])
+@pytest.mark.parametrize("write", [_export, _dataset], ids=["export", "dataset"])
+def test_written_files_follow_the_umask(tmp_path, umask, write, mask, file_mode, dir_mode):
+    umask(mask)
+    out = write(tmp_path / "out")
+    files, dirs = _modes(out)
+    assert files and files == {file_mode}, sorted(map(oct, files))
+    assert dirs == {dir_mode}, sorted(map(oct, dirs))
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]

@@ -1,0 +1,104 @@
+"""The run directory rules (train/rundir.py) and the strict summary, without processes."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from eyas.train import rundir
+from eyas.train.config import ConfigError
+from eyas.train.main import _write_summary
+
+
+class OneProcess:
+    num_processes, process_index, is_main_process = 1, 0, True
+
+
+def _old_run(out: Path) -> Path:
+    """What a finished run leaves: two checkpoints, pointers, metrics, exports, summary."""
+    ck = out / "checkpoints"
+    for step in (2, 4):
+        (ck / f"step-{step:06d}").mkdir(parents=True)
+        (ck / f"step-{step:06d}" / "eyas_state.json").write_text("{}")
+    (ck / "latest").write_text("step-000004")
+    (ck / "best").write_text("step-000002")
+    (ck / "best.json").write_text('{"checkpoint": "step-000002", "tau": 4.087}')
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    for d in ("export", "export-step000002"):
+        (out / d).mkdir()
+        (out / d / "model.safetensors").write_bytes(b"weights")
+    (out / "summary.json").write_text('{"tau": 4.087}')
+    return out
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_an_empty_or_missing_directory_is_taken(tmp_path):
+    assert rundir.verdict(tmp_path / "new", resume=None, overwrite=False) is None
+    assert rundir.verdict(tmp_path, resume=None, overwrite=False) is None
+
+
+def test_a_used_directory_is_refused_with_what_it_holds_and_both_fixes(tmp_path):
+    out = _old_run(tmp_path / "r")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError) as e:
+        rundir.claim(OneProcess(), out, resume=None, overwrite=False)
+    msg = str(e.value)
+    assert "\n" not in msg and str(out) in msg
+    for word in ("step-000002, step-000004 (latest step-000004)", "metrics.jsonl (2 records)",
+                 "export/", "export-step000002/", "summary.json", "train.resume=latest",
+                 "train.overwrite=true"):
+        assert word in msg, word
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_resume_reuses_the_directory_as_it_is(tmp_path):
+    out = _old_run(tmp_path / "r")
+    files = sorted(out.rglob("*"))
+    rundir.claim(OneProcess(), out, resume="latest", overwrite=False)
+    assert sorted(out.rglob("*")) == files
+
+
+def test_overwrite_removes_the_old_run_and_keeps_foreign_files(tmp_path, caplog):
+    out = _old_run(tmp_path / "r")
+    (out / "notes.txt").write_text("mine")
+    (out / ".tmp-export.1234").mkdir()
+    with caplog.at_level("WARNING"):
+        rundir.claim(OneProcess(), out, resume=None, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert "removed the previous run" in caplog.text and "kept notes.txt" in caplog.text
+
+
+def test_overwrite_refuses_to_remove_the_checkpoint_it_resumes_from(tmp_path):
+    out = _old_run(tmp_path / "r")
+    step = out / "checkpoints" / "step-000002"
+    assert "would remove" in rundir.verdict(out, resume=str(step), overwrite=True)
+    assert step.is_dir()
+    other = _old_run(tmp_path / "other") / "checkpoints" / "step-000004"
+    assert rundir.verdict(out, resume=str(other), overwrite=True) is None
+    assert not (out / "checkpoints").exists() and other.is_dir()
+
+
+def test_overwrite_with_resume_latest_is_a_config_error():
+    from omegaconf import OmegaConf
+    from eyas.train.config import EyasConfig, check
+    cfg = OmegaConf.structured(EyasConfig(output_dir="x"))
+    cfg.train.overwrite, cfg.train.resume = True, "latest"
+    with pytest.raises(ConfigError, match="train.overwrite"):
+        check(cfg)
+
+
+def test_summary_is_strict_json_with_null_for_non_finite(tmp_path):
+    _write_summary(tmp_path, {"tau": float("nan"), "eval": {"acc_0": math.inf, "tau": 1.5},
+                              "speculative": {"tau": 2.0, "tokens_identical": True},
+                              "export": tmp_path / "export"})
+    text = (tmp_path / "summary.json").read_text()
+    got = _strict(text)
+    assert got["tau"] is None and got["eval"] == {"acc_0": None, "tau": 1.5}
+    assert got["speculative"]["tau"] == 2.0 and got["export"] == str(tmp_path / "export")
+    assert not list(tmp_path.glob(".tmp-*"))

@@ -1,0 +1,140 @@
+"""The run directory: one per run, the same on every rank, never reused by accident.
+
+`conf/config.yaml` names it `runs/<run_name>`: `run_name=NAME` or `$EYAS_RUN_ID` when given,
+else the start time (YYYYmmdd-HHMMSS). Every rank of a launch composes its own config, and
+ranks that start in different seconds would name different directories, so rank 0's directory
+is the run's: the others take it over the process group (`agree`) and remove the empty
+directory Hydra made for them.
+
+Before anything is written rank 0 looks into the directory (`claim`): a directory that already
+holds something is refused, with what it holds and both fixes, unless the run resumes
+(`train.resume`) or the user asked to replace the old run (`train.overwrite=true`: the old
+run's checkpoints, pointers, metrics, exports and summary are removed, and the removal logged;
+files eyas does not write are kept). Every rank gets rank 0's verdict, so no rank writes into a
+directory another one refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from accelerate.utils import broadcast_object_list
+
+from eyas.train import checkpoint as ckpt
+from eyas.train.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+# What a run writes into its directory (train/main.py, train/trainer.py, train/tracking.py).
+RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "export-speculators", "summary.json",
+             "config.resolved.yaml", "vocab.safetensors", "ranks", "wandb", ".hydra")
+RUN_GLOBS = ("export-step*", ".tmp-*")
+
+
+def agree(accelerator, out: Path, run_name: str) -> tuple[Path, str]:
+    """(run directory, run name) of rank 0, on every rank. A rank that had composed another
+    directory (it started in another second) removes it when it is still empty."""
+    if accelerator.num_processes == 1:
+        return out, run_name
+    shared = [str(Path(out).absolute()), run_name] if accelerator.is_main_process else [None, None]
+    broadcast_object_list(shared, from_process=0)
+    chosen, name = Path(shared[0]), shared[1]
+    mine = Path(out).absolute()
+    if mine != chosen:
+        log.info("rank %d: run directory %s (rank 0's), not %s", accelerator.process_index,
+                 chosen, mine)
+        try:
+            mine.rmdir()  # Hydra made it empty; anything else in it stays
+        except OSError:
+            pass
+    return chosen, name
+
+
+def run_entries(out: Path) -> list[Path]:
+    """The entries of `out` that a run wrote."""
+    found = [out / n for n in RUN_FILES if (out / n).exists()]
+    for pattern in RUN_GLOBS:
+        found += sorted(p for p in out.glob(pattern) if p not in found)
+    return found
+
+
+def describe(out: Path) -> str:
+    """What `out` holds, in a few words: checkpoints (with `latest`), metrics, exports, others."""
+    entries = run_entries(out)
+    parts = []
+    for p in entries:
+        if p.name == "checkpoints":
+            steps = sorted(c.name for c in p.glob("step-*") if (c / ckpt.STATE_FILE).is_file())
+            newest = ckpt.latest(p)
+            parts.append(f"checkpoints {', '.join(steps) or 'none complete'}"
+                         + (f" (latest {newest.name})" if newest else ""))
+        elif p.name == "metrics.jsonl":
+            parts.append(f"metrics.jsonl ({_count_lines(p)} records)")
+        else:
+            parts.append(p.name + ("/" if p.is_dir() else ""))
+    others = sorted(p.name for p in out.iterdir() if p not in entries)
+    if others:
+        shown = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
+        parts.append(f"{len(others)} other entr{'y' if len(others) == 1 else 'ies'} ({shown})")
+    return "; ".join(parts)
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def verdict(out: Path, *, resume: str | None, overwrite: bool) -> str | None:
+    """Rank 0's decision on `out`: None (go ahead; with overwrite the old run is removed
+    first) or the one-line refusal."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    if overwrite:
+        inside = resume and out.resolve() in Path(resume).expanduser().resolve().parents
+        if inside:
+            return (f"train.overwrite=true would remove {resume}, the checkpoint train.resume "
+                    f"names. Fix: drop train.overwrite=true, or resume from a checkpoint "
+                    f"outside {out}")
+        remove_run(out)
+        return None
+    if resume:
+        if resume == "latest" and ckpt.latest(out / "checkpoints") is None:
+            log.warning("train.resume=latest: %s holds no complete checkpoint (%s); training "
+                        "starts at step 0 in it", out, describe(out))
+        return None
+    return (f"the run directory {out} is not empty ({describe(out)}). Fix: resume that run "
+            f"with train.resume=latest, replace it with train.overwrite=true, or name a new "
+            f"run with run_name=NAME (or EYAS_RUN_ID=NAME)")
+
+
+def remove_run(out: Path) -> list[str]:
+    """Remove what a run wrote into `out` (train.overwrite=true); the names removed."""
+    entries = run_entries(out)
+    what = describe(out)
+    for p in entries:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    kept = sorted(p.name for p in out.iterdir())
+    log.warning("train.overwrite=true: removed the previous run from %s (%s)%s", out, what,
+                f"; kept {', '.join(kept)} (not written by eyas)" if kept else "")
+    return [p.name for p in entries]
+
+
+def claim(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> None:
+    """Rank 0 decides whether this run may write into `out` (`verdict`), before anything is
+    written; every rank raises the same ConfigError when it may not."""
+    message = None
+    if accelerator.is_main_process:
+        try:
+            message = verdict(out, resume=resume, overwrite=overwrite)
+        except OSError as e:
+            message = f"the run directory {out} could not be prepared: {e}"
+    shared = [message]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(shared, from_process=0)
+    if shared[0]:
+        raise ConfigError(shared[0])
