@@ -31,7 +31,10 @@ Launcher options (processes and nodes only; everything else is a Hydra override)
   -h, --help        this text
 
 Hydra overrides (see README.md and conf/):
-  target=tiny_llama | llama_3_1_8b | ...     model presets (conf/target/)
+  target=tiny_llama | llama_3_1_8b | ...     model presets (conf/target/); the real models
+                                             are hub ids, read from the HF cache (downloaded
+                                             unless HF_HUB_OFFLINE=1)
+  target.name=DIR | org/name[@rev]           any model: a local directory or a hub id
   dist=ddp | zero1 | zero2 | zero3           DDP or DeepSpeed ZeRO (conf/dist/)
   tracker=wandb tracker.mode=offline         experiment tracking (conf/tracker/)
   data.dataset=DIR                           train on an extracted hidden-state dataset
@@ -40,7 +43,10 @@ Hydra overrides (see README.md and conf/):
 Examples:
   ./launch.sh                                      # embedded default on this machine
   ./launch.sh --cpu 2 dist=zero2 train.max_steps=20
-  ./launch.sh --gpus 8 dist=zero2 data.dataset=/data/kimi-hs target=kimi_k2_5
+  # Kimi-K2.5 from extracted hidden states: training reads only its embedding and lm_head
+  # shards (from the HF cache or the hub; target.name=/models/Kimi-K2.5 for a local copy);
+  # real decoding would run the whole model, so it is off
+  ./launch.sh --gpus 8 dist=zero2 target=kimi_k2_5 data.dataset=/data/kimi-hs eval.speculative=false
   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh --gpus 8 dist=zero2 ...
 EOF
 }
@@ -109,7 +115,8 @@ if [[ $mode == test ]]; then
   exec python -m pytest "${args[@]}"
 fi
 
-export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+# Hub access is the user's choice (HF_HUB_OFFLINE=1: only the local HF cache); the embedded
+# default target never touches the network either way.
 export EYAS_RUN_ID="${EYAS_RUN_ID:-$(date +%Y%m%d-%H%M%S)}"
 
 if [[ -z "$gpus" && -z "$cpus" ]]; then

@@ -18,7 +18,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from eyas.data.targets import (AUX_IDS_RULE, TARGET_DTYPES, aux_layer_ids_error, fast_device,
-                               target_dtype)
+                               target_dtype, weights_error)
 from eyas.kernels import triton_available
 from eyas.models.config import DrafterShape
 
@@ -81,8 +81,10 @@ class WandbMode(str, Enum):
 @dataclass
 class TargetConfig:
     name: str = "smollm2"
-    """Target model: a preset (smollm2, tiny-llama, tiny-deepseek-v3, llama-3.1-8b, qwen3-8b,
-    deepseek-v3, kimi-k2.5) or a local Hugging Face model directory."""
+    """Target model: a local Hugging Face model directory, a hub id (org/name[@revision], from
+    the HF cache, downloaded when the hub is online), or a preset (smollm2, tiny-llama,
+    tiny-deepseek-v3; llama-3.1-8b, qwen3-8b, deepseek-v3, kimi-k2.5 are config-only: the
+    target=llama_3_1_8b ... groups name their models' hub ids instead)."""
     aux_layer_ids: Optional[List[int]] = None
     """Aux layers as HF `hidden_states[k]` ids (= vLLM ids); null = 2, N//2, N-3."""
     dtype: str = "auto"
@@ -371,6 +373,11 @@ def check(cfg: DictConfig | Any) -> None:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.epochs < 1 and cfg.train.max_steps is None:
         fail("train.epochs", cfg.train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
+    # generation, extraction (no data.dataset) and decoding run the model; training reads the
+    # embedding and lm_head only
+    need = "model" if cfg.data.dataset is None or cfg.eval.speculative else "embedding"
+    if (why := weights_error(cfg.target.name, need, cfg.data.cache_dir)) is not None:
+        raise ConfigError(f"target.name={cfg.target.name!r}: {why}")
 
 
 def load(cfg: DictConfig) -> EyasConfig:
