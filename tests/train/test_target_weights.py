@@ -118,3 +118,23 @@ def test_launch_sh_leaves_hub_access_to_the_user():
     lines = (ROOT / "launch.sh").read_text().splitlines()
     forcing = [x for x in lines if "HF_HUB_OFFLINE=" in x and x.strip().startswith("export")]
     assert forcing == ['  export HF_HUB_OFFLINE=1 WANDB_MODE=offline'], forcing   # --test only
+
+
+def test_readme_real_model_commands_pass_the_check(preset_hub_cache):
+    import json
+
+    from eyas.data.targets import load_target_config
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Train a drafter for a real model", 1)[1].split("\n## ", 1)[0]
+    commands = [c for c in section.replace("\\\n", " ").splitlines()
+                if c.strip().startswith("./launch.sh")]
+    assert len(commands) == 2, commands
+    index = {"weight_map": {"model.embed_tokens.weight": "s1.safetensors",
+                            "model.norm.weight": "s2.safetensors"}}
+    preset_hub_cache(HUB_IDS["llama-3.1-8b"], {   # the whole model, for real decoding
+        "config.json": json.dumps(load_target_config("llama-3.1-8b")).encode(),
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "s1.safetensors": b"stub", "s2.safetensors": b"stub"})
+    for command in commands:
+        overrides = [a for a in command.split() if "=" in a and not a.startswith("-")]
+        check(_compose(overrides))
