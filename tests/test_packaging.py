@@ -31,7 +31,7 @@ def _tree_files(folder: str) -> list[Path]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     for folder in PACKAGES:
         for rel in _tree_files(folder):
@@ -62,6 +62,25 @@ def test_wheel_holds_every_package_and_data_file(wheel):
                 assert f"eyas/{rel.as_posix()}" in names, (
                     f"{rel} is missing from the wheel: add its package to [tool.setuptools] "
                     f"packages in pyproject.toml (or its suffix to package-data)")
+
+
+def test_wheel_declares_its_license(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        text = z.read(meta).decode()
+        licenses = [n for n in z.namelist() if ".dist-info/licenses/" in n]
+        assert "License-Expression: Apache-2.0" in text
+        assert [n.rsplit("/", 1)[1] for n in licenses] == ["LICENSE"]
+        assert "Apache License" in z.read(licenses[0]).decode()
+
+
+def test_build_requirement_reads_spdx_license():
+    tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77.0.3" in pyproject["build-system"]["requires"]
+    torch = [d for d in pyproject["project"]["dependencies"] if d.startswith("torch")]
+    assert torch == ["torch>=2.7"]   # torch 2.6 pins triton==3.2.0, below the triton>=3.3 floor
 
 
 def test_wheel_entry_point(wheel):

@@ -19,7 +19,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from eyas.data.settings import (DTYPE_CHOICES, ExtractionSettings, GenerationSettings,
                                 SeedSettings, SynthesisSettings, TargetSettings, TokenizeSettings)
-from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, fast_device, target_dtype
+from eyas.data.targets import (AUX_IDS_RULE, aux_layer_ids_error, fast_device, target_dtype,
+                               weights_error)
 from eyas.kernels import triton_available
 from eyas.models.config import DrafterShape
 
@@ -357,6 +358,11 @@ def check(cfg: DictConfig | Any) -> None:
              "drop train.overwrite=true to resume, or train.resume=null to start over")
     if cfg.train.epochs < 1 and cfg.train.max_steps is None:
         fail("train.epochs", cfg.train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
+    # generation, extraction (no data.dataset) and decoding run the model; training reads the
+    # embedding and lm_head only
+    need = "model" if cfg.data.dataset is None or cfg.eval.speculative else "embedding"
+    if (why := weights_error(cfg.target.name, need, cfg.data.cache_dir)) is not None:
+        raise ConfigError(f"target.name={cfg.target.name!r}: {why}")
 
 
 def load(cfg: DictConfig) -> EyasConfig:

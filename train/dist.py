@@ -22,11 +22,39 @@ from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
 from eyas.data.targets import fast_device
-from eyas.train.config import DistBackend
+from eyas.train.config import ConfigError, DistBackend
 
 log = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class MissingDependency(ConfigError):
+    """An optional part of the stack (wandb, deepspeed) that the chosen config needs but that
+    cannot be imported; the message is one line with the fix."""
+
+
+def _missing(module: str, used_by: str, fix: str, e: Exception) -> MissingDependency:
+    first = " ".join(str(e).split())[:160]
+    return MissingDependency(f"{used_by} needs {module}, which cannot be imported "
+                             f"({type(e).__name__}: {first}). Fix: pip install {module} (part "
+                             f"of eyas's default install), or {fix}")
+
+
+# wandb and deepspeed are imported only here, on the paths that use them, so a broken or
+# absent one costs only those paths (ImportError, or whatever a broken install raises).
+def require_deepspeed(used_by: str) -> None:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as e:
+        raise _missing("deepspeed", used_by, "dist=ddp", e) from None
+
+
+def require_wandb(used_by: str) -> None:
+    try:
+        import wandb  # noqa: F401
+    except Exception as e:
+        raise _missing("wandb", used_by, "tracker=none", e) from None
 
 
 def set_cpu_threads(threads: int | None, processes_per_node: int) -> int:
@@ -64,6 +92,10 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
     parameters are bf16 (`Resolved.param_dtype`); cpu_threads: train.cpu_threads."""
     on_cpu = not fast_device()
     deepspeed = dist_cfg.backend == DistBackend.deepspeed
+    if deepspeed:
+        require_deepspeed(f"dist=zero{dist_cfg.zero_stage} (dist.backend=deepspeed)")
+    if log_with == "wandb" or (isinstance(log_with, (list, tuple)) and "wandb" in log_with):
+        require_wandb("tracker=wandb")
     kwargs = dict(
         gradient_accumulation_steps=optim_cfg.grad_accum,
         project_config=ProjectConfiguration(project_dir=str(project_dir),

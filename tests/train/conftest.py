@@ -79,3 +79,21 @@ def nan_dataset(tmp_path_factory, tiny_llama_dataset):
     metas = [write_shard(out, 0, samples, check_finite=False)]
     write_manifest(out, dict(src.manifest), metas)
     return out
+
+
+@pytest.fixture
+def preset_hub_cache(hub_cache):
+    """An offline HF cache holding, for each config-only preset's hub id, its config.json, a
+    safetensors index naming two shards, and (a stub of) the one with the embedding and the
+    lm_head: what the config check of a training-only job asks for, as a partial download of
+    a large model leaves it (the other shard, the decoder layers, is absent)."""
+    from eyas.data.targets import HUB_IDS
+    for preset, repo in HUB_IDS.items():
+        index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "s1.safetensors",
+                                                "lm_head.weight": "s1.safetensors",
+                                                "model.layers.0.mlp.up_proj.weight":
+                                                    "s2.safetensors"}}
+        hub_cache(repo, {"config.json": json.dumps(load_target_config(preset)).encode(),
+                         "model.safetensors.index.json": json.dumps(index).encode(),
+                         "s1.safetensors": b"stub"})
+    return hub_cache

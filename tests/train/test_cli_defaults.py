@@ -73,6 +73,8 @@ DIFFERENT = {
     ("doctor", "data"): "the dataset the drafter was trained on; none means no data checks",
     ("validate", "engines"): "engine names to load with; eval.engines is an on/off switch",
     ("engines check", "engines"): "engine names to load with; eval.engines is an on/off switch",
+    ("export", "overwrite"): "replaces an export directory; train.overwrite replaces a run "
+                             "directory",
 }
 
 

@@ -26,11 +26,12 @@ def _options(group):
 
 
 @pytest.mark.parametrize("group", ["target", "drafter", "data", "loss", "optim", "dist", "tracker"])
-def test_every_preset_composes_and_checks(group):
+def test_every_preset_composes_and_checks(group, preset_hub_cache):
     options = _options(group)
     assert options, f"conf/{group}/ has no presets"
     for option in options:
-        cfg = _compose([f"{group}={option}"])
+        # the real-model targets' weights are reachable (cached) for a training-only job
+        cfg = _compose([f"{group}={option}", "data.dataset=/data/hs", "eval.speculative=false"])
         assert OmegaConf.is_struct(cfg)
         check(cfg)
 
@@ -132,14 +133,14 @@ def test_dry_run_writes_rank_record(tmp_path):
 
 
 @pytest.mark.parametrize("preset", _options("target"))
-def test_every_target_preset_builds_a_drafter_on_meta(preset):
+def test_every_target_preset_builds_a_drafter_on_meta(preset, preset_hub_cache):
     import torch
 
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
     from eyas.data.targets import load_target_config, text_config
 
-    cfg = _compose([f"target={preset}"])
+    cfg = _compose([f"target={preset}", "data.dataset=/data/hs", "eval.speculative=false"])
     check(cfg)
     tcfg = load_target_config(cfg.target.name)
     V = text_config(tcfg)["vocab_size"]
