@@ -120,14 +120,8 @@ def build_vocab_map(data_cfg: DataConfig, target: TargetConfig, draft_vocab_size
         return load_vocab(data_cfg.vocab)
     path = out / "vocab.safetensors"
     if accelerator.is_main_process:
-        force = []
-        try:
-            from eyas.data.vocab import special_token_ids
-            from eyas.data.targets import load_tokenizer
-            force = special_token_ids(load_tokenizer(target.name, data_cfg.cache_dir))
-        except Exception as e:  # config-only targets have no tokenizer here
-            log.info("no tokenizer for %s (%s): no special tokens forced into the draft vocab",
-                     target.name, e)
+        from eyas.data.vocab import forced_special_ids
+        force = forced_special_ids(target.name, data_cfg.cache_dir)
         size = min(int(draft_vocab_size), vocab_size)
         d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=vocab_size)
         save_vocab(path, d2t, t2d)
@@ -392,7 +386,18 @@ def _write_export_meta(t: Trainer, path: Path) -> None:
     atomic_write_json(path / "eyas.json", {"drafter": m.config.to_dict(),
                                            "ttt_steps": m.config.ttt_steps,
                                            "vocab_map": "vocab.safetensors",
-                                           "target": str(t.cfg.target.name)})
+                                           "target": str(t.cfg.target.name),
+                                           "data": _data_record(t)})
+
+
+def _data_record(t: Trainer) -> dict:
+    """Which samples trained the drafter (`eyas evaluate --data` scores the rest by default)."""
+    train_ds = t.data.train.dataset
+    eval_ds = None if t.data.eval is None else t.data.eval.dataset
+    return {"dataset": str(Path(train_ds.root).resolve()),
+            "eval_dataset": None if eval_ds is None or eval_ds is train_ds
+            else str(Path(eval_ds.root).resolve()),
+            "eval_fraction": float(t.cfg.data.eval_fraction), "seed": int(t.cfg.train.seed)}
 
 
 def export_final(t: Trainer, out_dir: Path) -> Path:
@@ -405,7 +410,8 @@ def export_final(t: Trainer, out_dir: Path) -> Path:
         export_drafter(state, m.config, m.d2t, m.t2d, out_dir, target_config=t.data.target_config,
                        ttt_steps=m.config.ttt_steps, overwrite=True, speculators=spec,
                        verifier=str(cfg.target.name) if spec else None,
-                       training={"run": cfg.run_name, "target": str(cfg.target.name)})
+                       training={"run": cfg.run_name, "target": str(cfg.target.name),
+                                 "data": _data_record(t)})
         log.info("exported %s", out_dir)
     acc.wait_for_everyone()
     return out_dir
