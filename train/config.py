@@ -179,7 +179,8 @@ class DistConfig:
     zero_stage: int = 0
     """DeepSpeed ZeRO stage (1, 2, 3) when backend=deepspeed."""
     deepspeed_config: Optional[str] = None
-    """DeepSpeed JSON (relative to conf/deepspeed/ or absolute); null = built from this group."""
+    """DeepSpeed JSON (a path, or a name in conf/deepspeed/); null = conf/deepspeed/zero<stage>.json.
+    Used as given except "auto" fields, which the config fills (train.dist.deepspeed_config)."""
 
 
 @dataclass
@@ -343,6 +344,9 @@ def check(cfg: DictConfig | Any) -> None:
         fail("dist.zero_stage", cfg.dist.zero_stage, "0 with backend=ddp",
              f"dist=zero{cfg.dist.zero_stage} to use DeepSpeed ZeRO-{cfg.dist.zero_stage}, "
              f"or dist.zero_stage=0")
+    if cfg.dist.backend == DistBackend.ddp and cfg.dist.deepspeed_config is not None:
+        fail("dist.deepspeed_config", cfg.dist.deepspeed_config, "null with dist=ddp (DDP reads "
+             "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.epochs < 1 and cfg.train.max_steps is None:
