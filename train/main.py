@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from eyas.data.targets import default_device
-from eyas.train.config import ConfigError, TrackerKind, load, register, resolve
+from eyas.train.config import ConfigError, load, register, resolve
 from eyas.data.log import setup_logging
 
 log = logging.getLogger("eyas")
@@ -38,11 +38,10 @@ def run(composed: DictConfig) -> dict:
     cfg = load(composed)                       # checked, typed: the only DictConfig use
     resolved = resolve(cfg, default_device())  # every "auto", decided once
     out = Path(cfg.output_dir)
-    wandb = cfg.tracker.kind == TrackerKind.wandb
     accelerator = build_accelerator(cfg.dist, cfg.optim, out,
                                     bf16=resolved.param_dtype == torch.bfloat16,
                                     cpu_threads=cfg.train.cpu_threads,
-                                    log_with="wandb" if wandb else None)
+                                    log_with=list(cfg.tracker.kind) or None)
     setup_logging(rank=accelerator.process_index)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +81,8 @@ def run(composed: DictConfig) -> dict:
             log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
                      "for %d tokens, identical to greedy: %s", spec["tau"],
                      spec["target_forwards"], spec["tokens_generated"], spec["tokens_identical"])
+    from eyas.train.trackers import log_final
+    log_final(accelerator, cfg, summary)
     accelerator.end_training()
     return summary
 

@@ -38,8 +38,9 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import summarize
 from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
+from eyas.train.trackers import init_trackers
 from eyas.train.config import (DataConfig, DistBackend, DrafterConfig, EyasConfig, LossConfig,
-                               OptimConfig, Resolved, TargetConfig, TrackerKind, to_plain)
+                               OptimConfig, Resolved, TargetConfig)
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
 from eyas.train.optim import build_scheduler
@@ -222,9 +223,8 @@ def train(cfg: EyasConfig, resolved: Resolved, accelerator, datasets) -> dict[st
 def fit(t: Trainer) -> dict[str, Any]:
     """resume, then train_step → log → eval → save → export until the last step; the summary."""
     cfg, acc = t.cfg, t.accelerator
-    trackers = cfg.tracker.kind == TrackerKind.wandb
-    if trackers:
-        _init_wandb(cfg, acc, t.out)
+    trackers = bool(cfg.tracker.kind)
+    init_trackers(cfg, acc, t.out)
     logger = MetricsLogger(acc, t.out, use_trackers=trackers)
     objective = ckpt.objective_record(cfg, acc.num_processes)
     step, nonfinite = _resume(t, objective)
@@ -357,23 +357,6 @@ def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
 
 # ---------------------------------------------------------------------------------------------
 # Outside the loop: tracker, checkpoint metadata, export
-
-
-def _init_wandb(cfg: EyasConfig, accelerator, out: Path) -> None:
-    from hydra.core.hydra_config import HydraConfig
-    tracker = cfg.tracker
-    name, group = tracker.run_name, tracker.group
-    try:
-        hc = HydraConfig.get()
-        if name is None:
-            name = hc.job.override_dirname or cfg.run_name
-        if group is None and str(hc.mode) == "RunMode.MULTIRUN":
-            group = Path(hc.sweep.dir).name
-    except ValueError:  # not under Hydra (tests, notebooks)
-        name = name or cfg.run_name
-    init = {"wandb": {"name": name, "group": group, "mode": tracker.mode.value,
-                      "dir": str(out), "entity": tracker.entity}}
-    accelerator.init_trackers(tracker.project, config=to_plain(cfg), init_kwargs=init)
 
 
 def _write_export_meta(t: Trainer, path: Path) -> None:
