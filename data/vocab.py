@@ -7,7 +7,8 @@ also holds its validator (serving-contract §3).
 `build_vocab` counts token ids over a dataset, keeps the `size` most frequent (ties: lower id
 first), always includes the forced ids (special and chat-template tokens), and sorts. When
 fine-tuning an existing drafter keep ITS mapping instead (`load_vocab`): every `lm_head` row is
-tied to its id. CLI: `eyas vocab --data DIR --size N --out FILE [--force-special-from TARGET]`.
+tied to its id. CLI: `eyas vocab --data DIR --size N --out FILE [--target TARGET]` (the special
+tokens of the manifest's target are forced by default, as the trainer forces them).
 """
 
 from __future__ import annotations
@@ -213,6 +214,21 @@ def special_token_ids(tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def forced_special_ids(target: str | None, cache_dir: str | os.PathLike | None = None
+                       ) -> list[int]:
+    """`special_token_ids` of `target`'s tokenizer, or [] when it has none (a config-only
+    target): the ids the trainer forces into the draft vocabulary it builds."""
+    if not target:
+        return []
+    from eyas.data.targets import load_tokenizer
+    try:
+        return special_token_ids(load_tokenizer(target, cache_dir))
+    except Exception as e:  # config-only targets have no tokenizer here
+        log.info("no tokenizer for %s (%s): no special tokens forced into the draft vocab",
+                 target, e)
+        return []
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas vocab` arguments (defaults shared with training come from `data.settings`)."""
     p = argparse.ArgumentParser(
@@ -223,9 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=VocabSettings.draft_vocab_size,
                    help=field_help(VocabSettings, "draft_vocab_size", "drafter.draft_vocab_size"))
     p.add_argument("--out", required=True, help="output .safetensors file")
-    p.add_argument("--force-special-from", metavar="TARGET",
-                   help="force the special and chat-template tokens of TARGET's tokenizer "
-                        "(preset name or model directory)")
+    p.add_argument("--target", "--force-special-from", dest="target", metavar="TARGET",
+                   help="force the special and chat-template tokens of TARGET's tokenizer, as "
+                        "the trainer does (preset name or model directory; default: the "
+                        "dataset manifest's target)")
+    p.add_argument("--no-special", action="store_true",
+                   help="force no special tokens (the trainer always forces them)")
+    p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
     p.add_argument("--force-ids", default="", help="extra ids to force, comma-separated")
     p.add_argument("--count", choices=COUNT_MODES, default="auto",
                    help="which tokens are counted (see data.vocab.count_tokens)")
@@ -242,12 +262,17 @@ def cli_main(argv: list[str] | None = None) -> int:
 
     ds = open_dataset(args.data)
     forced = [int(x) for x in args.force_ids.split(",") if x.strip()]
-    if args.force_special_from:
-        from eyas.data.targets import load_tokenizer
-        special = special_token_ids(load_tokenizer(args.force_special_from))
-        print(f"forcing {len(special)} special/template token ids from {args.force_special_from}")
+    target = None if args.no_special else (args.target or ds.manifest.get("target"))
+    if target:
+        special = forced_special_ids(target, args.cache_dir)
+        print(f"forcing {len(special)} special/template token ids of {target}'s tokenizer")
         forced += special
-    d2t, t2d = build_vocab(ds, args.size, forced, args.target_vocab_size, count=args.count)
+    else:
+        print("forcing no special tokens (" + ("--no-special" if args.no_special else
+              "the manifest names no target: pass --target") + ")")
+    V = args.target_vocab_size or _dataset_vocab_size(ds)
+    size = min(args.size, V) if V else args.size      # as the trainer caps it
+    d2t, t2d = build_vocab(ds, size, forced, args.target_vocab_size, count=args.count)
     save_vocab(args.out, d2t, t2d)
     print(f"wrote {args.out}: Vd={d2t.numel()} of V={t2d.numel()}")
     return 0

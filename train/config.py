@@ -59,9 +59,11 @@ class ParamDtype(str, Enum):
     fp32 = "fp32"
 
 
-class TrackerKind(str, Enum):
-    wandb = "wandb"
-    none = "none"
+#: accelerate's trackers (`accelerate.utils.LoggerType`) -> the distributions that provide them
+TRACKER_PACKAGES = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX"),
+                    "mlflow": ("mlflow", "mlflow-skinny"), "aim": ("aim",),
+                    "comet_ml": ("comet-ml", "comet_ml"), "clearml": ("clearml",),
+                    "dvclive": ("dvclive",), "swanlab": ("swanlab",), "trackio": ("trackio",)}
 
 
 class WandbMode(str, Enum):
@@ -180,13 +182,15 @@ class DistConfig:
     zero_stage: int = 0
     """DeepSpeed ZeRO stage (1, 2, 3) when backend=deepspeed."""
     deepspeed_config: Optional[str] = None
-    """DeepSpeed JSON (relative to conf/deepspeed/ or absolute); null = built from this group."""
+    """DeepSpeed JSON (a path, or a name in conf/deepspeed/); null = conf/deepspeed/zero<stage>.json.
+    Used as given except "auto" fields, which the config fills (train.dist.deepspeed_config)."""
 
 
 @dataclass
 class TrackerConfig:
-    kind: TrackerKind = TrackerKind.none
-    """wandb or none (the JSONL metrics file is always written)."""
+    kind: List[str] = field(default_factory=list)
+    """accelerate trackers to log to, e.g. [wandb], [tensorboard], [mlflow,aim]; [] = none (the
+    JSONL metrics file is always written)."""
     mode: WandbMode = WandbMode.offline
     """wandb mode: online, offline or disabled."""
     project: str = "eyas"
@@ -350,6 +354,10 @@ def check(cfg: DictConfig | Any) -> None:
         fail("dist.zero_stage", cfg.dist.zero_stage, "0 with backend=ddp",
              f"dist=zero{cfg.dist.zero_stage} to use DeepSpeed ZeRO-{cfg.dist.zero_stage}, "
              f"or dist.zero_stage=0")
+    if cfg.dist.backend == DistBackend.ddp and cfg.dist.deepspeed_config is not None:
+        fail("dist.deepspeed_config", cfg.dist.deepspeed_config, "null with dist=ddp (DDP reads "
+             "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
+    _check_trackers(cfg.tracker, fail)
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.overwrite and cfg.train.resume == "latest":
@@ -363,6 +371,47 @@ def check(cfg: DictConfig | Any) -> None:
     need = "model" if cfg.data.dataset is None or cfg.eval.speculative else "embedding"
     if (why := weights_error(cfg.target.name, need, cfg.data.cache_dir)) is not None:
         raise ConfigError(f"target.name={cfg.target.name!r}: {why}")
+
+
+def _installed(dists) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+    for d in dists:
+        try:
+            version(d)
+            return True
+        except PackageNotFoundError:
+            pass
+    return False
+
+
+def wandb_key_available() -> bool:
+    """WANDB_API_KEY, or a netrc entry for the wandb host (what `wandb login` writes)."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _check_trackers(tracker, fail) -> None:
+    kinds = list(tracker.kind)
+    for kind in kinds:
+        if kind not in TRACKER_PACKAGES:
+            fail("tracker.kind", kinds, f"names from {sorted(TRACKER_PACKAGES)}",
+                 "tracker=wandb, tracker=tensorboard, tracker=none or tracker.kind=[mlflow]")
+        if not _installed(TRACKER_PACKAGES[kind]):
+            fail("tracker.kind", kinds, f"installed trackers ({kind} is not installed)",
+                 f"pip install {TRACKER_PACKAGES[kind][0]}, or drop {kind} from tracker.kind")
+    if len(set(kinds)) != len(kinds):
+        fail("tracker.kind", kinds, "each tracker once", f"tracker.kind=[{','.join(dict.fromkeys(kinds))}]")
+    if "wandb" in kinds and tracker.mode == WandbMode.online and not wandb_key_available():
+        fail("tracker.mode", "online", "a wandb API key (WANDB_API_KEY unset, no netrc entry)",
+             "wandb login, export WANDB_API_KEY=..., or tracker.mode=offline")
 
 
 def load(cfg: DictConfig) -> EyasConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -59,7 +60,6 @@ def require_wandb(used_by: str) -> None:
 
 def set_cpu_threads(threads: int | None, processes_per_node: int) -> int:
     """Intra-op threads of this process on CPU (see train.cpu_threads)."""
-    import os
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // max(1, processes_per_node) - 1)
     torch.set_num_threads(threads)
@@ -67,21 +67,122 @@ def set_cpu_threads(threads: int | None, processes_per_node: int) -> int:
     return threads
 
 
-def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool) -> dict:
-    """The DeepSpeed JSON for this run, with the 'auto' fields filled from the config."""
+def _deepspeed_json(dist_cfg) -> tuple[Path, dict]:
     name = dist_cfg.deepspeed_config or f"zero{dist_cfg.zero_stage}.json"
-    path = Path(name) if Path(name).is_absolute() else CONF_DIR / "deepspeed" / name
+    path = Path(name).expanduser()
+    if not path.is_file() and not path.is_absolute():
+        path = CONF_DIR / "deepspeed" / name
     if not path.is_file():
-        raise FileNotFoundError(f"dist.deepspeed_config: {path} does not exist; use one of "
-                                f"{sorted(p.name for p in (CONF_DIR / 'deepspeed').glob('*.json'))}")
-    ds = json.loads(path.read_text())
-    ds.setdefault("zero_optimization", {})["stage"] = dist_cfg.zero_stage
-    ds["gradient_accumulation_steps"] = grad_accum
-    ds["gradient_clipping"] = clip if clip > 0 else 0.0
-    ds["train_micro_batch_size_per_gpu"] = 1
-    # bf16 parameters: DeepSpeed keeps the fp32 master weights and optimizer state itself.
-    ds["bf16"] = {"enabled": bf16}
+        raise ConfigError(f"dist.deepspeed_config={name!r}: no such file (a path, or one of "
+                          f"{sorted(p.name for p in (CONF_DIR / 'deepspeed').glob('*.json'))})")
+    try:
+        return path, json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"dist.deepspeed_config={str(path)!r}: not JSON ({e})") from None
+
+
+def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool) -> dict:
+    """The DeepSpeed JSON for this run, as HF Trainer takes one: the file is used as given,
+    except the fields set to "auto", which are filled from the config (gradient_clipping from
+    optim.clip_grad_norm, gradient_accumulation_steps from optim.grad_accum, bf16.enabled from
+    the parameter dtype, train_micro_batch_size_per_gpu = 1 packed batch, zero_optimization.stage
+    from dist.zero_stage). A given value the trainer cannot run with is refused (ConfigError)."""
+    path, ds = _deepspeed_json(dist_cfg)
+    fill = {("gradient_clipping",): clip if clip > 0 else 0.0,
+            ("gradient_accumulation_steps",): grad_accum,
+            ("train_micro_batch_size_per_gpu",): 1,
+            ("bf16", "enabled"): bf16,
+            ("zero_optimization", "stage"): dist_cfg.zero_stage}
+    must = {("gradient_accumulation_steps",): "optim.grad_accum",
+            ("train_micro_batch_size_per_gpu",): "1 (one packed batch per micro-step)",
+            ("bf16", "enabled"): "train.param_dtype",
+            ("zero_optimization", "stage"): "dist.zero_stage"}
+    for keys, value in fill.items():
+        node = ds
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        given = node.get(keys[-1], "auto")
+        dotted = ".".join(keys)
+        if given == "auto":
+            node[keys[-1]] = value
+        elif keys in must and given != value:
+            raise ConfigError(f"{path}: {dotted}={given!r} but this run needs {value!r} (from "
+                              f"{must[keys]}): set it to \"auto\" or change {must[keys]}")
+        elif given != value:
+            log.info("DeepSpeed %s=%r as given in %s (the config would set %r)", dotted, given,
+                     path, value)
     return ds
+
+
+def launcher_conflict(dist_cfg, env=None) -> str | None:
+    """A one-line reason when `accelerate launch`'s DeepSpeed flags disagree with the Hydra
+    `dist` group (which decides the engine), else None."""
+    env = _LAUNCH_ENV if env is None else env
+    use = str(env.get("ACCELERATE_USE_DEEPSPEED", "")).lower() in ("1", "true", "yes")
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    ours = f"dist={'ddp' if dist_cfg.backend == DistBackend.ddp else f'zero{dist_cfg.zero_stage}'}"
+    if use and dist_cfg.backend == DistBackend.ddp:
+        want = f"dist=zero{stage}" if stage and stage.isdigit() else "dist=zero2"
+        return (f"accelerate launch --use_deepspeed asks for DeepSpeed but {ours}: the Hydra dist "
+                f"group picks the engine; add {want} (or launch without --use_deepspeed)")
+    if use and stage and stage.isdigit() and int(stage) != dist_cfg.zero_stage:
+        return (f"accelerate launch --zero_stage {stage} but {ours}: the Hydra dist group picks "
+                f"the stage; add dist=zero{stage} (or drop --zero_stage)")
+    if use and file and dist_cfg.deepspeed_config and \
+            Path(file).resolve() != Path(dist_cfg.deepspeed_config).resolve():
+        return (f"accelerate launch --deepspeed_config_file {file} but dist.deepspeed_config="
+                f"{dist_cfg.deepspeed_config}: name one file, as dist.deepspeed_config={file}")
+    if use and file and not dist_cfg.deepspeed_config:
+        return (f"accelerate launch --deepspeed_config_file {file} is not read: pass it as "
+                f"dist.deepspeed_config={file}")
+    return None
+
+
+#: the launcher's ACCELERATE_* environment, before an Accelerator of this process adds its own
+_LAUNCH_ENV = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
+_SINGLE_ENV: dict[str, str] = {}   # what `_single_process_env` set (undone between jobs)
+
+
+def _single_process_env() -> None:
+    """A process started without a launcher (`python train/main.py dist=zero1`, or a --multirun
+    job) is rank 0 of 1: DeepSpeed needs that said in the environment, as torchrun says it."""
+    import socket
+    if "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    for k, v in env.items():
+        if k not in os.environ:
+            os.environ[k] = _SINGLE_ENV[k] = v
+
+
+def reset_accelerate_state() -> None:
+    """Forget the accelerate (and DeepSpeed) state a previous job of this process left, so the
+    jobs of one `--multirun` sweep can each pick their own engine (dist=ddp,zero1)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    if not (AcceleratorState._shared_state or PartialState._shared_state):
+        return
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+        unset_hf_deepspeed_config()                 # ZeRO-3's global config of job 0
+    except ImportError:
+        pass
+    import torch.distributed as tdist
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() == 1:
+        tdist.destroy_process_group()               # job 0's one-process DeepSpeed group
+    for k in list(_SINGLE_ENV):
+        os.environ.pop(k, None)
+        del _SINGLE_ENV[k]
+    for k in [k for k in os.environ if k.startswith("ACCELERATE_") and k not in _LAUNCH_ENV]:
+        del os.environ[k]                           # set by job 0's Accelerator
+    os.environ.update(_LAUNCH_ENV)
+    log.info("accelerate state of the previous job reset")
 
 
 def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: bool,
@@ -90,6 +191,10 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
 
     optim_cfg: grad_accum and clip_grad_norm (DeepSpeed applies them itself); bf16: the
     parameters are bf16 (`Resolved.param_dtype`); cpu_threads: train.cpu_threads."""
+    conflict = launcher_conflict(dist_cfg)
+    if conflict:
+        raise ConfigError(conflict)
+    reset_accelerate_state()
     on_cpu = not fast_device()
     deepspeed = dist_cfg.backend == DistBackend.deepspeed
     if deepspeed:
@@ -105,6 +210,7 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
     if deepspeed:
         ds = deepspeed_config(dist_cfg, optim_cfg.grad_accum, optim_cfg.clip_grad_norm, bf16=bf16)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
+        _single_process_env()
         if on_cpu:
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     elif on_cpu:

@@ -327,6 +327,52 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def training_record(drafter_dir: str | Path) -> dict[str, Any]:
+    """What the drafter's export records of its training data (`eyas_export.json` training.data:
+    dataset, eval_dataset, eval_fraction, seed), or {} for an export that records none."""
+    import json
+    from eyas.models.serving.export import EXPORT_META
+    meta = Path(drafter_dir) / EXPORT_META
+    try:
+        rec = json.loads(meta.read_text()).get("training") or {}
+    except (OSError, ValueError):
+        return {}
+    return rec.get("data") or {}
+
+
+def _same_path(a: str | Path | None, b: str | Path) -> bool:
+    return a is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
+    """(dataset indices to score or None for all, how they were chosen) for `eyas evaluate
+    --data`: by default the held-out split the trainer made when the dataset is the training
+    set, so training samples are never scored without saying so."""
+    from eyas.data.packing import split_indices
+    from eyas.train.config import DataConfig
+    if args.all or args.eval_fraction == 0:
+        return None, "every sample (--all), training samples included"
+    seed = args.seed if args.seed_given or "seed" not in rec else int(rec["seed"])
+    if args.eval_fraction is not None:
+        idx = split_indices(n, args.eval_fraction, seed)[1]
+        return idx, f"the held-out split eval_fraction={args.eval_fraction}, seed={seed}"
+    if rec.get("dataset") is not None and not _same_path(rec["dataset"], args.data):
+        return None, f"every sample (not the drafter's training set {rec['dataset']})"
+    if rec.get("eval_dataset") is not None:
+        log.warning("%s is the drafter's training set (it was evaluated on %s): every sample "
+                    "scored was trained on", args.data, rec["eval_dataset"])
+        return None, f"every sample: all of them were trained on (held out: {rec['eval_dataset']})"
+    frac = float(rec.get("eval_fraction", DataConfig.eval_fraction))
+    if frac == 0:
+        log.warning("the drafter was trained on every sample of %s (data.eval_fraction=0)",
+                    args.data)
+        return None, "every sample: all of them were trained on (data.eval_fraction=0)"
+    idx = split_indices(n, frac, seed)[1]
+    src = "as in training" if rec else "the trainer's defaults; the drafter records no training set"
+    return idx, (f"the trainer's held-out split (data.eval_fraction={frac}, train.seed={seed}, "
+                 f"{src}); --all scores every sample")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The options of `eyas evaluate`; defaults shared with training come from the schema."""
     from eyas.train.config import DataConfig, EvalConfig, TrainConfig
@@ -357,10 +403,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
                    help="--data: packed tokens per forward (default: data.token_budget, "
                    f"{DataConfig.token_budget})")
-    p.add_argument("--eval-fraction", type=float, default=None, help="--data: use only the "
-                   "held-out split the trainer makes (data.eval_fraction, with --seed)")
+    p.add_argument("--eval-fraction", type=float, default=None, help="--data: score the "
+                   "held-out split the trainer makes with this data.eval_fraction (and --seed); "
+                   "0 = every sample (default: the drafter's recorded training split when --data "
+                   "is its training set, else data.eval_fraction "
+                   f"{DataConfig.eval_fraction} when the drafter records no training set)")
+    p.add_argument("--all", action="store_true", help="--data: score every sample, training "
+                   "samples included")
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
-                   "held-out split (train.seed)")
+                   "held-out split (train.seed; the drafter's recorded seed unless given)")
     p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
@@ -372,6 +423,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
     p = build_parser()
     args = p.parse_args(argv)
+    args.seed_given = any(a == "--seed" or a.startswith("--seed=") for a in (argv or []))
     if args.k < 1:
         p.error("--k must be >= 1")
     if args.threads:
@@ -383,12 +435,11 @@ def cli_main(argv: list[str] | None = None) -> int:
                                num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                                cache_dir=args.cache_dir, dtype=args.dtype or "fp32")
     else:
-        indices = None
-        if args.eval_fraction is not None:
-            from eyas.data.dataset import open_dataset
-            from eyas.data.packing import split_indices
-            indices = split_indices(len(open_dataset(args.data)), args.eval_fraction,
-                                    args.seed)[1]
+        from eyas.data.dataset import open_dataset
+        n = len(open_dataset(args.data))
+        indices, how = scored_samples(args, n, training_record(args.drafter))
+        print(f"scoring {n if indices is None else len(indices)} of {n} samples of {args.data}: "
+              f"{how}")
         res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
                            indices=indices, device=args.device, target=args.target,
                            cache_dir=args.cache_dir,

@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from eyas.data.targets import default_device
-from eyas.train.config import ConfigError, TrackerKind, load, register, resolve
+from eyas.train.config import ConfigError, load, register, resolve
 from eyas.data.log import setup_logging
 
 log = logging.getLogger("eyas")
@@ -38,11 +38,10 @@ def run(composed: DictConfig) -> dict:
 
     cfg = load(composed)                       # checked, typed: the only DictConfig use
     resolved = resolve(cfg, default_device())  # every "auto", decided once
-    wandb = cfg.tracker.kind == TrackerKind.wandb
     accelerator = build_accelerator(cfg.dist, cfg.optim, cfg.output_dir,
                                     bf16=resolved.param_dtype == torch.bfloat16,
                                     cpu_threads=cfg.train.cpu_threads,
-                                    log_with="wandb" if wandb else None)
+                                    log_with=list(cfg.tracker.kind) or None)
     setup_logging(rank=accelerator.process_index)
     out, cfg.run_name = rundir.agree(accelerator, Path(cfg.output_dir), cfg.run_name)
     cfg.output_dir = str(out)
@@ -69,6 +68,8 @@ def run(composed: DictConfig) -> dict:
         summary.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
         if accelerator.is_main_process and summary.get("export"):
             summary.update(_checks(cfg, summary["export"]))
+        from eyas.train.trackers import log_final
+        log_final(accelerator, cfg, summary)
     else:
         accelerator.wait_for_everyone()  # every rank's record is written
     if accelerator.is_main_process:

@@ -37,8 +37,9 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import summarize
 from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
+from eyas.train.trackers import init_trackers
 from eyas.train.config import (DataConfig, DistBackend, DrafterConfig, EyasConfig, LossConfig,
-                               OptimConfig, Resolved, TargetConfig, TrackerKind, to_plain)
+                               OptimConfig, Resolved, TargetConfig)
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
 from eyas.train.optim import build_scheduler
@@ -119,14 +120,8 @@ def build_vocab_map(data_cfg: DataConfig, target: TargetConfig, draft_vocab_size
         return load_vocab(data_cfg.vocab)
     path = out / "vocab.safetensors"
     if accelerator.is_main_process:
-        force = []
-        try:
-            from eyas.data.vocab import special_token_ids
-            from eyas.data.targets import load_tokenizer
-            force = special_token_ids(load_tokenizer(target.name, data_cfg.cache_dir))
-        except Exception as e:  # config-only targets have no tokenizer here
-            log.info("no tokenizer for %s (%s): no special tokens forced into the draft vocab",
-                     target.name, e)
+        from eyas.data.vocab import forced_special_ids
+        force = forced_special_ids(target.name, data_cfg.cache_dir)
         size = min(int(draft_vocab_size), vocab_size)
         d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=vocab_size)
         save_vocab(path, d2t, t2d)
@@ -227,9 +222,8 @@ def train(cfg: EyasConfig, resolved: Resolved, accelerator, datasets) -> dict[st
 def fit(t: Trainer) -> dict[str, Any]:
     """resume, then train_step → log → eval → save → export until the last step; the summary."""
     cfg, acc = t.cfg, t.accelerator
-    trackers = cfg.tracker.kind == TrackerKind.wandb
-    if trackers:
-        _init_wandb(cfg, acc, t.out)
+    trackers = bool(cfg.tracker.kind)
+    init_trackers(cfg, acc, t.out)
     logger = MetricsLogger(acc, t.out, use_trackers=trackers)
     objective = ckpt.objective_record(cfg, acc.num_processes)
     step, nonfinite = _resume(t, objective)
@@ -362,23 +356,6 @@ def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
 # Outside the loop: tracker, checkpoint metadata, export
 
 
-def _init_wandb(cfg: EyasConfig, accelerator, out: Path) -> None:
-    from hydra.core.hydra_config import HydraConfig
-    tracker = cfg.tracker
-    name, group = tracker.run_name, tracker.group
-    try:
-        hc = HydraConfig.get()
-        if name is None:
-            name = hc.job.override_dirname or cfg.run_name
-        if group is None and str(hc.mode) == "RunMode.MULTIRUN":
-            group = Path(hc.sweep.dir).name
-    except ValueError:  # not under Hydra (tests, notebooks)
-        name = name or cfg.run_name
-    init = {"wandb": {"name": name, "group": group, "mode": tracker.mode.value,
-                      "dir": str(out), "entity": tracker.entity}}
-    accelerator.init_trackers(tracker.project, config=to_plain(cfg), init_kwargs=init)
-
-
 def _write_export_meta(t: Trainer, path: Path) -> None:
     """eyas.json + vocab next to the accelerate state, so `eyas export CHECKPOINT` works."""
     if not t.accelerator.is_main_process:
@@ -389,7 +366,18 @@ def _write_export_meta(t: Trainer, path: Path) -> None:
     atomic_write_json(path / "eyas.json", {"drafter": m.config.to_dict(),
                                            "ttt_steps": m.config.ttt_steps,
                                            "vocab_map": "vocab.safetensors",
-                                           "target": str(t.cfg.target.name)})
+                                           "target": str(t.cfg.target.name),
+                                           "data": _data_record(t)})
+
+
+def _data_record(t: Trainer) -> dict:
+    """Which samples trained the drafter (`eyas evaluate --data` scores the rest by default)."""
+    train_ds = t.data.train.dataset
+    eval_ds = None if t.data.eval is None else t.data.eval.dataset
+    return {"dataset": str(Path(train_ds.root).resolve()),
+            "eval_dataset": None if eval_ds is None or eval_ds is train_ds
+            else str(Path(eval_ds.root).resolve()),
+            "eval_fraction": float(t.cfg.data.eval_fraction), "seed": int(t.cfg.train.seed)}
 
 
 def export_final(t: Trainer, out_dir: Path) -> Path:
@@ -402,7 +390,8 @@ def export_final(t: Trainer, out_dir: Path) -> Path:
         export_drafter(state, m.config, m.d2t, m.t2d, out_dir, target_config=t.data.target_config,
                        ttt_steps=m.config.ttt_steps, overwrite=True, speculators=spec,
                        verifier=str(cfg.target.name) if spec else None,
-                       training={"run": cfg.run_name, "target": str(cfg.target.name)})
+                       training={"run": cfg.run_name, "target": str(cfg.target.name),
+                                 "data": _data_record(t)})
         log.info("exported %s", out_dir)
     acc.wait_for_everyone()
     return out_dir

@@ -66,7 +66,9 @@ DIFFERENT = {
     ("evaluate", "num_prompts"): "default all prompts of --prompts; eval.num_prompts picks from "
                                  "the shipped held-out file",
     ("evaluate", "dtype"): "the drafter's compute dtype in evaluation, not the target's",
-    ("evaluate", "eval_fraction"): "unset = the whole dataset; set = the trainer's split",
+    ("evaluate", "eval_fraction"): "unset = the trainer's held-out split when --data is the "
+                                   "drafter's training set; set = that split fraction",
+    ("vocab", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default",
     ("evaluate", "prompts"): "required choice of mode, no default",
     ("evaluate", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default "
                                "(test_unset_cache_dir_is_the_schema_default)",

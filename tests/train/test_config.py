@@ -26,7 +26,8 @@ def _options(group):
 
 
 @pytest.mark.parametrize("group", ["target", "drafter", "data", "loss", "optim", "dist", "tracker"])
-def test_every_preset_composes_and_checks(group, preset_hub_cache):
+def test_every_preset_composes_and_checks(group, preset_hub_cache, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)     # tracker=wandb is online
     options = _options(group)
     assert options, f"conf/{group}/ has no presets"
     for option in options:
@@ -41,7 +42,7 @@ def test_defaults_are_the_schema_defaults():
     schema = OmegaConf.structured(EyasConfig)
     assert cfg.drafter.ttt_steps == schema.drafter.ttt_steps == 7
     assert cfg.target.name == "smollm2"
-    assert cfg.dist.backend.value == "ddp" and cfg.tracker.kind.value == "none"
+    assert cfg.dist.backend.value == "ddp" and list(cfg.tracker.kind) == list(schema.tracker.kind) == []
 
 
 def test_dist_presets_select_zero_stage():
@@ -177,3 +178,18 @@ def test_resolve_decides_every_auto_by_one_device_rule():
     assert (pinned.attention, pinned.compile, pinned.loss_impl, pinned.param_dtype,
             pinned.target_dtype) == ("eager", False, "torch", torch.float32, torch.float32)
     assert resolve(load(_compose(["target.dtype=bf16", "output_dir=unused"])), "cpu").target_dtype == torch.bfloat16
+
+
+def test_tracker_checks_fail_before_any_data(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="tracker.mode='online'.*wandb login"):
+        check(_compose(["tracker=wandb"]))
+    check(_compose(["tracker=wandb", "tracker.mode=offline"]))
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    check(_compose(["tracker=wandb"]))
+    with pytest.raises(ConfigError, match="tracker.kind.*names from"):
+        check(_compose(["tracker.kind=[nope]"]))
+    with pytest.raises(ConfigError, match="swanlab is not installed.*pip install swanlab"):
+        check(_compose(["tracker.kind=[swanlab]"]))

@@ -147,6 +147,24 @@ def test_wandb_offline_run_directory(tmp_path, tiny_llama_dataset):
                 b"train/tau", b"train/lr", b"train/grad_norm", b"train/tokens_per_s",
                 b"train/data_wait", b"eval/tau", b"eval/tau_trajectory"):
         assert key in record, key
+    assert b"drafter-" in record                  # the export, logged as a wandb artifact
+
+
+def test_tensorboard_receives_the_metrics(tmp_path, tiny_llama_dataset):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run(tmp_path / "r", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=3",
+        "tracker=tensorboard", "export.enabled=false")
+    events = list((tmp_path / "r").rglob("events.out.tfevents.*"))
+    assert events, "no tensorboard event file"
+    tags = set()
+    for e in events:
+        acc = EventAccumulator(str(e.parent))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    for key in ("train/loss", "train/tau", "eval/tau"):
+        assert key in tags, (key, sorted(tags))
+    assert (tmp_path / "r" / "metrics.jsonl").is_file()
 
 
 def test_multirun_trains_one_job_per_value(tmp_path, tiny_llama_dataset):

@@ -1,0 +1,102 @@
+"""What a user of other trainers expects: `eyas evaluate --data` scores the held-out split of
+training by default, and `eyas vocab` builds the draft vocabulary the trainer builds."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eyas.data.dataset import open_dataset
+from eyas.data.packing import split_indices
+from eyas.data.targets import load_target_config
+from eyas.data.vocab import cli_main as vocab_main, load_vocab
+from eyas.models.serving.export import export_drafter
+from eyas.train.config import DataConfig, TargetConfig
+from eyas.train.evaluate import cli_main as evaluate_main, scored_samples
+from eyas.train.trainer import build_vocab_map
+
+from eyas.data.targets import load_embedding_and_head
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _drafter(cfg_dict, vocab=4096, seed=0):
+    cfg = Eagle3Config.from_target(cfg_dict, draft_vocab_size=vocab, aux_layer_ids=[2, 4, 5])
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(cfg, attention="lse-eager")
+    d.reset_parameters(std=0.05)
+    embed, head = load_embedding_and_head("tiny-llama")
+    d.load_target_embedding(embed.float())
+    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:vocab]).values - torch.arange(vocab)
+    d.init_lm_head_from_target(head.float(), d2t)
+    return d.eval()
+
+
+def _args(data, **kw):
+    return SimpleNamespace(**{"data": str(data), "all": False, "eval_fraction": None, "seed": 0,
+                              "seed_given": False, **kw})
+
+
+def test_scored_samples_default_to_the_training_split(tmp_path):
+    data = tmp_path / "ds"
+    data.mkdir()
+    rec = {"dataset": str(data), "eval_dataset": None, "eval_fraction": 0.25, "seed": 7}
+    idx, how = scored_samples(_args(data), 40, rec)
+    assert list(idx) == list(split_indices(40, 0.25, 7)[1]) and "as in training" in how
+    idx, how = scored_samples(_args(data), 40, {})           # nothing recorded: schema defaults
+    assert list(idx) == list(split_indices(40, DataConfig.eval_fraction, 0)[1])
+    assert "defaults" in how
+    assert scored_samples(_args(data, all=True), 40, rec)[0] is None
+    assert scored_samples(_args(data, eval_fraction=0.0), 40, rec)[0] is None
+    other = tmp_path / "other"
+    other.mkdir()
+    idx, how = scored_samples(_args(other), 40, rec)
+    assert idx is None and "not the drafter's training set" in how
+    given = _args(data, seed=3, seed_given=True)
+    assert list(scored_samples(given, 40, rec)[0]) == list(split_indices(40, 0.25, 3)[1])
+
+
+def test_evaluate_cli_scores_the_held_out_split_and_says_so(tiny_llama_dataset, tmp_path,
+                                                             capsys):
+    drafter = _drafter(load_target_config("tiny-llama"), seed=3)
+    rec = {"dataset": str(tiny_llama_dataset), "eval_dataset": None, "eval_fraction": 0.25,
+           "seed": 0}
+    out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
+                         tmp_path / "export", target_config=load_target_config("tiny-llama"),
+                         training={"data": rec})
+    f = tmp_path / "offline.json"
+    base = ["--drafter", str(out), "--data", str(tiny_llama_dataset), "--k", "2", "--out", str(f),
+            "--token-budget", "256"]
+    assert evaluate_main(base) == 0
+    assert json.loads(f.read_text())["num_samples"] == 6
+    assert "scoring 6 of 24 samples" in capsys.readouterr().out
+    assert evaluate_main(base + ["--all"]) == 0
+    assert json.loads(f.read_text())["num_samples"] == 24
+    assert "scoring 24 of 24 samples" in capsys.readouterr().out
+
+
+class _Rank0:
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+
+def test_vocab_cli_builds_the_trainers_vocab(tiny_llama_dataset, tmp_path, capsys):
+    ds = open_dataset(tiny_llama_dataset)
+    V = int(ds.manifest["target_config"]["vocab_size"])
+    (tmp_path / "t").mkdir()
+    d2t, t2d = build_vocab_map(DataConfig(), TargetConfig(name="tiny-llama"), 1024, ds, V,
+                               _Rank0(), tmp_path / "t")
+    f = tmp_path / "vocab.safetensors"
+    assert vocab_main(["--data", str(tiny_llama_dataset), "--size", "1024", "--out", str(f)]) == 0
+    forced = capsys.readouterr().out
+    assert "forcing" in forced and "forcing 0 " not in forced and "forcing no" not in forced
+    d2t_cli, t2d_cli = load_vocab(f)
+    assert torch.equal(d2t, d2t_cli) and torch.equal(t2d, t2d_cli)
+    assert vocab_main(["--data", str(tiny_llama_dataset), "--size", "1024", "--out", str(f),
+                       "--no-special"]) == 0
+    assert "forcing no special tokens (--no-special)" in capsys.readouterr().out
