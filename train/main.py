@@ -14,14 +14,16 @@ Examples:
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from eyas.data.targets import default_device
+from eyas.data.log import EXIT_USAGE, error_exit_status, error_message, setup_logging
 from eyas.train.config import ConfigError, TrackerKind, load, register, resolve
-from eyas.data.log import setup_logging
 
 log = logging.getLogger("eyas")
 
@@ -43,10 +45,12 @@ def run(composed: DictConfig) -> dict:
                                     bf16=resolved.param_dtype == torch.bfloat16,
                                     cpu_threads=cfg.train.cpu_threads,
                                     log_with="wandb" if wandb else None)
-    setup_logging(rank=accelerator.process_index)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.resolved.yaml").write_text(OmegaConf.to_yaml(composed, resolve=True))
+    # the one logging configuration of the run: stderr and <run dir>/train.log (rank 0's
+    # records, warnings of every rank)
+    setup_logging(rank=accelerator.process_index, file=out / "train.log")
     log.info("run dir %s; world size %d", out, accelerator.num_processes)
 
     summary: dict = {"world_size": accelerator.num_processes,
@@ -98,14 +102,25 @@ def _write_rank_record(out: Path, accelerator, cfg) -> None:
     (rank_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
+_job_started = False  # Hydra composed a config and called main (see cli)
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    global _job_started
+    _job_started = True
     setup_logging()
     try:
         summary = run(cfg)
-    except ConfigError as e:
-        log.error("bad configuration: %s", e)
-        raise SystemExit(2) from None
+    except Exception as e:
+        # an error the user can fix: one line, exit 2 (3: a stage that cannot run here);
+        # anything else is a bug and keeps its traceback (EYAS_DEBUG=1: always)
+        status = error_exit_status(e)
+        if status is None or os.environ.get("EYAS_DEBUG"):
+            raise
+        prefix = "bad configuration: " if isinstance(e, ConfigError) else ""
+        log.error("%s%s", prefix, error_message(e))
+        raise SystemExit(status) from None
     from eyas.data.log import current_rank
     if current_rank() == 0:
         if summary.get("export"):
@@ -122,5 +137,27 @@ def main(cfg: DictConfig) -> None:
             print("engines: " + " ".join(f"{e}={v}" for e, v in summary["engines"].items()))
 
 
+def cli() -> None:
+    """`python train/main.py`: Hydra's main with eyas's exit statuses (data/log.py). Hydra
+    reports a bad override or config group itself and exits 1 before any job starts: that is a
+    usage error, 2. With EYAS_EXIT_FILE set (launch.sh), a failing status is also appended to
+    that file, because `accelerate launch` exits 1 whatever its processes returned."""
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if status == 1 and not _job_started:
+            status = EXIT_USAGE
+        if status and os.environ.get("EYAS_EXIT_FILE"):
+            try:
+                with open(os.environ["EYAS_EXIT_FILE"], "a") as f:
+                    f.write(f"{status}\n")
+            except OSError:
+                pass
+        raise SystemExit(status) from None
+
+
 if __name__ == "__main__":
-    main()
+    cli()
