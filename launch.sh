@@ -22,8 +22,10 @@ the shipped prompts, hidden states are extracted, a drafter is trained, exported
 evaluated. The last lines are `export: <dir>` and `tau: <value>`.
 
 Launcher options (processes and nodes only; everything else is a Hydra override):
-  --gpus N          processes = GPUs on this node (default: all visible GPUs; 0 = CPU)
-  --cpu N           N CPU processes over gloo (default on machines without a GPU: 1)
+  --gpus N          processes = GPUs on this node (default: all visible GPUs; 0 = CPU,
+                    one process unless --cpu N)
+  --cpu N           N CPU processes over gloo, GPUs hidden (default on machines without a
+                    GPU: 1)
   --nodes N         number of nodes (env NNODES)                      [multi-node]
   --node-rank R     this node's rank (env NODE_RANK)                  [multi-node]
   --master-addr A   address of node 0 (env MASTER_ADDR)               [multi-node]
@@ -40,6 +42,10 @@ Hydra overrides (see README.md and conf/):
   tracker=wandb tracker.mode=offline         experiment tracking (conf/tracker/)
   data.dataset=DIR                           train on an extracted hidden-state dataset
   optim.lr=5e-5 train.max_steps=1000 ...     any field; --multirun a=1,2 sweeps
+
+Exit status: the trainer's own (README "Exit statuses"): 0 ok, 2 a bad option, override or
+config, or a missing path (one line saying which), 3 a stage that cannot run here, 1 anything
+else (with its traceback).
 
 Examples:
   ./launch.sh                                      # embedded default on this machine
@@ -101,6 +107,12 @@ setup_venv() {
   echo "launch.sh: environment ready in $((SECONDS - start)) s ($(du -sh "$VENV" | cut -f1))" >&2
 }
 
+die() { echo "launch.sh: $2" >&2; exit "$1"; }   # die STATUS MESSAGE
+count() {  # count OPTION VALUE: VALUE, a non-negative integer, or exit 2
+  [[ "${2:-}" =~ ^[0-9]+$ ]] || die 2 "$1 needs a non-negative integer, got '${2:-}' (see --help)"
+  echo "$2"
+}
+
 gpus="" cpus="" nodes="${NNODES:-1}" node_rank="${NODE_RANK:-0}"
 master_addr="${MASTER_ADDR:-127.0.0.1}" master_port="${MASTER_PORT:-29500}"
 use_venv=1 mode=train
@@ -110,12 +122,13 @@ while [[ $# -gt 0 ]]; do
     -h|--help) usage; exit 0 ;;
     --setup) mode=setup; shift ;;
     --test) mode=test; shift; args=("$@"); break ;;
-    --gpus) gpus="$2"; shift 2 ;;
-    --cpu) cpus="$2"; shift 2 ;;
-    --nodes) nodes="$2"; shift 2 ;;
-    --node-rank) node_rank="$2"; shift 2 ;;
-    --master-addr) master_addr="$2"; shift 2 ;;
-    --master-port) master_port="$2"; shift 2 ;;
+    --gpus) gpus="$(count --gpus "${2:-}")"; shift 2 ;;
+    --cpu) cpus="$(count --cpu "${2:-}")"; shift 2 ;;
+    --nodes) nodes="$(count --nodes "${2:-}")"; shift 2 ;;
+    --node-rank) node_rank="$(count --node-rank "${2:-}")"; shift 2 ;;
+    --master-addr) [[ -n "${2:-}" ]] || die 2 "--master-addr needs an address"
+                   master_addr="$2"; shift 2 ;;
+    --master-port) master_port="$(count --master-port "${2:-}")"; shift 2 ;;
     --no-venv) use_venv=0; shift ;;
     --) shift; args+=("$@"); break ;;
     *) args+=("$1"); shift ;;
@@ -138,13 +151,17 @@ fi
 # default target never touches the network either way.
 export EYAS_RUN_ID="${EYAS_RUN_ID:-$(date +%Y%m%d-%H%M%S)}"
 
-if [[ -z "$gpus" && -z "$cpus" ]]; then
+[[ "$cpus" != 0 ]] || die 2 "--cpu needs at least 1 process (--gpus 0 is the CPU, one process)"
+if [[ "$gpus" == 0 ]]; then gpus=""; cpus="${cpus:-1}"; fi
+if [[ -n "$cpus" ]]; then
+  export CUDA_VISIBLE_DEVICES=""   # CPU processes: a visible GPU would be picked up
+elif [[ -z "$gpus" ]]; then
   if have_gpu; then gpus=$(nvidia-smi -L | wc -l); else cpus=1; fi
 fi
 acc=(accelerate launch --mixed_precision no --dynamo_backend no)
-if [[ -n "$cpus" && "$cpus" != 0 ]]; then
+if [[ -n "$cpus" ]]; then
   if [[ "$cpus" == 1 ]]; then
-    acc+=(--config_file conf/accelerate/gpu1.yaml)
+    acc+=(--config_file conf/accelerate/gpu1.yaml --quiet)
   else
     acc+=(--config_file conf/accelerate/cpu.yaml --num_processes "$cpus")
   fi
@@ -153,9 +170,19 @@ elif [[ "$nodes" -gt 1 ]]; then
         --machine_rank "$node_rank" --main_process_ip "$master_addr"
         --main_process_port "$master_port" --num_processes $((nodes * gpus)))
 elif [[ "$gpus" == 1 ]]; then
-  acc+=(--config_file conf/accelerate/gpu1.yaml)
+  acc+=(--config_file conf/accelerate/gpu1.yaml --quiet)
 else
   acc+=(--config_file conf/accelerate/gpu8.yaml --num_processes "$gpus")
 fi
 echo "launch.sh: ${acc[*]} train/main.py ${args[*]:-}" >&2
-exec "${acc[@]}" train/main.py "${args[@]}"
+# `accelerate launch` exits 1 whatever its processes returned (--quiet: without a traceback of
+# its own, one process): train/main.py appends a failing status to EYAS_EXIT_FILE, and that
+# status is this script's. Run in the foreground, so a Ctrl-C reaches every process as before.
+EYAS_EXIT_FILE="$(mktemp "${TMPDIR:-/tmp}/eyas-exit.XXXXXX")"
+export EYAS_EXIT_FILE
+trap 'rm -f "$EYAS_EXIT_FILE"' EXIT
+rc=0
+"${acc[@]}" train/main.py "${args[@]}" || rc=$?
+status="$(head -n 1 "$EYAS_EXIT_FILE" 2>/dev/null || true)"
+[[ "$status" =~ ^[0-9]+$ ]] && rc="$status"
+exit "$rc"

@@ -51,6 +51,7 @@ from torch import nn
 
 from eyas.data.capture import (Capture, ExtractError, check_aux_layers, chunked_argmax_topk,
                                find_text_model, logit_transform)
+from eyas.data.log import HelpFormatter
 from eyas.data.settings import (DTYPE_CHOICES, AuxFormat, ExtractionSettings, TargetSettings,
                                 default, field_help)
 from eyas.data.targets import target_dtype_name
@@ -352,7 +353,7 @@ def finalize(out_dir: str | Path) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas extract` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas extract", description="Run the target over a token dataset and store the "
         "EAGLE-3 training features (aux states, teacher, target argmax). Resumable; launch with "
         "`accelerate launch --num_processes G` for data parallel over G GPUs.")
@@ -367,15 +368,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=field_help(ex, "aux_format", "data.aux_format"))
     p.add_argument("--teacher", choices=TEACHERS, default=default(ex, "teacher"),
                    help=field_help(ex, "teacher", "data.teacher", "both: the two."))
-    p.add_argument("--topk", type=int, default=32)
-    p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--topk", type=int, default=32, help="k of the top-k teacher")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="use only the first N samples of the token dataset (default: all)")
+    p.add_argument("--batch-tokens", type=int, default=8192,
+                   help="tokens per forward (a longer sample runs alone)")
     p.add_argument("--pad-batches", action="store_true", default=ex.extract_pad_batches,
                    help=field_help(ex, "extract_pad_batches", "data.extract_pad_batches"))
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=TargetSettings.dtype,
                    help=field_help(TargetSettings, "dtype", "target.dtype",
                                    "Match the precision the target is served in."))
-    p.add_argument("--shard-tokens", type=int, default=None)
+    p.add_argument("--shard-tokens", type=int, default=None,
+                   help="tokens per output shard (default: about 1 GiB of features per shard)")
     p.add_argument("--device", default="auto", help="auto (cuda:<local rank> if available), "
                    "cpu, cuda:0, ...")
     p.add_argument("--device-map", default=None, help="'auto': one large target across GPUs")

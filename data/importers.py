@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from eyas.data.format import MANIFEST_NAME, DatasetError
+from eyas.data.log import HelpFormatter
 from eyas.data.settings import AuxFormat, ExtractionSettings, TargetSettings, default, field_help
 from eyas.data.shards import write_manifest, write_shard
 from eyas.data.utils import progress
@@ -291,7 +292,7 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas import` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas import", description="Convert hidden states written by SpecForge (offline "
         ".ckpt files) or speculators (hs_*.safetensors) into an eyas dataset, without running "
         "the target again.")

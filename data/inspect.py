@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from eyas.data.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
+from eyas.data.log import HelpFormatter
 from eyas.data.utils import human_bytes
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def cli_main(argv: list[str] | None = None) -> int:
     """`eyas inspect DIR [--json] [--samples N] [--verify LEVEL]`."""
-    p = argparse.ArgumentParser(prog="eyas inspect",
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="eyas inspect",
                                 description="Summarise an eyas dataset (tokens or hidden states).")
     p.add_argument("dir", help="dataset directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -1,17 +1,34 @@
-"""Logging for entry points: timestamped records from rank 0 (warnings from every rank).
+"""Logging, exit statuses and help for entry points: timestamped records from rank 0 (warnings from
+every rank) on stderr and, once the run directory is known, in a file there.
 
 The `eyas` command (`train/cli.py`), the training entry point (`train/main.py`) and the data
 producers run as `python -m eyas.data.<module>` (e.g. extraction under `accelerate launch`)
 call `setup_logging`; library code only creates module loggers. It lives in data/, the leaf
 every other package may import.
+
+Exit statuses, the same for every command (README "Exit statuses"):
+    0  ok
+    1  findings (`validate`, `doctor`, `engines check` found problems), or an unexpected error
+       (its traceback is shown)
+    2  usage or configuration error: a bad argument or config, a missing or wrong path
+    3  a stage that cannot run on this machine (e.g. an engine venv that cannot be set up)
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
 import warnings
+from pathlib import Path
+
+EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+
+# Records logged with `extra={PROGRESS: True}` repeat what a progress bar shows: a terminal
+# drops them (the bar is there), a log file or a redirected stream keeps them.
+PROGRESS = "eyas_progress"
+DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 
 class RankZeroFilter(logging.Filter):
@@ -25,26 +42,49 @@ class RankZeroFilter(logging.Filter):
         return self.rank == 0 or record.levelno >= logging.WARNING
 
 
+class TerminalProgressFilter(logging.Filter):
+    """Drop progress records when the stream is a terminal (its progress bar shows them)."""
+
+    def __init__(self, stream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, PROGRESS, False):
+            return True
+        isatty = getattr(self.stream, "isatty", None)
+        return not (isatty is not None and isatty())
+
+
 def current_rank() -> int:
     """Global rank from the launcher's environment (0 when not launched distributed)."""
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
-def setup_logging(level: int = logging.INFO, rank: int | None = None) -> None:
-    """Configure the root logger for an eyas entry point (idempotent)."""
+def setup_logging(level: int = logging.INFO, rank: int | None = None,
+                  file: str | Path | None = None) -> None:
+    """Configure the root logger for an eyas entry point (idempotent: a second call replaces
+    the handlers of the first). `file`: also append the records to this file (created with
+    its directory on the first record)."""
     rank = current_rank() if rank is None else rank
     root = logging.getLogger()
     for h in list(root.handlers):
         if getattr(h, "_eyas", False):
             root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
-    handler._eyas = True  # type: ignore[attr-defined]
+            h.close()
     fmt = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
     if rank:
         fmt = f"[rank {rank}] " + fmt
-    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
-    handler.addFilter(RankZeroFilter(rank))
-    root.addHandler(handler)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    handlers[0].addFilter(TerminalProgressFilter(sys.stderr))
+    if file is not None:
+        Path(file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(file, mode="a", encoding="utf-8", delay=True))
+    for handler in handlers:
+        handler._eyas = True  # type: ignore[attr-defined]
+        handler.setFormatter(logging.Formatter(fmt, datefmt=DATEFMT))
+        handler.addFilter(RankZeroFilter(rank))
+        root.addHandler(handler)
     root.setLevel(level)
     # Third-party chatter that hides eyas's own lines.
     for name in ("transformers", "accelerate", "DeepSpeed", "deepspeed", "torch.distributed",
@@ -53,8 +93,73 @@ def setup_logging(level: int = logging.INFO, rank: int | None = None) -> None:
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
 
 
-def run_main(cli_main) -> None:
+class HelpFormatter(argparse.HelpFormatter):
+    """`--help` of every eyas command: each option shows its default ("(default: X)" appended
+    unless its help already names it; flags, required options and options whose default is
+    None, i.e. not given, are left as written)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text.lower() or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
+                                       argparse._HelpAction, argparse._VersionAction))
+                or (not action.option_strings and action.nargs not in ("?", "*"))):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def _raised_by_eyas(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("eyas.")
+
+
+def error_exit_status(e: BaseException) -> int | None:
+    """The exit status of an error the user can fix, or None for a bug (its traceback shows).
+
+    An exception class may say its status with an `exit_status` attribute (3 for a stage that
+    cannot run here); a missing, unreadable or wrong path is a usage error (2), and so is a
+    ValueError or KeyError that eyas raises itself about its input (ConfigError, DatasetError,
+    ExtractError, a bad preset name, ...). The same types raised inside a library are bugs."""
+    status = getattr(type(e), "exit_status", None)
+    if isinstance(status, int):
+        return status
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                      PermissionError, FileExistsError)):
+        return EXIT_USAGE
+    if isinstance(e, (ValueError, KeyError)) and (
+            type(e).__module__.startswith("eyas.") or _raised_by_eyas(e)):
+        return EXIT_USAGE
+    return None
+
+
+def error_message(e: BaseException) -> str:
+    """One line for an error (a KeyError's quotes dropped; a path error names its path)."""
+    if isinstance(e, KeyError) and len(e.args) == 1:
+        text = str(e.args[0])
+    elif isinstance(e, OSError) and e.strerror and e.filename is not None:
+        text = f"{e.filename}: {e.strerror}"
+    else:
+        text = str(e) or type(e).__name__
+    return " ".join(text.split())
+
+
+def run_command(prog: str, cli_main, argv: list[str] | None) -> int:
+    """`cli_main(argv)`'s exit status; an error the user can fix (`error_exit_status`) becomes
+    one line `<prog>: <message>` on stderr and its status. EYAS_DEBUG=1 shows its traceback."""
+    try:
+        return int(cli_main(argv) or 0)
+    except Exception as e:
+        status = error_exit_status(e)
+        if status is None or os.environ.get("EYAS_DEBUG"):
+            raise
+        print(f"{prog}: {error_message(e)}", file=sys.stderr)
+        return status
+
+
+def run_main(cli_main, prog: str | None = None) -> None:
     """`python -m eyas.<package>.<module>`: logging as the `eyas` command sets it, then
-    `cli_main()`'s exit status."""
+    `cli_main()`'s exit status (errors as `run_command` reports them)."""
     setup_logging()
-    raise SystemExit(cli_main())
+    raise SystemExit(run_command(prog or Path(sys.argv[0]).stem, cli_main, None))

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from eyas.data.log import HelpFormatter
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, resolve_template)
 from eyas.data.settings import (DTYPE_CHOICES, GenerationSettings, SeedSettings, TargetSettings,
@@ -205,7 +206,7 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas prepare` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas prepare", description="Tokenise conversations (OpenAI messages or ShareGPT "
         "JSONL) with the target's chat template into a token dataset with assistant loss masks. "
         "With --generate, the target first writes the assistant turns for the given prompts.")
@@ -214,13 +215,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output dataset directory")
     p.add_argument("--max-length", type=int, default=TokenizeSettings.max_length,
                    help=field_help(TokenizeSettings, "max_length", "data.max_length"))
-    p.add_argument("--on-error", choices=ERROR_MODES, default="raise")
+    p.add_argument("--on-error", choices=ERROR_MODES, default="raise",
+                   help="a malformed record: stop there (naming file:line) or skip and count it")
     p.add_argument("--chat-template", default=None,
                    help="shipped template name (llama-3.1, qwen3, deepseek-v3) or .jinja path")
     p.add_argument("--template-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra chat-template variable, e.g. enable_thinking=false")
-    p.add_argument("--on-nonprefix", choices=("split", "raise"), default="split")
-    p.add_argument("--shard-samples", type=int, default=1024)
+    p.add_argument("--on-nonprefix", choices=("split", "raise"), default="split",
+                   help="a template that re-renders earlier turns: one sample per assistant "
+                   "turn, or fail")
+    p.add_argument("--shard-samples", type=int, default=1024, help="samples per output shard")
     g = p.add_argument_group("generation (--generate)")
     g.add_argument("--generate", action="store_true", help="generate assistant turns first")
     gen = GenerationSettings

@@ -38,6 +38,7 @@ from typing import Iterable
 import torch
 
 from eyas.data.generate import _generate_batch, _stop_ids
+from eyas.data.log import HelpFormatter
 from eyas.data.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings, TargetSettings,
                                 field_help)
 from eyas.data.utils import atomic_write_bytes, progress
@@ -160,7 +161,7 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas synthesize` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas synthesize", description=__doc__.split("\n\n")[0],
         epilog="Answer them afterwards with `eyas prepare --generate --input OUT ...`.")
     p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
@@ -169,10 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=SynthesisSettings.synthetic_temperature,
                    help=field_help(SynthesisSettings, "synthetic_temperature",
                                    "data.synthetic_temperature"))
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus (top-p) cutoff")
     p.add_argument("--max-new-tokens", type=int, default=128,
                    help="longest prompt (longer ones are dropped)")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=256,
+                   help="candidate prompts per generate() call")
     p.add_argument("--seed", type=int, default=SeedSettings.seed,
                    help=field_help(SeedSettings, "seed", "train.seed"))
     p.add_argument("--id-prefix", default="synth",

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eyas.data.log import HelpFormatter
 from eyas.data.settings import VocabSettings, field_help
 from eyas.data.utils import atomic_path, progress
 from eyas.data.vocab_map import VocabMap
@@ -231,7 +232,7 @@ def forced_special_ids(target: str | None, cache_dir: str | os.PathLike | None =
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas vocab` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas vocab", description="Build a draft vocabulary (d2t offsets, t2d mask) from the "
         "most frequent prediction targets of a dataset. When fine-tuning an existing drafter, "
         "keep its mapping instead of building a new one.")

@@ -50,9 +50,23 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
     return cli_main
 
 
-USAGE = "usage: eyas <command> [--help] [args...]\n\ncommands:\n" + "\n".join(
+USAGE = "usage: eyas <command> [--help] [args...]\n       eyas --version\n\ncommands:\n" + (
+    "\n").join(
     f"  {name:<11}{text}" for name, text in COMMANDS.items()) + (
-    "\n\ntraining: accelerate launch train/main.py [hydra overrides]   (or ./launch.sh --help)")
+    "\n\ntraining: accelerate launch train/main.py [hydra overrides]   (or ./launch.sh --help)"
+    "\n\nexit status: 0 ok, 1 findings (validate, doctor, engines check), 2 usage or configuration "
+    "error\n(bad argument or config, missing or wrong path), 3 a stage that cannot run here "
+    "(EYAS_DEBUG=1\nshows the traceback behind a one-line error)")
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's `version`)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+    try:
+        return dist_version("eyas")
+    except PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
 
 
 def _cpu_threads() -> None:
@@ -71,14 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"eyas {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"eyas: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    from eyas.data.log import setup_logging
+    from eyas.data.log import run_command, setup_logging
     setup_logging()
     _cpu_threads()
-    return int(_cli_main(name)(rest) or 0)
+    # one place for every subcommand: an error the user can fix is one line and exit 2 (3 for
+    # a stage that cannot run here); anything else keeps its traceback
+    return run_command(f"eyas {name}", _cli_main(name), rest)
 
 
 if __name__ == "__main__":

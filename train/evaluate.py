@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from eyas.data.log import HelpFormatter
 from eyas.data.targets import TARGET_DTYPES, fast_device, target_dtype
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
@@ -376,7 +377,7 @@ def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
 def build_parser() -> argparse.ArgumentParser:
     """The options of `eyas evaluate`; defaults shared with training come from the schema."""
     from eyas.train.config import DataConfig, EvalConfig, TrainConfig
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas evaluate",
         description="Measure a drafter before serving it. With --prompts: real greedy "
         "speculative decoding with the target (CPU, batch 1; the exported drafter is run the "

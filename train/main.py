@@ -14,14 +14,16 @@ Examples:
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from eyas.data.targets import default_device
+from eyas.data.log import EXIT_USAGE, error_exit_status, error_message, setup_logging
 from eyas.train.config import ConfigError, load, register, resolve
-from eyas.data.log import setup_logging
 
 log = logging.getLogger("eyas")
 
@@ -46,6 +48,9 @@ def run(composed: DictConfig) -> dict:
     out, cfg.run_name = rundir.agree(accelerator, Path(cfg.output_dir), cfg.run_name)
     cfg.output_dir = str(out)
     rundir.claim(accelerator, out, resume=cfg.train.resume, overwrite=cfg.train.overwrite)
+    # the run's logging from here on: stderr and <run dir>/train.log (rank 0's records, the
+    # warnings of every rank)
+    setup_logging(rank=accelerator.process_index, file=out / "train.log")
     if accelerator.is_main_process:
         _write_config_record(out, composed)
     log.info("run dir %s; world size %d", out, accelerator.num_processes)
@@ -136,14 +141,25 @@ def _write_rank_record(out: Path, accelerator, cfg) -> None:
     (rank_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
+_job_started = False  # Hydra composed a config and called main (see cli)
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    global _job_started
+    _job_started = True
     setup_logging()
     try:
         summary = run(cfg)
-    except ConfigError as e:
-        log.error("bad configuration: %s", e)
-        raise SystemExit(2) from None
+    except Exception as e:
+        # an error the user can fix: one line, exit 2 (3: a stage that cannot run here);
+        # anything else is a bug and keeps its traceback (EYAS_DEBUG=1: always)
+        status = error_exit_status(e)
+        if status is None or os.environ.get("EYAS_DEBUG"):
+            raise
+        prefix = "bad configuration: " if isinstance(e, ConfigError) else ""
+        log.error("%s%s", prefix, error_message(e))
+        raise SystemExit(status) from None
     from eyas.data.log import current_rank
     if current_rank() == 0:
         if summary.get("export"):
@@ -160,5 +176,27 @@ def main(cfg: DictConfig) -> None:
             print("engines: " + " ".join(f"{e}={v}" for e, v in summary["engines"].items()))
 
 
+def cli() -> None:
+    """`python train/main.py`: Hydra's main with eyas's exit statuses (data/log.py). Hydra
+    reports a bad override or config group itself and exits 1 before any job starts: that is a
+    usage error, 2. With EYAS_EXIT_FILE set (launch.sh), a failing status is also appended to
+    that file, because `accelerate launch` exits 1 whatever its processes returned."""
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if status == 1 and not _job_started:
+            status = EXIT_USAGE
+        if status and os.environ.get("EYAS_EXIT_FILE"):
+            try:
+                with open(os.environ["EYAS_EXIT_FILE"], "a") as f:
+                    f.write(f"{status}\n")
+            except OSError:
+                pass
+        raise SystemExit(status) from None
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -28,8 +28,9 @@ from eyas.train.config import ConfigError
 log = logging.getLogger(__name__)
 
 # What a run writes into its directory (train/main.py, train/trainer.py, train/tracking.py).
-RUN_FILES = ("checkpoints", "metrics.jsonl", "export", "export-speculators", "summary.json",
-             "config.resolved.yaml", "vocab.safetensors", "ranks", "wandb", ".hydra")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "train.log", "export", "export-speculators",
+             "summary.json", "config.resolved.yaml", "vocab.safetensors", "ranks", "wandb",
+             ".hydra")
 RUN_GLOBS = ("export-step*", ".tmp-*")
 
 

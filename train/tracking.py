@@ -1,6 +1,6 @@
 """Metrics out of the loop: the window accumulated on the device between two log lines, a
-JSONL file always, wandb through accelerate when configured, a tqdm bar on rank 0, and the FLOP
-count behind MFU.
+JSONL file always, wandb through accelerate when configured, on rank 0 a tqdm bar on a terminal
+and a log line per window (train.log, and stderr off a terminal), and the FLOP count behind MFU.
 
 FLOPs per trained token (`flops_per_token`), counting multiply-adds as 2 FLOPs:
     per TTT step (K of them): 6 · P_step        P_step = q,k,v (from the 2H input), o, gate, up,
@@ -125,8 +125,48 @@ class MetricsLogger:
             self._fh = None
 
 
-def progress_bar(total: int, initial: int, enabled: bool):
-    """tqdm over optimizer steps on rank 0, quiet when stderr is not a terminal."""
-    from tqdm.auto import tqdm
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                disable=not (enabled and sys.stderr.isatty()))
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def progress_line(step: int, total: int, rec: dict[str, float], elapsed: float,
+                  eta: float | None) -> str:
+    """`step 20/100 (20%) | loss 5.123 | tau 1.52 | tok/s 1234 | lr 3.00e-04 | elapsed 0:01:02
+    | eta 0:04:08`: one window of training, as a log line."""
+    return (f"step {step}/{total} ({100 * step / max(total, 1):.0f}%) | loss {rec['loss']:.4f}"
+            f" | tau {rec['tau']:.3f} | tok/s {rec['tokens_per_s']:.0f} | lr {rec['lr']:.2e}"
+            f" | elapsed {_clock(elapsed)} | eta {_clock(eta) if eta is not None else '?'}")
+
+
+class Progress:
+    """Training progress on rank 0: the tqdm bar on a terminal, and a log line per metrics
+    window (`progress_line`) for everything else. The line is a progress record
+    (data.log.PROGRESS): a terminal drops it (the bar shows the same), a redirected stderr
+    (nohup, slurm) and the run's train.log keep it."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        from tqdm.auto import tqdm
+        self.total, self.initial, self.enabled = total, initial, enabled
+        self.t0 = time.perf_counter()
+        self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                        disable=not (enabled and sys.stderr.isatty()))
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def report(self, step: int, rec: dict[str, float]) -> None:
+        """The window record `rec` (MetricsWindow.flush) at optimizer step `step`."""
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                             tau=f"{rec['tau']:.2f}")
+        if not self.enabled:
+            return
+        from eyas.data.log import PROGRESS
+        elapsed = time.perf_counter() - self.t0
+        done = step - self.initial
+        eta = elapsed / done * (self.total - step) if done > 0 else None
+        log.info("%s", progress_line(step, self.total, rec, elapsed, eta),
+                 extra={PROGRESS: True})
+
+    def close(self) -> None:
+        self.bar.close()

@@ -44,8 +44,8 @@ from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
 from eyas.train.optim import build_scheduler
 from eyas.train.step import TrainingModule, to_device
-from eyas.train.tracking import (MetricsLogger, MetricsWindow, default_peak_flops,
-                                 flops_per_token, progress_bar)
+from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, default_peak_flops,
+                                 flops_per_token)
 from eyas.train.update import SkippedSteps, host_checked_micro_step, micro_step
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ def fit(t: Trainer) -> dict[str, Any]:
     skipped = SkippedSteps(cfg.train.max_nonfinite_steps, acc.device, done=nonfinite)
     peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
             else default_peak_flops(acc.device))
-    bar = progress_bar(t.total_steps, step, acc.is_main_process)
+    bar = Progress(t.total_steps, step, acc.is_main_process)
     window, last_eval = MetricsWindow(), {}
     batches = micro_batches(t.data.train)
     t.module.train()
@@ -243,8 +243,7 @@ def fit(t: Trainer) -> dict[str, Any]:
             skipped.read(step)
             rec = window.flush(acc, t.flops_per_token, peak, t.scheduler.get_last_lr()[0])
             logger.log(step, rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                            tau=f"{rec['tau']:.2f}")
+            bar.report(step, rec)   # the bar on a terminal, a log line otherwise
         is_eval = _every(step, cfg.train.eval_every) or done
         if is_eval:
             last_eval = evaluate(t)

@@ -258,6 +258,17 @@ def resolve_target_config(target_config: dict[str, Any] | str | Path | None) -> 
     return text_config(cfg)
 
 
+def require_dir(path: str | Path, what: str = "export directory") -> Path:
+    """`path` as a directory, or the usage error (exit 2) a command reports for a mistyped path;
+    a directory that exists but is not a valid export is a finding instead."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such {what}")
+    if not path.is_dir():
+        raise NotADirectoryError(f"{path}: not a directory (expected the {what})")
+    return path
+
+
 def is_speculators_config(cfg: dict[str, Any]) -> bool:
     """A speculators-format config.json (vLLM only), not layout A."""
     return "speculators_model_type" in cfg or "transformer_layer_config" in cfg

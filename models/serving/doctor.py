@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from eyas.data.log import HelpFormatter
 from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
-                                          read_config, resolve_target_config)
+                                          read_config, require_dir, resolve_target_config)
 from eyas.models.serving.validate import validate
 
 log = logging.getLogger(__name__)
@@ -309,11 +310,12 @@ def format_report(report: Report, export_dir: str | Path) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas doctor` arguments."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas doctor",
         description="Explain the likely causes of low acceptance of an exported drafter: contract "
                     "violations, data/export mismatches, draft vocabulary coverage, TTT depth. "
-                    "Exit 0 = nothing found, 1 = likely causes listed.")
+                    "Exit 0 = nothing found, 1 = likely causes listed, 2 = usage error (e.g. a mistyped "
+                    "path).")
     p.add_argument("dir", help="the exported drafter directory")
     p.add_argument("--target-config", required=True,
                    help="the target's config.json, its directory (also gives its chat template) "
@@ -332,6 +334,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     """`eyas doctor DIR --target-config FILE [--data DATASET_DIR] [--num-speculative-tokens K]`."""
     p = build_parser()
     args = p.parse_args(argv)
+    require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
+    if args.data is not None:
+        require_dir(args.data, "dataset directory")
     report = diagnose(args.dir, args.target_config, data=args.data,
                       num_speculative_tokens=args.num_speculative_tokens,
                       max_samples=args.max_samples)

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
+from eyas.data.log import HelpFormatter
 from eyas.data.utils import atomic_write_dir, umask_mode
 from eyas.data.vocab_map import VocabMap
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
@@ -326,7 +327,7 @@ def serve_commands(export_dir: str | Path, target: str, k: int) -> tuple[str, st
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas export` arguments."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas export",
         description="Write a trained drafter as a directory vLLM and SGLang serve as is "
                     "(config.json + model.safetensors, serving-contract layout A).")
@@ -355,15 +356,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     config = json.loads(Path(args.drafter_config).read_text()) if args.drafter_config else None
-    try:
-        out = export_checkpoint(
-            args.checkpoint, args.out_dir, config=config, target_config=args.target_config,
-            speculators=args.speculators_config, verifier=args.verifier,
-            num_speculative_tokens=args.num_speculative_tokens, overwrite=args.overwrite,
-            max_shard_bytes=int(args.shard_size_gb * 2**30) if args.shard_size_gb else None)
-    except (ExportError, FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"eyas export: error: {e}", file=sys.stderr)
-        return 1
+    # ExportError, a missing checkpoint or an existing OUT_DIR: one line and exit 2 from
+    # the `eyas` command (data/log.py run_command)
+    out = export_checkpoint(
+        args.checkpoint, args.out_dir, config=config, target_config=args.target_config,
+        speculators=args.speculators_config, verifier=args.verifier,
+        num_speculative_tokens=args.num_speculative_tokens, overwrite=args.overwrite,
+        max_shard_bytes=int(args.shard_size_gb * 2**30) if args.shard_size_gb else None)
     meta = json.loads((out / EXPORT_META).read_text())
     k = args.num_speculative_tokens or meta.get("ttt_steps") or 3
     if meta.get("ttt_steps") and k > meta["ttt_steps"]:

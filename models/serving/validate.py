@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from eyas.data.log import HelpFormatter
 from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, TensorDir,
                                           finding, format_findings, is_speculators_config,
-                                          read_config, resolve_target_config)
+                                          read_config, require_dir, resolve_target_config)
 from eyas.models.serving.validate_static import check_config, check_tensors
 
 log = logging.getLogger(__name__)
@@ -118,10 +119,11 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas validate` arguments."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas validate",
         description="Check an exported EAGLE-3 drafter directory against what vLLM and SGLang "
-                    "load (serving-contract.md). Exit 0 = clean, 1 = findings.")
+                    "load (serving-contract.md). Exit 0 = clean, 1 = findings, 2 = usage error (e.g. a "
+                    "mistyped path).")
     p.add_argument("dir", help="the exported drafter directory (config.json + model.safetensors)")
     p.add_argument("--target-config", required=True,
                    help="the target's config.json, its directory, or an eyas preset name")
@@ -144,6 +146,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     """`eyas validate DIR --target-config FILE [--target-weights DIR] [--numeric]`."""
     p = build_parser()
     args = p.parse_args(argv)
+    require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
     findings = validate(args.dir, args.target_config, check_values=not args.no_values,
                         numeric=args.numeric, target_weights=args.target_weights)
     if args.json:

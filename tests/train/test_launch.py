@@ -78,3 +78,35 @@ def test_launch_sh_help_explains_itself():
     assert r.returncode == 0
     for word in ("--gpus", "--cpu", "--nodes", "dist=zero2", "Hydra"):
         assert word in r.stdout
+
+
+def _launch(*args, cwd, timeout=300):
+    env = _env()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return subprocess.run(["bash", str(ROOT / "launch.sh"), "--no-venv", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_launch_sh_gpus_0_runs_on_the_cpu(tmp_path):
+    r = _launch("--gpus", "0", "train.dry_run=true", f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rec = json.loads((tmp_path / "run" / "ranks" / "rank0.json").read_text())
+    assert rec["world_size"] == 1 and rec["device"] == "cpu"
+    assert (tmp_path / "run" / "train.log").is_file()
+
+
+def test_launch_sh_passes_the_trainers_exit_status_through(tmp_path):
+    r = _launch("--gpus", "0", "train.dry_run=true", "optim.lr=-1",
+                f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-4000:]
+    assert "Traceback" not in r.stderr and "CalledProcessError" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if "optim.lr" in line and " E " in line]
+    assert len(errors) == 1 and "bad configuration" in errors[0], r.stderr
+    # a Hydra override that names no field: a usage error too, before any job starts
+    r = _launch("--gpus", "0", "optim.no_such_field=1", f"hydra.run.dir={tmp_path}/run2",
+                cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-4000:]
+    # launch.sh's own options
+    for bad in (["--gpus", "x"], ["--gpus"], ["--cpu", "0"]):
+        r = _launch(*bad, cwd=tmp_path, timeout=30)
+        assert r.returncode == 2 and r.stderr.startswith("launch.sh: "), (bad, r.stderr)

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from eyas.data.log import HelpFormatter
 from eyas.models.serving.engines.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, default_root,
                                   disk_usage, ensure_venv, ready_info, venv_dir)
 
@@ -34,11 +35,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_check_parser(prog: str = "eyas engines check") -> argparse.ArgumentParser:
     """The `eyas engines check` arguments."""
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog=prog, description="Load an exported drafter with vLLM's and SGLang's own loaders "
         "on CPU (each in its own venv) and report load errors, silently dropped tensors, "
         "parameters never written, NaN/inf and a logits smoke check. Exit 0 = clean, "
-        "1 = findings, 2 = an engine could not run.")
+        "1 = findings, 2 = usage error, 3 = an engine could not run here.")
     p.add_argument("dir", help="the exported drafter directory")
     p.add_argument("--target-config", required=True,
                    help="the target's config.json, its directory, or an eyas preset name "
@@ -72,13 +73,14 @@ def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines ch
         print(format_reports(reports))
     codes = {f.code for r in reports.values() for f in r.findings}
     if "ENGINE_UNAVAILABLE" in codes and codes == {"ENGINE_UNAVAILABLE"}:
-        return 2
+        return 3
     return 1 if codes else 0
 
 
 def _setup(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="eyas engines setup", description="Create the engine venvs "
-                                "(once; cached, atomic, safe to run concurrently).")
+    p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter, prog="eyas engines setup",
+        description="Create the engine venvs (once; cached, atomic, safe to run concurrently).")
     _common(p)
     p.add_argument("--installer", choices=("auto", "uv", "pip"), default="auto",
                    help="uv is ~5x faster than pip (default auto: uv when available)")
@@ -92,7 +94,7 @@ def _setup(argv: list[str]) -> int:
                                installer=args.installer)
         except EngineSetupError as e:
             print(f"{engine}: setup failed: {e}", file=sys.stderr)
-            rc = 2
+            rc = 3
             continue
         info = ready_info(path) or {}
         print(f"{engine} {versions[engine]}: {path}  (torch {info.get('torch')}, installed in "
@@ -102,7 +104,8 @@ def _setup(argv: list[str]) -> int:
 
 
 def _list(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="eyas engines list", description="Show the engine venvs.")
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="eyas engines list",
+                                description="Show the engine venvs.")
     _common(p)
     args = p.parse_args(argv)
     root = venv_dir("vllm", "x", args.venv_root).parent

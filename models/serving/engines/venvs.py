@@ -53,6 +53,8 @@ READY = ".eyas-ready.json"
 class EngineSetupError(RuntimeError):
     """An engine venv could not be created; the message carries the installer's output."""
 
+    exit_status = 3  # a stage that cannot run on this machine (data/log.py)
+
 
 def default_root() -> Path:
     return DEFAULT_ROOT.expanduser()

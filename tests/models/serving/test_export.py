@@ -20,6 +20,7 @@ from eyas.models.serving.export import (EXPORT_META, ExportError, cli_main, expo
 from eyas.data.targets import load_target_config
 from eyas.models.serving.contract import CORE_TENSORS, TensorDir
 from eyas.models.serving.validate import validate
+from eyas.train.cli import main
 
 VD = 512
 ROOT = Path(__file__).resolve().parents[3]
@@ -180,8 +181,11 @@ def test_cli_prints_the_serve_commands(drafter, tcfg, tmp_path, capsys):
     vllm, sglang = serve_commands((tmp_path / "out").resolve(), "tiny-llama", 4)
     assert vllm in text and sglang in text
     assert '"num_speculative_tokens":4' in vllm and "--speculative-num-draft-tokens 5" in sglang
-    assert cli_main([str(ck), str(tmp_path / "out"), "--target-config", "tiny-llama"]) == 1
-    assert "already exists" in capsys.readouterr().err
+    # through the `eyas` command: an existing OUT_DIR is a usage error, one line, exit 2
+    assert main(["export", str(ck), str(tmp_path / "out"), "--target-config", "tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("eyas export: ") and "already exists" in last and "Traceback" not in err
 
 
 def test_deepspeed_zero3_two_process_checkpoint(tcfg, tmp_path):
