@@ -62,7 +62,7 @@ def test_importing_the_stack_imports_neither(tmp_path):
 
 def test_main_job_reports_a_missing_wandb_in_one_line(tmp_path):
     code = ("import runpy, sys; sys.modules['wandb'] = None; "
-            f"sys.argv = ['main.py', 'tracker=wandb', 'train.dry_run=true', "
+            f"sys.argv = ['main.py', 'tracker=wandb', 'tracker.mode=offline', 'train.dry_run=true', "
             f"'hydra.run.dir={tmp_path}/r']; "
             f"runpy.run_path({str(ROOT / 'train' / 'main.py')!r}, run_name='__main__')")
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
