@@ -1,5 +1,8 @@
 """`eyas inspect DIR`: what a dataset holds, from its manifest and index (no shard data read).
 
+`--samples N` also shows the first N samples as decoded text with the trained tokens marked
+(`data.render`); `--raw` shows their ids instead.
+
 A directory with shards but no manifest (a producer still running, or one that stopped) is
 summarised from the shard headers and reported as incomplete.
 """
@@ -17,6 +20,7 @@ import numpy as np
 
 from eyas.data.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
 from eyas.data.log import HelpFormatter
+from eyas.data.render import dataset_tokenizer, default_style, render_sample, sample_header
 from eyas.data.utils import human_bytes
 
 log = logging.getLogger(__name__)
@@ -95,13 +99,52 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _raw_sample(i: int, x: dict[str, Any]) -> str:
+    desc = "  ".join(f"{k} {list(v.shape)}" for k, v in x.items())
+    ids = x["input_ids"][:12].tolist()
+    return (f"{sample_header(i, x['input_ids'], x['loss_mask'])}  {desc}\n"
+            f"     ids {ids}{' ...' if len(x['input_ids']) > 12 else ''}")
+
+
+def print_samples(path: str | os.PathLike, n: int, raw: bool = False, target: str | None = None,
+                  color: str = "auto") -> None:
+    """Print the first `n` samples: decoded with the loss mask marked (data.render), or, with
+    `raw` or when no tokenizer loads (one line says why), their ids and field shapes."""
+    from eyas.data.dataset import open_dataset
+    ds = open_dataset(path)
+    tok = None
+    if not raw:
+        tok, why = dataset_tokenizer(ds.manifest, target)
+        if why:
+            print(why if tok is not None else f"showing token ids: no tokenizer loads ({why})")
+    style = default_style(color=color)
+    for i in range(min(n, len(ds))):
+        x = ds[i]
+        if tok is None:
+            print(_raw_sample(i, x))
+        else:
+            ids, mask = x["input_ids"].tolist(), x["loss_mask"].tolist()
+            print(("\n" if i else "") + render_sample(tok, i, ids, mask, style))
+
+
 def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas inspect DIR [--json] [--samples N] [--verify LEVEL]`."""
+    """`eyas inspect DIR [--json] [--samples N [--raw] [--target MODEL]] [--verify LEVEL]`."""
     p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="eyas inspect",
                                 description="Summarise an eyas dataset (tokens or hidden states).")
     p.add_argument("dir", help="dataset directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--samples", type=int, default=0, help="also show the first N samples")
+    p.add_argument("--samples", type=int, default=0, metavar="N",
+                   help="also show the first N samples as decoded text (special tokens "
+                        "included), each run of trained tokens (loss mask 1) wrapped in "
+                        "[[ ... ]], or coloured on a terminal")
+    p.add_argument("--raw", action="store_true",
+                   help="with --samples: show token ids and field shapes, not decoded text")
+    p.add_argument("--target", default=None, metavar="MODEL",
+                   help="with --samples: decode with this target's tokenizer instead of the "
+                        "one the manifest names")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="with --samples: colour trained text (auto: on a terminal, unless "
+                        "NO_COLOR is set); otherwise [[ ]] marks it")
     p.add_argument("--verify", choices=("none", "header", "checksum"), default="none",
                    help="check shard headers / every checksum and NaN before summarising")
     args = p.parse_args(argv)
@@ -112,12 +155,5 @@ def cli_main(argv: list[str] | None = None) -> int:
     s = summarize(args.dir)
     print(json.dumps(s, indent=1) if args.json else format_summary(s))
     if args.samples and s["complete"]:
-        from eyas.data.dataset import open_dataset
-        ds = open_dataset(args.dir)
-        for i in range(min(args.samples, len(ds))):
-            x = ds[i]
-            desc = "  ".join(f"{k} {list(v.shape)}" for k, v in x.items())
-            ids = x["input_ids"][:12].tolist()
-            print(f"[{i}] T={len(x['input_ids'])} trained={int(x['loss_mask'].sum())}  {desc}\n"
-                  f"     ids {ids}{' ...' if len(x['input_ids']) > 12 else ''}")
+        print_samples(args.dir, args.samples, raw=args.raw, target=args.target, color=args.color)
     return 0

@@ -5,7 +5,9 @@ imported); each ``import``/``from … import`` statement, at module level or ins
 becomes an arrow from its file to the files it names. A relative import is resolved against the
 file's package; ``from eyas.data import x`` is an arrow to ``data/__init__.py`` and, when ``x``
 is a submodule, to ``data/x.py`` too. A bare ``import name`` of a sibling file (the engine probe
-scripts, which run outside eyas) is an arrow to that sibling. The rules (zero exceptions):
+scripts, which run outside eyas) is an arrow to that sibling unless `name` is a standard-library
+module (data/settings.py's ``import inspect`` is not data/inspect.py). The rules (zero
+exceptions):
 
 - data/ imports nothing of eyas.models, eyas.kernels, eyas.train;
 - models/ and kernels/ never import eyas.train; kernels/ imports nothing of the project;
@@ -20,6 +22,7 @@ scripts, which run outside eyas) is an arrow to that sibling. The rules (zero ex
 from __future__ import annotations
 
 import ast
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +84,8 @@ def arrows(path: Path, tree: ast.AST, mods: dict[str, Path]) -> list[Arrow]:
 
     def add(line: int, target: str) -> None:
         dst = mods.get(target)
-        if dst is None and "." not in target and (path.parent / f"{target}.py").is_file():
+        if (dst is None and "." not in target and target not in sys.stdlib_module_names
+                and (path.parent / f"{target}.py").is_file()):
             dst = path.parent / f"{target}.py"  # a script importing its sibling by path
         out.append(Arrow(path, line, target, dst))
 

@@ -54,7 +54,7 @@ def test_cli(tmp_path, capsys):
     assert cli_main([str(tmp_path), "--samples", "2", "--verify", "checksum"]) == 0
     out = capsys.readouterr().out
     assert "verify=checksum: ok" in out and "samples   3   tokens 16   shards 2" in out
-    assert "aux bf16   teacher last" in out and "[1] T=5 trained=5" in out
+    assert "aux bf16   teacher last" in out and "[1] tokens 5  trained 5 (100.0%)" in out
     assert cli_main([str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 16
     assert (tmp_path / MANIFEST_NAME).exists()
