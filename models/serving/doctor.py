@@ -318,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "path).")
     p.add_argument("dir", help="the exported drafter directory")
     p.add_argument("--target-config", required=True,
-                   help="the target's config.json, its directory (also gives its chat template) "
-                        "or an eyas preset name")
+                   help="the target's config.json, its directory (also gives its chat template), "
+                        "hub id (org/name[@revision]) or preset name")
     p.add_argument("--data", default=None, help="the hidden-state dataset the drafter was "
                    "trained on (its manifest and tokens)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,

@@ -335,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a state-dict file, or an exported drafter dir (re-export / convert)")
     p.add_argument("out_dir", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--target-config", default=None,
-                   help="target config.json / dir / preset: enables the target checks")
+                   help="the target's config.json, its directory, hub id "
+                   "(org/name[@revision]) or preset name: enables the target checks "
+                   "(default: none, no target checks)")
     p.add_argument("--drafter-config", default=None,
                    help="drafter config.json when the checkpoint has no eyas.json")
     p.add_argument("--speculators-config", action="store_true",
