@@ -415,9 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
                    "held-out split (train.seed; the drafter's recorded seed unless given)")
     p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
-    p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
+    p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
+                   "(default: ~/.cache/eyas)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
-                   "decoding gains little from more; on a busy machine 1 is often fastest)")
+                   "decoding gains little from more; on a busy machine 1 is often fastest; "
+                   "default: torch's own)")
     return p
 
 

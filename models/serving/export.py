@@ -339,17 +339,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "(org/name[@revision]) or preset name: enables the target checks "
                    "(default: none, no target checks)")
     p.add_argument("--drafter-config", default=None,
-                   help="drafter config.json when the checkpoint has no eyas.json")
+                   help="drafter config.json when the checkpoint has no eyas.json "
+                   "(default: the checkpoint's eyas.json)")
     p.add_argument("--speculators-config", action="store_true",
                    help="also write OUT_DIR-speculators/ (vLLM-only speculators format)")
     p.add_argument("--verifier", default=None,
                    help="target path or hub id recorded in the speculators config and printed "
-                        "in the serve commands")
+                        "in the serve commands (default: none; needed with --speculators-config)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K for the printed commands (default: the TTT steps trained, else 3)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     p.add_argument("--shard-size-gb", type=float, default=None,
-                   help="split model.safetensors into shards of at most this size")
+                   help="split model.safetensors into shards of at most this size "
+                        "(default: one file)")
     return p
 
 

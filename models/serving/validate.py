@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print findings as JSON")
     p.add_argument("--engines", default=None,
                    help="also load DIR with these engines' own loaders on CPU, in their own "
-                        "venvs, e.g. vllm,sglang (see `eyas engines --help`)")
+                        "venvs, e.g. vllm,sglang (see `eyas engines --help`; default: none)")
     return p
 
 
