@@ -162,9 +162,10 @@ elif [[ -z "$gpus" ]]; then
   if have_gpu; then gpus=$(nvidia-smi -L | wc -l); else cpus=1; fi
 fi
 acc=(accelerate launch --mixed_precision no --dynamo_backend no)
+multi=1   # more than one process (0: the branches with --quiet)
 if [[ -n "$cpus" ]]; then
   if [[ "$cpus" == 1 ]]; then
-    acc+=(--config_file conf/accelerate/gpu1.yaml --quiet)
+    acc+=(--config_file conf/accelerate/gpu1.yaml --quiet); multi=0
   else
     acc+=(--config_file conf/accelerate/cpu.yaml --num_processes "$cpus")
   fi
@@ -173,9 +174,21 @@ elif [[ "$nodes" -gt 1 ]]; then
         --machine_rank "$node_rank" --main_process_ip "$master_addr"
         --main_process_port "$master_port" --num_processes $((nodes * gpus)))
 elif [[ "$gpus" == 1 ]]; then
-  acc+=(--config_file conf/accelerate/gpu1.yaml --quiet)
+  acc+=(--config_file conf/accelerate/gpu1.yaml --quiet); multi=0
 else
   acc+=(--config_file conf/accelerate/gpu8.yaml --num_processes "$gpus")
+fi
+# Several processes would each report a bad config, and accelerate its own traceback after
+# them: check the config once, in this process, first (it writes nothing). Not for --multirun
+# (sweep values such as a=1,2 compose no single config) nor Hydra's other flags (--cfg,
+# --config-name, ...): with any argument that starts with "-" the job checks for itself.
+if [[ $multi == 1 ]]; then
+  flagged=0
+  for a in "${args[@]}"; do if [[ "$a" == -* ]]; then flagged=1; fi; done
+  if [[ $flagged == 0 ]]; then
+    python -c 'import sys; from eyas.train.main import precheck; sys.exit(precheck(sys.argv[1:]))' \
+      "${args[@]}" || exit $?
+  fi
 fi
 echo "launch.sh: ${acc[*]} train/main.py ${args[*]:-}" >&2
 # `accelerate launch` exits 1 whatever its processes returned (--quiet: without a traceback of

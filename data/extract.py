@@ -382,7 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per output shard (default: about 1 GiB of features per shard)")
     p.add_argument("--device", default="auto", help="auto (cuda:<local rank> if available), "
                    "cpu, cuda:0, ...")
-    p.add_argument("--device-map", default=None, help="'auto': one large target across GPUs")
+    p.add_argument("--device-map", default=None,
+                   help="'auto': one large target across GPUs (default: none, the whole target "
+                        "on --device)")
     p.add_argument("--finalize-only", action="store_true",
                    help="only write the manifest from the shards present")
     return p

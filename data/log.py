@@ -95,8 +95,9 @@ def setup_logging(level: int = logging.INFO, rank: int | None = None,
 
 class HelpFormatter(argparse.HelpFormatter):
     """`--help` of every eyas command: each option shows its default ("(default: X)" appended
-    unless its help already names it; flags, required options and options whose default is
-    None, i.e. not given, are left as written)."""
+    unless its help already names it). Flags and required options are left as written, and so
+    are options whose default is None (not given): their help says in words what that means,
+    e.g. "(default: the dataset manifest's target)"."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

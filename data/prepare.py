@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=ERROR_MODES, default="raise",
                    help="a malformed record: stop there (naming file:line) or skip and count it")
     p.add_argument("--chat-template", default=None,
-                   help="shipped template name (llama-3.1, qwen3, deepseek-v3) or .jinja path")
+                   help="shipped template name (llama-3.1, qwen3, deepseek-v3) or .jinja path "
+                        "(default: the target tokenizer's own)")
     p.add_argument("--template-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="extra chat-template variable, e.g. enable_thinking=false")
     p.add_argument("--on-nonprefix", choices=("split", "raise"), default="split",

@@ -242,16 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--target", "--force-special-from", dest="target", metavar="TARGET",
                    help="force the special and chat-template tokens of TARGET's tokenizer, as "
-                        "the trainer does (preset name or model directory; default: the "
-                        "dataset manifest's target)")
+                        "the trainer does (directory, hub id (org/name[@revision]) or preset "
+                        "name; default: the dataset manifest's target)")
     p.add_argument("--no-special", action="store_true",
                    help="force no special tokens (the trainer always forces them)")
-    p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
+    p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
+                   "(default: ~/.cache/eyas)")
     p.add_argument("--force-ids", default="", help="extra ids to force, comma-separated")
     p.add_argument("--count", choices=COUNT_MODES, default="auto",
                    help="which tokens are counted (see data.vocab.count_tokens)")
     p.add_argument("--target-vocab-size", type=int, default=None,
-                   help="V, if the dataset manifest does not record it")
+                   help="V, if the dataset manifest does not record it (default: the "
+                        "manifest's)")
     return p
 
 

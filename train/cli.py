@@ -82,7 +82,10 @@ def _cpu_threads() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
+    if not argv:  # no command: a usage error
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
     if argv[0] in ("-V", "--version"):
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from eyas.data.log import run_command, setup_logging
     setup_logging()
-    _cpu_threads()
+    if not {"-h", "--help"} & set(rest):  # help runs nothing: no thread line before it
+        _cpu_threads()
     # one place for every subcommand: an error the user can fix is one line and exit 2 (3 for
     # a stage that cannot run here); anything else keeps its traceback
     return run_command(f"eyas {name}", _cli_main(name), rest)

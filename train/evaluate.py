@@ -384,8 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
         "way vLLM runs it), checked token for token against target-only greedy decoding. With "
         "--data: exact offline chain acceptance on a hidden-state dataset (every K' <= K).")
     p.add_argument("--drafter", required=True, help="exported drafter directory (layout A)")
-    p.add_argument("--target", default=None, help="target preset or model directory (needed "
-                   "with --prompts; with --data the dataset manifest's target is the default)")
+    p.add_argument("--target", default=None, help="target: directory, hub id (org/name[@revision]) "
+                   "or preset name (needed with --prompts; default with --data: the dataset "
+                   "manifest's target)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help="prompts JSONL (OpenAI `messages`); the target's chat "
                      "template is applied with add_generation_prompt")
@@ -414,9 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
                    "held-out split (train.seed; the drafter's recorded seed unless given)")
     p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
-    p.add_argument("--cache-dir", default=None, help="where target presets are materialised")
+    p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
+                   "(default: ~/.cache/eyas)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
-                   "decoding gains little from more; on a busy machine 1 is often fastest)")
+                   "decoding gains little from more; on a busy machine 1 is often fastest; "
+                   "default: torch's own)")
     return p
 
 

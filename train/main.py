@@ -22,7 +22,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from eyas.data.targets import default_device
-from eyas.data.log import EXIT_USAGE, error_exit_status, error_message, setup_logging
+from eyas.data.log import (EXIT_USAGE, current_rank, error_exit_status, error_message,
+                           setup_logging)
 from eyas.train.config import ConfigError, load, register, resolve
 
 log = logging.getLogger("eyas")
@@ -141,6 +142,45 @@ def _write_rank_record(out: Path, accelerator, cfg) -> None:
     (rank_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
+def _report(e: Exception) -> int:
+    """An error the user can fix: one line, its exit status (2; 3: a stage that cannot run here).
+    Anything else is a bug and keeps its traceback (EYAS_DEBUG=1: always). A config error is the
+    same on every rank: rank 0 says it, the other ranks exit with its status silently."""
+    status = error_exit_status(e)
+    if status is None or os.environ.get("EYAS_DEBUG"):
+        raise e
+    config = isinstance(e, ConfigError)
+    if not config or current_rank() == 0:
+        log.error("%s%s", "bad configuration: " if config else "", error_message(e))
+    return status
+
+
+def precheck(overrides: list[str]) -> int:
+    """The config check of a job, in this one process and writing nothing (launch.sh runs it
+    before starting several processes, which would each report a bad config, and accelerate a
+    traceback of its own): `overrides` composed with Hydra's compose API from conf/, then
+    `load`'s checks. 0 when they pass, else the job's one line and exit status."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    setup_logging()
+    try:
+        with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"),
+                                   version_base=None):
+            composed = compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:  # as Hydra reports a bad override
+        cause = f"\n{e.__cause__}\n" if e.__cause__ is not None else ""
+        print(f"{e}{cause}\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete "
+              "stack trace.", file=sys.stderr)
+        return EXIT_USAGE
+    composed.output_dir = "<not created by the check>"  # ${hydra:runtime.output_dir}: a job's
+    try:
+        load(composed)
+    except Exception as e:
+        return _report(e)
+    return 0
+
+
 _job_started = False  # Hydra composed a config and called main (see cli)
 
 
@@ -152,15 +192,7 @@ def main(cfg: DictConfig) -> None:
     try:
         summary = run(cfg)
     except Exception as e:
-        # an error the user can fix: one line, exit 2 (3: a stage that cannot run here);
-        # anything else is a bug and keeps its traceback (EYAS_DEBUG=1: always)
-        status = error_exit_status(e)
-        if status is None or os.environ.get("EYAS_DEBUG"):
-            raise
-        prefix = "bad configuration: " if isinstance(e, ConfigError) else ""
-        log.error("%s%s", prefix, error_message(e))
-        raise SystemExit(status) from None
-    from eyas.data.log import current_rank
+        raise SystemExit(_report(e)) from None
     if current_rank() == 0:
         if summary.get("export"):
             print(f"export: {summary['export']}")

@@ -318,13 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "path).")
     p.add_argument("dir", help="the exported drafter directory")
     p.add_argument("--target-config", required=True,
-                   help="the target's config.json, its directory (also gives its chat template) "
-                        "or an eyas preset name")
+                   help="the target's config.json, its directory (also gives its chat template), "
+                        "hub id (org/name[@revision]) or preset name")
     p.add_argument("--data", default=None, help="the hidden-state dataset the drafter was "
-                   "trained on (its manifest and tokens)")
+                   "trained on (its manifest and tokens; default: none, the data checks are "
+                   "skipped)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K you serve with (vLLM num_speculative_tokens, SGLang "
-                        "speculative-num-steps)")
+                        "speculative-num-steps; default: none, the TTT steps "
+                        "trained are reported)")
     p.add_argument("--max-samples", type=int, default=2000,
                    help="samples read for the vocabulary coverage (spread over the dataset)")
     return p

@@ -335,19 +335,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "a state-dict file, or an exported drafter dir (re-export / convert)")
     p.add_argument("out_dir", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--target-config", default=None,
-                   help="target config.json / dir / preset: enables the target checks")
+                   help="the target's config.json, its directory, hub id "
+                   "(org/name[@revision]) or preset name: enables the target checks "
+                   "(default: none, no target checks)")
     p.add_argument("--drafter-config", default=None,
-                   help="drafter config.json when the checkpoint has no eyas.json")
+                   help="drafter config.json when the checkpoint has no eyas.json "
+                   "(default: the checkpoint's eyas.json)")
     p.add_argument("--speculators-config", action="store_true",
                    help="also write OUT_DIR-speculators/ (vLLM-only speculators format)")
     p.add_argument("--verifier", default=None,
                    help="target path or hub id recorded in the speculators config and printed "
-                        "in the serve commands")
+                        "in the serve commands (default: none; needed with --speculators-config)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K for the printed commands (default: the TTT steps trained, else 3)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     p.add_argument("--shard-size-gb", type=float, default=None,
-                   help="split model.safetensors into shards of at most this size")
+                   help="split model.safetensors into shards of at most this size "
+                        "(default: one file)")
     return p
 
 

@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "mistyped path).")
     p.add_argument("dir", help="the exported drafter directory (config.json + model.safetensors)")
     p.add_argument("--target-config", required=True,
-                   help="the target's config.json, its directory, or an eyas preset name")
+                   help="the target's config.json, its directory, hub id "
+                        "(org/name[@revision]) or preset name")
     p.add_argument("--target-weights", default=None,
                    help="target directory whose embedding the numerical check uses "
                         "(default: a seeded random embedding of the right shape)")
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print findings as JSON")
     p.add_argument("--engines", default=None,
                    help="also load DIR with these engines' own loaders on CPU, in their own "
-                        "venvs, e.g. vllm,sglang (see `eyas engines --help`)")
+                        "venvs, e.g. vllm,sglang (see `eyas engines --help`; default: none)")
     return p
 
 

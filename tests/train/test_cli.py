@@ -15,6 +15,12 @@ def test_help_lists_every_subcommand(capsys):
         assert name in out
 
 
+def test_no_command_is_a_usage_error(capsys):
+    assert main([]) == 2
+    assert "usage: eyas" in capsys.readouterr().err
+    assert main(["help"]) == 0 and "usage: eyas" in capsys.readouterr().out
+
+
 def test_unknown_subcommand_fails(capsys):
     assert main(["train-me"]) == 2
     assert "unknown command" in capsys.readouterr().err
@@ -29,6 +35,14 @@ def test_subcommand_help(name, capsys):
     assert code in (0, None)
     captured = capsys.readouterr()
     assert "usage" in (captured.out + captured.err).lower()
+
+
+def test_subcommand_help_starts_with_its_usage():
+    # no log line before the help (the CPU thread rule runs only for a real command)
+    r = subprocess.run([sys.executable, "-m", "eyas.train.cli", "inspect", "--help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: eyas inspect")
+    assert "thread" not in r.stderr, r.stderr
 
 
 def test_console_script_runs():

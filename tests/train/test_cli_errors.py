@@ -138,12 +138,17 @@ def test_every_option_has_help_that_shows_its_default():
     for name, p in _all_parsers().items():
         assert p.formatter_class is HelpFormatter, name
         fmt = HelpFormatter(p.prog)
+        # one of a required group is given: no default to show (evaluate --prompts/--data)
+        chosen = {id(a) for g in p._mutually_exclusive_groups if g.required
+                  for a in g._group_actions}
         for action in p._actions:
-            if not action.option_strings or isinstance(action, argparse._HelpAction):
+            if (not action.option_strings or isinstance(action, argparse._HelpAction)
+                    or id(action) in chosen):
                 continue
             flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
-            shown = fmt._get_help_string(action) if action.help else ""
-            if not action.help or not (flag or action.required or action.default is None
-                                       or "default" in shown.lower()):
+            shown = (fmt._get_help_string(action) if action.help else "").lower()
+            # a None default ("not given") shows nothing by itself: its help says what it means
+            if not action.help or not (flag or action.required or "default" in shown
+                                       or (action.default is None and "(none" in shown)):
                 missing.append(f"{name} {action.option_strings[0]}")
     assert not missing, missing

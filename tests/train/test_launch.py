@@ -60,7 +60,8 @@ def test_two_process_launch_refuses_a_used_run_dir_on_every_rank(tmp_path):
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     r = launch(tmp_path, 29519, "run_name=r")
     assert r.returncode != 0
-    assert r.stderr.count(f"the run directory {run_dir} is not empty") == 2  # both ranks
+    # every rank refuses (rank 0's verdict, broadcast); rank 0 says so, once
+    assert r.stderr.count(f"the run directory {run_dir} is not empty") == 1, r.stderr
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
@@ -110,3 +111,26 @@ def test_launch_sh_passes_the_trainers_exit_status_through(tmp_path):
     for bad in (["--gpus", "x"], ["--gpus"], ["--cpu", "0"]):
         r = _launch(*bad, cwd=tmp_path, timeout=30)
         assert r.returncode == 2 and r.stderr.startswith("launch.sh: "), (bad, r.stderr)
+
+
+def test_launch_sh_checks_the_config_once_before_several_processes(tmp_path):
+    run_dir = tmp_path / "run"
+    r = _launch("--cpu", "2", "train.dry_run=true", "optim.lr=-1", f"hydra.run.dir={run_dir}",
+                cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-4000:]
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "bad configuration" in line]
+    assert len(errors) == 1 and "optim.lr" in errors[0], r.stderr
+    assert "accelerate launch" not in r.stderr  # no process was started
+    assert not run_dir.exists() and not (tmp_path / ".hydra").exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_config_check_composes_like_the_job(tmp_path, monkeypatch, capsys):
+    from eyas.train.main import precheck
+    monkeypatch.chdir(tmp_path)
+    assert precheck(["train.dry_run=true", f"hydra.run.dir={tmp_path}/run"]) == 0
+    assert precheck(["optim.no_such_field=1"]) == 2
+    assert "no_such_field" in capsys.readouterr().err
+    assert precheck(["drafter.ttt_steps=0"]) == 2
+    assert list(tmp_path.iterdir()) == []  # nothing written

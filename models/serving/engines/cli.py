@@ -42,8 +42,9 @@ def build_check_parser(prog: str = "eyas engines check") -> argparse.ArgumentPar
         "1 = findings, 2 = usage error, 3 = an engine could not run here.")
     p.add_argument("dir", help="the exported drafter directory")
     p.add_argument("--target-config", required=True,
-                   help="the target's config.json, its directory, or an eyas preset name "
-                        "(only config.json is used: no weights, no tokenizer)")
+                   help="the target's config.json, its directory, hub id "
+                        "(org/name[@revision]) or preset name (only config.json is used: no "
+                        "weights, no tokenizer)")
     _common(p)
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="K (default 3)")
     p.add_argument("--no-setup", action="store_true",
