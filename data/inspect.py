@@ -140,8 +140,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true",
                    help="with --samples: show token ids and field shapes, not decoded text")
     p.add_argument("--target", default=None, metavar="MODEL",
-                   help="with --samples: decode with this target's tokenizer instead of the "
-                        "one the manifest names")
+                   help="with --samples: decode with this target's tokenizer (directory, hub "
+                        "id or preset name; default: the one the manifest names)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="with --samples: colour trained text (auto: on a terminal, unless "
                         "NO_COLOR is set); otherwise [[ ]] marks it")
