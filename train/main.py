@@ -35,7 +35,7 @@ def run(composed: DictConfig) -> dict:
     summary.json once every check has run)."""
     import torch
 
-    from eyas.train import pipeline, rundir
+    from eyas.train import rundir
     from eyas.train.dist import build_accelerator
 
     cfg = load(composed)                       # checked, typed: the only DictConfig use
@@ -60,27 +60,36 @@ def run(composed: DictConfig) -> dict:
                      "output_dir": str(out)}
     _write_rank_record(out, accelerator, cfg)
     if not cfg.train.dry_run:
-        def dataset():
-            return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
-                                           target_dtype=resolved.target_dtype)
-
-        if accelerator.is_main_process:
-            datasets = dataset()
-        accelerator.wait_for_everyone()
-        if not accelerator.is_main_process:
-            datasets = dataset()  # cached by now: only resolves paths
-        summary["dataset"] = str(datasets.train)
-        summary.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
-        if accelerator.is_main_process and summary.get("export"):
-            summary.update(_checks(cfg, summary["export"]))
-        from eyas.train.trackers import log_final
-        log_final(accelerator, cfg, summary)
+        summary.update(_train(cfg, resolved, accelerator))
     else:
         accelerator.wait_for_everyone()  # every rank's record is written
     if accelerator.is_main_process:
-        _write_summary(out, summary)
+        _write_summary(out, summary)  # first: a tracker that fails cannot lose the results
+        from eyas.train.trackers import log_final
+        log_final(accelerator, cfg, summary)
     accelerator.end_training()
     return summary
+
+
+def _train(cfg, resolved, accelerator) -> dict:
+    """The dataset (built by rank 0, then found by the others), the training, and on rank 0 the
+    checks of the export; what they add to the summary."""
+    from eyas.train import pipeline
+
+    def dataset():
+        return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
+                                       target_dtype=resolved.target_dtype)
+
+    if accelerator.is_main_process:
+        datasets = dataset()
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        datasets = dataset()  # cached by now: only resolves paths
+    found = {"dataset": str(datasets.train)}
+    found.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
+    if accelerator.is_main_process and found.get("export"):
+        found.update(_checks(cfg, found["export"]))
+    return found
 
 
 def _checks(cfg, export: str) -> dict:

@@ -55,7 +55,9 @@ def init_trackers(cfg, accelerator, out: Path) -> None:
 
 
 def log_final(accelerator, cfg, summary: dict) -> None:
-    """Rank 0: the real-decoding result to every tracker; with wandb, the export as an artifact."""
+    """Rank 0, after summary.json is written: the real-decoding result to every tracker; with
+    wandb, the export as an artifact. A tracker that fails is a warning naming it, not an error:
+    the results are in summary.json already."""
     kinds = list(cfg.tracker.kind)
     if not kinds or not accelerator.is_main_process or cfg.train.dry_run:
         return
@@ -63,13 +65,29 @@ def log_final(accelerator, cfg, summary: dict) -> None:
     values = {f"speculative/{k}": spec[k] for k in ("tau", "speedup", "tokens_per_s",
                                                     "target_forwards", "tokens_generated")
               if isinstance(spec.get(k), (int, float)) and not isinstance(spec.get(k), bool)}
-    if values:
-        accelerator.log(values)
+    for tracker in accelerator.trackers if values else ():
+        try:
+            tracker.log(values)
+        except Exception as e:
+            _failed(tracker.name, "the real-decoding result", e)
     if "wandb" in kinds and summary.get("export"):
-        import wandb
-        run = accelerator.get_tracker("wandb", unwrap=True)
-        art = wandb.Artifact(f"drafter-{run.id}", type="model",
-                             metadata={"target": str(cfg.target.name), **values})
-        art.add_dir(str(summary["export"]))
-        run.log_artifact(art)
-        log.info("wandb artifact %s logged", art.name)
+        try:
+            _log_artifact(accelerator, cfg, summary["export"], values)
+        except Exception as e:
+            _failed("wandb", "the export (as an artifact)", e)
+
+
+def _failed(tracker: str, what: str, e: Exception) -> None:
+    first = " ".join(str(e).split())[:200]
+    log.warning("tracker %s could not log %s (%s: %s); summary.json has the results", tracker,
+                what, type(e).__name__, first)
+
+
+def _log_artifact(accelerator, cfg, export: str, values: dict) -> None:
+    import wandb
+    run = accelerator.get_tracker("wandb", unwrap=True)
+    art = wandb.Artifact(f"drafter-{run.id}", type="model",
+                         metadata={"target": str(cfg.target.name), **values})
+    art.add_dir(str(export))
+    run.log_artifact(art)
+    log.info("wandb artifact %s logged", art.name)

@@ -246,3 +246,25 @@ def test_a_used_run_dir_is_refused_resumed_or_overwritten(tmp_path, tiny_llama_d
     assert len(losses(r_dir)) == 1 and not list(r_dir.glob("export-step*"))
     summary = _strict_json(r_dir / "summary.json")
     assert summary["steps"] == 1 and summary["export"] == str(r_dir / "export")
+
+
+def _scalars(run_dir: Path) -> dict:
+    """{tag: [values]} of every tensorboard event file under the run dir."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    found: dict = {}
+    for d in sorted({e.parent for e in run_dir.rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(d))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            found.setdefault(tag, []).extend(s.value for s in acc.Scalars(tag))
+    return found
+
+
+def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset):
+    pytest.importorskip("tensorboard")
+    r_dir = tmp_path / "r"
+    run(r_dir, tiny_llama_dataset, "target=tiny_llama", "train.max_steps=1",
+        "tracker=tensorboard", "eval.speculative=true", "eval.num_prompts=1",
+        "eval.max_new_tokens=4")
+    tau = _strict_json(r_dir / "summary.json")["speculative"]["tau"]
+    assert _scalars(r_dir)["speculative/tau"] == [pytest.approx(tau)]
