@@ -47,7 +47,8 @@ def run(composed: DictConfig) -> dict:
     setup_logging(rank=accelerator.process_index)
     out, cfg.run_name = rundir.agree(accelerator, Path(cfg.output_dir), cfg.run_name)
     cfg.output_dir = str(out)
-    rundir.claim(accelerator, out, resume=cfg.train.resume, overwrite=cfg.train.overwrite)
+    rundir.claim(accelerator, out, resume=cfg.train.resume, overwrite=cfg.train.overwrite,
+                 project=cfg.tracker.project)
     # the run's logging from here on: stderr and <run dir>/train.log (rank 0's records, the
     # warnings of every rank)
     setup_logging(rank=accelerator.process_index, file=out / "train.log")

@@ -1,10 +1,15 @@
 """accelerate's trackers (`tracker.kind`: wandb, tensorboard, mlflow, aim, …): starting them
 with the run's config, and what the main job logs at its end (real-decoding τ; the export as a
-wandb artifact). The JSONL metrics file (`train.tracking`) is written whatever is chosen."""
+wandb artifact). The JSONL metrics file (`train.tracking`) is written whatever is chosen.
+
+The trackers that write files write them into the run directory, where train/rundir.py finds
+(and train.overwrite=true removes) them: tensorboard <run dir>/<tracker.project>/, aim .aim/,
+wandb wandb/, dvclive dvclive/, and mlflow mlruns/ unless MLFLOW_TRACKING_URI names a store."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,11 @@ def init_trackers(cfg, accelerator, out: Path) -> None:
         name, group = _wandb_names(cfg, cfg.run_name)
         init["wandb"] = {"name": name, "group": group, "mode": cfg.tracker.mode.value,
                          "dir": str(out), "entity": cfg.tracker.entity}
+    if "dvclive" in kinds:
+        init["dvclive"] = {"dir": str(out / "dvclive")}
+    if "mlflow" in kinds and not os.environ.get("MLFLOW_TRACKING_URI"):
+        import mlflow  # its default store is the working directory's, not the run's
+        mlflow.set_tracking_uri((out / "mlruns").absolute().as_uri())
     plain = to_plain(cfg)
     config = plain if kinds == ["wandb"] else flat_config(plain)
     accelerator.init_trackers(cfg.tracker.project, config=config, init_kwargs=init)

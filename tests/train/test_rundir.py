@@ -102,3 +102,23 @@ def test_summary_is_strict_json_with_null_for_non_finite(tmp_path):
     assert got["tau"] is None and got["eval"] == {"acc_0": None, "tau": 1.5}
     assert got["speculative"]["tau"] == 2.0 and got["export"] == str(tmp_path / "export")
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_overwrite_removes_what_the_trackers_wrote(tmp_path, caplog):
+    out = _old_run(tmp_path / "r")
+    for d in ("runs-tb/eyas-run", "wandb/offline-run-1", ".aim/meta", "mlruns/0", "dvclive/plots"):
+        (out / d).mkdir(parents=True)
+        (out / d / "f").write_text("old")
+    (out / "notes.txt").write_text("mine")
+    assert "runs-tb/" in rundir.describe(out, project="runs-tb")
+    with caplog.at_level("WARNING"):
+        rundir.claim(OneProcess(), out, resume=None, overwrite=True, project="runs-tb")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert "kept notes.txt (not written by eyas)" in caplog.text
+
+
+def test_the_tensorboard_directory_is_the_projects_first_component():
+    assert rundir.tracker_dir("eyas") == "eyas"
+    assert rundir.tracker_dir("team/eyas") == "team"
+    for outside in (None, "", "/abs/tb", "../up", "."):
+        assert rundir.tracker_dir(outside) is None, outside

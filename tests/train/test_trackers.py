@@ -41,3 +41,25 @@ def test_a_failing_wandb_artifact_is_a_warning(caplog, tmp_path):
     with caplog.at_level(logging.WARNING):
         log_final(acc, _cfg(["wandb"]), {"export": str(tmp_path)})
     assert "tracker wandb could not log the export (as an artifact)" in caplog.text
+
+
+def test_file_writing_trackers_write_into_the_run_directory(tmp_path, monkeypatch):
+    import sys
+    from eyas.train.config import EyasConfig
+    from eyas.train.trackers import init_trackers
+    from omegaconf import OmegaConf
+    uris = []
+    monkeypatch.setitem(sys.modules, "mlflow", SimpleNamespace(set_tracking_uri=uris.append))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = OmegaConf.to_object(OmegaConf.structured(EyasConfig(output_dir=str(tmp_path))))
+    cfg.tracker.kind = ["mlflow", "dvclive"]
+    calls = []
+    acc = SimpleNamespace(init_trackers=lambda project, config, init_kwargs:
+                          calls.append((project, init_kwargs)))
+    init_trackers(cfg, acc, tmp_path)
+    assert uris == [(tmp_path / "mlruns").absolute().as_uri()]
+    assert calls == [("eyas", {"dvclive": {"dir": str(tmp_path / "dvclive")}})]
+    # a store the user names is theirs
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    init_trackers(cfg, acc, tmp_path)
+    assert len(uris) == 1

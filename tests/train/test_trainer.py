@@ -167,6 +167,22 @@ def test_tensorboard_receives_the_metrics(tmp_path, tiny_llama_dataset):
     assert (tmp_path / "r" / "metrics.jsonl").is_file()
 
 
+def test_overwrite_removes_the_old_tensorboard_events(tmp_path, tiny_llama_dataset):
+    pytest.importorskip("tensorboard")
+    r_dir = tmp_path / "r"
+    common = ["target=tiny_llama", "train.max_steps=1", "tracker=tensorboard",
+              "export.enabled=false"]
+    run(r_dir, tiny_llama_dataset, *common)
+    old = set(r_dir.rglob("events.out.tfevents.*"))
+    assert old and all(p.is_relative_to(r_dir / "eyas") for p in old)
+    r = run(r_dir, tiny_llama_dataset, *common, "train.overwrite=true")
+    line = next(x for x in r.stderr.splitlines() if "removed the previous run" in x)
+    assert "eyas/" in line and "not written by eyas" not in line, line
+    new = set(r_dir.rglob("events.out.tfevents.*"))
+    assert new and not new & old
+    assert len(_scalars(r_dir)["train/loss"]) == 1  # the new run's step only
+
+
 def test_multirun_trains_one_job_per_value(tmp_path, tiny_llama_dataset):
     args = [sys.executable, MAIN, "--multirun", *SMALL, f"data.dataset={tiny_llama_dataset}",
             "target=tiny_llama", "train.max_steps=2", "optim.lr=1e-3,2e-3", "export.enabled=false",
