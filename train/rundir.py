@@ -7,11 +7,12 @@ is the run's: the others take it over the process group (`agree`) and remove the
 directory Hydra made for them.
 
 Before anything is written rank 0 looks into the directory (`claim`): a directory that already
-holds something is refused, with what it holds and both fixes, unless the run resumes
-(`train.resume`) or the user asked to replace the old run (`train.overwrite=true`: the old
-run's checkpoints, pointers, metrics, exports, summary and tracker logs are removed, and the
-removal logged; files eyas does not write are kept). Every rank gets rank 0's verdict, so no rank writes into a
-directory another one refused.
+holds something is refused, with what it holds and both fixes, unless the run resumes one of
+its own checkpoints (`train.resume=latest`, or a DIR inside it) or the user asked to replace
+the old run (`train.overwrite=true`: the old run's checkpoints, pointers, metrics, exports,
+summary and tracker logs are removed, and the removal logged; files eyas does not write are
+kept). Every rank gets rank 0's verdict, so no rank writes into a directory another one
+refused.
 """
 
 from __future__ import annotations
@@ -108,13 +109,18 @@ def verdict(out: Path, *, resume: str | None, overwrite: bool,
     if not out.is_dir() or not any(out.iterdir()):
         return None
     if overwrite:
-        inside = resume and out.resolve() in Path(resume).expanduser().resolve().parents
+        inside = resume and out.resolve() in _resolved(resume).parents
         if inside:
             return (f"train.overwrite=true would remove {resume}, the checkpoint train.resume "
                     f"names. Fix: drop train.overwrite=true, or resume from a checkpoint "
                     f"outside {out}")
         remove_run(out, project)
         return None
+    if resume and resume != "latest" and out.resolve() not in _resolved(resume).parents:
+        return (f"train.resume={resume} is a checkpoint of the run {_run_of(resume)}, but the "
+                f"run directory {out} is another run's and not empty ({describe(out, project)})."
+                f" Fix: resume in that run's directory, name a new run with run_name=NAME (or "
+                f"EYAS_RUN_ID=NAME), or replace {out} with train.overwrite=true")
     if resume:
         if resume == "latest" and ckpt.latest(out / "checkpoints") is None:
             log.warning("train.resume=latest: %s holds no complete checkpoint (%s); training "
@@ -123,6 +129,18 @@ def verdict(out: Path, *, resume: str | None, overwrite: bool,
     return (f"the run directory {out} is not empty ({describe(out, project)}). Fix: resume that run "
             f"with train.resume=latest, replace it with train.overwrite=true, or name a new "
             f"run with run_name=NAME (or EYAS_RUN_ID=NAME)")
+
+
+def _resolved(resume: str) -> Path:
+    return Path(resume).expanduser().resolve()
+
+
+def _run_of(resume: str) -> Path:
+    """The run directory a checkpoint belongs to: <run>/checkpoints/step-N -> <run>."""
+    path = _resolved(resume)
+    if path.name == "checkpoints":
+        return path.parent
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
 
 
 def remove_run(out: Path, project: str | None = None) -> list[str]:

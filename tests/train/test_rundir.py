@@ -122,3 +122,20 @@ def test_the_tensorboard_directory_is_the_projects_first_component():
     assert rundir.tracker_dir("team/eyas") == "team"
     for outside in (None, "", "/abs/tb", "../up", "."):
         assert rundir.tracker_dir(outside) is None, outside
+
+
+def test_resume_from_another_runs_checkpoint_into_a_used_directory_is_refused(tmp_path):
+    other = _old_run(tmp_path / "other") / "checkpoints" / "step-000004"
+    out = _old_run(tmp_path / "r")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    msg = rundir.verdict(out, resume=str(other), overwrite=False)
+    assert msg and "\n" not in msg
+    assert str(other) in msg and str(tmp_path / "other") in msg and str(out) in msg
+    assert "run_name=NAME" in msg and "train.overwrite=true" in msg
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # its own checkpoint, a new or empty directory, or overwrite: accepted
+    own = out / "checkpoints" / "step-000002"
+    assert rundir.verdict(out, resume=str(own), overwrite=False) is None
+    assert rundir.verdict(tmp_path / "new", resume=str(other), overwrite=False) is None
+    assert rundir.verdict(out, resume=str(other), overwrite=True) is None
+    assert not (out / "checkpoints").exists() and other.is_dir()
