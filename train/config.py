@@ -222,11 +222,12 @@ class TrainConfig(SeedSettings):
     """Checkpoints kept by rotation (the best one is kept too)."""
     resume: Optional[str] = None
     """Checkpoint directory to resume from, or "latest" (newest in this run's dir). A run dir
-    that is not empty is reused only when resuming or with train.overwrite=true."""
+    that is not empty is reused only when resuming one of its own checkpoints or with
+    train.overwrite=true."""
     overwrite: bool = False
     """Reuse a run directory that holds an earlier run: its checkpoints, latest/best pointers,
-    metrics, exports and summary are removed first (and the removal logged). False = such a
-    directory is refused, naming what it holds."""
+    metrics, exports, summary and tracker logs are removed first (and the removal logged).
+    False = such a directory is refused, naming what it holds."""
     max_nonfinite_steps: int = 20
     """Abort after this many optimizer steps skipped for a NaN/inf loss or gradient norm. A
     non-finite micro-batch drops the whole optimizer step it belongs to (as GradScaler does);

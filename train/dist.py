@@ -22,6 +22,7 @@ import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
+from eyas.data import deps
 from eyas.data.targets import fast_device
 from eyas.train.config import ConfigError, DistBackend
 
@@ -30,32 +31,21 @@ log = logging.getLogger(__name__)
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
-class MissingDependency(ConfigError):
+class MissingDependency(ConfigError, deps.MissingDependency):
     """An optional part of the stack (wandb, deepspeed) that the chosen config needs but that
     cannot be imported; the message is one line with the fix."""
 
 
-def _missing(module: str, used_by: str, fix: str, e: Exception) -> MissingDependency:
-    first = " ".join(str(e).split())[:160]
-    return MissingDependency(f"{used_by} needs {module}, which cannot be imported "
-                             f"({type(e).__name__}: {first}). Fix: pip install {module} (part "
-                             f"of eyas's default install), or {fix}")
-
-
-# wandb and deepspeed are imported only here, on the paths that use them, so a broken or
-# absent one costs only those paths (ImportError, or whatever a broken install raises).
+# wandb and deepspeed are imported only on the paths that use them (data/deps.py: these
+# config checks, train/trackers.py's wandb artifact, train/step.py under ZeRO-3, and the ZeRO
+# checkpoint reader of models/serving/importer.py), so a broken or absent one costs only those
+# paths.
 def require_deepspeed(used_by: str) -> None:
-    try:
-        import deepspeed  # noqa: F401
-    except Exception as e:
-        raise _missing("deepspeed", used_by, "dist=ddp", e) from None
+    deps.require_deepspeed(used_by, "dist=ddp", MissingDependency)
 
 
 def require_wandb(used_by: str) -> None:
-    try:
-        import wandb  # noqa: F401
-    except Exception as e:
-        raise _missing("wandb", used_by, "tracker=none", e) from None
+    deps.require_wandb(used_by, "tracker=none", MissingDependency)
 
 
 def set_cpu_threads(threads: int | None, processes_per_node: int) -> int:

@@ -36,7 +36,7 @@ def run(composed: DictConfig) -> dict:
     summary.json once every check has run)."""
     import torch
 
-    from eyas.train import pipeline, rundir
+    from eyas.train import rundir
     from eyas.train.dist import build_accelerator
 
     cfg = load(composed)                       # checked, typed: the only DictConfig use
@@ -48,7 +48,8 @@ def run(composed: DictConfig) -> dict:
     setup_logging(rank=accelerator.process_index)
     out, cfg.run_name = rundir.agree(accelerator, Path(cfg.output_dir), cfg.run_name)
     cfg.output_dir = str(out)
-    rundir.claim(accelerator, out, resume=cfg.train.resume, overwrite=cfg.train.overwrite)
+    rundir.claim(accelerator, out, resume=cfg.train.resume, overwrite=cfg.train.overwrite,
+                 project=cfg.tracker.project)
     # the run's logging from here on: stderr and <run dir>/train.log (rank 0's records, the
     # warnings of every rank)
     setup_logging(rank=accelerator.process_index, file=out / "train.log")
@@ -61,27 +62,36 @@ def run(composed: DictConfig) -> dict:
                      "output_dir": str(out)}
     _write_rank_record(out, accelerator, cfg)
     if not cfg.train.dry_run:
-        def dataset():
-            return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
-                                           target_dtype=resolved.target_dtype)
-
-        if accelerator.is_main_process:
-            datasets = dataset()
-        accelerator.wait_for_everyone()
-        if not accelerator.is_main_process:
-            datasets = dataset()  # cached by now: only resolves paths
-        summary["dataset"] = str(datasets.train)
-        summary.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
-        if accelerator.is_main_process and summary.get("export"):
-            summary.update(_checks(cfg, summary["export"]))
-        from eyas.train.trackers import log_final
-        log_final(accelerator, cfg, summary)
+        summary.update(_train(cfg, resolved, accelerator))
     else:
         accelerator.wait_for_everyone()  # every rank's record is written
     if accelerator.is_main_process:
-        _write_summary(out, summary)
+        _write_summary(out, summary)  # first: a tracker that fails cannot lose the results
+        from eyas.train.trackers import log_final
+        log_final(accelerator, cfg, summary)
     accelerator.end_training()
     return summary
+
+
+def _train(cfg, resolved, accelerator) -> dict:
+    """The dataset (built by rank 0, then found by the others), the training, and on rank 0 the
+    checks of the export; what they add to the summary."""
+    from eyas.train import pipeline
+
+    def dataset():
+        return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
+                                       target_dtype=resolved.target_dtype)
+
+    if accelerator.is_main_process:
+        datasets = dataset()
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        datasets = dataset()  # cached by now: only resolves paths
+    found = {"dataset": str(datasets.train)}
+    found.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
+    if accelerator.is_main_process and found.get("export"):
+        found.update(_checks(cfg, found["export"]))
+    return found
 
 
 def _checks(cfg, export: str) -> dict:

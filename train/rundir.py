@@ -7,11 +7,12 @@ is the run's: the others take it over the process group (`agree`) and remove the
 directory Hydra made for them.
 
 Before anything is written rank 0 looks into the directory (`claim`): a directory that already
-holds something is refused, with what it holds and both fixes, unless the run resumes
-(`train.resume`) or the user asked to replace the old run (`train.overwrite=true`: the old
-run's checkpoints, pointers, metrics, exports and summary are removed, and the removal logged;
-files eyas does not write are kept). Every rank gets rank 0's verdict, so no rank writes into a
-directory another one refused.
+holds something is refused, with what it holds and both fixes, unless the run resumes one of
+its own checkpoints (`train.resume=latest`, or a DIR inside it) or the user asked to replace
+the old run (`train.overwrite=true`: the old run's checkpoints, pointers, metrics, exports,
+summary and tracker logs are removed, and the removal logged; files eyas does not write are
+kept). Every rank gets rank 0's verdict, so no rank writes into a directory another one
+refused.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from eyas.train.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-# What a run writes into its directory (train/main.py, train/trainer.py, train/tracking.py).
+# What a run writes into its directory (train/main.py, train/trainer.py, train/tracking.py), and
+# what its trackers write there (train/trackers.py): wandb/, aim's .aim/, mlflow's mlruns/,
+# dvclive/, and tensorboard's <tracker.project>/ (`tracker_dir`).
 RUN_FILES = ("checkpoints", "metrics.jsonl", "train.log", "export", "export-speculators",
              "summary.json", "config.resolved.yaml", "vocab.safetensors", "ranks", "wandb",
-             ".hydra")
+             ".aim", "mlruns", "dvclive", ".hydra")
 RUN_GLOBS = ("export-step*", ".tmp-*")
 
 
@@ -53,17 +56,29 @@ def agree(accelerator, out: Path, run_name: str) -> tuple[Path, str]:
     return chosen, name
 
 
-def run_entries(out: Path) -> list[Path]:
-    """The entries of `out` that a run wrote."""
-    found = [out / n for n in RUN_FILES if (out / n).exists()]
+def tracker_dir(project: str | None) -> str | None:
+    """The entry of the run dir that tensorboard's events go under: accelerate writes them to
+    <run dir>/<tracker.project>/."""
+    parts = Path(project).parts if project else ()
+    if not parts or Path(project).is_absolute() or parts[0] in (".", ".."):
+        return None
+    return parts[0]
+
+
+def run_entries(out: Path, project: str | None = None) -> list[Path]:
+    """The entries of `out` that a run wrote (`project`: tracker.project, see `tracker_dir`)."""
+    names = list(RUN_FILES)
+    if tracker_dir(project) and tracker_dir(project) not in names:
+        names.append(tracker_dir(project))
+    found = [out / n for n in names if (out / n).exists()]
     for pattern in RUN_GLOBS:
         found += sorted(p for p in out.glob(pattern) if p not in found)
     return found
 
 
-def describe(out: Path) -> str:
+def describe(out: Path, project: str | None = None) -> str:
     """What `out` holds, in a few words: checkpoints (with `latest`), metrics, exports, others."""
-    entries = run_entries(out)
+    entries = run_entries(out, project)
     parts = []
     for p in entries:
         if p.name == "checkpoints":
@@ -87,33 +102,51 @@ def _count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
-def verdict(out: Path, *, resume: str | None, overwrite: bool) -> str | None:
+def verdict(out: Path, *, resume: str | None, overwrite: bool,
+            project: str | None = None) -> str | None:
     """Rank 0's decision on `out`: None (go ahead; with overwrite the old run is removed
     first) or the one-line refusal."""
     if not out.is_dir() or not any(out.iterdir()):
         return None
     if overwrite:
-        inside = resume and out.resolve() in Path(resume).expanduser().resolve().parents
+        inside = resume and out.resolve() in _resolved(resume).parents
         if inside:
             return (f"train.overwrite=true would remove {resume}, the checkpoint train.resume "
                     f"names. Fix: drop train.overwrite=true, or resume from a checkpoint "
                     f"outside {out}")
-        remove_run(out)
+        remove_run(out, project)
         return None
+    if resume and resume != "latest" and out.resolve() not in _resolved(resume).parents:
+        return (f"train.resume={resume} is a checkpoint of the run {_run_of(resume)}, but the "
+                f"run directory {out} is another run's and not empty ({describe(out, project)})."
+                f" Fix: resume in that run's directory, name a new run with run_name=NAME (or "
+                f"EYAS_RUN_ID=NAME), or replace {out} with train.overwrite=true")
     if resume:
         if resume == "latest" and ckpt.latest(out / "checkpoints") is None:
             log.warning("train.resume=latest: %s holds no complete checkpoint (%s); training "
-                        "starts at step 0 in it", out, describe(out))
+                        "starts at step 0 in it", out, describe(out, project))
         return None
-    return (f"the run directory {out} is not empty ({describe(out)}). Fix: resume that run "
+    return (f"the run directory {out} is not empty ({describe(out, project)}). Fix: resume that run "
             f"with train.resume=latest, replace it with train.overwrite=true, or name a new "
             f"run with run_name=NAME (or EYAS_RUN_ID=NAME)")
 
 
-def remove_run(out: Path) -> list[str]:
+def _resolved(resume: str) -> Path:
+    return Path(resume).expanduser().resolve()
+
+
+def _run_of(resume: str) -> Path:
+    """The run directory a checkpoint belongs to: <run>/checkpoints/step-N -> <run>."""
+    path = _resolved(resume)
+    if path.name == "checkpoints":
+        return path.parent
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+
+
+def remove_run(out: Path, project: str | None = None) -> list[str]:
     """Remove what a run wrote into `out` (train.overwrite=true); the names removed."""
-    entries = run_entries(out)
-    what = describe(out)
+    entries = run_entries(out, project)
+    what = describe(out, project)
     for p in entries:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -125,13 +158,15 @@ def remove_run(out: Path) -> list[str]:
     return [p.name for p in entries]
 
 
-def claim(accelerator, out: Path, *, resume: str | None, overwrite: bool) -> None:
-    """Rank 0 decides whether this run may write into `out` (`verdict`), before anything is
-    written; every rank raises the same ConfigError when it may not."""
+def claim(accelerator, out: Path, *, resume: str | None, overwrite: bool,
+          project: str | None = None) -> None:
+    """Rank 0 decides whether this run may write into `out` (`verdict`; `project`:
+    tracker.project), before anything is written; every rank raises the same ConfigError when
+    it may not."""
     message = None
     if accelerator.is_main_process:
         try:
-            message = verdict(out, resume=resume, overwrite=overwrite)
+            message = verdict(out, resume=resume, overwrite=overwrite, project=project)
         except OSError as e:
             message = f"the run directory {out} could not be prepared: {e}"
     shared = [message]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eyas.data.deps import require_deepspeed
 from eyas.data.vocab_map import VocabMap
 from eyas.models.serving.contract import CORE_TENSORS, TensorDir, read_config, resolve_target_config
 
@@ -79,6 +80,9 @@ def _deepspeed_tag_dir(path: Path) -> Path | None:
 
 def load_deepspeed_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     """Full fp32 state dict of a DeepSpeed ZeRO-1/2/3 checkpoint (partitions gathered)."""
+    require_deepspeed(f"reading the DeepSpeed ZeRO checkpoint {tag_dir}",
+                      "convert it where deepspeed is installed (`eyas export` there, or "
+                      "DeepSpeed's zero_to_fp32.py) and pass the state-dict file")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):  # zero_to_fp32 reports progress with print()

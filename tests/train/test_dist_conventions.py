@@ -88,6 +88,24 @@ def test_multirun_sweeps_the_engine(tmp_path):
     assert [x["distributed_type"] for x in recs] == ["DEEPSPEED", "NO", "DEEPSPEED"]
 
 
+def test_multirun_trains_under_each_engine(tmp_path, tiny_llama_dataset):
+    """dist=zero1,ddp in one process, each job a real (one-step) training: the engine each job
+    built is the one its dist group names, and both trained."""
+    r = _main(["--multirun", "dist=zero1,ddp", "target=tiny_llama",
+               f"data.dataset={tiny_llama_dataset}", "train.max_steps=1", "train.log_every=1", "drafter.attention=eager",
+               "drafter.ttt_steps=2", "drafter.draft_vocab_size=1024", "data.token_budget=256",
+               "data.num_workers=1", "data.eval_fraction=0.1", "eval.speculative=false",
+               "eval.engines=false", "export.enabled=false", f"hydra.sweep.dir={tmp_path}/s"],
+              tmp_path, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    assert r.returncode == 0, r.stderr[-4000:]
+    jobs = [tmp_path / "s" / str(i) for i in range(2)]
+    recs = [json.loads((j / "ranks" / "rank0.json").read_text()) for j in jobs]
+    assert [x["distributed_type"] for x in recs] == ["DEEPSPEED", "NO"]
+    summaries = [json.loads((j / "summary.json").read_text()) for j in jobs]
+    assert [x["steps"] for x in summaries] == [1, 1]
+    assert [x["distributed_type"] for x in summaries] == ["DEEPSPEED", "NO"]
+
+
 def test_a_launch_asking_for_deepspeed_under_dist_ddp_exits_2(tmp_path):
     r = _main(["train.dry_run=true", f"hydra.run.dir={tmp_path}/r"], tmp_path,
               ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2")

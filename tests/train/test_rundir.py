@@ -102,3 +102,40 @@ def test_summary_is_strict_json_with_null_for_non_finite(tmp_path):
     assert got["tau"] is None and got["eval"] == {"acc_0": None, "tau": 1.5}
     assert got["speculative"]["tau"] == 2.0 and got["export"] == str(tmp_path / "export")
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_overwrite_removes_what_the_trackers_wrote(tmp_path, caplog):
+    out = _old_run(tmp_path / "r")
+    for d in ("runs-tb/eyas-run", "wandb/offline-run-1", ".aim/meta", "mlruns/0", "dvclive/plots"):
+        (out / d).mkdir(parents=True)
+        (out / d / "f").write_text("old")
+    (out / "notes.txt").write_text("mine")
+    assert "runs-tb/" in rundir.describe(out, project="runs-tb")
+    with caplog.at_level("WARNING"):
+        rundir.claim(OneProcess(), out, resume=None, overwrite=True, project="runs-tb")
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert "kept notes.txt (not written by eyas)" in caplog.text
+
+
+def test_the_tensorboard_directory_is_the_projects_first_component():
+    assert rundir.tracker_dir("eyas") == "eyas"
+    assert rundir.tracker_dir("team/eyas") == "team"
+    for outside in (None, "", "/abs/tb", "../up", "."):
+        assert rundir.tracker_dir(outside) is None, outside
+
+
+def test_resume_from_another_runs_checkpoint_into_a_used_directory_is_refused(tmp_path):
+    other = _old_run(tmp_path / "other") / "checkpoints" / "step-000004"
+    out = _old_run(tmp_path / "r")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    msg = rundir.verdict(out, resume=str(other), overwrite=False)
+    assert msg and "\n" not in msg
+    assert str(other) in msg and str(tmp_path / "other") in msg and str(out) in msg
+    assert "run_name=NAME" in msg and "train.overwrite=true" in msg
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # its own checkpoint, a new or empty directory, or overwrite: accepted
+    own = out / "checkpoints" / "step-000002"
+    assert rundir.verdict(out, resume=str(own), overwrite=False) is None
+    assert rundir.verdict(tmp_path / "new", resume=str(other), overwrite=False) is None
+    assert rundir.verdict(out, resume=str(other), overwrite=True) is None
+    assert not (out / "checkpoints").exists() and other.is_dir()

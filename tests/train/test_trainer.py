@@ -167,6 +167,22 @@ def test_tensorboard_receives_the_metrics(tmp_path, tiny_llama_dataset):
     assert (tmp_path / "r" / "metrics.jsonl").is_file()
 
 
+def test_overwrite_removes_the_old_tensorboard_events(tmp_path, tiny_llama_dataset):
+    pytest.importorskip("tensorboard")
+    r_dir = tmp_path / "r"
+    common = ["target=tiny_llama", "train.max_steps=1", "tracker=tensorboard",
+              "export.enabled=false"]
+    run(r_dir, tiny_llama_dataset, *common)
+    old = set(r_dir.rglob("events.out.tfevents.*"))
+    assert old and all(p.is_relative_to(r_dir / "eyas") for p in old)
+    r = run(r_dir, tiny_llama_dataset, *common, "train.overwrite=true")
+    line = next(x for x in r.stderr.splitlines() if "removed the previous run" in x)
+    assert "eyas/" in line and "not written by eyas" not in line, line
+    new = set(r_dir.rglob("events.out.tfevents.*"))
+    assert new and not new & old
+    assert len(_scalars(r_dir)["train/loss"]) == 1  # the new run's step only
+
+
 def test_multirun_trains_one_job_per_value(tmp_path, tiny_llama_dataset):
     args = [sys.executable, MAIN, "--multirun", *SMALL, f"data.dataset={tiny_llama_dataset}",
             "target=tiny_llama", "train.max_steps=2", "optim.lr=1e-3,2e-3", "export.enabled=false",
@@ -246,3 +262,25 @@ def test_a_used_run_dir_is_refused_resumed_or_overwritten(tmp_path, tiny_llama_d
     assert len(losses(r_dir)) == 1 and not list(r_dir.glob("export-step*"))
     summary = _strict_json(r_dir / "summary.json")
     assert summary["steps"] == 1 and summary["export"] == str(r_dir / "export")
+
+
+def _scalars(run_dir: Path) -> dict:
+    """{tag: [values]} of every tensorboard event file under the run dir."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    found: dict = {}
+    for d in sorted({e.parent for e in run_dir.rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(d))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            found.setdefault(tag, []).extend(s.value for s in acc.Scalars(tag))
+    return found
+
+
+def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset):
+    pytest.importorskip("tensorboard")
+    r_dir = tmp_path / "r"
+    run(r_dir, tiny_llama_dataset, "target=tiny_llama", "train.max_steps=1",
+        "tracker=tensorboard", "eval.speculative=true", "eval.num_prompts=1",
+        "eval.max_new_tokens=4")
+    tau = _strict_json(r_dir / "summary.json")["speculative"]["tau"]
+    assert _scalars(r_dir)["speculative/tau"] == [pytest.approx(tau)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,22 @@ def test_warm_start_loads_into_the_drafter(source, tcfg):
     drafter.set_vocab_map(d2t, t2d)
     assert torch.equal(drafter.d2t, d2t)
     assert validate(src, tcfg) == []
+
+
+def test_a_zero_checkpoint_without_deepspeed_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from eyas.data.deps import MissingDependency
+    from eyas.data.log import run_command
+    from eyas.models.serving.export import cli_main
+    from eyas.models.serving.importer import load_deepspeed_state_dict
+    ck = tmp_path / "step-000004"
+    (ck / "pytorch_model").mkdir(parents=True)
+    (ck / "pytorch_model" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (ck / "eyas.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as for an absent package
+    with pytest.raises(MissingDependency, match="needs deepspeed"):
+        load_deepspeed_state_dict(ck / "pytorch_model")
+    assert run_command("eyas export", cli_main, [str(ck), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("eyas export: reading the DeepSpeed ZeRO "
+                                               f"checkpoint {ck / 'pytorch_model'} needs deepspeed")
+    assert "Fix: pip install deepspeed" in err[0] and not (tmp_path / "out").exists()
