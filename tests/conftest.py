@@ -75,3 +75,31 @@ def hub_cache(tmp_path, monkeypatch):
 
     add.root = root
     return add
+
+
+def _tiny_llama_drafter(cfg_dict, vocab=4096, seed=0):
+    """A seeded drafter for the tiny-llama target with its real embedding and head rows, its
+    values rounded to bf16 as an export stores them (so a directory round trip is exact)."""
+    import torch
+
+    from eyas.data.targets import load_embedding_and_head
+    from eyas.models.config import Eagle3Config
+    from eyas.models.drafter import Eagle3Drafter
+    cfg = Eagle3Config.from_target(cfg_dict, draft_vocab_size=vocab, aux_layer_ids=[2, 4, 5])
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(cfg, attention="lse-eager")
+    d.reset_parameters(std=0.05)
+    embed, head = load_embedding_and_head("tiny-llama")
+    d.load_target_embedding(embed.float())
+    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:vocab]).values - torch.arange(vocab)
+    d.init_lm_head_from_target(head.float(), d2t)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(p.bfloat16().float())
+    return d.eval()
+
+
+@pytest.fixture
+def tiny_drafter():
+    """`tiny_drafter(target_config_dict, vocab=4096, seed=0)`: see `_tiny_llama_drafter`."""
+    return _tiny_llama_drafter

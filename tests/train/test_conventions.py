@@ -16,23 +16,8 @@ from eyas.train.config import DataConfig, TargetConfig
 from eyas.train.evaluate import cli_main as evaluate_main, scored_samples
 from eyas.train.trainer import build_vocab_map
 
-from eyas.data.targets import load_embedding_and_head
-from eyas.models.config import Eagle3Config
-from eyas.models.drafter import Eagle3Drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _drafter(cfg_dict, vocab=4096, seed=0):
-    cfg = Eagle3Config.from_target(cfg_dict, draft_vocab_size=vocab, aux_layer_ids=[2, 4, 5])
-    torch.manual_seed(seed)
-    d = Eagle3Drafter(cfg, attention="lse-eager")
-    d.reset_parameters(std=0.05)
-    embed, head = load_embedding_and_head("tiny-llama")
-    d.load_target_embedding(embed.float())
-    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:vocab]).values - torch.arange(vocab)
-    d.init_lm_head_from_target(head.float(), d2t)
-    return d.eval()
 
 
 def _args(data, **kw):
@@ -59,9 +44,9 @@ def test_scored_samples_default_to_the_training_split(tmp_path):
     assert list(scored_samples(given, 40, rec)[0]) == list(split_indices(40, 0.25, 3)[1])
 
 
-def test_evaluate_cli_scores_the_held_out_split_and_says_so(tiny_llama_dataset, tmp_path,
-                                                             capsys):
-    drafter = _drafter(load_target_config("tiny-llama"), seed=3)
+def test_evaluate_cli_scores_the_held_out_split_and_says_so(tiny_drafter, tiny_llama_dataset,
+                                                             tmp_path, capsys):
+    drafter = tiny_drafter(load_target_config("tiny-llama"), seed=3)
     rec = {"dataset": str(tiny_llama_dataset), "eval_dataset": None, "eval_fraction": 0.25,
            "seed": 0}
     out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,

@@ -11,8 +11,6 @@ import torch
 from eyas.data.dataset import open_dataset
 from eyas.data.loader import PackedLoader
 from eyas.data.prompts import prompts_path
-from eyas.models.config import Eagle3Config
-from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.models.metrics import COUNT_KEYS, accept_counts, chain_counts, summarize, tau_curves
 from eyas.models.objective import metric_mask
@@ -112,23 +110,8 @@ def test_trajectory_matches_a_bruteforce_decoder():
                 (trial, kk)
 
 
-def _drafter(cfg_dict, vocab=4096, seed=0):
-    cfg = Eagle3Config.from_target(cfg_dict, draft_vocab_size=vocab, aux_layer_ids=[2, 4, 5])
-    torch.manual_seed(seed)
-    d = Eagle3Drafter(cfg, attention="lse-eager")
-    d.reset_parameters(std=0.05)
-    embed, head = load_embedding_and_head("tiny-llama")
-    d.load_target_embedding(embed.float())
-    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:vocab]).values - torch.arange(vocab)
-    d.init_lm_head_from_target(head.float(), d2t)
-    with torch.no_grad():   # bf16 values, as exported, so a directory round trip is exact
-        for p in d.parameters():
-            p.copy_(p.bfloat16().float())
-    return d.eval()
-
-
-def test_offline_counts_equal_the_trainers(tiny_llama_dataset):
-    drafter = _drafter(load_target_config("tiny-llama"))
+def test_offline_counts_equal_the_trainers(tiny_drafter, tiny_llama_dataset):
+    drafter = tiny_drafter(load_target_config("tiny-llama"))
     head = load_embedding_and_head("tiny-llama")[1].float()
     rows = head[torch.arange(4096) + drafter.d2t]
     loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=True,
@@ -156,8 +139,8 @@ def test_offline_counts_equal_the_trainers(tiny_llama_dataset):
     assert chains > 10                       # full-length chains were counted, not only misses
 
 
-def test_offline_eval_directory_module_and_rank_split(tiny_llama_dataset, tmp_path):
-    drafter = _drafter(load_target_config("tiny-llama"), seed=1)
+def test_offline_eval_directory_module_and_rank_split(tiny_drafter, tiny_llama_dataset, tmp_path):
+    drafter = tiny_drafter(load_target_config("tiny-llama"), seed=1)
     out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
                          tmp_path / "export", target_config=load_target_config("tiny-llama"))
     by_module = offline_eval(drafter, tiny_llama_dataset, k=K, token_budget=256)
@@ -186,7 +169,7 @@ print(json.dumps(res["counts"]))
 """
 
 
-def test_counts_are_all_reduced_across_processes(tiny_llama_dataset, tmp_path):
+def test_counts_are_all_reduced_across_processes(tiny_drafter, tiny_llama_dataset, tmp_path):
     """Rank 0 here, rank 1 in a subprocess (gloo): both report the single-process counts."""
     import os
     import socket
@@ -194,7 +177,7 @@ def test_counts_are_all_reduced_across_processes(tiny_llama_dataset, tmp_path):
     import sys
 
     import torch.distributed as dist
-    drafter = _drafter(load_target_config("tiny-llama"), seed=2)
+    drafter = tiny_drafter(load_target_config("tiny-llama"), seed=2)
     out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
                          tmp_path / "export", target_config=load_target_config("tiny-llama"))
     single = offline_eval(out, tiny_llama_dataset, k=K, token_budget=256)["counts"]
@@ -218,8 +201,8 @@ def test_counts_are_all_reduced_across_processes(tiny_llama_dataset, tmp_path):
     assert mine == theirs == single
 
 
-def test_cli_offline_and_speculative(tiny_llama_dataset, tmp_path, capsys):
-    drafter = _drafter(load_target_config("tiny-llama"), seed=3)
+def test_cli_offline_and_speculative(tiny_drafter, tiny_llama_dataset, tmp_path, capsys):
+    drafter = tiny_drafter(load_target_config("tiny-llama"), seed=3)
     out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
                          tmp_path / "export", target_config=load_target_config("tiny-llama"))
     f = tmp_path / "offline.json"
