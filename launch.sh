@@ -7,7 +7,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${EYAS_VENV:-$ROOT/.venv}"
 CPU_TORCH="torch==2.13.0"   # the CPU build, from PyTorch's CPU wheel index (install_cpu_torch)
-TORCH_CPU_INDEX="${EYAS_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+# set and empty: skip the CPU index (pip's configured sources only, e.g. an offline mirror)
+TORCH_CPU_INDEX="${EYAS_TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}"
 
 usage() {
   cat <<'EOF'
@@ -65,6 +66,11 @@ have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2
 # be reached, the pinned version comes from pip's configured indexes and local wheels instead.
 install_cpu_torch() {
   local pip=("$@")
+  if [[ -z "$TORCH_CPU_INDEX" ]]; then
+    echo "launch.sh: EYAS_TORCH_CPU_INDEX is empty: $CPU_TORCH from pip's configured sources" >&2
+    "${pip[@]}" "$CPU_TORCH" 2>&1 | grep -v '^WARNING: Location' || true
+    return 0
+  fi
   if "$VENV/bin/python" -c 'import sys, urllib.request
 urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)' "$TORCH_CPU_INDEX" 2>/dev/null \
      && "${pip[@]}" --timeout 60 --retries 1 --index-url "$TORCH_CPU_INDEX" "$CPU_TORCH"; then
@@ -74,8 +80,9 @@ urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=10)' "$TORCH
   echo "launch.sh: PyTorch's CPU wheel index $TORCH_CPU_INDEX is unreachable (or has no" \
        "$CPU_TORCH for this Python); installing $CPU_TORCH from pip's configured indexes and" \
        "local wheels instead: a CPU build where they hold one, from plain PyPI the CUDA build" \
-       "(set EYAS_TORCH_CPU_INDEX to a reachable mirror of the CPU index)" >&2
-  "${pip[@]}" "$CPU_TORCH"
+       "(set EYAS_TORCH_CPU_INDEX to a reachable mirror of the CPU index, or to nothing to" \
+       "skip it)" >&2
+  "${pip[@]}" "$CPU_TORCH" 2>&1 | grep -v '^WARNING: Location' || true
 }
 
 setup_venv() {
