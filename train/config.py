@@ -3,8 +3,8 @@
 `conf/config.yaml` composes these with the preset files under `conf/<group>/`. Struct mode is
 on, so an unknown key or a value of the wrong type fails at composition time; `check()` adds
 the cross-field rules and names the override that fixes each problem. The entry point turns the
-composed config into these dataclasses once (`load`), and `resolve` decides every "auto" for the
-device in one place (`Resolved`); components take their own group (`cfg.optim`, `cfg.loss`, …).
+composed config into these dataclasses once (`load`); `train.resolve` then decides every "auto"
+for the device (`Resolved`); components take their own group (`cfg.optim`, `cfg.loss`, …).
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from eyas.data.settings import (DTYPE_CHOICES, ExtractionSettings, GenerationSettings,
                                 SeedSettings, SynthesisSettings, TargetSettings, TokenizeSettings)
-from eyas.data.targets import (AUX_IDS_RULE, aux_layer_ids_error, fast_device, target_dtype,
-                               weights_error)
-from eyas.kernels import triton_available
+from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
 from eyas.models.config import DrafterShape
 
 
@@ -425,46 +422,3 @@ def to_plain(cfg: EyasConfig | DictConfig) -> dict:
     """The config as plain Python types, enums as strings (for trackers and records)."""
     node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
     return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
-
-
-# ---------------------------------------------------------------------------------------------
-# "auto", decided once
-
-@dataclass(frozen=True)
-class Resolved:
-    """Every "auto" of the config decided for one device (`resolve`)."""
-
-    attention: str
-    """drafter attention: "flex" or "eager" (drafter.attention)"""
-    compile: bool
-    """torch.compile the drafter layer and flex attention (drafter.compile, CUDA only)"""
-    loss_impl: str
-    """fused loss: "triton" or "torch" (loss.impl)"""
-    optim_impl: str
-    """MasterAdamW update: "triton" (the fused kernel) or "torch" (torch AdamW on fp32 copies)"""
-    param_dtype: torch.dtype
-    """drafter parameters (train.param_dtype)"""
-    target_dtype: torch.dtype
-    """the target in generation and extraction (target.dtype)"""
-    pin_memory: bool
-    """pinned host batches (copies to the device overlap compute)"""
-
-
-def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
-    """Decide every "auto" of the config for `device` by the device rule
-    (`data.targets.fast_device`): the fast paths on CUDA, the reference paths elsewhere.
-    Explicit settings are kept."""
-    fast = fast_device(device)
-
-    def pick(choice: Enum, fast_path: str, reference: str) -> str:
-        return (fast_path if fast else reference) if choice.value == "auto" else choice.value
-
-    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    return Resolved(
-        attention=pick(cfg.drafter.attention, "flex", "eager"),
-        compile=bool(cfg.drafter.compile) and fast,
-        loss_impl=pick(cfg.loss.impl, "triton", "torch"),
-        optim_impl="triton" if fast and triton_available() else "torch",
-        param_dtype=dtypes[pick(cfg.train.param_dtype, "bf16", "fp32")],
-        target_dtype=target_dtype(cfg.target.dtype, device),
-        pin_memory=fast)

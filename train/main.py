@@ -24,7 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from eyas.data.targets import default_device
 from eyas.data.log import (EXIT_USAGE, current_rank, error_exit_status, error_message,
                            setup_logging)
-from eyas.train.config import ConfigError, load, register, resolve
+from eyas.train.config import ConfigError, load, register
+from eyas.train.resolve import resolve
 
 log = logging.getLogger("eyas")
 

@@ -27,7 +27,7 @@ class MasterAdamW(torch.optim.Optimizer):
     `param_groups` are the model's own parameters, so accelerate, clipping and LR schedulers
     work unchanged; `step()` updates the fp32 masters from the parameters' gradients and writes
     the result back rounded to the parameter dtype. impl: "triton" (fused kernel), "torch"
-    (fp32 gradient copies + torch AdamW, fused on CUDA), as `train.config.resolve` decides it.
+    (fp32 gradient copies + torch AdamW, fused on CUDA), as `train.resolve.resolve` decides it.
 
     `step(skip=flag)` takes the decision to skip the update as a 0-dim device tensor of any
     dtype (nonzero = skip; e.g. a non-finite gradient norm) instead of a host bool: a skipped
@@ -133,7 +133,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
 def build_optimizer(params, optim_cfg, *, master_weights: bool,
                     impl: str = "torch") -> torch.optim.Optimizer:
-    """AdamW of the `optim` group: `MasterAdamW` (update `impl`, as `train.config.resolve`
+    """AdamW of the `optim` group: `MasterAdamW` (update `impl`, as `train.resolve.resolve`
     decides it) over bf16 parameters, else torch AdamW (fused when the parameters are on CUDA)."""
     params = [p for p in params if p.requires_grad]
     kw = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,

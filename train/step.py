@@ -32,7 +32,7 @@ class TrainingModule(nn.Module):
     """Drafter + frozen target head rows (the teacher) + the loss configuration.
 
     loss_cfg: the `loss` group (`train.config.LossConfig`); loss_impl: "triton" or "torch" (as
-    `train.config.resolve` decides it); ttt_steps: the unroll depth, by default the drafter's
+    `train.resolve.resolve` decides it); ttt_steps: the unroll depth, by default the drafter's
     own (`Eagle3Config.ttt_steps`, its one holder in training).
     """
 

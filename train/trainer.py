@@ -39,7 +39,8 @@ from eyas.data.targets import load_embedding_and_head, load_target_config, text_
 from eyas.train import checkpoint as ckpt
 from eyas.train.trackers import init_trackers
 from eyas.train.config import (DataConfig, DistBackend, DrafterConfig, EyasConfig, LossConfig,
-                               OptimConfig, Resolved, TargetConfig)
+                               OptimConfig, TargetConfig)
+from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
 from eyas.train.optim import build_scheduler

@@ -163,7 +163,8 @@ def test_resolve_decides_every_auto_by_one_device_rule():
     import torch
 
     from eyas.kernels import triton_available
-    from eyas.train.config import load, resolve
+    from eyas.train.config import load
+    from eyas.train.resolve import resolve
     cfg = load(_compose(["output_dir=unused"]))
     cpu, cuda = resolve(cfg, "cpu"), resolve(cfg, torch.device("cuda"))
     assert (cpu.attention, cpu.compile, cpu.loss_impl, cpu.optim_impl, cpu.param_dtype,

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from eyas.data.prompts import prompts_path
 from eyas.data.shards import open_dataset
 from eyas.data.targets import default_device
-from eyas.train.config import ConfigError, check, register, resolve
+from eyas.train.config import ConfigError, check, register
+from eyas.train.resolve import resolve
 from eyas.train.pipeline import _embedded_key, build_embedded_dataset
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -1,0 +1,56 @@
+"""Every "auto" of the typed config decided once, for the device this process trains on.
+
+`resolve(cfg, device)` applies the device rule (`data.targets.fast_device`): the fast paths on
+CUDA, the reference paths elsewhere; explicit settings are kept. The entry point calls it once
+and hands the `Resolved` values to the components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from eyas.data.targets import fast_device, target_dtype
+from eyas.kernels import triton_available
+from eyas.train.config import EyasConfig
+
+@dataclass(frozen=True)
+class Resolved:
+    """Every "auto" of the config decided for one device (`resolve`)."""
+
+    attention: str
+    """drafter attention: "flex" or "eager" (drafter.attention)"""
+    compile: bool
+    """torch.compile the drafter layer and flex attention (drafter.compile, CUDA only)"""
+    loss_impl: str
+    """fused loss: "triton" or "torch" (loss.impl)"""
+    optim_impl: str
+    """MasterAdamW update: "triton" (the fused kernel) or "torch" (torch AdamW on fp32 copies)"""
+    param_dtype: torch.dtype
+    """drafter parameters (train.param_dtype)"""
+    target_dtype: torch.dtype
+    """the target in generation and extraction (target.dtype)"""
+    pin_memory: bool
+    """pinned host batches (copies to the device overlap compute)"""
+
+
+def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
+    """Decide every "auto" of the config for `device` by the device rule
+    (`data.targets.fast_device`): the fast paths on CUDA, the reference paths elsewhere.
+    Explicit settings are kept."""
+    fast = fast_device(device)
+
+    def pick(choice: Enum, fast_path: str, reference: str) -> str:
+        return (fast_path if fast else reference) if choice.value == "auto" else choice.value
+
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    return Resolved(
+        attention=pick(cfg.drafter.attention, "flex", "eager"),
+        compile=bool(cfg.drafter.compile) and fast,
+        loss_impl=pick(cfg.loss.impl, "triton", "torch"),
+        optim_impl="triton" if fast and triton_available() else "torch",
+        param_dtype=dtypes[pick(cfg.train.param_dtype, "bf16", "fp32")],
+        target_dtype=target_dtype(cfg.target.dtype, device),
+        pin_memory=fast)
