@@ -108,7 +108,7 @@ def _bytes_per_token(hidden: int, aux_format: str, teacher: str, topk: int) -> i
 DTYPES = ("bfloat16", "float32")
 
 
-def _load_model(target, device, device_map, dtype: str):
+def _load_model(target, device, device_map, dtype: str, max_memory: dict | None = None):
     from eyas.data.targets import TARGET_DTYPES, load_target, resolve_target
     if dtype not in DTYPES:
         raise ExtractError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -117,7 +117,8 @@ def _load_model(target, device, device_map, dtype: str):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(resolve_target(target),
                                                  dtype=TARGET_DTYPES[dtype],
-                                                 device_map=device_map).eval()
+                                                 device_map=device_map,
+                                                 max_memory=max_memory).eval()
     return model.requires_grad_(False)
 
 
@@ -176,8 +177,9 @@ def _run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[d
     # no mask when nothing is padded: the same kernels as a plain single-sample forward
     attn = mask.to(dev) if min(lens) < L else None
     text(input_ids=x.to(dev), attention_mask=attn, use_cache=False)
-    aux = torch.stack([capture.aux[k] for k in capture.aux_ids], dim=2)     # [B, L, 3, tH]
     last = capture.last                                                     # [B, L, tH]
+    # under a device map the aux layers may sit on other devices than the final norm
+    aux = torch.stack([capture.aux[k].to(last.device) for k in capture.aux_ids], dim=2)
     real = torch.cat([last[b, :n] for b, n in enumerate(lens)]).to(head.weight.device)
     arg, tids, tvals = chunked_argmax_topk(
         real, head, topk=topk if teacher != "last" else 0, row_chunk=row_chunk,
@@ -202,7 +204,8 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             teacher: str = ExtractionSettings.teacher.value,
             topk: int = 32, batch_tokens: int = 8192, shard_tokens: int | None = None,
             shard_bytes: int = 1 << 30, max_samples: int | None = None,
-            device: str | torch.device | None = None, device_map: str | None = None,
+            device: str | torch.device | None = None, device_map: str | dict | None = None,
+            max_memory: dict | None = None,
             rank: int = 0, world_size: int = 1, finalize_manifest: bool | None = None,
             pad_batches: bool = ExtractionSettings.extract_pad_batches, row_chunk: int = 1024,
             vocab_chunk: int = 65536,
@@ -227,7 +230,9 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         max_samples: use only the first N samples of the token dataset.
         device / device_map: where the target runs ("cuda:0", "cpu"; None: the first GPU if
             there is one, else the CPU), or device_map "auto" to spread one large target over
-            all visible GPUs.
+            all visible GPUs (or a dict module name -> device, as transformers takes it).
+        max_memory: with device_map, the most memory per device ({0: "60GiB", "cpu":
+            "200GiB"}); layers that do not fit the GPUs go to the CPU.
         rank, world_size: data parallel: this process does shards i = rank (mod world_size).
         finalize_manifest: write the manifest at the end (default: when world_size == 1).
         row_chunk, vocab_chunk: logits chunk (tokens x vocabulary rows) for argmax/top-k.
@@ -252,7 +257,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     if model is None:
         from eyas.data.targets import default_device
-        model = _load_model(target, device or default_device(), device_map, dtype)
+        model = _load_model(target, device or default_device(), device_map, dtype, max_memory)
     text, dec_layers, norm, head = find_text_model(model)
     num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
     aux_ids = check_aux_layers(layers, num_layers)
@@ -351,6 +356,21 @@ def finalize(out_dir: str | Path) -> dict[str, Any]:
     return write_manifest(out, plan["manifest"], metas)
 
 
+def parse_max_memory(text: str | None) -> dict | None:
+    """`0=60GiB,cpu=200GiB` -> {0: "60GiB", "cpu": "200GiB"} (None stays None)."""
+    if not text:
+        return None
+    out: dict = {}
+    for item in text.split(","):
+        dev, sep, size = item.partition("=")
+        dev, size = dev.strip(), size.strip()
+        if not sep or not dev or not size:
+            raise ExtractError(f"--max-memory {text!r}: expected DEVICE=SIZE pairs separated by "
+                               f"commas, e.g. 0=60GiB,cpu=200GiB")
+        out[int(dev) if dev.isdigit() else dev] = size
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas extract` arguments (defaults shared with training come from `data.settings`)."""
     p = argparse.ArgumentParser(formatter_class=HelpFormatter,
@@ -385,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-map", default=None,
                    help="'auto': one large target across GPUs (default: none, the whole target "
                         "on --device)")
+    p.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
+                   help="with --device-map: the most memory per device, e.g. 0=60GiB,cpu=200GiB "
+                        "(what does not fit the GPUs runs on the CPU)")
     p.add_argument("--finalize-only", action="store_true",
                    help="only write the manifest from the shards present")
     return p
@@ -405,6 +428,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                       aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
                       batch_tokens=args.batch_tokens, shard_tokens=args.shard_tokens,
                       max_samples=args.max_samples, device=device, device_map=args.device_map,
+                      max_memory=parse_max_memory(args.max_memory),
                       pad_batches=args.pad_batches,
                       dtype=target_dtype_name(args.dtype, device),
                       rank=state.process_index, world_size=state.num_processes,
