@@ -193,6 +193,7 @@ def split_check(args, work: Path) -> dict:
     tokens = token_dataset(work / "split-tokens", args.split_samples, args.split_length,
                            cfg.vocab_size)
     cpu = ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(args.split_cpu_layers)]
+    # "cpu" in a device map: weights kept in host memory, streamed to the GPU per forward
     maps = {"gpu": {"": 0},
             "split": {**{m: "cpu" for m in cpu}, "model.rotary_emb": 0, "model.norm": 0,
                       "lm_head": 0, **{f"model.layers.{i}": 0

@@ -160,3 +160,53 @@ def chunked_argmax_topk(h: torch.Tensor, head: nn.Module, *, topk: int = 0,
             vals[r0:r0 + row_chunk] = top_v.gather(-1, o)
             ids[r0:r0 + row_chunk] = top_i.gather(-1, o)
     return arg, ids, vals
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """Where `module` computes: its weight's device, or, for a module accelerate offloads to
+    the CPU under a device map (weights on the meta device, streamed in per forward), the
+    device its hook runs it on."""
+    hook = getattr(module, "_hf_hook", None)
+    dev = getattr(hook, "execution_device", None)
+    if dev is not None:
+        return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}")
+    return next(module.parameters()).device
+
+
+@torch.no_grad()
+def run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
+               teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
+               logit_tf: tuple) -> list[dict[str, torch.Tensor]]:
+    """Forward one batch (right padded with id 0 if lengths differ); per sample its output
+    fields as CPU tensors."""
+    dev = execution_device(text.embed_tokens)
+    lens = [int(s["input_ids"].shape[0]) for s in batch]
+    L = max(lens)
+    x = torch.zeros(len(batch), L, dtype=torch.long)
+    mask = torch.zeros(len(batch), L, dtype=torch.long)
+    for b, s in enumerate(batch):
+        x[b, :lens[b]] = s["input_ids"]
+        mask[b, :lens[b]] = 1
+    # no mask when nothing is padded: the same kernels as a plain single-sample forward
+    attn = mask.to(dev) if min(lens) < L else None
+    text(input_ids=x.to(dev), attention_mask=attn, use_cache=False)
+    last = capture.last                                                     # [B, L, tH]
+    # under a device map the aux layers may sit on other devices than the final norm
+    aux = torch.stack([capture.aux[k].to(last.device) for k in capture.aux_ids], dim=2)
+    real = torch.cat([last[b, :n] for b, n in enumerate(lens)]).to(head.weight.device)
+    arg, tids, tvals = chunked_argmax_topk(
+        real, head, topk=topk if teacher != "last" else 0, row_chunk=row_chunk,
+        vocab_chunk=vocab_chunk, logit_scale=logit_tf[0], softcap=logit_tf[1])
+    out, r = [], 0
+    for b, (s, n) in enumerate(zip(batch, lens)):
+        o = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
+             "aux": aux[b, :n].cpu(), "target_argmax": arg[r:r + n].cpu()}
+        if teacher in ("last", "both"):
+            o["last"] = last[b, :n].cpu()
+        if teacher in ("topk", "both"):
+            o["topk_ids"], o["topk_logits"] = tids[r:r + n].cpu(), tvals[r:r + n].cpu()
+        out.append(o)
+        r += n
+    capture.aux.clear()
+    capture.last = None
+    return out

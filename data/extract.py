@@ -43,13 +43,14 @@ import argparse
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from eyas.data.capture import (Capture, ExtractError, check_aux_layers, chunked_argmax_topk,
+from eyas.data.capture import (Capture, ExtractError, check_aux_layers, run_batch,
                                find_text_model, logit_transform)
 from eyas.data.log import HelpFormatter
 from eyas.data.settings import (DTYPE_CHOICES, AuxFormat, ExtractionSettings, TargetSettings,
@@ -160,43 +161,16 @@ def _pending_shards(out: Path, ranges: list[list[int]], rank: int, world_size: i
     return todo, resumed
 
 
-@torch.no_grad()
-def _run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
-               teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
-               logit_tf: tuple) -> list[dict[str, torch.Tensor]]:
-    """Forward one batch (right padded with id 0 if lengths differ); per sample its output
-    fields as CPU tensors."""
-    dev = text.embed_tokens.weight.device
-    lens = [int(s["input_ids"].shape[0]) for s in batch]
-    L = max(lens)
-    x = torch.zeros(len(batch), L, dtype=torch.long)
-    mask = torch.zeros(len(batch), L, dtype=torch.long)
-    for b, s in enumerate(batch):
-        x[b, :lens[b]] = s["input_ids"]
-        mask[b, :lens[b]] = 1
-    # no mask when nothing is padded: the same kernels as a plain single-sample forward
-    attn = mask.to(dev) if min(lens) < L else None
-    text(input_ids=x.to(dev), attention_mask=attn, use_cache=False)
-    last = capture.last                                                     # [B, L, tH]
-    # under a device map the aux layers may sit on other devices than the final norm
-    aux = torch.stack([capture.aux[k].to(last.device) for k in capture.aux_ids], dim=2)
-    real = torch.cat([last[b, :n] for b, n in enumerate(lens)]).to(head.weight.device)
-    arg, tids, tvals = chunked_argmax_topk(
-        real, head, topk=topk if teacher != "last" else 0, row_chunk=row_chunk,
-        vocab_chunk=vocab_chunk, logit_scale=logit_tf[0], softcap=logit_tf[1])
-    out, r = [], 0
-    for b, (s, n) in enumerate(zip(batch, lens)):
-        o = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
-             "aux": aux[b, :n].cpu(), "target_argmax": arg[r:r + n].cpu()}
-        if teacher in ("last", "both"):
-            o["last"] = last[b, :n].cpu()
-        if teacher in ("topk", "both"):
-            o["topk_ids"], o["topk_logits"] = tids[r:r + n].cpu(), tvals[r:r + n].cpu()
-        out.append(o)
-        r += n
-    capture.aux.clear()
-    capture.last = None
-    return out
+def _write(out: Path, j: int, samples: list[dict], aux_format: str) -> tuple[int, int]:
+    from eyas.data.shards import write_shard
+    write_shard(out, j, samples, aux_format=aux_format)
+    return j, len(samples)
+
+
+def _written(done: tuple[int, int], rank: int, tokens: int, t0: float, bar) -> None:
+    rate = tokens / max(time.perf_counter() - t0, 1e-9)
+    bar.set_postfix(shard=done[0], tok_s=f"{rate:.0f}")
+    log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, *done, rate)
 
 
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
@@ -240,7 +214,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
 
     Returns a summary dict (shards computed/resumed, tokens, tokens/s).
     """
-    from eyas.data.shards import open_dataset, write_shard
+    from eyas.data.shards import open_dataset
     from eyas.data.utils import progress
 
     if teacher not in TEACHERS:
@@ -295,6 +269,9 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     total = sum(sum(lengths[a:b]) for a, b in (plan["shards"][j] for j in todo))
     bar = progress(None, total=total, unit="tok", unit_scale=True, desc=f"extract[{rank}]")
     done_tokens, t0 = 0, time.perf_counter()
+    # shard j is written on a thread while the target computes shard j + 1 (at most one shard
+    # in flight, so host memory holds two shards' features at most)
+    writer, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer"), None
     try:
         for j in todo:
             a, b = plan["shards"][j]
@@ -306,18 +283,20 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
                     raise ExtractError(f"{tokens_dir}: token id {top} in samples {idx} is outside "
                                        f"the target's vocabulary ({vocab}); was the dataset "
                                        f"prepared with another tokenizer?")
-                outs = _run_batch(text, capture, head, batch, teacher=teacher, topk=topk,
-                                  row_chunk=row_chunk, vocab_chunk=vocab_chunk,
-                                  logit_tf=logit_tf)
+                outs = run_batch(text, capture, head, batch, teacher=teacher, topk=topk,
+                                 row_chunk=row_chunk, vocab_chunk=vocab_chunk, logit_tf=logit_tf)
                 results.update(zip(idx, outs))
                 ntok = sum(lengths[i] for i in idx)
                 done_tokens += ntok
                 bar.update(ntok)
-            write_shard(out, j, [results[i] for i in range(a, b)], aux_format=aux_format)
-            rate = done_tokens / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(shard=j, tok_s=f"{rate:.0f}")
-            log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, j, b - a, rate)
+            if pending is not None:
+                _written(pending.result(), rank, done_tokens, t0, bar)
+            pending = writer.submit(_write, out, j, [results[i] for i in range(a, b)],
+                                    aux_format)
+        if pending is not None:
+            _written(pending.result(), rank, done_tokens, t0, bar)
     finally:
+        writer.shutdown(wait=True)
         capture.remove()
         bar.close()
     dt = time.perf_counter() - t0
