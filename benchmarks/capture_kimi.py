@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.data.capture import Capture, find_text_model, logit_transform, run_batch
 from eyas.data.extract import _bytes_per_token, extract
 from eyas.data.log import setup_logging
 from eyas.data.shards import open_dataset, write_manifest, write_shard
@@ -105,6 +106,21 @@ def layer_times(model, x) -> list[float]:
     return [a.elapsed_time(b) for a, b in ev]
 
 
+def hooks_only(model, ds, batch: int, teacher: str) -> float:
+    """Seconds for the capture without storage: the hooked forward, the chunked argmax (and
+    top-k) and the copies to the host, as `extract` runs them, for every batch."""
+    text, layers, norm, head = find_text_model(model)
+    cap = Capture(layers, AUX, norm)
+    rows = [ds.sample(i, fields=("input_ids", "loss_mask")) for i in range(len(ds))]
+    tf = logit_transform(model.config)
+    try:
+        return _sync_time(lambda: [run_batch(text, cap, head, rows[i:i + batch], teacher=teacher,
+                                             topk=32, row_chunk=1024, vocab_chunk=65536,
+                                             logit_tf=tf) for i in range(0, len(rows), batch)])
+    finally:
+        cap.remove()
+
+
 def writer_rate(hidden: Path, work: Path, aux_format: str) -> float:
     """GB/s of `write_shard` alone, writing the first shard's samples again."""
     ds = open_dataset(hidden)
@@ -134,9 +150,10 @@ def capture_table(args, work: Path) -> dict:
     kw = dict(batch_tokens=args.batch * args.length, shard_bytes=args.shard_bytes)
     plain_s = []
     for name, (aux_format, teacher) in MODES.items():
-        ext_s = []
+        ext_s, hooks_s = [], []
         for _ in range(args.repeats):
             plain_s.append(plain(model, batches))
+            hooks_s.append(hooks_only(model, ds, args.batch, teacher))
             shutil.rmtree(work / "hidden", ignore_errors=True)
             ext_s.append(_sync_time(lambda: extract(tokens, "kimi-k2.5-shaped", work / "hidden",
                                                     model=model, aux_format=aux_format,
@@ -144,6 +161,8 @@ def capture_table(args, work: Path) -> dict:
                                                     **kw)))
         on_disk = int(open_dataset(work / "hidden").manifest["bytes"])
         res["modes"][name] = {
+            "hooks_s": [round(t, 3) for t in hooks_s],
+            "hooks_tok_s": round(n_tok / statistics.median(hooks_s)),
             "extract_s": [round(t, 3) for t in ext_s], "extract_tok_s": round(
                 n_tok / statistics.median(ext_s)), "bytes_per_token": round(on_disk / n_tok, 1),
             "format_bytes_per_token": _bytes_per_token(cfg.hidden_size, aux_format, teacher, 32),
@@ -169,13 +188,18 @@ def project(res: dict, hidden: int, n_layers: int = 61, dense: int = 1) -> dict:
     out = {"dense_ms": dense_ms, "moe_ms": moe_ms, "rest_ms": round(rest_ms, 2),
            "full_forward_ms_per_batch": round(full_ms, 1),
            "seed_tokens": round(seed_tokens), "modes": {}}
+    n_batches = res["tokens"] / batch_tok
     for name, m in res["modes"].items():
-        extra_ms = 1e3 * res["tokens"] * (1 / m["extract_tok_s"] - 1 / res["plain_tok_s"]) \
-            / (res["tokens"] / batch_tok)
-        tok_s = batch_tok / ((full_ms + max(extra_ms, 0.0)) / 1e3)
+        # the forward, hooks, argmax and copies run in series; the shard writer overlaps them
+        serial_ms = 1e3 * (res["tokens"] / m["hooks_tok_s"] - res["tokens"] / res["plain_tok_s"]) \
+            / n_batches
+        write_ms = 1e3 * batch_tok * m["format_bytes_per_token"] / (m["writer_gb_s"] * 1e9)
+        batch_ms = max(full_ms + max(serial_ms, 0.0), write_ms)
+        tok_s = batch_tok / (batch_ms / 1e3)
         out["modes"][name] = {
-            "capture_extra_ms_per_batch": round(extra_ms, 1),
-            "overhead_full_model": round(max(extra_ms, 0.0) / full_ms, 4),
+            "capture_serial_ms_per_batch": round(serial_ms, 1),
+            "write_ms_per_batch": round(write_ms, 1),
+            "overhead_full_model": round(batch_ms / full_ms - 1, 4),
             "tok_s_one_pipeline": round(tok_s), "seed_hours": round(seed_tokens / tok_s / 3600, 2),
             "seed_disk_gb": round(seed_tokens * m["format_bytes_per_token"] / 1e9, 1),
             "vs_seed_bytes": round(m["format_bytes_per_token"] / (8 * hidden), 3)}
@@ -243,11 +267,13 @@ def main() -> None:
     c, pr = res["capture"], res["projection"]
     print(f"\nKimi-K2.5 shape, {c['layers']} layers, {c['tokens']} tokens, batch {c['batch']}: "
           f"plain {c['plain_tok_s']} tok/s, peak {c['peak_gib']} GiB; layer ms {c['layer_ms']}")
-    print(f"{'mode':<10} {'tok/s':>7} {'overhead':>9} {'B/token':>8} {'writer GB/s':>12} "
+    print(f"{'mode':<10} {'tok/s':>7} {'overhead':>9} {'no-store tok/s':>15} {'B/token':>8} "
+          f"{'writer GB/s':>12} "
           f"{'61-layer overhead':>18} {'seed hours':>11} {'seed GB':>8}")
     for name, m in c["modes"].items():
         q, over = pr["modes"][name], c["plain_tok_s"] / m["extract_tok_s"] - 1
-        print(f"{name:<10} {m['extract_tok_s']:>7} {over:>9.1%} {m['bytes_per_token']:>8.0f} "
+        print(f"{name:<10} {m['extract_tok_s']:>7} {over:>9.1%} {m['hooks_tok_s']:>15} "
+              f"{m['bytes_per_token']:>8.0f} "
               f"{m['writer_gb_s']:>12} {q['overhead_full_model']:>18.1%} {q['seed_hours']:>11} "
               f"{q['seed_disk_gb']:>8}")
     if args.split:
