@@ -230,8 +230,8 @@ def split_check(args, work: Path) -> dict:
         res[f"{name}_tok_s"] = s["tokens_per_s"]
     a, b = open_dataset(work / "hid-gpu"), open_dataset(work / "hid-split")
     for f in ("aux", "last"):
-        x = torch.cat([a[i][f].float().flatten() for i in range(len(a))])
-        y = torch.cat([b[i][f].float().flatten() for i in range(len(b))])
+        x = torch.cat([a[i][f].double().flatten() for i in range(len(a))])
+        y = torch.cat([b[i][f].double().flatten() for i in range(len(b))])
         res[f"{f}_max_abs"] = float((x - y).abs().max())
         res[f"{f}_max_ref"] = float(x.abs().max())
         res[f"{f}_cosine"] = float(torch.nn.functional.cosine_similarity(x, y, dim=0))

@@ -162,6 +162,17 @@ def chunked_argmax_topk(h: torch.Tensor, head: nn.Module, *, topk: int = 0,
     return arg, ids, vals
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` in host memory, one copy per batch. From a GPU it lands in page-locked memory, which
+    PyTorch's host allocator caches and hands out again: a fresh pageable buffer per batch
+    costs a page fault per 4 KiB written (at a large target's ~0.5 GB of features per batch,
+    a few times the copy itself)."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t)
+
+
 def execution_device(module: nn.Module) -> torch.device:
     """Where `module` computes: its weight's device, or, for a module accelerate offloads to
     the CPU under a device map (weights on the meta device, streamed in per forward), the
@@ -197,14 +208,18 @@ def run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[di
     arg, tids, tvals = chunked_argmax_topk(
         real, head, topk=topk if teacher != "last" else 0, row_chunk=row_chunk,
         vocab_chunk=vocab_chunk, logit_scale=logit_tf[0], softcap=logit_tf[1])
+    aux, arg = to_host(aux), to_host(arg)
+    last = to_host(last) if teacher in ("last", "both") else None
+    if teacher in ("topk", "both"):
+        tids, tvals = to_host(tids), to_host(tvals)
     out, r = [], 0
     for b, (s, n) in enumerate(zip(batch, lens)):
         o = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
-             "aux": aux[b, :n].cpu(), "target_argmax": arg[r:r + n].cpu()}
-        if teacher in ("last", "both"):
-            o["last"] = last[b, :n].cpu()
+             "aux": aux[b, :n], "target_argmax": arg[r:r + n]}
+        if last is not None:
+            o["last"] = last[b, :n]
         if teacher in ("topk", "both"):
-            o["topk_ids"], o["topk_logits"] = tids[r:r + n].cpu(), tvals[r:r + n].cpu()
+            o["topk_ids"], o["topk_logits"] = tids[r:r + n], tvals[r:r + n]
         out.append(o)
         r += n
     capture.aux.clear()
