@@ -365,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         "`accelerate launch --num_processes G` for data parallel over G GPUs.")
     p.add_argument("--tokens", required=True, help="token dataset (from eyas prepare)")
     p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--out", required=True, help="output hidden-state dataset directory")
+    p.add_argument("--out", required=True,
+                   help="output hidden-state dataset directory (locked while written; resumes "
+                        "its own run, refuses other data and --tokens itself)")
     p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
                    help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids"))
     ex = ExtractionSettings

@@ -104,9 +104,13 @@ class DirLock:
         self.fd: int | None = None
         self.depth = 0
 
+    def _key(self) -> str:
+        """The lock file, however the directory was spelled (symlinks, relative paths)."""
+        return os.path.join(os.path.realpath(self.path.parent), self.path.name)
+
     def acquire(self) -> "DirLock":
         """Take the lock or raise DirectoryLocked naming the holder."""
-        key = str(self.path.absolute())
+        key = self._key()
         if key in _HELD:
             _HELD[key].depth += 1
             return _HELD[key]
@@ -150,7 +154,7 @@ class DirLock:
         self.depth -= 1
         if self.depth > 0:
             return
-        _HELD.pop(str(self.path.absolute()), None)
+        _HELD.pop(self._key(), None)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()  # while still locked: no other writer holds this inode
         os.close(self.fd)  # drops the flock

@@ -215,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         "With --generate, the target first writes the assistant turns for the given prompts.")
     p.add_argument("--input", required=True, help="conversations (or prompts) JSONL")
     p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--out", required=True, help="output dataset directory")
+    p.add_argument("--out", required=True,
+                   help="output token dataset directory (locked while written; one holding "
+                        "other data is refused)")
     p.add_argument("--max-length", type=int, default=TokenizeSettings.max_length,
                    help=field_help(TokenizeSettings, "max_length", "data.max_length"))
     p.add_argument("--on-error", choices=ERROR_MODES, default="raise",
