@@ -117,3 +117,32 @@ def test_extract_refuses_its_own_input(tmp_path, monkeypatch, capsys, spelling):
     assert f"--out {out} is the --tokens dataset itself ({tokens.resolve()})" in line, line
     assert "overwrite its own input" in line and "Fix: choose another --out" in line
     assert _snapshot(tokens) == before
+
+
+@pytest.mark.slow
+def test_a_two_rank_extract_is_one_writer(tmp_path, lock_holder):
+    """`accelerate launch -m eyas.data.extract` with 2 CPU ranks: rank 0 takes the lock for
+    both; a held directory stops both ranks at once with the holder's line, none writes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    tokens, out = _tokens(tmp_path / "tok", n=4), tmp_path / "hs"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", "29533", "-m", "eyas.data.extract",
+           "--tokens", str(tokens), "--target", "tiny-llama", "--out", str(out),
+           "--device", "cpu", "--shard-tokens", "8"]
+    holder = lock_holder(out)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    lines = {line for line in r.stderr.splitlines() if line.startswith("extract: ")}
+    assert len(lines) == 1 and f"pid {holder.pid}" in lines.pop(), r.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [".eyas.lock"]
+    holder.kill()
+    holder.wait()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "manifest.json").is_file() and not (out / ".eyas.lock").exists()
+    assert "taking over the stale lock" in r.stderr
