@@ -51,7 +51,7 @@ from torch import nn
 
 from eyas.data.capture import (Capture, ExtractError, check_aux_layers, chunked_argmax_topk,
                                find_text_model, logit_transform)
-from eyas.data.lock import DirectoryLocked, DirLock, writes_directory
+from eyas.data.lock import lock_for_ranks, writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.parent import exit_with_launcher
 from eyas.data.outdir import PLAN_NAME, check_extract_out
@@ -410,35 +410,14 @@ def cli_main(argv: list[str] | None = None) -> int:
     state = PartialState(cpu=use_cpu)
     device = state.device if args.device == "auto" else torch.device(args.device)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-    lock = _lock_on_rank0(state, args.out, args.tokens)
+    lock = lock_for_ranks(state, args.out, what="hidden-state dataset",
+                          check=lambda out: check_extract_out(out, args.tokens))
     try:
         _extract_ranks(args, state, device, layers)
     finally:
         if lock is not None:
             lock.release()
     return 0
-
-
-def _lock_on_rank0(state, out: str, tokens: str) -> DirLock | None:
-    """Rank 0 takes the output's lock (and checks the directory) for every rank of the launch;
-    each rank raises rank 0's refusal, so none writes into a directory it may not."""
-    lock, message = None, None
-    if state.is_main_process:
-        try:
-            check_extract_out(out, tokens)
-            lock = DirLock(out, what="hidden-state dataset").acquire()
-        except (OSError, ValueError, DirectoryLocked) as e:
-            message = str(e)
-    if state.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-        shared = [message]
-        broadcast_object_list(shared, from_process=0)
-        message = shared[0]
-    if message:
-        if lock is not None:
-            lock.release()
-        raise ExtractError(message)
-    return lock
 
 
 def _extract_ranks(args, state, device, layers) -> None:

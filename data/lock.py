@@ -39,10 +39,14 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".eyas.lock"
 
 
-class DirectoryLocked(RuntimeError):
-    """Another live process holds the directory's lock (exit status 2: a usage error)."""
+class DirectoryRefused(RuntimeError):
+    """A writer may not write this directory (exit status 2: a usage error)."""
 
     exit_status = 2
+
+
+class DirectoryLocked(DirectoryRefused):
+    """Another live process holds the directory's lock."""
 
 
 def lock_path(directory: str | os.PathLike) -> Path:
@@ -197,3 +201,29 @@ def writes_directory(param: str, *, what: str, sibling: bool = False,
                 return fn(*args, **kwargs)
         return locked
     return wrap
+
+
+def lock_for_ranks(state, directory: str | os.PathLike, *, what: str,
+                   check: Callable[[str | os.PathLike], None] | None = None) -> DirLock | None:
+    """The lock of `directory` for every rank of a launch (`state`: accelerate's PartialState):
+    rank 0 runs `check(directory)` (raises to refuse) and takes the lock, then every rank
+    raises rank 0's refusal as DirectoryRefused, so none writes where it may not. Returns
+    rank 0's lock (None on the others)."""
+    lock, message = None, None
+    if state.is_main_process:
+        try:
+            if check is not None:
+                check(directory)
+            lock = DirLock(directory, what=what).acquire()
+        except (OSError, ValueError, DirectoryRefused) as e:
+            message = str(e)
+    if state.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+        shared = [message]
+        broadcast_object_list(shared, from_process=0)
+        message = shared[0]
+    if message:
+        if lock is not None:
+            lock.release()
+        raise DirectoryRefused(message)
+    return lock
