@@ -52,14 +52,16 @@ from torch import nn
 
 from eyas.data.capture import (Capture, ExtractError, check_aux_layers, run_batch,
                                find_text_model, logit_transform)
+from eyas.data.lock import lock_for_ranks, writes_directory
 from eyas.data.log import HelpFormatter
+from eyas.data.parent import exit_with_launcher
+from eyas.data.outdir import PLAN_NAME, check_extract_out
 from eyas.data.settings import (DTYPE_CHOICES, AuxFormat, ExtractionSettings, TargetSettings,
                                 default, field_help)
 from eyas.data.targets import target_dtype_name
 
 log = logging.getLogger(__name__)
 
-PLAN_NAME = "extract_plan.json"
 TEACHERS = ("last", "topk", "both")
 # plan keys that must match for a re-run to resume into an existing output directory
 _RESUME_KEYS = ("target", "target_dtype", "aux_layer_ids", "teacher", "topk", "aux_format",
@@ -173,6 +175,8 @@ def _written(done: tuple[int, int], rank: int, tokens: int, t0: float, bar) -> N
     log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, *done, rate)
 
 
+@writes_directory("out_dir", what="hidden-state dataset",
+                  when=lambda a: a["world_size"] == 1)  # several ranks: cli_main's rank 0
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             layers: list[int] | None = None, aux_format: str = ExtractionSettings.aux_format.value,
             teacher: str = ExtractionSettings.teacher.value,
@@ -223,6 +227,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         raise ExtractError(f"topk must be in [1, vocab_chunk={vocab_chunk}], got {topk}")
     if not 0 <= rank < world_size:
         raise ExtractError(f"rank {rank} is not in [0, world_size={world_size})")
+    check_extract_out(out_dir, tokens_dir)
     tokens = open_dataset(tokens_dir)
     for f in ("input_ids", "loss_mask"):
         if f not in tokens.fields:
@@ -310,6 +315,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     return summary
 
 
+@writes_directory("out_dir", what="hidden-state dataset")
 def finalize(out_dir: str | Path) -> dict[str, Any]:
     """Write the manifest of an extraction whose planned shards all exist (metas from headers)."""
     from eyas.data.shards import read_shard_meta, shard_name, write_manifest
@@ -358,7 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
         "`accelerate launch --num_processes G` for data parallel over G GPUs.")
     p.add_argument("--tokens", required=True, help="token dataset (from eyas prepare)")
     p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--out", required=True, help="output hidden-state dataset directory")
+    p.add_argument("--out", required=True,
+                   help="output hidden-state dataset directory (locked while written; resumes "
+                        "its own run, refuses other data and --tokens itself)")
     p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
                    help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids"))
     ex = ExtractionSettings
@@ -395,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cli_main(argv: list[str] | None = None) -> int:
     """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`."""
     args = build_parser().parse_args(argv)
+    exit_with_launcher()  # a rank of `accelerate launch -m eyas.data.extract` ends with it
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
         return 0
@@ -403,6 +412,17 @@ def cli_main(argv: list[str] | None = None) -> int:
     state = PartialState(cpu=use_cpu)
     device = state.device if args.device == "auto" else torch.device(args.device)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    lock = lock_for_ranks(state, args.out, what="hidden-state dataset",
+                          check=lambda out: check_extract_out(out, args.tokens))
+    try:
+        _extract_ranks(args, state, device, layers)
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0
+
+
+def _extract_ranks(args, state, device, layers) -> None:
     summary = extract(args.tokens, args.target, args.out, layers=layers,
                       aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
                       batch_tokens=args.batch_tokens, shard_tokens=args.shard_tokens,
@@ -417,7 +437,6 @@ def cli_main(argv: list[str] | None = None) -> int:
         finalize(args.out)
         summary["manifest"] = str(Path(args.out) / "manifest.json")
         print(json.dumps(summary, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

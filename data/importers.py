@@ -36,8 +36,10 @@ from typing import Any
 
 import torch
 
-from eyas.data.format import MANIFEST_NAME, DatasetError
+from eyas.data.format import DatasetError
+from eyas.data.lock import writes_directory
 from eyas.data.log import HelpFormatter
+from eyas.data.outdir import check_import_out
 from eyas.data.settings import AuxFormat, ExtractionSettings, TargetSettings, default, field_help
 from eyas.data.shards import write_manifest, write_shard
 from eyas.data.utils import progress
@@ -223,6 +225,7 @@ def _speculators_samples(src: Path, info: dict[str, Any], loss_mask: str,
 
 # ---- driver ------------------------------------------------------------------------------
 
+@writes_directory("out", what="hidden-state dataset")
 def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.PathLike, *,
                          target: str | os.PathLike, layers: list[int] | None = None,
                          aux_format: str = ExtractionSettings.aux_format.value,
@@ -248,8 +251,7 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise FileNotFoundError(f"{src} is not a directory")
-    if (out / MANIFEST_NAME).exists():
-        raise FileExistsError(f"{out} already holds a dataset; choose another --out")
+    check_import_out(out, src)
     info = _target_info(target, layers)
     last_conv = "post_norm"
     if source == "specforge":

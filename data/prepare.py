@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from eyas.data.lock import writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, resolve_template)
@@ -65,10 +66,11 @@ def _file_sha256(path: Path) -> str:
 
 
 def _clear_stale_shards(out: Path) -> None:
-    from eyas.data.format import MANIFEST_NAME, SHARD_GLOB
-    if (out / MANIFEST_NAME).exists():
-        raise FileExistsError(f"{out} already holds a complete dataset ({MANIFEST_NAME}); choose "
-                              f"another --out or remove it")
+    """Remove the shards of prepare's own unfinished earlier run; refuse any other data
+    (data/outdir.py)."""
+    from eyas.data.format import SHARD_GLOB
+    from eyas.data.outdir import check_prepare_out
+    check_prepare_out(out)
     stale = sorted(out.glob(SHARD_GLOB))
     if stale:
         log.info("removing %d shard(s) of an unfinished earlier run in %s", len(stale), out)
@@ -76,6 +78,7 @@ def _clear_stale_shards(out: Path) -> None:
             p.unlink()
 
 
+@writes_directory("out_dir", what="token dataset")
 def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
             max_length: int = TokenizeSettings.max_length, on_error: str = "raise",
             generate: bool = False,
@@ -212,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         "With --generate, the target first writes the assistant turns for the given prompts.")
     p.add_argument("--input", required=True, help="conversations (or prompts) JSONL")
     p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--out", required=True, help="output dataset directory")
+    p.add_argument("--out", required=True,
+                   help="output token dataset directory (locked while written; one holding "
+                        "other data is refused)")
     p.add_argument("--max-length", type=int, default=TokenizeSettings.max_length,
                    help=field_help(TokenizeSettings, "max_length", "data.max_length"))
     p.add_argument("--on-error", choices=ERROR_MODES, default="raise",

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -136,6 +137,20 @@ def atomic_write_dir(path: str | os.PathLike, build: Callable[[Path], object], *
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def remove_leftover_dirs(path: str | os.PathLike) -> list[Path]:
+    """Remove the temporary siblings of `path` that a killed `atomic_write_dir` left
+    (``.tmp-<name>.<random>``, ``.tmp-<name>.old.<pid>``), logging each. Only for a caller
+    that holds `path`'s lock (data/lock.py): then no live writer owns them."""
+    final = Path(path)
+    ours = re.compile(re.escape(f"{TMP_PREFIX}{final.name}.") + r"([0-9a-f]{8}|old\.\d+)")
+    found = sorted(p for p in final.parent.glob(f"{TMP_PREFIX}*")
+                   if ours.fullmatch(p.name) and p.is_dir() and not p.is_symlink())
+    for p in found:
+        log.warning("removing %s, left by an earlier write of %s that did not finish", p, final)
+        shutil.rmtree(p, ignore_errors=True)
+    return found
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> Path:

@@ -103,3 +103,35 @@ def _tiny_llama_drafter(cfg_dict, vocab=4096, seed=0):
 def tiny_drafter():
     """`tiny_drafter(target_config_dict, vocab=4096, seed=0)`: see `_tiny_llama_drafter`."""
     return _tiny_llama_drafter
+
+
+_HOLD = """
+import sys
+from eyas.data.lock import DirLock
+lock = DirLock(sys.argv[1], what="test holder", path=sys.argv[2] or None).acquire()
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def lock_holder():
+    """`lock_holder(directory, path=None)`: a real process that holds the directory's lock
+    (data/lock.py) until it is killed or its stdin closes; returns its Popen once it holds it.
+    Every holder still running at the end of the test is killed."""
+    import subprocess
+    import sys
+    procs = []
+
+    def start(directory, path=None):
+        p = subprocess.Popen([sys.executable, "-c", _HOLD, str(directory), str(path or "")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+        assert p.stdout.readline().strip() == "held"
+        return p
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()

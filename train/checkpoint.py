@@ -8,7 +8,10 @@ Layout under `<run>/checkpoints/`:
     best                  text file naming the checkpoint with the best eval acceptance length
 
 A checkpoint is written to `.step-000100.tmp` and renamed only when every rank has finished,
-so a crash while saving leaves the previous checkpoint as `latest`.
+so a crash while saving leaves the previous checkpoint as `latest`. Rotation renames a
+checkpoint to `.step-000100.del` before deleting it, so an interrupted rotation never leaves a
+half-deleted `step-*`; what killed runs leave (`.step-*.tmp`, `.step-*.del`, a `step-*`
+without its eyas_state.json) is removed by the next run in the directory (`clean_leftovers`).
 """
 
 from __future__ import annotations
@@ -110,9 +113,29 @@ def _rotate(root: Path, keep_last: int) -> None:
         keep.add(best[0])
     for p in steps:
         if p.name not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+            doomed = p.with_name(f".{p.name}.del")
+            os.replace(p, doomed)  # from here on no longer a checkpoint, even if cut short
+            shutil.rmtree(doomed, ignore_errors=True)
     for p in root.glob(".step-*.tmp"):  # left by a crash during an earlier save
         shutil.rmtree(p, ignore_errors=True)
+
+
+def clean_leftovers(root: Path) -> list[str]:
+    """Remove what killed runs left under `root` (rank 0, holding the run's lock): unfinished
+    saves (`.step-N.tmp`), interrupted rotations (`.step-N.del`) and checkpoints deleted half
+    way by one (`step-N` without its eyas_state.json). Logs each; returns the names removed."""
+    if not root.is_dir():
+        return []
+    found = sorted([*root.glob(".step-*.tmp"), *root.glob(".step-*.del"),
+                    *(p for p in root.glob("step-*") if p.is_dir()
+                      and not (p / STATE_FILE).is_file())])
+    for p in found:
+        why = ("an unfinished checkpoint save" if p.name.endswith(".tmp") else
+               "an interrupted checkpoint rotation" if p.name.endswith(".del") else
+               f"a checkpoint deleted half way (no {STATE_FILE})")
+        log.warning("removing %s, left by %s of an earlier run", p, why)
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in found]
 
 
 def resolve_resume(resume: str | None, root: Path) -> Path | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from eyas.data.parent import exit_with_launcher
 from eyas.data.targets import default_device
 from eyas.data.log import (EXIT_USAGE, current_rank, error_exit_status, error_message,
                            setup_logging)
@@ -49,8 +50,17 @@ def run(composed: DictConfig) -> dict:
     setup_logging(rank=accelerator.process_index)
     out, cfg.run_name = rundir.agree(accelerator, Path(cfg.output_dir), cfg.run_name)
     cfg.output_dir = str(out)
-    rundir.claim(accelerator, out, resume=cfg.train.resume, overwrite=cfg.train.overwrite,
-                 project=cfg.tracker.project)
+    lock = rundir.claim(accelerator, out, resume=cfg.train.resume,
+                        overwrite=cfg.train.overwrite, project=cfg.tracker.project)
+    try:  # rank 0 holds the run directory's lock until the run ends
+        return _run_claimed(cfg, composed, resolved, accelerator, out)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_claimed(cfg, composed: DictConfig, resolved, accelerator, out: Path) -> dict:
+    """The job in the run directory `out`, once rank 0 has claimed it."""
     # the run's logging from here on: stderr and <run dir>/train.log (rank 0's records, the
     # warnings of every rank)
     setup_logging(rank=accelerator.process_index, file=out / "train.log")
@@ -149,7 +159,7 @@ def _write_rank_record(out: Path, accelerator, cfg) -> None:
     record = {"rank": accelerator.process_index, "world_size": accelerator.num_processes,
               "distributed_type": accelerator.distributed_type.value,
               "device": str(accelerator.device), "run_name": cfg.run_name,
-              "output_dir": str(out)}
+              "output_dir": str(out), "pid": os.getpid()}
     (rank_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(record))
 
 
@@ -223,7 +233,9 @@ def cli() -> None:
     """`python train/main.py`: Hydra's main with eyas's exit statuses (data/log.py). Hydra
     reports a bad override or config group itself and exits 1 before any job starts: that is a
     usage error, 2. With EYAS_EXIT_FILE set (launch.sh), a failing status is also appended to
-    that file, because `accelerate launch` exits 1 whatever its processes returned."""
+    that file, because `accelerate launch` exits 1 whatever its processes returned. A rank
+    started by a launcher ends when the launcher does (data/parent.py)."""
+    exit_with_launcher()
     try:
         main()
     except SystemExit as e:

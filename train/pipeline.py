@@ -92,6 +92,19 @@ def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer
 
 def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
                            target_dtype) -> DatasetPaths:
+    """The embedded dataset (`_build_embedded_dataset`); its cache directory is locked
+    (data/lock.py) while it is written, so a second training building the same one at the same
+    time fails at once naming the first. A complete cache is only read, without the lock."""
+    from eyas.data.lock import dir_lock
+    root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed)
+    if (root / "hidden" / "manifest.json").is_file():
+        return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
+    with dir_lock(root, what="embedded dataset cache"):
+        return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
+
+
+def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
+                            target_dtype) -> DatasetPaths:
     """Generate conversations with the target, tokenise, extract hidden states (cached).
 
     Each prompt is answered `data.samples_per_prompt` times into one conversations file: answer

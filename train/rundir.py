@@ -13,6 +13,11 @@ the old run (`train.overwrite=true`: the old run's checkpoints, pointers, metric
 summary and tracker logs are removed, and the removal logged; files eyas does not write are
 kept). Every rank gets rank 0's verdict, so no rank writes into a directory another one
 refused.
+
+Rank 0 holds the directory's lock (data/lock.py, `<run>/.eyas.lock`) from `claim` to the end
+of the run: a second training, resumed or not, in the same directory fails at once naming the
+holder. Once the directory is the run's, rank 0 removes what killed earlier runs left there
+(`checkpoint.clean_leftovers`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
 
+from eyas.data.lock import LOCK_NAME, DirectoryLocked, DirLock
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import ConfigError
 
@@ -34,7 +40,7 @@ log = logging.getLogger(__name__)
 RUN_FILES = ("checkpoints", "metrics.jsonl", "train.log", "export", "export-speculators",
              "summary.json", "config.resolved.yaml", "vocab.safetensors", "ranks", "wandb",
              ".aim", "mlruns", "dvclive", ".hydra")
-RUN_GLOBS = ("export-step*", ".tmp-*")
+RUN_GLOBS = ("export-step*", ".tmp-*", ".*.lock")  # .export.lock: a killed export's lock
 
 
 def agree(accelerator, out: Path, run_name: str) -> tuple[Path, str]:
@@ -72,8 +78,13 @@ def run_entries(out: Path, project: str | None = None) -> list[Path]:
         names.append(tracker_dir(project))
     found = [out / n for n in names if (out / n).exists()]
     for pattern in RUN_GLOBS:
-        found += sorted(p for p in out.glob(pattern) if p not in found)
+        found += sorted(p for p in out.glob(pattern) if p not in found and p.name != LOCK_NAME)
     return found
+
+
+def _listing(out: Path) -> list[Path]:
+    """The entries of `out` but the run's own lock file."""
+    return [p for p in out.iterdir() if p.name != LOCK_NAME]
 
 
 def describe(out: Path, project: str | None = None) -> str:
@@ -90,7 +101,7 @@ def describe(out: Path, project: str | None = None) -> str:
             parts.append(f"metrics.jsonl ({_count_lines(p)} records)")
         else:
             parts.append(p.name + ("/" if p.is_dir() else ""))
-    others = sorted(p.name for p in out.iterdir() if p not in entries)
+    others = sorted(p.name for p in _listing(out) if p not in entries)
     if others:
         shown = ", ".join(others[:3]) + (", …" if len(others) > 3 else "")
         parts.append(f"{len(others)} other entr{'y' if len(others) == 1 else 'ies'} ({shown})")
@@ -106,7 +117,7 @@ def verdict(out: Path, *, resume: str | None, overwrite: bool,
             project: str | None = None) -> str | None:
     """Rank 0's decision on `out`: None (go ahead; with overwrite the old run is removed
     first) or the one-line refusal."""
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or not _listing(out):
         return None
     if overwrite:
         inside = resume and out.resolve() in _resolved(resume).parents
@@ -152,25 +163,34 @@ def remove_run(out: Path, project: str | None = None) -> list[str]:
             shutil.rmtree(p)
         else:
             p.unlink()
-    kept = sorted(p.name for p in out.iterdir())
+    kept = sorted(p.name for p in _listing(out))
     log.warning("train.overwrite=true: removed the previous run from %s (%s)%s", out, what,
                 f"; kept {', '.join(kept)} (not written by eyas)" if kept else "")
     return [p.name for p in entries]
 
 
 def claim(accelerator, out: Path, *, resume: str | None, overwrite: bool,
-          project: str | None = None) -> None:
-    """Rank 0 decides whether this run may write into `out` (`verdict`; `project`:
-    tracker.project), before anything is written; every rank raises the same ConfigError when
-    it may not."""
-    message = None
+          project: str | None = None) -> DirLock | None:
+    """Rank 0 takes the run directory's lock and decides whether this run may write into `out`
+    (`verdict`; `project`: tracker.project), before anything is written; every rank raises the
+    same ConfigError when it may not. Returns rank 0's lock (None on the other ranks), held
+    until it is released or the process ends."""
+    message, lock = None, None
     if accelerator.is_main_process:
         try:
+            lock = DirLock(out, what="run directory").acquire()
             message = verdict(out, resume=resume, overwrite=overwrite, project=project)
+            if message is None:
+                ckpt.clean_leftovers(out / "checkpoints")
+        except DirectoryLocked as e:
+            message = f"train.resume={resume}: {e}" if resume else str(e)
         except OSError as e:
             message = f"the run directory {out} could not be prepared: {e}"
     shared = [message]
     if accelerator.num_processes > 1:
         broadcast_object_list(shared, from_process=0)
     if shared[0]:
+        if lock is not None:
+            lock.release()
         raise ConfigError(shared[0])
+    return lock

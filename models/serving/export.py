@@ -33,12 +33,14 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
+from eyas.data.lock import writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.utils import atomic_write_dir, umask_mode
 from eyas.data.vocab_map import VocabMap
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
                                           TensorDir, all_finite, expected_shapes,
                                           format_findings, resolve_target_config)
+from eyas.models.serving.export_dir import prepare_out
 from eyas.models.serving.export_speculators import write_speculators_export
 from eyas.models.serving.importer import (find_key, load_state_dict_file, read_drafter_dir,
                                           read_trainer_checkpoint)
@@ -161,6 +163,7 @@ def _save_tensors(tensors: dict[str, torch.Tensor], d: Path, max_shard_bytes: in
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
+@writes_directory("out_dir", what="export", sibling=True)  # models/serving/export_dir.py
 def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | Path,
                    config: Any, d2t: torch.Tensor | None, t2d: torch.Tensor | None,
                    out_dir: str | Path, *, target_config: dict | str | Path | None = None,
@@ -181,6 +184,8 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     if speculators and not verifier:
         raise ExportError("a speculators-format export names its verifier (the target model path "
                           "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
+    for d in (Path(out_dir), Path(f"{out_dir}-speculators")) if speculators else (Path(out_dir),):
+        prepare_out(d, overwrite=overwrite)
     if isinstance(state_dict_or_checkpoint, (str, Path)):
         state_dict = load_state_dict_file(Path(state_dict_or_checkpoint))
     else:
@@ -348,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "in the serve commands (default: none; needed with --speculators-config)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K for the printed commands (default: the TTT steps trained, else 3)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in OUT_DIR (refused when OUT_DIR holds "
+                        "files an export does not write)")
     p.add_argument("--shard-size-gb", type=float, default=None,
                    help="split model.safetensors into shards of at most this size "
                         "(default: one file)")

@@ -60,7 +60,9 @@ def test_a_used_directory_is_refused_with_what_it_holds_and_both_fixes(tmp_path)
 def test_resume_reuses_the_directory_as_it_is(tmp_path):
     out = _old_run(tmp_path / "r")
     files = sorted(out.rglob("*"))
-    rundir.claim(OneProcess(), out, resume="latest", overwrite=False)
+    lock = rundir.claim(OneProcess(), out, resume="latest", overwrite=False)
+    assert (out / ".eyas.lock").is_file()  # held for the run's life
+    lock.release()
     assert sorted(out.rglob("*")) == files
 
 
@@ -69,7 +71,7 @@ def test_overwrite_removes_the_old_run_and_keeps_foreign_files(tmp_path, caplog)
     (out / "notes.txt").write_text("mine")
     (out / ".tmp-export.1234").mkdir()
     with caplog.at_level("WARNING"):
-        rundir.claim(OneProcess(), out, resume=None, overwrite=True)
+        rundir.claim(OneProcess(), out, resume=None, overwrite=True).release()
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     assert "removed the previous run" in caplog.text and "kept notes.txt" in caplog.text
 
@@ -112,7 +114,7 @@ def test_overwrite_removes_what_the_trackers_wrote(tmp_path, caplog):
     (out / "notes.txt").write_text("mine")
     assert "runs-tb/" in rundir.describe(out, project="runs-tb")
     with caplog.at_level("WARNING"):
-        rundir.claim(OneProcess(), out, resume=None, overwrite=True, project="runs-tb")
+        rundir.claim(OneProcess(), out, resume=None, overwrite=True, project="runs-tb").release()
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     assert "kept notes.txt (not written by eyas)" in caplog.text
 
@@ -139,3 +141,53 @@ def test_resume_from_another_runs_checkpoint_into_a_used_directory_is_refused(tm
     assert rundir.verdict(tmp_path / "new", resume=str(other), overwrite=False) is None
     assert rundir.verdict(out, resume=str(other), overwrite=True) is None
     assert not (out / "checkpoints").exists() and other.is_dir()
+
+
+@pytest.mark.parametrize("resume", [None, "latest"])
+def test_a_run_held_by_a_live_process_is_refused(tmp_path, lock_holder, resume):
+    out = _old_run(tmp_path / "r")
+    holder = lock_holder(out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError) as e:
+        rundir.claim(OneProcess(), out, resume=resume, overwrite=resume is None)
+    msg = str(e.value)
+    assert "\n" not in msg and f"pid {holder.pid}" in msg and "being written by another" in msg
+    assert msg.startswith("train.resume=latest: ") == (resume == "latest")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_killed_runs_lock_is_taken_over_and_is_not_its_content(tmp_path, lock_holder, caplog):
+    import os
+    import signal
+    out = tmp_path / "r"
+    holder = lock_holder(out)
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    assert [p.name for p in out.iterdir()] == [".eyas.lock"]
+    assert rundir.verdict(out, resume=None, overwrite=False) is None  # still an empty run dir
+    with caplog.at_level("WARNING"):
+        lock = rundir.claim(OneProcess(), out, resume=None, overwrite=False)
+    assert f"stale lock of pid {holder.pid}" in caplog.text
+    lock.release()
+    assert not any(out.iterdir())
+
+
+def test_leftovers_of_killed_saves_and_rotations_are_removed(tmp_path, caplog):
+    out = _old_run(tmp_path / "r")
+    ck = out / "checkpoints"
+    # as kill -9 leaves them: a save cut short, a checkpoint deleted half way by an earlier
+    # rotation (its eyas_state.json already gone), a rotation cut short after its rename
+    (ck / ".step-000006.tmp").mkdir()
+    (ck / ".step-000006.tmp" / "model.safetensors").write_bytes(b"half")
+    (ck / "step-000001").mkdir()
+    (ck / "step-000001" / "optimizer.bin").write_bytes(b"rest")
+    (ck / ".step-000000.del").mkdir()
+    with caplog.at_level("WARNING"):
+        rundir.claim(OneProcess(), out, resume="latest", overwrite=False).release()
+    assert sorted(p.name for p in ck.iterdir()) == ["best", "best.json", "latest",
+                                                   "step-000002", "step-000004"]
+    for name, why in ((".step-000006.tmp", "an unfinished checkpoint save"),
+                      ("step-000001", "a checkpoint deleted half way"),
+                      (".step-000000.del", "an interrupted checkpoint rotation")):
+        assert f"removing {ck / name}, left by {why}" in caplog.text
+
