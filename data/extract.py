@@ -102,9 +102,12 @@ def length_groups(lengths: list[int], ids: list[int], batch_tokens: int,
 
 
 def _bytes_per_token(hidden: int, aux_format: str, teacher: str, topk: int) -> int:
+    """Stored bytes per token (data/FORMAT.md): aux bf16 (6·tH) or fp8 + three fp32 scales
+    (3·tH + 12), the last state (2·tH), input_ids + target_argmax (int32) + loss_mask (bool),
+    top-k ids (int32) + logits (fp32)."""
     aux = 6 * hidden if aux_format == "bf16" else 3 * hidden + 12
     last = 2 * hidden if teacher in ("last", "both") else 0
-    return aux + last + 9 + (12 * topk if teacher in ("topk", "both") else 0)
+    return aux + last + 9 + (8 * topk if teacher in ("topk", "both") else 0)
 
 
 #: the precisions a target can be extracted in (their names are recorded in the manifest)
