@@ -89,7 +89,15 @@ real() {
       pids+=($!)
     done
   done
-  for p in "${pids[@]}"; do wait "$p"; done
+  failed=0
+  for p in "${pids[@]}"; do wait "$p" || failed=1; done
+  for m in "${modes[@]}"; do
+    for ((i = 0; i < parts; i++)); do
+      [ -f "$out/$m/real-$i.json" ] || { echo "real decoding $m part $i failed:" >&2
+                                          tail -n 5 "$out/$m/real-$i.log" >&2; }
+    done
+  done
+  return $failed
 }
 
 table() {
