@@ -8,6 +8,8 @@
   ``lm_head`` consumes); ``output_hidden_states`` is never requested.
 - ``chunked_argmax_topk``: the argmax (and top-k) of ``lm_head(h)`` over the full vocabulary in
   row and vocabulary chunks, so ``[T, V]`` logits never exist.
+- ``target_fingerprint``: a hash of a sample of the target's weights, recorded in the manifest so
+  a dataset names the exact weights it came from (`eyas verify` compares it).
 
 `data.extract` runs these over a token dataset; `models.serving.specdec` uses them while decoding.
 """
@@ -96,6 +98,22 @@ class Capture:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def target_fingerprint(model: nn.Module, values: int = 64) -> str:
+    """'sha256:<hex>' over every parameter's name, shape and first `values` values (as float32).
+
+    Cheap for any size (a few KiB read per tensor, nothing moved but those values) and
+    independent of the precision the target runs in when its checkpoint holds bf16 weights.
+    Parameters on the meta device (offloaded) contribute their name and shape only.
+    """
+    import hashlib
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        h.update(f"{name}:{list(p.shape)};".encode())
+        if p.device.type != "meta":
+            h.update(p.detach().reshape(-1)[:values].float().cpu().numpy().tobytes())
+    return "sha256:" + h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from eyas.data.capture import (Capture, ExtractError, check_aux_layers, chunked_argmax_topk,
-                               find_text_model, logit_transform)
+                               find_text_model, logit_transform, target_fingerprint)
 from eyas.data.log import HelpFormatter
 from eyas.data.settings import (DTYPE_CHOICES, AuxFormat, ExtractionSettings, TargetSettings,
                                 default, field_help)
@@ -98,10 +98,15 @@ def length_groups(lengths: list[int], ids: list[int], batch_tokens: int,
     return groups
 
 
-def _bytes_per_token(hidden: int, aux_format: str, teacher: str, topk: int) -> int:
+def default_shard_tokens(hidden: int, aux_format: str, teacher: str, topk: int,
+                         shard_bytes: int) -> int:
+    """Tokens per shard when none is given: `shard_bytes` over a planning figure of the bytes
+    per token (kept as it is so that existing plans resume; the exact figure is
+    data.estimate's)."""
     aux = 6 * hidden if aux_format == "bf16" else 3 * hidden + 12
     last = 2 * hidden if teacher in ("last", "both") else 0
-    return aux + last + 9 + (12 * topk if teacher in ("topk", "both") else 0)
+    per = aux + last + 9 + (12 * topk if teacher in ("topk", "both") else 0)
+    return max(1, shard_bytes // per)
 
 
 #: the precisions a target can be extracted in (their names are recorded in the manifest)
@@ -160,7 +165,7 @@ def _pending_shards(out: Path, ranges: list[list[int]], rank: int, world_size: i
 
 
 @torch.no_grad()
-def _run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
+def run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
                teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
                logit_tf: tuple) -> list[dict[str, torch.Tensor]]:
     """Forward one batch (right padded with id 0 if lengths differ); per sample its output
@@ -259,7 +264,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     hidden, vocab = int(head.weight.shape[1]), int(head.weight.shape[0])
     topk = topk if teacher != "last" else 0
     if shard_tokens is None:
-        shard_tokens = max(1, shard_bytes // _bytes_per_token(hidden, aux_format, teacher, topk))
+        shard_tokens = default_shard_tokens(hidden, aux_format, teacher, topk, shard_bytes)
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
     src = tokens.manifest
     target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -272,6 +277,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         "manifest": {
             "kind": "hidden", "target": str(target),
             "target_config": json.loads(model.config.to_json_string()),
+            "target_fingerprint": target_fingerprint(model),
             "aux_layer_ids": aux_ids, "convention": "hf_hidden_states",
             "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
             "target_dtype": target_dtype,
@@ -301,7 +307,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
                     raise ExtractError(f"{tokens_dir}: token id {top} in samples {idx} is outside "
                                        f"the target's vocabulary ({vocab}); was the dataset "
                                        f"prepared with another tokenizer?")
-                outs = _run_batch(text, capture, head, batch, teacher=teacher, topk=topk,
+                outs = run_batch(text, capture, head, batch, teacher=teacher, topk=topk,
                                   row_chunk=row_chunk, vocab_chunk=vocab_chunk,
                                   logit_tf=logit_tf)
                 results.update(zip(idx, outs))
