@@ -13,7 +13,8 @@ Per token t of every sample (see data/FORMAT.md for the stored layout):
   the target's bf16 logits, soft-capping/scale applied where the config has them).
 
 Only the target's text model is run (no logits); finding it, the hooks and the chunked argmax
-live in ``data/capture.py``.
+live in ``data/capture.py``, the shard plan, the forward groups and one forward's fields in
+``data/forward.py`` (which `eyas verify` and `eyas extract --estimate` run too).
 
 Batching: the samples of one output shard are sorted by length and run up to `batch_tokens`
 tokens per forward. By default a forward holds only samples of EQUAL length (no padding), which
@@ -49,8 +50,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.data.capture import (Capture, ExtractError, check_aux_layers, chunked_argmax_topk,
-                               find_text_model, logit_transform, target_fingerprint)
+from eyas.data.capture import (Capture, ExtractError, check_aux_layers, find_text_model,
+                               logit_transform, target_fingerprint)
+from eyas.data.forward import (DTYPES, TEACHERS, default_shard_tokens, length_groups,  # noqa: F401
+                               load_model, plan_shards, run_batch)
 from eyas.data.log import HelpFormatter
 from eyas.data.settings import (DTYPE_CHOICES, AuxFormat, ExtractionSettings, TargetSettings,
                                 default, field_help)
@@ -59,7 +62,6 @@ from eyas.data.targets import target_dtype_name
 log = logging.getLogger(__name__)
 
 PLAN_NAME = "extract_plan.json"
-TEACHERS = ("last", "topk", "both")
 # plan keys that must match for a re-run to resume into an existing output directory
 _RESUME_KEYS = ("target", "target_dtype", "aux_layer_ids", "teacher", "topk", "aux_format",
                 "shards", "tokens_checksum")
@@ -67,63 +69,6 @@ _RESUME_KEYS = ("target", "target_dtype", "aux_layer_ids", "teacher", "topk", "a
 
 # ---------------------------------------------------------------------------------------------
 # Plan, run, finalize
-
-
-def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
-    """[[first, end), ...] sample ranges in dataset order, each about `shard_tokens` tokens."""
-    ranges, start, acc = [], 0, 0
-    for i, n in enumerate(lengths):
-        if acc and acc + n > shard_tokens:
-            ranges.append([start, i])
-            start, acc = i, 0
-        acc += int(n)
-    if start < len(lengths):
-        ranges.append([start, len(lengths)])
-    return ranges
-
-
-def length_groups(lengths: list[int], ids: list[int], batch_tokens: int,
-                  pad: bool = False) -> list[list[int]]:
-    """Sample ids grouped into forwards: longest first, B samples while B x longest <=
-    batch_tokens; only samples of equal length share a forward unless `pad`."""
-    order = sorted(ids, key=lambda i: -lengths[i])
-    groups, k = [], 0
-    while k < len(order):
-        m, top = 1, lengths[order[k]]
-        while (k + m < len(order) and (m + 1) * top <= batch_tokens
-               and (pad or lengths[order[k + m]] == top)):
-            m += 1
-        groups.append(order[k:k + m])
-        k += m
-    return groups
-
-
-def default_shard_tokens(hidden: int, aux_format: str, teacher: str, topk: int,
-                         shard_bytes: int) -> int:
-    """Tokens per shard when none is given: `shard_bytes` over a planning figure of the bytes
-    per token (kept as it is so that existing plans resume; the exact figure is
-    data.estimate's)."""
-    aux = 6 * hidden if aux_format == "bf16" else 3 * hidden + 12
-    last = 2 * hidden if teacher in ("last", "both") else 0
-    per = aux + last + 9 + (12 * topk if teacher in ("topk", "both") else 0)
-    return max(1, shard_bytes // per)
-
-
-#: the precisions a target can be extracted in (their names are recorded in the manifest)
-DTYPES = ("bfloat16", "float32")
-
-
-def _load_model(target, device, device_map, dtype: str):
-    from eyas.data.targets import TARGET_DTYPES, load_target, resolve_target
-    if dtype not in DTYPES:
-        raise ExtractError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
-    if device_map is None:
-        return load_target(target, dtype=TARGET_DTYPES[dtype], device=device)[0]
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(resolve_target(target),
-                                                 dtype=TARGET_DTYPES[dtype],
-                                                 device_map=device_map).eval()
-    return model.requires_grad_(False)
 
 
 def _write_plan(out: Path, plan: dict[str, Any]) -> None:
@@ -162,44 +107,6 @@ def _pending_shards(out: Path, ranges: list[list[int]], rank: int, world_size: i
         log.info("rank %d: %d shard(s) already complete, %d to compute", rank, len(resumed),
                  len(todo))
     return todo, resumed
-
-
-@torch.no_grad()
-def run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
-               teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
-               logit_tf: tuple) -> list[dict[str, torch.Tensor]]:
-    """Forward one batch (right padded with id 0 if lengths differ); per sample its output
-    fields as CPU tensors."""
-    dev = text.embed_tokens.weight.device
-    lens = [int(s["input_ids"].shape[0]) for s in batch]
-    L = max(lens)
-    x = torch.zeros(len(batch), L, dtype=torch.long)
-    mask = torch.zeros(len(batch), L, dtype=torch.long)
-    for b, s in enumerate(batch):
-        x[b, :lens[b]] = s["input_ids"]
-        mask[b, :lens[b]] = 1
-    # no mask when nothing is padded: the same kernels as a plain single-sample forward
-    attn = mask.to(dev) if min(lens) < L else None
-    text(input_ids=x.to(dev), attention_mask=attn, use_cache=False)
-    aux = torch.stack([capture.aux[k] for k in capture.aux_ids], dim=2)     # [B, L, 3, tH]
-    last = capture.last                                                     # [B, L, tH]
-    real = torch.cat([last[b, :n] for b, n in enumerate(lens)]).to(head.weight.device)
-    arg, tids, tvals = chunked_argmax_topk(
-        real, head, topk=topk if teacher != "last" else 0, row_chunk=row_chunk,
-        vocab_chunk=vocab_chunk, logit_scale=logit_tf[0], softcap=logit_tf[1])
-    out, r = [], 0
-    for b, (s, n) in enumerate(zip(batch, lens)):
-        o = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
-             "aux": aux[b, :n].cpu(), "target_argmax": arg[r:r + n].cpu()}
-        if teacher in ("last", "both"):
-            o["last"] = last[b, :n].cpu()
-        if teacher in ("topk", "both"):
-            o["topk_ids"], o["topk_logits"] = tids[r:r + n].cpu(), tvals[r:r + n].cpu()
-        out.append(o)
-        r += n
-    capture.aux.clear()
-    capture.last = None
-    return out
 
 
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
@@ -257,7 +164,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     if model is None:
         from eyas.data.targets import default_device
-        model = _load_model(target, device or default_device(), device_map, dtype)
+        model = load_model(target, device or default_device(), device_map, dtype)
     text, dec_layers, norm, head = find_text_model(model)
     num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
     aux_ids = check_aux_layers(layers, num_layers)
@@ -365,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
         "`accelerate launch --num_processes G` for data parallel over G GPUs.")
     p.add_argument("--tokens", required=True, help="token dataset (from eyas prepare)")
     p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--out", required=True, help="output hidden-state dataset directory")
+    p.add_argument("--out", default=None, help="output hidden-state dataset directory "
+                   "(none with --estimate; required otherwise)")
     p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
                    help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids"))
     ex = ExtractionSettings
@@ -393,12 +301,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "on --device)")
     p.add_argument("--finalize-only", action="store_true",
                    help="only write the manifest from the shards present")
+    p.add_argument("--estimate", action="store_true",
+                   help="capture nothing: print the bytes on disk of every storage mode and the "
+                        "expected time (a few timed forwards of the target on this device)")
+    p.add_argument("--estimate-batches", type=int, default=3, metavar="N",
+                   help="with --estimate: forwards timed after one warm-up")
+    p.add_argument("--tokens-per-s", type=float, default=None, metavar="RATE",
+                   help="with --estimate: a stated capture rate instead of timing the target "
+                        "(default: none, the target is loaded and timed)")
     return p
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`."""
-    args = build_parser().parse_args(argv)
+    """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`; with
+    `--estimate` (no --out) the bytes and time it would take, capturing nothing."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.estimate:
+        from eyas.data.estimate import cli_estimate
+        return cli_estimate(args)
+    if args.out is None:
+        parser.error("the following arguments are required: --out (or --estimate)")
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
         return 0

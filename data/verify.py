@@ -139,7 +139,7 @@ def _check_sample(i: int, ds, toks, run, aux_format: str, c: float, teacher: dic
 def _runner(model, aux_ids: list[int], k: int):
     """(run(sample) -> fresh fields, close()) capturing as data.extract does."""
     from eyas.data.capture import Capture, find_text_model, logit_transform
-    from eyas.data.extract import run_batch
+    from eyas.data.forward import run_batch
     text, layers, norm, head = find_text_model(model)
     capture = Capture(layers, aux_ids, norm)
     tf = logit_transform(model.config)
@@ -151,9 +151,9 @@ def _runner(model, aux_ids: list[int], k: int):
 
 
 def _load(target: str, manifest: dict[str, Any], device, dtype: str | None):
-    from eyas.data.extract import _load_model
+    from eyas.data.forward import load_model
     from eyas.data.targets import default_device
-    return _load_model(target, device or default_device(), None,
+    return load_model(target, device or default_device(), None,
                        dtype or manifest.get("target_dtype") or "bfloat16")
 
 
