@@ -167,7 +167,7 @@ def verify(dataset: str | Path, target: str, *, samples: int = 16, seed: int = 0
     from eyas.data.capture import find_text_model
     from eyas.data.dataset import open_dataset
     root = Path(dataset)
-    ds = open_dataset(root, verify="header")
+    ds = open_dataset(root)
     m = ds.manifest
     if m.get("kind") != "hidden" or "aux" not in ds.fields:
         raise VerifyError(f"{root}: a {m.get('kind')!r} dataset has no hidden states to verify; "
@@ -200,6 +200,11 @@ def verify(dataset: str | Path, target: str, *, samples: int = 16, seed: int = 0
             "ok": comparable and not bad and all(it["ok"] is not False for it in items)}
 
 
+def _short(value: Any, width: int = 80) -> str:
+    text = "same" if value == {} else repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -211,11 +216,12 @@ def format_report(r: dict[str, Any]) -> str:
              f"tolerance {r['compute_tol']:g}", "identity:"]
     for it in r["identity"]:
         mark = {True: "ok", False: "DIFFERS", None: "note"}[it["ok"]]
-        what = (f"{str(it['dataset'])[:60]}" if it["ok"]
-                else f"  dataset {it['dataset']!r}, target {it['target']!r}")
+        what = (_short(it["dataset"]) if it["ok"]
+                else f"  dataset {_short(it['dataset'])}, target {_short(it['target'])}")
         lines.append(f"  {mark:<8}{it['check']:<16}{it['note']}{what}")
-    lines.append(f"{'sample':>7}  {'field':<14}{'max|err|':>10}{'min cos':>9}  "
-                 f"{'tokens over':>12}  status  bound")
+    if r["rows"]:
+        lines.append(f"{'sample':>7}  {'field':<14}{'max|err|':>10}{'min cos':>9}  "
+                     f"{'tokens over':>12}  status  bound")
     for row in r["rows"]:
         over = f"{row['tokens_over']}/{row['tokens']}"
         status = "ok" if row["ok"] else "BAD"
