@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.capture import Capture, find_text_model, logit_transform, run_batch
-from eyas.data.extract import _bytes_per_token, extract
+from eyas.data.capture import Capture, find_text_model, logit_transform
+from eyas.data.estimate import estimate_bytes
+from eyas.data.extract import extract
+from eyas.data.forward import run_batch
 from eyas.data.log import setup_logging
 from eyas.data.shards import open_dataset, write_manifest, write_shard
 from eyas.data.targets import load_target_config, text_config
@@ -165,7 +167,8 @@ def capture_table(args, work: Path) -> dict:
             "hooks_tok_s": round(n_tok / statistics.median(hooks_s)),
             "extract_s": [round(t, 3) for t in ext_s], "extract_tok_s": round(
                 n_tok / statistics.median(ext_s)), "bytes_per_token": round(on_disk / n_tok, 1),
-            "format_bytes_per_token": _bytes_per_token(cfg.hidden_size, aux_format, teacher, 32),
+            "format_bytes_per_token": estimate_bytes(
+                [args.length], cfg.hidden_size, aux_format, teacher, 32)["payload_bytes_per_token"],
             "disk_gb": round(on_disk / 1e9, 2),
             "writer_gb_s": round(writer_rate(work / "hidden", work, aux_format), 2)}
     res["plain_s"] = [round(t, 3) for t in plain_s]

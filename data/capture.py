@@ -8,6 +8,8 @@
   ``lm_head`` consumes); ``output_hidden_states`` is never requested.
 - ``chunked_argmax_topk``: the argmax (and top-k) of ``lm_head(h)`` over the full vocabulary in
   row and vocabulary chunks, so ``[T, V]`` logits never exist.
+- ``target_fingerprint``: a hash of a sample of the target's weights, recorded in the manifest so
+  a dataset names the exact weights it came from (`eyas verify` compares it).
 
 `data.extract` runs these over a token dataset; `models.serving.specdec` uses them while decoding.
 """
@@ -98,6 +100,22 @@ class Capture:
             h.remove()
 
 
+def target_fingerprint(model: nn.Module, values: int = 64) -> str:
+    """'sha256:<hex>' over every parameter's name, shape and first `values` values (as float32).
+
+    Cheap for any size (a few KiB read per tensor, nothing moved but those values) and
+    independent of the precision the target runs in when its checkpoint holds bf16 weights.
+    Parameters on the meta device (offloaded) contribute their name and shape only.
+    """
+    import hashlib
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        h.update(f"{name}:{list(p.shape)};".encode())
+        if p.device.type != "meta":
+            h.update(p.detach().reshape(-1)[:values].float().cpu().numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------
 # Teacher: argmax (and top-k) over the full vocabulary without [T, V] logits
 
@@ -160,68 +178,3 @@ def chunked_argmax_topk(h: torch.Tensor, head: nn.Module, *, topk: int = 0,
             vals[r0:r0 + row_chunk] = top_v.gather(-1, o)
             ids[r0:r0 + row_chunk] = top_i.gather(-1, o)
     return arg, ids, vals
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` in host memory, one copy per batch. From a GPU it lands in page-locked memory, which
-    PyTorch's host allocator caches and hands out again: a fresh pageable buffer per batch
-    costs a page fault per 4 KiB written (at a large target's ~0.5 GB of features per batch,
-    a few times the copy itself)."""
-    if t.device.type != "cuda":
-        return t.cpu()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t)
-
-
-def execution_device(module: nn.Module) -> torch.device:
-    """Where `module` computes: its weight's device, or, for a module accelerate offloads to
-    the CPU under a device map (weights on the meta device, streamed in per forward), the
-    device its hook runs it on."""
-    hook = getattr(module, "_hf_hook", None)
-    dev = getattr(hook, "execution_device", None)
-    if dev is not None:
-        return torch.device(dev if not isinstance(dev, int) else f"cuda:{dev}")
-    return next(module.parameters()).device
-
-
-@torch.no_grad()
-def run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
-               teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
-               logit_tf: tuple) -> list[dict[str, torch.Tensor]]:
-    """Forward one batch (right padded with id 0 if lengths differ); per sample its output
-    fields as CPU tensors."""
-    dev = execution_device(text.embed_tokens)
-    lens = [int(s["input_ids"].shape[0]) for s in batch]
-    L = max(lens)
-    x = torch.zeros(len(batch), L, dtype=torch.long)
-    mask = torch.zeros(len(batch), L, dtype=torch.long)
-    for b, s in enumerate(batch):
-        x[b, :lens[b]] = s["input_ids"]
-        mask[b, :lens[b]] = 1
-    # no mask when nothing is padded: the same kernels as a plain single-sample forward
-    attn = mask.to(dev) if min(lens) < L else None
-    text(input_ids=x.to(dev), attention_mask=attn, use_cache=False)
-    last = capture.last                                                     # [B, L, tH]
-    # under a device map the aux layers may sit on other devices than the final norm
-    aux = torch.stack([capture.aux[k].to(last.device) for k in capture.aux_ids], dim=2)
-    real = torch.cat([last[b, :n] for b, n in enumerate(lens)]).to(head.weight.device)
-    arg, tids, tvals = chunked_argmax_topk(
-        real, head, topk=topk if teacher != "last" else 0, row_chunk=row_chunk,
-        vocab_chunk=vocab_chunk, logit_scale=logit_tf[0], softcap=logit_tf[1])
-    aux, arg = to_host(aux), to_host(arg)
-    last = to_host(last) if teacher in ("last", "both") else None
-    if teacher in ("topk", "both"):
-        tids, tvals = to_host(tids), to_host(tvals)
-    out, r = [], 0
-    for b, (s, n) in enumerate(zip(batch, lens)):
-        o = {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"],
-             "aux": aux[b, :n], "target_argmax": arg[r:r + n]}
-        if last is not None:
-            o["last"] = last[b, :n]
-        if teacher in ("topk", "both"):
-            o["topk_ids"], o["topk_logits"] = tids[r:r + n], tvals[r:r + n]
-        out.append(o)
-        r += n
-    capture.aux.clear()
-    capture.last = None
-    return out

@@ -13,7 +13,8 @@ Per token t of every sample (see data/FORMAT.md for the stored layout):
   the target's bf16 logits, soft-capping/scale applied where the config has them).
 
 Only the target's text model is run (no logits); finding it, the hooks and the chunked argmax
-live in ``data/capture.py``.
+live in ``data/capture.py``, the shard plan, the forward groups and one forward's fields in
+``data/forward.py`` (which `eyas verify` and `eyas extract --estimate` run too).
 
 Batching: the samples of one output shard are sorted by length and run up to `batch_tokens`
 tokens per forward. By default a forward holds only samples of EQUAL length (no padding), which
@@ -50,8 +51,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.data.capture import (Capture, ExtractError, check_aux_layers, run_batch,
-                               find_text_model, logit_transform)
+from eyas.data.capture import (Capture, ExtractError, check_aux_layers, find_text_model,
+                               logit_transform, target_fingerprint)
+from eyas.data.forward import (DTYPES, TEACHERS, default_shard_tokens, length_groups,  # noqa: F401
+                               load_model, plan_shards, run_batch)
 from eyas.data.lock import lock_for_ranks, writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.parent import exit_with_launcher
@@ -62,7 +65,6 @@ from eyas.data.targets import target_dtype_name
 
 log = logging.getLogger(__name__)
 
-TEACHERS = ("last", "topk", "both")
 # plan keys that must match for a re-run to resume into an existing output directory
 _RESUME_KEYS = ("target", "target_dtype", "aux_layer_ids", "teacher", "topk", "aux_format",
                 "shards", "tokens_checksum")
@@ -70,62 +72,6 @@ _RESUME_KEYS = ("target", "target_dtype", "aux_layer_ids", "teacher", "topk", "a
 
 # ---------------------------------------------------------------------------------------------
 # Plan, run, finalize
-
-
-def plan_shards(lengths: list[int], shard_tokens: int) -> list[list[int]]:
-    """[[first, end), ...] sample ranges in dataset order, each about `shard_tokens` tokens."""
-    ranges, start, acc = [], 0, 0
-    for i, n in enumerate(lengths):
-        if acc and acc + n > shard_tokens:
-            ranges.append([start, i])
-            start, acc = i, 0
-        acc += int(n)
-    if start < len(lengths):
-        ranges.append([start, len(lengths)])
-    return ranges
-
-
-def length_groups(lengths: list[int], ids: list[int], batch_tokens: int,
-                  pad: bool = False) -> list[list[int]]:
-    """Sample ids grouped into forwards: longest first, B samples while B x longest <=
-    batch_tokens; only samples of equal length share a forward unless `pad`."""
-    order = sorted(ids, key=lambda i: -lengths[i])
-    groups, k = [], 0
-    while k < len(order):
-        m, top = 1, lengths[order[k]]
-        while (k + m < len(order) and (m + 1) * top <= batch_tokens
-               and (pad or lengths[order[k + m]] == top)):
-            m += 1
-        groups.append(order[k:k + m])
-        k += m
-    return groups
-
-
-def _bytes_per_token(hidden: int, aux_format: str, teacher: str, topk: int) -> int:
-    """Stored bytes per token (data/FORMAT.md): aux bf16 (6·tH) or fp8 + three fp32 scales
-    (3·tH + 12), the last state (2·tH), input_ids + target_argmax (int32) + loss_mask (bool),
-    top-k ids (int32) + logits (fp32)."""
-    aux = 6 * hidden if aux_format == "bf16" else 3 * hidden + 12
-    last = 2 * hidden if teacher in ("last", "both") else 0
-    return aux + last + 9 + (8 * topk if teacher in ("topk", "both") else 0)
-
-
-#: the precisions a target can be extracted in (their names are recorded in the manifest)
-DTYPES = ("bfloat16", "float32")
-
-
-def _load_model(target, device, device_map, dtype: str, max_memory: dict | None = None):
-    from eyas.data.targets import TARGET_DTYPES, load_target, resolve_target
-    if dtype not in DTYPES:
-        raise ExtractError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
-    if device_map is None:
-        return load_target(target, dtype=TARGET_DTYPES[dtype], device=device)[0]
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(resolve_target(target),
-                                                 dtype=TARGET_DTYPES[dtype],
-                                                 device_map=device_map,
-                                                 max_memory=max_memory).eval()
-    return model.requires_grad_(False)
 
 
 def _write_plan(out: Path, plan: dict[str, Any]) -> None:
@@ -239,14 +185,14 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     if model is None:
         from eyas.data.targets import default_device
-        model = _load_model(target, device or default_device(), device_map, dtype, max_memory)
+        model = load_model(target, device or default_device(), device_map, dtype, max_memory)
     text, dec_layers, norm, head = find_text_model(model)
     num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
     aux_ids = check_aux_layers(layers, num_layers)
     hidden, vocab = int(head.weight.shape[1]), int(head.weight.shape[0])
     topk = topk if teacher != "last" else 0
     if shard_tokens is None:
-        shard_tokens = max(1, shard_bytes // _bytes_per_token(hidden, aux_format, teacher, topk))
+        shard_tokens = default_shard_tokens(hidden, aux_format, teacher, topk, shard_bytes)
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
     src = tokens.manifest
     target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -259,6 +205,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         "manifest": {
             "kind": "hidden", "target": str(target),
             "target_config": json.loads(model.config.to_json_string()),
+            "target_fingerprint": target_fingerprint(model),
             "aux_layer_ids": aux_ids, "convention": "hf_hidden_states",
             "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
             "target_dtype": target_dtype,
@@ -367,9 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
         "`accelerate launch --num_processes G` for data parallel over G GPUs.")
     p.add_argument("--tokens", required=True, help="token dataset (from eyas prepare)")
     p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--out", required=True,
-                   help="output hidden-state dataset directory (locked while written; resumes "
-                        "its own run, refuses other data and --tokens itself)")
+    p.add_argument("--out", default=None,
+                   help="output hidden-state dataset directory (none with --estimate, required "
+                        "otherwise; locked while written; resumes its own run, refuses other "
+                        "data and --tokens itself)")
     p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
                    help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids"))
     ex = ExtractionSettings
@@ -396,16 +344,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'auto': one large target across GPUs (default: none, the whole target "
                         "on --device)")
     p.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
-                   help="with --device-map: the most memory per device, e.g. 0=60GiB,cpu=200GiB "
-                        "(what does not fit the GPUs runs on the CPU)")
+                   help="(none: no cap) with --device-map, the most memory per device, e.g. "
+                        "0=60GiB,cpu=200GiB; what does not fit the GPUs stays in host memory")
     p.add_argument("--finalize-only", action="store_true",
                    help="only write the manifest from the shards present")
+    p.add_argument("--estimate", action="store_true",
+                   help="capture nothing: print the bytes on disk of every storage mode and the "
+                        "expected time (a few timed forwards of the target on this device)")
+    p.add_argument("--estimate-batches", type=int, default=3, metavar="N",
+                   help="with --estimate: forwards timed after one warm-up")
+    p.add_argument("--tokens-per-s", type=float, default=None, metavar="RATE",
+                   help="with --estimate: a stated capture rate instead of timing the target "
+                        "(default: none, the target is loaded and timed)")
     return p
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`."""
-    args = build_parser().parse_args(argv)
+    """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`; with
+    `--estimate` (no --out) the bytes and time it would take, capturing nothing."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.estimate:
+        from eyas.data.estimate import cli_estimate
+        return cli_estimate(args)
+    if args.out is None:
+        parser.error("the following arguments are required: --out (or --estimate)")
     exit_with_launcher()  # a rank of `accelerate launch -m eyas.data.extract` ends with it
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))

@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "import": "convert SpecForge/speculators hidden states into an eyas dataset",
     "vocab": "build the draft vocabulary map (d2t/t2d) from a dataset",
     "inspect": "summarise a dataset: samples, tokens, bytes/token, modes",
+    "verify": "re-run dataset samples through the target and compare what is stored",
     "export": "turn a training checkpoint into a directory vLLM and SGLang load",
     "validate": "check an exported drafter against the serving contract",
     "doctor": "explain the likely causes of low acceptance",
@@ -37,6 +38,8 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
         from eyas.data.vocab import cli_main
     elif name == "inspect":
         from eyas.data.inspect import cli_main
+    elif name == "verify":
+        from eyas.data.verify import cli_main
     elif name == "export":
         from eyas.models.serving.export import cli_main
     elif name == "validate":
@@ -54,9 +57,9 @@ USAGE = "usage: eyas <command> [--help] [args...]\n       eyas --version\n\ncomm
     "\n").join(
     f"  {name:<11}{text}" for name, text in COMMANDS.items()) + (
     "\n\ntraining: accelerate launch train/main.py [hydra overrides]   (or ./launch.sh --help)"
-    "\n\nexit status: 0 ok, 1 findings (validate, doctor, engines check), 2 usage or configuration "
-    "error\n(bad argument or config, missing or wrong path), 3 a stage that cannot run here "
-    "(EYAS_DEBUG=1\nshows the traceback behind a one-line error)")
+    "\n\nexit status: 0 ok, 1 findings (validate, verify, doctor, engines check), 2 usage or "
+    "configuration\nerror (bad argument or config, missing or wrong path), 3 a stage that cannot "
+    "run here\n(EYAS_DEBUG=1 shows the traceback behind a one-line error)")
 
 
 def version() -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data import extract, importers, inspect, prepare, synthesize, vocab
+from eyas.data import extract, importers, inspect, prepare, synthesize, verify, vocab
 from eyas.data.log import HelpFormatter
 from eyas.models.serving import doctor, export, validate
 from eyas.models.serving.engines import cli as engines_cli
@@ -27,6 +27,7 @@ WRONG_PATH = {
     "import": ["import", "specforge", NO, "--out", "{tmp}/o", "--target", "tiny-llama"],
     "vocab": ["vocab", "--data", NO, "--out", "{tmp}/v.safetensors"],
     "inspect": ["inspect", NO],
+    "verify": ["verify", NO, "--target", "tiny-llama"],
     "export": ["export", NO, "{tmp}/o"],
     "validate": ["validate", NO, "--target-config", "tiny-llama"],
     "validate target": ["validate", "{export}", "--target-config", NO],
@@ -128,6 +129,7 @@ def _parser_of(cli_main) -> argparse.ArgumentParser:
 def _all_parsers():
     out = {name: build() for name, build in PARSERS.items()}
     out["inspect"] = _parser_of(inspect.cli_main)
+    out["verify"] = _parser_of(verify.cli_main)
     out["engines setup"] = _parser_of(engines_cli._setup)
     out["engines list"] = _parser_of(engines_cli._list)
     return out
