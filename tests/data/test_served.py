@@ -1,0 +1,247 @@
+"""`eyas generate --endpoint`: answers from a real OpenAI-compatible server.
+
+The server is `transformers serve` (transformers' serving extra: FastAPI + uvicorn) serving the
+local SmolLM2 directory on the CPU, started once for this module on a free loopback port; one
+test starts a second one that it stops mid-run. Answers are short (max_tokens 8) and prompts
+few, because every answer costs a few CPU seconds.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PROMPTS = [
+    {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"id": "b", "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "Name a color."},
+                             {"role": "assistant", "content": "Blue."},
+                             {"role": "user", "content": "Now name another one."}]},
+    {"id": "c", "conversations": [{"from": "human", "value": "Say hi."}]},
+    {"id": "d", "messages": [{"role": "user", "content": "Count to three."}]},
+]
+EYAS = [sys.executable, "-m", "eyas.train.cli"]
+
+
+def _serve_problem() -> str | None:
+    import importlib.util
+    missing = [m for m in ("fastapi", "uvicorn", "openai") if importlib.util.find_spec(m) is None]
+    if missing:
+        return (f"`transformers serve` needs {', '.join(missing)} (pip install "
+                f"'transformers[serving]', in the test extra)")
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `transformers serve` process for the SmolLM2 directory on 127.0.0.1:port."""
+
+    def __init__(self, model_dir: Path, log: Path, port: int | None = None) -> None:
+        self.model_dir, self.log, self.port = model_dir, log, port or _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.proc = None
+
+    def start(self) -> "Server":
+        import httpx
+        exe = Path(sys.executable).with_name("transformers")
+        env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(exe), "serve", str(self.model_dir), "--device", "cpu", "--host",
+                 "127.0.0.1", "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
+                env=env)
+        deadline = time.monotonic() + 180   # a readiness bound, not a measured duration
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"transformers serve exited with {self.proc.returncode}: "
+                            f"{self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail(f"transformers serve did not come up: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    problem = _serve_problem()
+    if problem:
+        pytest.skip(problem)
+    from eyas.data.targets import resolve_target
+    try:
+        return resolve_target("smollm2")
+    except FileNotFoundError as e:
+        pytest.skip(f"the SmolLM2 target is not available: {e}")
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    srv = Server(smollm2_dir, tmp_path_factory.mktemp("serve") / "serve.log").start()
+    yield srv
+    srv.stop()
+
+
+def write_prompts(path: Path, records=PROMPTS) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def generate_args(url: str, prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [*EYAS, "generate", "--endpoint", url, "--prompts", str(prompts), "--out", str(out),
+            "--max-tokens", "8", "--seed", "1", *extra]
+
+
+def run(args, check=True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    if check and r.returncode != 0:
+        pytest.fail(f"{args[3:5]} exited {r.returncode}: {r.stderr[-3000:]}")
+    return r
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def wait_for_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
+    """Block until `path` holds `n` complete lines (or `proc` ended)."""
+    while proc.poll() is None:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"eyas generate ended ({proc.returncode}) before writing {n} records")
+
+
+@pytest.mark.slow
+def test_answers_every_prompt_with_card_and_prepare_reads_it(server, tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out = tmp_path / "conv.jsonl"
+    kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}']
+    r = run(generate_args(server.url, prompts, out, "--concurrency", "2", *kwargs))
+    assert not (tmp_path / "conv.jsonl.partial").exists()
+    recs = {x["id"]: x for x in lines(out)}
+    assert sorted(recs) == ["a", "b", "c", "d"]
+    b = recs["b"]
+    assert [m["role"] for m in b["messages"]] == ["system", "user", "assistant", "user",
+                                                  "assistant"]
+    assert b["messages"][2]["content"] == "Blue."          # the prefix is kept as given
+    for rec in recs.values():
+        gen = rec["generation"]
+        assert rec["messages"][-1]["role"] == "assistant" and rec["messages"][-1]["content"]
+        assert gen["model"] == str(server.model_dir)       # the first of GET /v1/models
+        assert gen["max_tokens"] == 8 and gen["seed"] == 1
+        assert gen["chat_template_kwargs"] == {"enable_thinking": False}
+        assert gen["finish_reason"][0] in ("stop", "length")
+        assert gen["truncated"] == ("length" in gen["finish_reason"])
+        assert gen["usage"][0]["completion_tokens"] <= 8
+    card = json.loads((tmp_path / "conv.card.json").read_text())
+    assert card == json.loads(r.stdout)
+    assert card["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert card["counts"]["records"] == 4 and card["counts"]["prompts"] == 4
+    assert sum(card["finish_reasons"].values()) == 4
+    assert card["tokens"]["completion"] == sum(x["generation"]["usage"][0]["completion_tokens"]
+                                               for x in recs.values())
+    assert "tokens/s" in (tmp_path / "conv.log").read_text()
+
+    # the same command again: nothing to do, nothing changes
+    before = out.read_bytes()
+    run(generate_args(server.url, prompts, out, *kwargs))
+    assert out.read_bytes() == before
+    # another sampling setup on the finished file is refused, naming the field
+    r = run(generate_args(server.url, prompts, out, "--temperature", "0.7", *kwargs), check=False)
+    assert r.returncode == 2 and "temperature=0.0" in r.stderr and "temperature=0.7" in r.stderr
+    assert out.read_bytes() == before
+
+    from eyas.data.prepare import prepare
+    summary = prepare(out, "smollm2", tmp_path / "tokens")
+    assert summary["conversations"] == 4
+    manifest = json.loads((tmp_path / "tokens" / "manifest.json").read_text())
+    assert manifest["prepare"]["generation_card"]["sha256"] == card["sha256"]
+    assert manifest["prepare"]["generation_card"]["matches_input"] is True
+
+
+@pytest.mark.slow
+def test_kill9_then_resume_writes_each_record_once(server, tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out, partial = tmp_path / "conv.jsonl", tmp_path / "conv.jsonl.partial"
+    args = generate_args(server.url, prompts, out, "--concurrency", "1",
+                         "--samples-per-prompt", "2")
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        wait_for_lines(partial, 1, proc)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not out.exists() and not (tmp_path / "conv.card.json").exists()
+    kept = partial.read_bytes()
+    written = kept.count(b"\n")
+    assert 1 <= written < 8
+    with open(partial, "ab") as f:   # a torn last line, as a kill mid-write leaves it
+        f.write(kept.splitlines(keepends=True)[0][:30])
+    r = run(args)
+    assert "discarding a partial last line" in r.stderr
+    assert f"{8 - written} of 8 records to generate" in r.stderr
+    ids = [x["id"] for x in lines(out)]
+    assert sorted(ids) == sorted(f"{p}{s}" for p in "abcd" for s in ("", "#s1"))
+    assert out.read_bytes().startswith(kept)             # the first run's records are kept
+    assert json.loads((tmp_path / "conv.card.json").read_text())["counts"]["records"] == 8
+
+
+def test_refused_request_names_the_prompt(server, tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:1])
+    out = tmp_path / "conv.jsonl"
+    r = run(generate_args(server.url, prompts, out, "--model", "no-such-model"), check=False)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("eyas generate: prompt 'a' (sample 0, turn 0)")
+    assert "HTTP 400" in err and "no-such-model" in err
+    assert not out.exists() and not (tmp_path / "conv.card.json").exists()
+
+
+@pytest.mark.slow
+def test_server_gone_mid_run_keeps_what_was_written_and_resumes(smollm2_dir, tmp_path):
+    srv = Server(smollm2_dir, tmp_path / "serve.log").start()
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    out, partial = tmp_path / "conv.jsonl", tmp_path / "conv.jsonl.partial"
+    args = generate_args(srv.url, prompts, out, "--model", str(smollm2_dir), "--concurrency",
+                         "1", "--retries", "2", "--retry-backoff", "0.05")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        wait_for_lines(partial, 1, proc)
+        srv.stop()
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 3, stderr
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("eyas generate: prompt '") and "failed 3 time(s)" in last
+        assert "the same command resumes" in last
+        kept = lines(partial)
+        assert 1 <= len(kept) < 4 and not out.exists()
+        srv.start()
+        run(args)
+        recs = lines(out)
+        assert sorted(x["id"] for x in recs) == ["a", "b", "c", "d"]
+        assert recs[:len(kept)] == kept
+    finally:
+        srv.stop()
