@@ -245,3 +245,36 @@ def test_server_gone_mid_run_keeps_what_was_written_and_resumes(smollm2_dir, tmp
         assert recs[:len(kept)] == kept
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_main_job_data_stage_takes_answers_from_the_endpoint(server, tmp_path):
+    """data.endpoint=URL: the embedded dataset's answers come from the server (answer 0
+    greedy, answer 1 sampled), then are tokenised and extracted with the local target."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from eyas.data.targets import default_device
+    from eyas.train.config import register
+    from eyas.train.pipeline import _embedded_key, build_embedded_dataset
+    from eyas.train.resolve import resolve
+    register()
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    base = ["target=tiny_llama", "data.num_prompts=2", "data.max_new_tokens=8",
+            "data.samples_per_prompt=2", f"data.cache_dir={tmp_path}"]
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        local = compose(config_name="config", overrides=base)
+        cfg = compose(config_name="config", overrides=[*base, f"data.endpoint={server.url}"])
+    for c in (local, cfg):
+        c.output_dir = "unused"
+    local, c = OmegaConf.to_object(local), OmegaConf.to_object(cfg)
+    assert _embedded_key(c.data, c.target, 0) != _embedded_key(local.data, local.target, 0)
+    paths = build_embedded_dataset(c.data, c.target, seed=c.train.seed,
+                                   target_dtype=resolve(c, default_device()).target_dtype)
+    recs = lines(paths.conversations)
+    assert len(recs) == 4 and len({r["id"] for r in recs}) == 4
+    for r in recs:
+        assert r["generation"]["model"] == str(server.model_dir)
+        sampled = r["id"].endswith("#s1")
+        assert r["generation"]["temperature"] == (c.data.temperature if sampled else 0.0)
+    assert (paths.train / "manifest.json").is_file()
