@@ -2,7 +2,7 @@
 
 The server is `transformers serve` (transformers' serving extra: FastAPI + uvicorn) serving the
 local SmolLM2 directory on the CPU, started once for this module on a free loopback port; one
-test starts a second one that it stops mid-run. Answers are short (max_tokens 8) and prompts
+test stops it mid-run and starts it again on the same port. Answers are short (max_tokens 8) and prompts
 few, because every answer costs a few CPU seconds.
 """
 
@@ -25,7 +25,11 @@ PROMPTS = [
                              {"role": "assistant", "content": "Blue."},
                              {"role": "user", "content": "Now name another one."}]},
     {"id": "c", "conversations": [{"from": "human", "value": "Say hi."}]},
-    {"id": "d", "messages": [{"role": "user", "content": "Count to three."}]},
+    {"id": "d", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+     "tools": [{"type": "function", "function": {
+         "name": "get_weather", "description": "The weather of a city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                        "required": ["city"]}}}]},
 ]
 EYAS = [sys.executable, "-m", "eyas.train.cli"]
 
@@ -145,6 +149,7 @@ def test_answers_every_prompt_with_card_and_prepare_reads_it(server, tmp_path):
     assert [m["role"] for m in b["messages"]] == ["system", "user", "assistant", "user",
                                                   "assistant"]
     assert b["messages"][2]["content"] == "Blue."          # the prefix is kept as given
+    assert recs["d"]["tools"] == PROMPTS[3]["tools"]
     for rec in recs.values():
         gen = rec["generation"]
         assert rec["messages"][-1]["role"] == "assistant" and rec["messages"][-1]["content"]
@@ -182,7 +187,7 @@ def test_answers_every_prompt_with_card_and_prepare_reads_it(server, tmp_path):
 
 @pytest.mark.slow
 def test_kill9_then_resume_writes_each_record_once(server, tmp_path):
-    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [PROMPTS[0], PROMPTS[2]])
     out, partial = tmp_path / "conv.jsonl", tmp_path / "conv.jsonl.partial"
     args = generate_args(server.url, prompts, out, "--concurrency", "1",
                          "--samples-per-prompt", "2")
@@ -196,16 +201,38 @@ def test_kill9_then_resume_writes_each_record_once(server, tmp_path):
     assert not out.exists() and not (tmp_path / "conv.card.json").exists()
     kept = partial.read_bytes()
     written = kept.count(b"\n")
-    assert 1 <= written < 8
+    assert 1 <= written < 4
     with open(partial, "ab") as f:   # a torn last line, as a kill mid-write leaves it
         f.write(kept.splitlines(keepends=True)[0][:30])
     r = run(args)
     assert "discarding a partial last line" in r.stderr
-    assert f"{8 - written} of 8 records to generate" in r.stderr
+    assert f"{4 - written} of 4 records to generate" in r.stderr
     ids = [x["id"] for x in lines(out)]
-    assert sorted(ids) == sorted(f"{p}{s}" for p in "abcd" for s in ("", "#s1"))
+    assert sorted(ids) == ["a", "a#s1", "c", "c#s1"]
     assert out.read_bytes().startswith(kept)             # the first run's records are kept
-    assert json.loads((tmp_path / "conv.card.json").read_text())["counts"]["records"] == 8
+    assert json.loads((tmp_path / "conv.card.json").read_text())["counts"]["records"] == 4
+
+
+def test_assistant_message_keeps_reasoning_and_tool_calls_as_returned():
+    from eyas.data.served import _assistant_message
+    call = [{"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]
+    got = _assistant_message({"role": "assistant", "content": None, "reasoning_content": "hm",
+                              "tool_calls": call, "refusal": None, "audio": None})
+    assert got == {"role": "assistant", "content": None, "reasoning_content": "hm",
+                   "tool_calls": call}
+    # vLLM's empty tool_calls list is no tool call
+    assert _assistant_message({"role": "assistant", "content": "hi", "tool_calls": []}) == {
+        "role": "assistant", "content": "hi"}
+
+
+def test_prepare_refuses_an_unfinished_output(tmp_path):
+    from eyas.data.prepare import PrepareError, prepare
+    partial = tmp_path / "conv.jsonl.partial"
+    partial.write_text(json.dumps({"id": "a", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    with pytest.raises(PrepareError, match="unfinished `eyas generate` output.*conv.jsonl"):
+        prepare(partial, "smollm2", tmp_path / "tokens")
 
 
 def test_refused_request_names_the_prompt(server, tmp_path):
@@ -220,9 +247,9 @@ def test_refused_request_names_the_prompt(server, tmp_path):
 
 
 @pytest.mark.slow
-def test_server_gone_mid_run_keeps_what_was_written_and_resumes(smollm2_dir, tmp_path):
-    srv = Server(smollm2_dir, tmp_path / "serve.log").start()
-    prompts = write_prompts(tmp_path / "prompts.jsonl")
+def test_server_gone_mid_run_keeps_what_was_written_and_resumes(server, smollm2_dir, tmp_path):
+    srv = server   # stopped mid-run, then started again on the same port for the others
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [PROMPTS[0], PROMPTS[2]])
     out, partial = tmp_path / "conv.jsonl", tmp_path / "conv.jsonl.partial"
     args = generate_args(srv.url, prompts, out, "--model", str(smollm2_dir), "--concurrency",
                          "1", "--retries", "2", "--retry-backoff", "0.05")
@@ -237,14 +264,15 @@ def test_server_gone_mid_run_keeps_what_was_written_and_resumes(smollm2_dir, tmp
         assert last.startswith("eyas generate: prompt '") and "failed 3 time(s)" in last
         assert "the same command resumes" in last
         kept = lines(partial)
-        assert 1 <= len(kept) < 4 and not out.exists()
+        assert len(kept) == 1 and not out.exists()
         srv.start()
         run(args)
         recs = lines(out)
-        assert sorted(x["id"] for x in recs) == ["a", "b", "c", "d"]
+        assert sorted(x["id"] for x in recs) == ["a", "c"]
         assert recs[:len(kept)] == kept
     finally:
-        srv.stop()
+        if srv.proc.poll() is not None:
+            srv.start()
 
 
 @pytest.mark.slow
