@@ -13,8 +13,8 @@ Output: one line per prompt x sample, the shape data.generate writes (so `eyas p
 ``{"id", "messages": [..., the assistant message as returned, keeping reasoning_content and
 tool_calls], ..., "tools"?, "generation": {model, max_tokens, temperature, top_p, seed,
 chat_template_kwargs, prompt_id, sample, finish_reason: [per generated turn], truncated,
-usage: [per turn], seconds}}``. Answers that hit `max_tokens` (finish reason "length") are kept
-with ``truncated: true``.
+empty_answers, usage: [per turn], seconds}}``. Answers that hit `max_tokens` (finish reason
+"length") are kept with ``truncated: true``; empty answers are kept and counted.
 
 Partial and complete: while a run is under way the lines are appended to ``OUT.partial`` (one
 write, flush and fsync per record, under an exclusive lock). When every prompt x sample is in,
@@ -142,7 +142,7 @@ def _assistant_message(message: dict[str, Any]) -> dict[str, Any]:
 def answer(client, task: Task, setup: dict[str, Any]) -> dict[str, Any]:
     """The output record of one task: its pending turns answered in order, one request each."""
     conv, msgs, nxt = task.conv, [], 0
-    finish, usage = [], []
+    finish, usage, empty = [], [], 0
     t0 = time.perf_counter()
     for turn, p in enumerate(pending_turns(conv.messages)):
         msgs += conv.messages[nxt:p + 1]
@@ -159,7 +159,10 @@ def answer(client, task: Task, setup: dict[str, Any]) -> dict[str, Any]:
             body["chat_template_kwargs"] = setup["chat_template_kwargs"]
         what = f"prompt {conv.id!r} (sample {task.sample}, turn {turn})"
         choice, used = client.chat(body, what)
-        msgs = msgs + [_assistant_message(choice["message"])]
+        reply = _assistant_message(choice["message"])
+        empty += not ((reply["content"] or "").strip() or reply.get("reasoning_content")
+                      or reply.get("tool_calls"))
+        msgs = msgs + [reply]
         finish.append(choice.get("finish_reason"))
         usage.append({k: used[k] for k in ("prompt_tokens", "completion_tokens") if k in used})
     rec = {"id": task.id, "messages": msgs + conv.messages[nxt:], **conv.extra}
@@ -167,6 +170,7 @@ def answer(client, task: Task, setup: dict[str, Any]) -> dict[str, Any]:
         rec["tools"] = conv.tools
     rec["generation"] = {**setup, "prompt_id": conv.id, "sample": task.sample,
                          "finish_reason": finish, "truncated": "length" in finish,
+                         "empty_answers": empty,
                          "usage": usage, "seconds": round(time.perf_counter() - t0, 3)}
     return rec
 
@@ -191,7 +195,7 @@ def build_card(out: Path, setup: dict[str, Any], *, endpoint: str, prompts: Path
     """The data card of a finished conversations file (counted from the file itself)."""
     finish: Counter[str] = Counter()
     tokens: Counter[str] = Counter()
-    n = truncated = 0
+    n = truncated = empty = 0
     request_s = 0.0
     ids = set()
     with open(out, encoding="utf-8") as f:
@@ -199,6 +203,7 @@ def build_card(out: Path, setup: dict[str, Any], *, endpoint: str, prompts: Path
             gen = json.loads(line).get("generation", {})
             n += 1
             truncated += bool(gen.get("truncated"))
+            empty += int(gen.get("empty_answers", 0))
             finish.update(str(r) for r in gen.get("finish_reason", []))
             for u in gen.get("usage", []):
                 tokens.update({k: int(v) for k, v in u.items()})
@@ -210,7 +215,7 @@ def build_card(out: Path, setup: dict[str, Any], *, endpoint: str, prompts: Path
             "prompts": str(prompts), "prompts_sha256": file_sha256(prompts),
             "samples_per_prompt": samples_per_prompt,
             "counts": {"records": n, "prompts": len(ids), "turns": sum(finish.values()),
-                       "truncated_records": truncated},
+                       "truncated_records": truncated, "empty_answers": empty},
             "finish_reasons": dict(sorted(finish.items())),
             "tokens": {"prompt": tokens["prompt_tokens"],
                        "completion": tokens["completion_tokens"]},
@@ -243,53 +248,69 @@ def _lock(fd: int, path: Path) -> None:
                          f"or choose another --out") from None
 
 
+class _Progress:
+    """Records done and completion tokens/s, logged every tenth of the run."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.tokens, self.truncated = total, 0, 0, 0
+        self.every, self.t0 = max(1, total // 10), time.perf_counter()
+
+    def add(self, rec: dict[str, Any]) -> None:
+        from eyas.data.log import PROGRESS
+        gen = rec["generation"]
+        self.done += 1
+        self.tokens += sum(u.get("completion_tokens", 0) for u in gen["usage"])
+        self.truncated += gen["truncated"]
+        if self.done % self.every == 0 or self.done == self.total:
+            dt = time.perf_counter() - self.t0
+            log.info("generate: %d/%d records, %d tokens in %.1f s (%.1f tokens/s), %d "
+                     "truncated at max_tokens", self.done, self.total, self.tokens, dt,
+                     self.tokens / max(dt, 1e-9), self.truncated, extra={PROGRESS: True})
+
+
 def _run(client, todo: list[Task], setup: dict[str, Any], partial: Path,
          concurrency: int) -> None:
     """Answer `todo` with `concurrency` requests in flight, appending to `partial`; the first
-    request that keeps failing stops the run (the records already answered are written)."""
+    request that keeps failing stops the run (the answers already under way are written)."""
     from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed
 
     from eyas.data.endpoint import EndpointError, EndpointStopped
-    from eyas.data.log import PROGRESS
     fd = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     failures: list[BaseException] = []
-    done, tokens, truncated, t0 = 0, 0, 0, time.perf_counter()
-    every = max(1, len(todo) // 10)
+    progress = _Progress(len(todo))
+    pool = ThreadPoolExecutor(concurrency, thread_name_prefix="eyas-generate")
     try:
         _lock(fd, partial)
-        with ThreadPoolExecutor(concurrency, thread_name_prefix="eyas-generate") as pool:
-            futures = [pool.submit(answer, client, t, setup) for t in todo]
-            for fut in as_completed(futures):
-                try:
-                    rec = fut.result()
-                except CancelledError:
-                    continue
-                except Exception as e:  # noqa: BLE001 - the first one is raised below
-                    if not failures:
-                        client.stop()
-                        for other in futures:
-                            other.cancel()
-                    if not isinstance(e, EndpointStopped):
-                        failures.append(e)
-                    continue
-                _append(fd, rec)
-                done += 1
-                gen = rec["generation"]
-                tokens += sum(u.get("completion_tokens", 0) for u in gen["usage"])
-                truncated += gen["truncated"]
-                if done % every == 0 or done == len(todo):
-                    dt = time.perf_counter() - t0
-                    log.info("generate: %d/%d records, %d tokens in %.1f s (%.1f tokens/s), %d "
-                             "truncated at max_tokens", done, len(todo), tokens, dt,
-                             tokens / max(dt, 1e-9), truncated, extra={PROGRESS: True})
+        futures = [pool.submit(answer, client, t, setup) for t in todo]
+        for fut in as_completed(futures):
+            try:
+                rec = fut.result()
+            except CancelledError:
+                continue
+            except Exception as e:  # noqa: BLE001 - the first one is raised below
+                if not failures:
+                    client.stop()
+                    for other in futures:
+                        other.cancel()
+                if not isinstance(e, EndpointStopped):
+                    failures.append(e)
+                continue
+            _append(fd, rec)
+            progress.add(rec)
+        pool.shutdown()
+    except BaseException:   # Ctrl-C and the like: stop at once, in-flight answers are lost
+        client.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
+        client.close()
+        raise
     finally:
         os.close(fd)
     if failures:
         first = failures[0]
         if not isinstance(first, EndpointError):
             raise first
-        raise type(first)(f"{first} [{len(failures)} record(s) failed, {done} written this run "
-                          f"to {partial}; the same command resumes]") from None
+        raise type(first)(f"{first} [{len(failures)} record(s) failed, {progress.done} written "
+                          f"this run to {partial}; the same command resumes]") from None
 
 
 def _api_key(var: str | None) -> str | None:
@@ -300,6 +321,36 @@ def _api_key(var: str | None) -> str | None:
         raise ValueError(f"--api-key-env {var}: the environment variable {var} is not set; "
                          f"export it or leave --api-key-env out")
     return value
+
+
+def _check_options(*, max_tokens: int, concurrency: int, samples_per_prompt: int,
+                   temperature: float, top_p: float) -> None:
+    for name, value in (("max_tokens", max_tokens), ("concurrency", concurrency),
+                        ("samples_per_prompt", samples_per_prompt)):
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature}, "
+                         f"{top_p}")
+    if samples_per_prompt > 1 and temperature == 0:
+        log.warning("--samples-per-prompt %d at --temperature 0: greedy answers repeat (set a "
+                    "temperature > 0 for different samples)", samples_per_prompt)
+
+
+def _todo(source: Path, tasks: list[Task], setup: dict[str, Any], prompts: Path,
+          samples_per_prompt: int) -> list[Task]:
+    """The tasks not yet in `source` (its torn last line cut, its setup checked)."""
+    written = scan_written(source)
+    check_setup(source, written, setup)
+    todo = [t for t in tasks if t.id not in written]
+    stray = len(set(written) - {t.id for t in tasks})
+    if stray:
+        log.warning("%s holds %d records whose ids are not among the prompts of %s (kept)",
+                    source, stray, prompts)
+    log.info("%d of %d records to generate (%d prompts x %d samples; %d already in %s)",
+             len(todo), len(tasks), len(tasks) // samples_per_prompt, samples_per_prompt,
+             len(tasks) - len(todo), source)
+    return todo
 
 
 def generate_from_endpoint(prompts: str | Path, endpoint: str, out: str | Path, *,
@@ -315,13 +366,8 @@ def generate_from_endpoint(prompts: str | Path, endpoint: str, out: str | Path, 
     Returns the data card (also written to `card_path(out)`)."""
     from eyas.data.endpoint import EndpointClient
     from eyas.data.utils import atomic_write_json, fsync_dir
-    for name, value, low in (("max_tokens", max_tokens, 1), ("concurrency", concurrency, 1),
-                             ("samples_per_prompt", samples_per_prompt, 1)):
-        if value < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature}, "
-                         f"{top_p}")
+    _check_options(max_tokens=max_tokens, concurrency=concurrency,
+                   samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p)
     prompts, out = Path(prompts), Path(out)
     partial = partial_path(out)
     if out.exists() and partial.exists():
@@ -338,16 +384,7 @@ def generate_from_endpoint(prompts: str | Path, endpoint: str, out: str | Path, 
         setup = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
                  "top_p": top_p, "seed": seed, "chat_template_kwargs": chat_template_kwargs or {}}
         source = partial if partial.exists() or not out.exists() else out
-        written = scan_written(source)
-        check_setup(source, written, setup)
-        todo = [t for t in tasks if t.id not in written]
-        stray = len(set(written) - {t.id for t in tasks})
-        if stray:
-            log.warning("%s holds %d records whose ids are not among the prompts of %s (kept)",
-                        source, stray, prompts)
-        log.info("%d of %d records to generate (%d prompts x %d samples; %d already in %s)",
-                 len(todo), len(tasks), len(tasks) // samples_per_prompt, samples_per_prompt,
-                 len(tasks) - len(todo), source)
+        todo = _todo(source, tasks, setup, prompts, samples_per_prompt)
         card = read_card(out) if source == out else None
         if not todo and card is not None and card.get("sha256") == file_sha256(out):
             return card
@@ -365,6 +402,9 @@ def generate_from_endpoint(prompts: str | Path, endpoint: str, out: str | Path, 
     card = build_card(out, setup, endpoint=client.url, prompts=prompts,
                       samples_per_prompt=samples_per_prompt, wall_s=time.perf_counter() - t0)
     atomic_write_json(card_path(out), card)
+    if card["counts"]["empty_answers"]:
+        log.warning("%s: %d answers are empty (kept; `eyas prepare` counts them as "
+                    "empty_assistant)", out, card["counts"]["empty_answers"])
     log.info("%s: %d records (%s), %d completion tokens; card %s", out,
              card["counts"]["records"], card["finish_reasons"], card["tokens"]["completion"],
              card_path(out))

@@ -163,6 +163,7 @@ def test_answers_every_prompt_with_card_and_prepare_reads_it(server, tmp_path):
     assert card == json.loads(r.stdout)
     assert card["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
     assert card["counts"]["records"] == 4 and card["counts"]["prompts"] == 4
+    assert card["counts"]["empty_answers"] == 0 and card["model"] == str(server.model_dir)
     assert sum(card["finish_reasons"].values()) == 4
     assert card["tokens"]["completion"] == sum(x["generation"]["usage"][0]["completion_tokens"]
                                                for x in recs.values())
