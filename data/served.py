@@ -17,10 +17,11 @@ empty_answers, usage: [per turn], seconds}}``. Answers that hit `max_tokens` (fi
 "length") are kept with ``truncated: true``; empty answers are kept and counted.
 
 Partial and complete: while a run is under way the lines are appended to ``OUT.partial`` (one
-write, flush and fsync per record, under an exclusive lock). When every prompt x sample is in,
-the file is renamed to OUT and the data card ``OUT``'s ``.card.json`` (`card_path`) is written
-atomically: model, sampling setup, counts, finish reasons, token totals, time and the output's
-sha256. `eyas prepare` refuses a ``.partial`` file and carries the card into its manifest.
+write, flush and fsync per record; one writer at a time, holding the lock of the hidden file
+``.OUT.lock`` beside it). When every prompt x sample is in, the file is renamed to OUT and the
+data card (`card_path`: ``conv.jsonl`` -> ``conv.card.json``) is written atomically: model,
+sampling setup, counts, finish reasons, token totals, time and the output's sha256. `eyas
+prepare` refuses a ``.partial`` file and carries the card into its manifest.
 
 Resuming: the same command again skips the ids already written, after cutting off a torn last
 line (kill -9 mid-write); a record written with another sampling setup (`SETUP_FIELDS`) makes it
@@ -239,13 +240,24 @@ def _append(fd: int, rec: dict[str, Any]) -> None:
     os.fsync(fd)
 
 
-def _lock(fd: int, path: Path) -> None:
+def lock_path(out: str | Path) -> Path:
+    """The (empty, hidden) file whose lock one writer of `out` holds: ``.conv.jsonl.lock``."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.lock")
+
+
+def _lock(out: Path) -> int:
+    """An fd holding the exclusive lock of output `out` (closing it releases the lock)."""
     import fcntl
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path(out), os.O_WRONLY | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise OutputBusy(f"{path}: another `eyas generate` is writing this output; wait for it "
+        os.close(fd)
+        raise OutputBusy(f"{out}: another `eyas generate` is writing this output; wait for it "
                          f"or choose another --out") from None
+    return fd
 
 
 class _Progress:
@@ -280,7 +292,6 @@ def _run(client, todo: list[Task], setup: dict[str, Any], partial: Path,
     progress = _Progress(len(todo))
     pool = ThreadPoolExecutor(concurrency, thread_name_prefix="eyas-generate")
     try:
-        _lock(fd, partial)
         futures = [pool.submit(answer, client, t, setup) for t in todo]
         for fut in as_completed(futures):
             try:
@@ -364,19 +375,35 @@ def generate_from_endpoint(prompts: str | Path, endpoint: str, out: str | Path, 
     """Answer every prompt x sample of `prompts` through the server at `endpoint` into `out`
     (module doc: partial file, resuming, card). `model` None: the first of `GET /models`.
     Returns the data card (also written to `card_path(out)`)."""
-    from eyas.data.endpoint import EndpointClient
-    from eyas.data.utils import atomic_write_json, fsync_dir
     _check_options(max_tokens=max_tokens, concurrency=concurrency,
                    samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p)
     prompts, out = Path(prompts), Path(out)
+    tasks = load_tasks(prompts, samples_per_prompt)
+    t0 = time.perf_counter()
+    lock = _lock(out)   # held until this function returns: one writer per output
+    try:
+        return _generate(tasks, prompts, endpoint, out, t0, model=model, max_tokens=max_tokens,
+                         temperature=temperature, top_p=top_p, seed=seed,
+                         concurrency=concurrency, samples_per_prompt=samples_per_prompt,
+                         chat_template_kwargs=chat_template_kwargs,
+                         client_kw=dict(api_key=_api_key(api_key_env), timeout=timeout,
+                                        retries=retries, backoff=backoff))
+    finally:
+        os.close(lock)
+
+
+def _generate(tasks: list[Task], prompts: Path, endpoint: str, out: Path, t0: float, *,
+              model: str | None, max_tokens: int, temperature: float, top_p: float,
+              seed: int | None, concurrency: int, samples_per_prompt: int,
+              chat_template_kwargs: dict[str, Any] | None,
+              client_kw: dict[str, Any]) -> dict[str, Any]:
+    from eyas.data.endpoint import EndpointClient
+    from eyas.data.utils import atomic_write_json, fsync_dir
     partial = partial_path(out)
     if out.exists() and partial.exists():
         raise FileExistsError(f"both {out} and {partial} exist; remove the one that is not "
                               f"this run's output")
-    tasks = load_tasks(prompts, samples_per_prompt)
-    t0 = time.perf_counter()
-    client = EndpointClient(endpoint, api_key=_api_key(api_key_env), timeout=timeout,
-                            retries=retries, backoff=backoff, connections=concurrency)
+    client = EndpointClient(endpoint, connections=concurrency, **client_kw)
     try:
         if model is None:
             model = client.models()[0]

@@ -136,7 +136,6 @@ def wait_for_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
     pytest.fail(f"eyas generate ended ({proc.returncode}) before writing {n} records")
 
 
-@pytest.mark.slow
 def test_answers_every_prompt_with_card_and_prepare_reads_it(server, tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     out = tmp_path / "conv.jsonl"
@@ -186,7 +185,6 @@ def test_answers_every_prompt_with_card_and_prepare_reads_it(server, tmp_path):
     assert manifest["prepare"]["generation_card"]["matches_input"] is True
 
 
-@pytest.mark.slow
 def test_kill9_then_resume_writes_each_record_once(server, tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", [PROMPTS[0], PROMPTS[2]])
     out, partial = tmp_path / "conv.jsonl", tmp_path / "conv.jsonl.partial"
@@ -236,6 +234,19 @@ def test_prepare_refuses_an_unfinished_output(tmp_path):
         prepare(partial, "smollm2", tmp_path / "tokens")
 
 
+def test_a_second_writer_of_one_output_is_refused(tmp_path):
+    import fcntl
+
+    from eyas.data.served import lock_path
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:1])
+    out = tmp_path / "conv.jsonl"
+    with open(lock_path(out), "w") as held:   # as a running `eyas generate` holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        r = run(generate_args("http://127.0.0.1:9/v1", prompts, out), check=False)
+    assert r.returncode == 2 and "another `eyas generate` is writing this output" in r.stderr
+    assert not out.exists() and not (tmp_path / "conv.jsonl.partial").exists()
+
+
 def test_refused_request_names_the_prompt(server, tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:1])
     out = tmp_path / "conv.jsonl"
@@ -276,7 +287,6 @@ def test_server_gone_mid_run_keeps_what_was_written_and_resumes(server, smollm2_
             srv.start()
 
 
-@pytest.mark.slow
 def test_main_job_data_stage_takes_answers_from_the_endpoint(server, tmp_path):
     """data.endpoint=URL: the embedded dataset's answers come from the server (answer 0
     greedy, answer 1 sampled), then are tokenised and extracted with the local target."""
