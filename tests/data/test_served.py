@@ -258,6 +258,19 @@ def test_refused_request_names_the_prompt(server, tmp_path):
     assert not out.exists() and not (tmp_path / "conv.card.json").exists()
 
 
+def test_server_error_is_retried_then_names_the_prompt(server, tmp_path):
+    # `transformers serve` answers HTTP 500 to a `tools` that is not a list
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [dict(PROMPTS[0], tools="not-a-list")])
+    out = tmp_path / "conv.jsonl"
+    r = run(generate_args(server.url, prompts, out, "--retries", "1", "--retry-backoff", "0.01"),
+            check=False)
+    assert r.returncode == 3, r.stderr
+    assert "HTTP 500" in r.stderr and "retry 1/1" in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("eyas generate: prompt 'a' (sample 0, turn 0)")
+    assert "failed 2 time(s)" in last and not out.exists()
+
+
 @pytest.mark.slow
 def test_server_gone_mid_run_keeps_what_was_written_and_resumes(server, smollm2_dir, tmp_path):
     srv = server   # stopped mid-run, then started again on the same port for the others
