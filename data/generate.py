@@ -35,45 +35,15 @@ from typing import Any
 import torch
 
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
-                               normalise_record, resolve_template)
+                               normalise_record, pending_turns, resolve_template, scan_written)
 from eyas.data.settings import GenerationSettings, SeedSettings, TargetSettings
 
 log = logging.getLogger(__name__)
 
 
-def _pending_turns(messages: list[dict[str, Any]]) -> list[int]:
-    """Indices i such that an assistant answer must be generated right after messages[i]."""
-    return [i for i, m in enumerate(messages) if m["role"] in ("user", "tool")
-            and (i + 1 == len(messages) or messages[i + 1]["role"] not in ("assistant", "tool"))]
-
-
 def scan_done(out_path: Path) -> set[str]:
     """Ids already written to `out_path`; cuts off a partial last line left by a crash."""
-    done: set[str] = set()
-    if not out_path.exists():
-        return done
-    good_end = 0
-    with open(out_path, "rb+") as f:
-        lineno = 0
-        for line in iter(f.readline, b""):
-            lineno += 1
-            complete = line.endswith(b"\n")
-            try:
-                rid = json.loads(line)["id"] if complete else None
-            except (ValueError, KeyError, TypeError):
-                rid = None
-            if rid is None:
-                rest = f.read()
-                if rest.strip():
-                    raise ValueError(f"{out_path}:{lineno}: corrupt line in the middle of the "
-                                     f"generated conversations; fix or delete that line to resume")
-                log.warning("%s:%d: discarding a partial last line (%d bytes) left by an "
-                            "interrupted run", out_path, lineno, len(line))
-                f.truncate(good_end)
-                break
-            done.add(str(rid))
-            good_end += len(line)
-    return done
+    return set(scan_written(out_path))
 
 
 def _split_reasoning(text: str) -> tuple[str | None, str]:
@@ -173,7 +143,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
                 raise RecordError("duplicate_id", f"id {conv.id!r} occurs twice; ids must be "
                                   f"unique for resuming")
             seen.add(conv.id)
-            if not _pending_turns(conv.messages):
+            if not pending_turns(conv.messages):
                 raise RecordError("nothing_to_generate", "no user turn without an answer")
         except RecordError as e:
             if on_error == "raise":
@@ -215,7 +185,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
         for c, start in enumerate(bar):
             chunk = todo[start:start + chunk_records]
             # per record: messages so far, the remaining pending indices, finish reasons
-            state = [{"conv": cv, "msgs": [], "next": 0, "pending": _pending_turns(cv.messages),
+            state = [{"conv": cv, "msgs": [], "next": 0, "pending": pending_turns(cv.messages),
                       "finish": [], "failed": False} for cv in chunk]
             rnd = 0
             while True:

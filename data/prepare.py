@@ -65,6 +65,16 @@ def _file_sha256(path: Path) -> str:
 # The pipeline
 
 
+def _generation_card(source: Path) -> dict[str, Any] | None:
+    """The `eyas generate` data card beside `source`; a run's unfinished file is refused."""
+    from eyas.data.served import PARTIAL_SUFFIX, read_card
+    if source.name.endswith(PARTIAL_SUFFIX):
+        raise PrepareError(f"{source}: an unfinished `eyas generate` output; re-run that command "
+                           f"until it writes {source.name[:-len(PARTIAL_SUFFIX)]} and its card, "
+                           f"then prepare that file")
+    return read_card(source)
+
+
 def _clear_stale_shards(out: Path) -> None:
     """Remove the shards of prepare's own unfinished earlier run; refuse any other data
     (data/outdir.py)."""
@@ -124,6 +134,7 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
                                         on_error=on_error, chat_template=chat_template,
                                         template_kwargs=template_kwargs,
                                         **(generate_kwargs or {}))
+    card = _generation_card(source)
     if tokenizer is None:
         from eyas.data.targets import load_tokenizer
         tokenizer = load_tokenizer(target)
@@ -185,6 +196,13 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
                "reasoning_not_rendered": renderer.reasoning_dropped,
                "skipped": dict(sorted(skipped.items())), "max_length": max_length,
                "shards": len(metas), "out_dir": str(out)}
+    if card is not None:   # `eyas generate` wrote the input: its data card travels along
+        summary["generation_card"] = dict(card, matches_input=card["sha256"] ==
+                                          summary["input_sha256"])
+        if not summary["generation_card"]["matches_input"]:
+            log.warning("%s changed after `eyas generate` wrote it (its sha256 is not the data "
+                        "card's); the card is kept in the manifest with matches_input=false",
+                        source)
     write_manifest(out, {
         "kind": "tokens", "target": str(target),
         "tokenizer": tokenizer_identity(tokenizer, renderer.template_text, template_name),

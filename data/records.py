@@ -9,11 +9,14 @@ OpenAI roles. A malformed record raises (or, from `iter_jsonl`, yields) a `Recor
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from eyas.data.templates import Conversation, RecordError
+
+log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT `from` values -> OpenAI roles
@@ -122,3 +125,50 @@ def resolve_template(chat_template: str | None) -> tuple[str | None, str | None]
         return None, None
     from eyas.data.templates import load_template
     return load_template(chat_template), str(chat_template)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated conversations (data.generate, data.served): pending turns and resuming
+
+
+def pending_turns(messages: list[dict[str, Any]]) -> list[int]:
+    """Indices i such that an assistant answer must be generated right after messages[i]."""
+    return [i for i, m in enumerate(messages) if m["role"] in ("user", "tool")
+            and (i + 1 == len(messages) or messages[i + 1]["role"] not in ("assistant", "tool"))]
+
+
+def scan_written(out_path: str | Path) -> dict[str, dict[str, Any]]:
+    """{id: its "generation" record} of the conversations already written to `out_path`, in file
+    order; cuts off a partial last line left by a crash (logged). A corrupt line elsewhere is a
+    ValueError naming it."""
+    done: dict[str, dict[str, Any]] = {}
+    out_path = Path(out_path)
+    if not out_path.exists():
+        return done
+    good_end = 0
+    with open(out_path, "rb+") as f:
+        lineno = 0
+        for line in iter(f.readline, b""):
+            lineno += 1
+            rec = None
+            if line.endswith(b"\n"):
+                try:
+                    rec = json.loads(line)
+                    rid = rec["id"]
+                    if rid is None:
+                        rec = None
+                except (ValueError, KeyError, TypeError):
+                    rec = None
+            if rec is None:
+                rest = f.read()
+                if rest.strip():
+                    raise ValueError(f"{out_path}:{lineno}: corrupt line in the middle of the "
+                                     f"generated conversations; fix or delete that line to resume")
+                log.warning("%s:%d: discarding a partial last line (%d bytes) left by an "
+                            "interrupted run", out_path, lineno, len(line))
+                f.truncate(good_end)
+                break
+            gen = rec.get("generation")
+            done[str(rid)] = gen if isinstance(gen, dict) else {}
+            good_end += len(line)
+    return done

@@ -88,6 +88,14 @@ class GenerationSettings:
 
 
 @dataclass
+class EndpointSettings:
+    """How `eyas generate --endpoint` (data.served) talks to an OpenAI-compatible server."""
+
+    endpoint_concurrency: int = 8
+    """Requests in flight at once to the served target."""
+
+
+@dataclass
 class SynthesisSettings:
     synthetic_temperature: float = 1.0
     """Sampling temperature of the prompts the target writes itself (data.synthesize)."""

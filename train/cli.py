@@ -9,6 +9,7 @@ from typing import Callable
 # subcommand -> one-line help
 COMMANDS: dict[str, str] = {
     "prepare": "tokenise conversations (or generate them with the target) into a token dataset",
+    "generate": "answer prompts with a served target (OpenAI-compatible endpoint)",
     "synthesize": "sample user prompts from the target itself (more, different prompts)",
     "extract": "run the target over a token dataset and store its hidden states",
     "import": "convert SpecForge/speculators hidden states into an eyas dataset",
@@ -28,6 +29,8 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
     fast), each by a plain import."""
     if name == "prepare":
         from eyas.data.prepare import cli_main
+    elif name == "generate":
+        from eyas.data.served_cli import cli_main
     elif name == "synthesize":
         from eyas.data.synthesize import cli_main
     elif name == "extract":
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from eyas.data.log import run_command, setup_logging
     setup_logging()
-    if not {"-h", "--help"} & set(rest):  # help runs nothing: no thread line before it
+    # help runs nothing: no thread line before it; `generate` only sends requests (no torch)
+    if not {"-h", "--help"} & set(rest) and name != "generate":
         _cpu_threads()
     # one place for every subcommand: an error the user can fix is one line and exit 2 (3 for
     # a stage that cannot run here); anything else keeps its traceback

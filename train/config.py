@@ -16,8 +16,9 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from eyas.data.settings import (DTYPE_CHOICES, ExtractionSettings, GenerationSettings,
-                                SeedSettings, SynthesisSettings, TargetSettings, TokenizeSettings)
+from eyas.data.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSettings,
+                                GenerationSettings, SeedSettings, SynthesisSettings,
+                                TargetSettings, TokenizeSettings)
 from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
 from eyas.models.config import DrafterShape
 
@@ -95,7 +96,8 @@ class DrafterConfig(DrafterShape):
 
 
 @dataclass
-class DataConfig(ExtractionSettings, SynthesisSettings, GenerationSettings, TokenizeSettings):
+class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, GenerationSettings,
+                 TokenizeSettings):
     """The data group: the settings it shares with `eyas prepare`, `eyas synthesize` and `eyas
     extract` (`data.settings`: max_length; max_new_tokens, generation_batch_size, temperature,
     top_p; synthetic_temperature, synthetic_opener_words; extract_pad_batches, aux_format,
@@ -114,6 +116,14 @@ class DataConfig(ExtractionSettings, SynthesisSettings, GenerationSettings, Toke
     """Held-out hidden-state dataset; null = split eval_fraction off `dataset`."""
     prompts: Optional[str] = None
     """Prompts for the embedded default (messages JSONL); null = the shipped prompts."""
+    endpoint: Optional[str] = None
+    """OpenAI-compatible server (http://HOST:PORT/v1: vLLM, SGLang, transformers serve) that
+    writes the embedded default's answers instead of transformers.generate (data.served); the
+    target is still loaded locally for extraction. null = the target answers locally."""
+    endpoint_model: Optional[str] = None
+    """Model name sent to data.endpoint; null = the first that its /v1/models lists."""
+    endpoint_api_key_env: Optional[str] = None
+    """Environment variable holding data.endpoint's API key; null = no key."""
     num_prompts: int = 96
     """How many shipped prompts the embedded default answers with the target."""
     samples_per_prompt: int = 1
@@ -326,6 +336,9 @@ def check(cfg: DictConfig | Any) -> None:
     if cfg.data.samples_per_prompt > 1 and cfg.data.temperature <= 0:
         fail("data.temperature", cfg.data.temperature, "> 0 when data.samples_per_prompt > 1 "
              "(answers after the first are sampled)", "data.temperature=0.7")
+    if cfg.data.endpoint_concurrency < 1:
+        fail("data.endpoint_concurrency", cfg.data.endpoint_concurrency, "an integer >= 1",
+             "data.endpoint_concurrency=8")
     if cfg.data.synthetic_prompts < 0:
         fail("data.synthetic_prompts", cfg.data.synthetic_prompts, "an integer >= 0",
              "data.synthetic_prompts=0")

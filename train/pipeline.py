@@ -47,6 +47,8 @@ def _embedded_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
             fields += ["openers", data.synthetic_opener_words]
     if data.extract_pad_batches:
         fields += ["pad_batches"]
+    if data.endpoint:                 # answers from a served target
+        fields += ["endpoint", data.endpoint, data.endpoint_model]
     h.update(json.dumps(fields).encode())
     return h.hexdigest()[:16]
 
@@ -88,6 +90,23 @@ def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer
                            batch_size=data.generation_batch_size, seed=seed,
                            exclude=prompt_texts(prompts) + prompt_texts(prompts_path("heldout")))
     return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _served_answers(data: DataConfig, root: Path, subset: Path, sampled: Path | None,
+                    conversations: Path, seed: int) -> None:
+    """The embedded default's answers from `data.endpoint` (data.served): answer 0 greedy into
+    `conversations` (with its data card), answers 1.. sampled into a second file appended to it."""
+    from eyas.data.served import generate_from_endpoint
+    kw = dict(model=data.endpoint_model, max_tokens=data.max_new_tokens, seed=seed,
+              concurrency=data.endpoint_concurrency, api_key_env=data.endpoint_api_key_env)
+    if sampled is None:
+        generate_from_endpoint(subset, data.endpoint, conversations, temperature=0.0, **kw)
+        return
+    greedy, rest = root / "answers.greedy.jsonl", root / "answers.sampled.jsonl"
+    generate_from_endpoint(subset, data.endpoint, greedy, temperature=0.0, **kw)
+    generate_from_endpoint(sampled, data.endpoint, rest, temperature=data.temperature,
+                           top_p=data.top_p, **kw)
+    atomic_write_bytes(conversations, greedy.read_bytes() + rest.read_bytes())
 
 
 def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
@@ -134,14 +153,18 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
         if n_synth:
             lines += _synthetic_prompts(data, seed, root, model, tokenizer, prompts)
         _write_lines(subset, lines)
-    generate.generate_conversations(
-        subset, target.name, conversations, max_new_tokens=data.max_new_tokens,
-        batch_size=data.generation_batch_size, temperature=0.0, seed=seed,
-        model=model, tokenizer=tokenizer)
-    if samples > 1:   # answers 1.. of each prompt, sampled, appended to the same file
-        sampled = root / "prompts.sampled.jsonl"
-        if not sampled.is_file():
-            _write_lines(sampled, _sampled_prompts(prepare, subset, samples - 1))
+    sampled = root / "prompts.sampled.jsonl"
+    if samples > 1 and not sampled.is_file():
+        _write_lines(sampled, _sampled_prompts(prepare, subset, samples - 1))
+    if data.endpoint:
+        _served_answers(data, root, subset, sampled if samples > 1 else None, conversations,
+                        seed)
+    else:
+        generate.generate_conversations(
+            subset, target.name, conversations, max_new_tokens=data.max_new_tokens,
+            batch_size=data.generation_batch_size, temperature=0.0, seed=seed,
+            model=model, tokenizer=tokenizer)
+    if samples > 1 and not data.endpoint:   # answers 1.., sampled, appended to the same file
         generate.generate_conversations(sampled, target.name, conversations,
                                         **data.generate_kwargs(), seed=seed, model=model,
                                         tokenizer=tokenizer)

@@ -11,7 +11,7 @@ from enum import Enum
 
 import pytest
 
-from eyas.data import extract, importers, prepare, synthesize, vocab
+from eyas.data import extract, importers, prepare, served_cli, synthesize, vocab
 from eyas.data.settings import GenerationSettings
 from eyas.models.serving import doctor, export, validate
 from eyas.models.serving.engines.cli import build_check_parser
@@ -20,6 +20,7 @@ from eyas.train.config import EyasConfig
 
 PARSERS = {
     "prepare": (prepare.build_parser, ["--input", "i", "--target", "t", "--out", "o"]),
+    "generate": (served_cli.build_parser, ["--endpoint", "u", "--prompts", "p", "--out", "o"]),
     "synthesize": (synthesize.build_parser, ["--target", "t", "--n", "1", "--out", "o"]),
     "extract": (extract.build_parser, ["--tokens", "i", "--target", "t", "--out", "o"]),
     "import": (importers.build_parser, ["specforge", "s", "--out", "o", "--target", "t"]),
@@ -37,6 +38,8 @@ SHARED = {
     ("prepare", "batch_size"): "data.generation_batch_size",
     ("prepare", "seed"): "train.seed",
     ("prepare", "dtype"): "target.dtype",
+    ("generate", "concurrency"): "data.endpoint_concurrency",
+    ("generate", "samples_per_prompt"): "data.samples_per_prompt",
     ("synthesize", "temperature"): "data.synthetic_temperature",
     ("synthesize", "seed"): "train.seed",
     ("synthesize", "dtype"): "target.dtype",
@@ -56,7 +59,8 @@ SHARED = {
 
 # `eyas prepare --generate` answers like data.generate (`data.settings.GenerationSettings`); the
 # trainer's embedded default overrides these three for its short, partly sampled answers
-GENERATOR = {("prepare", "max_new_tokens"), ("prepare", "temperature"), ("prepare", "top_p")}
+GENERATOR = {("prepare", "max_new_tokens"), ("prepare", "temperature"), ("prepare", "top_p"),
+             ("generate", "temperature"), ("generate", "top_p")}
 
 # options named like a schema field that mean something else, and why
 DIFFERENT = {
@@ -75,6 +79,10 @@ DIFFERENT = {
     ("doctor", "data"): "the dataset the drafter was trained on; none means no data checks",
     ("validate", "engines"): "engine names to load with; eval.engines is an on/off switch",
     ("engines check", "engines"): "engine names to load with; eval.engines is an on/off switch",
+    ("generate", "endpoint"): "the required server URL; data.endpoint null = local answers",
+    ("generate", "prompts"): "the required prompts file; data.prompts null = the shipped ones",
+    ("generate", "seed"): "unset = no seed sent (the server's own randomness); the main job "
+                          "sends train.seed",
     ("export", "overwrite"): "replaces an export directory; train.overwrite replaces a run "
                              "directory",
 }

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data import extract, importers, inspect, prepare, synthesize, verify, vocab
+from eyas.data import (extract, importers, inspect, prepare, served_cli, synthesize, verify,
+                       vocab)
 from eyas.data.log import HelpFormatter
 from eyas.models.serving import doctor, export, validate
 from eyas.models.serving.engines import cli as engines_cli
@@ -101,7 +102,8 @@ def test_version_is_the_pyproject_version(capsys):
 
 
 PARSERS = {
-    "prepare": prepare.build_parser, "synthesize": synthesize.build_parser,
+    "prepare": prepare.build_parser, "generate": served_cli.build_parser,
+    "synthesize": synthesize.build_parser,
     "extract": extract.build_parser, "import": importers.build_parser,
     "vocab": vocab.build_parser, "export": export.build_parser,
     "validate": validate.build_parser, "doctor": doctor.build_parser,
