@@ -10,6 +10,8 @@ import pytest
 from eyas.data.format import parse_header
 from eyas.data.checksums import CHECKSUMS_NAME
 from eyas.data.shards import open_dataset, shard_name, write_manifest, write_shard
+from eyas.models.serving.contract import ExportError
+from eyas.models.serving.export import export_checkpoint
 from eyas.train import checkpoint as ckpt
 
 from tests.train.test_trainer import run
@@ -109,6 +111,8 @@ def test_resume_checks_the_checkpoints_sha256(tmp_path, tiny_llama_dataset):
     r = run(tmp_path / "r", tiny_llama_dataset, *resume, check=False)
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"refusing to resume from {step4}: {model}: SHA-256 differs" in _err(r)
+    with pytest.raises(ExportError, match=f"{step4} is damaged: {model}: SHA-256 differs"):
+        export_checkpoint(ckpts, tmp_path / "x")             # `eyas export` refuses it too
     model.write_bytes(good[:-1000])                          # truncated: also named
     with pytest.raises(ckpt.CheckpointError, match=f"{model}: SHA-256 differs"):
         ckpt.verify(step4)
