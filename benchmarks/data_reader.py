@@ -8,9 +8,12 @@ Measures, on datasets it generates under --work (reused across runs):
      `read_into` (copy into a batch buffer);
   3. time to open a dataset of 10,000 shards (and to read a first sample from it);
   4. stored bytes per token for bf16 aux + last, fp8 aux + last, and compact top-k teachers,
-     against the 8·tH bytes/token anchor of the reference trainers.
+     against the 8·tH bytes/token anchor of the reference trainers;
+  5. the first-epoch cost of the read checks (data.verify: per-sample crc32 + NaN/inf), off and
+     on side by side (`--sections verify --step-ms MS` alone: MS = a train step at --budget).
 
     python benchmarks/data_reader.py --out bench.json [--gib 2] [--hidden 4096]
+    python benchmarks/data_reader.py --sections verify --step-ms 900 --gib 2
 """
 
 from __future__ import annotations
@@ -135,6 +138,35 @@ def bench_throughput(root: Path, budget: int, reps: int) -> dict:
     return out
 
 
+def bench_verify(root: Path, budget: int, reps: int, step_ms: float | None) -> dict:
+    """First-epoch cost of the read checks (data.verify: crc32 + NaN/inf per sample), checks
+    off and on side by side, page cache warm. Each pass opens the dataset afresh, so every
+    sample is checked. workers=0 builds batches in the timed thread: the whole cost lands on
+    the critical path (an upper bound); with workers it overlaps the consumer (as in training).
+    """
+    per_token = summarize(root)["payload_bytes_per_token"]
+    out: dict = {}
+    for w in (0, 2):
+        runs: dict[str, list] = {"off": [], "on": []}
+        for _ in range(reps):
+            for mode in ("off", "on"):
+                ds = open_dataset(root)
+                if mode == "on":
+                    ds.enable_read_checks(checksum=True, nonfinite="error")
+                loader = PackedLoader(ds, budget, 0, 1, seed=0, num_workers=w)
+                dt, real, _ = loader_pass(loader, per_token, budget)
+                runs[mode].append((dt, real, len(loader)))
+        best = {m: min(r, key=lambda x: x[0]) for m, r in runs.items()}
+        ms = {m: 1e3 * b[0] / b[2] for m, b in best.items()}
+        out[f"w{w}"] = {"batches": best["on"][2], "ms_per_batch_off": ms["off"],
+                        "ms_per_batch_on": ms["on"], "extra_ms_per_batch": ms["on"] - ms["off"],
+                        "gbps_off": best["off"][1] / best["off"][0] / 1e9,
+                        "gbps_on": best["on"][1] / best["on"][0] / 1e9,
+                        "extra_pct_of_step": (100 * (ms["on"] - ms["off"]) / step_ms
+                                              if step_ms else None)}
+    return out
+
+
 def bench_cold(root: Path, budget: int) -> dict:
     """One raw pass and one loader pass, each after dropping the page cache (root only)."""
     out: dict = {"cold_available": drop_caches()}
@@ -231,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=8192, help="PackedLoader token budget")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--sections", default="throughput,latency,cold,open,bytes,verify",
+                   help="comma list of the measurements to run")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help="a training step's time (ms, e.g. from benchmarks/train_step.py at the "
+                        "same --budget): the read checks' extra time is shown as a share of it")
     args = p.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -239,12 +276,46 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     root = make_hidden(work / f"tp-{args.hidden}-{args.gib}", args.gib, args.hidden)
     res["generate_s"] = time.perf_counter() - t0
+    sections = set(args.sections.split(","))
+    if "verify" in sections:
+        res["verify"] = bench_verify(root, args.budget, args.reps, args.step_ms)
+        rows = verify_rows(res["verify"])
+        if sections == {"verify"}:
+            return report(res, rows, args, None)
     res["throughput"] = bench_throughput(root, args.budget, args.reps)
     res["latency"] = bench_latency(root)
     res["throughput"].update(bench_cold(root, args.budget))
     res["open_10k"] = bench_open(work / "open-10k")
     res["bytes_per_token"] = {str(h): bench_bytes_per_token(work, h) for h in (args.hidden, 7168)}
+    return report(res, reading_rows(res) + (verify_rows(res["verify"]) if "verify" in res
+                                            else []), args, res["throughput"])
 
+
+def verify_rows(v: dict) -> list[tuple[str, str, str]]:
+    rows = []
+    for w, r in v.items():
+        share = (f"; {r['extra_pct_of_step']:.2f}% of --step-ms"
+                 if r["extra_pct_of_step"] is not None else "")
+        rows.append((f"read checks off/on, {w[1:]} worker(s)",
+                     f"+{r['extra_ms_per_batch']:.2f} ms/batch",
+                     f"{r['ms_per_batch_off']:.2f} -> {r['ms_per_batch_on']:.2f} ms "
+                     f"({r['gbps_off']:.2f} -> {r['gbps_on']:.2f} GB/s){share}"))
+    return rows
+
+
+def report(res: dict, rows: list, args, tp: dict | None) -> int:
+    width = max(len(r[0]) for r in rows)
+    if tp is not None:
+        print(f"dataset {tp['dataset_gib']:.2f} GiB, {tp['samples']} samples, {tp['tokens']} "
+              f"tokens, tH={args.hidden}, budget {args.budget}, {res['cpu_count']} CPUs")
+    for name, val, note in rows:
+        print(f"{name:<{width}}  {val:>14}  {note}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def reading_rows(res: dict) -> list[tuple[str, str, str]]:
     tp, lat, op = res["throughput"], res["latency"], res["open_10k"]
     rows = [("raw sequential read (warm)", f"{tp['raw_warm_gbps']:.2f} GB/s", ""),
             *[(f"PackedLoader, {w} worker(s) (warm)", f"{tp[f'loader_w{w}_warm_gbps']:.2f} GB/s",
@@ -266,14 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(v, dict):
                 rows.append((f"bytes/token tH={h} {name}", f"{v['file_bytes_per_token']:.0f}",
                              f"{100 * v['vs_anchor']:.1f}% of 8*tH = {bpt['anchor_8tH']}"))
-    width = max(len(r[0]) for r in rows)
-    print(f"dataset {tp['dataset_gib']:.2f} GiB, {tp['samples']} samples, {tp['tokens']} tokens, "
-          f"tH={args.hidden}, budget {args.budget}, {res['cpu_count']} CPUs")
-    for name, val, note in rows:
-        print(f"{name:<{width}}  {val:>14}  {note}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

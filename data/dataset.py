@@ -31,6 +31,7 @@ from eyas.data.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAM
                          crc32_rows, dequantize_fp8, dtype_from_name, nonfinite_tokens,
                          parse_header, table_checksum)
 from eyas.data.utils import progress
+from eyas.data.read_checks import ReadChecks
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ class Dataset:
         self._keep: np.ndarray | None = None                      # filtered view (skip mode)
         self._sample_shard: np.ndarray | None = None              # [N] shard of each sample
         self.skipped: list[dict[str, Any]] = []
+        self.read_checks: ReadChecks | None = None               # see enable_read_checks
         self._cache: OrderedDict[int, _Shard] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._max_open = max(1, max_open_shards)
@@ -309,12 +311,24 @@ class Dataset:
 
         Returns the number of tokens copied. Fields absent from `out` are skipped; `aux` buffers
         may be [*, 3*tH] or [*, 3, tH]. Used by the packed loader (no intermediate tensors).
+        With `enable_read_checks`, a sample's first read raises DatasetError on a crc mismatch
+        or NaN/inf (`data.verify.SkippedSample` when such samples are skipped).
         """
         s, j = self.locate(i)
-        n = int(self._all_lengths[self._first[s] + j])
+        g = int(self._first[s]) + j
+        n = int(self._all_lengths[g])
         length = n if length is None else min(length, n)
-        self.shard(s).read_into(j, out, length)
+        sh, checks = self.shard(s), self.read_checks
+        check = checks is not None and checks.before_read(sh, s, j, g)
+        sh.read_into(j, out, length)
+        if check:
+            checks.after_read(sh, s, j, g, out, length)
         return length
+
+    def enable_read_checks(self, *, checksum: bool = True, nonfinite: str = "error") -> ReadChecks:
+        """Check each sample's crc32 and NaN/inf on its first `read_into` (data.verify)."""
+        self.read_checks = ReadChecks(checksum=checksum, nonfinite=nonfinite)
+        return self.read_checks
 
     # ---- verification ------------------------------------------------------------------
     def verify_headers(self) -> None:

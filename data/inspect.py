@@ -1,4 +1,6 @@
-"""`eyas inspect DIR`: what a dataset holds, from its manifest and index (no shard data read).
+"""`eyas inspect DIR`: what a dataset holds, from its manifest, index and shard headers (every
+shard's header and file size are checked: a truncated or garbled shard is an error naming it;
+no sample data is read).
 
 `--samples N` also shows the first N samples as decoded text with the trained tokens marked
 (`data.render`); `--raw` shows their ids instead.
@@ -53,6 +55,7 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
     else:
         from eyas.data.dataset import open_dataset
         ds = open_dataset(root)
+        ds.verify_headers()   # every shard's header and size: a truncated shard is named here
         man, lengths, complete = ds.manifest, ds.sample_lengths, True
     n_tokens = int(lengths.sum())
     per_field = _field_bytes(man["fields"], man.get("aux_format"))

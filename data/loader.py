@@ -33,6 +33,7 @@ import torch
 
 from eyas.data.dataset import Dataset
 from eyas.data.packing import PlanStats, build_plan, split_indices
+from eyas.data.read_checks import SkippedSample
 
 __all__ = ["Batch", "PackedLoader", "split_indices"]
 
@@ -274,14 +275,20 @@ class PackedLoader:
               clean_from: int) -> Batch:
         """Pack `docs` into `bufs`; rows [clean_from, T) are already zero (recycled buffer)."""
         b = Batch(**bufs)
-        pos = 0
-        for d, i in enumerate(docs):
+        pos = d = 0
+        for i in docs:
             dst = {"input_ids": b.input_ids[pos:], "loss_mask": b.loss_mask[pos:]}
             for f in self._fields:
                 t = getattr(b, f)[pos:]
                 dst[f] = t.view(t.shape[0], *self._shapes[f]) if f == "aux" else t
-            n = self.dataset.read_into(int(i), dst, T - pos)
+            try:
+                n = self.dataset.read_into(int(i), dst, T - pos)
+            except SkippedSample as e:   # data.nonfinite=skip: left out, its rows cleared
+                for t in dst.values():
+                    t[:e.length].zero_()
+                continue
             b.doc_ids[pos:pos + n] = d
+            d += 1
             torch.arange(n, out=b.positions[pos:pos + n])
             pos += n
         # padding: zeros after the last document (doc id -1). The large aux/last rows of a

@@ -8,10 +8,13 @@ Layout under `<run>/checkpoints/`:
     best                  text file naming the checkpoint with the best eval acceptance length
 
 A checkpoint is written to `.step-000100.tmp` and renamed only when every rank has finished,
-so a crash while saving leaves the previous checkpoint as `latest`. Rotation renames a
-checkpoint to `.step-000100.del` before deleting it, so an interrupted rotation never leaves a
-half-deleted `step-*`; what killed runs leave (`.step-*.tmp`, `.step-*.del`, a `step-*`
-without its eyas_state.json) is removed by the next run in the directory (`clean_leftovers`).
+so a crash while saving leaves the previous checkpoint as `latest`. Before the rename rank 0
+records every file's SHA-256 in `SHA256SUMS` (data.checksums); resume checks them, so a
+checkpoint with changed bytes or a truncated file is refused with an error naming the file.
+Rotation renames a checkpoint to `.step-000100.del` before deleting it, so an interrupted
+rotation never leaves a half-deleted `step-*`; what killed runs leave (`.step-*.tmp`,
+`.step-*.del`, a `step-*` without its eyas_state.json) is removed by the next run in the
+directory (`clean_leftovers`).
 """
 
 from __future__ import annotations
@@ -21,13 +24,20 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from safetensors import SafetensorError
+
+from eyas.data.checksums import CHECKSUMS_NAME, verify_checksums, write_checksums
 from eyas.data.utils import atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "eyas_state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from: named file missing, changed or unreadable."""
 
 
 def objective_record(cfg, world_size: int) -> dict[str, Any]:
@@ -62,8 +72,11 @@ def latest(root: Path) -> Path | None:
 
 
 def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last: int,
-         best_metric: float | None = None) -> Path:
+         best_metric: float | None = None,
+         add_files: Callable[[Path], None] | None = None) -> Path:
     """Write checkpoint `step` on every rank; rank 0 publishes it and rotates old ones.
+
+    `add_files(dir)` (rank 0) writes more files into the checkpoint before it is checksummed.
 
     Every rank writes its part into one `.step-N.tmp` directory that all of them can name, then
     rank 0 renames it onto `step-N` (a single-writer `data.utils.atomic_write_dir` cannot be
@@ -77,6 +90,9 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         atomic_write_json(tmp / STATE_FILE, state)
+        if add_files is not None:
+            add_files(tmp)
+        write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -143,6 +159,12 @@ def resolve_resume(resume: str | None, root: Path) -> Path | None:
         return None
     if resume == "latest":
         found = latest(root)
+        pointer = root / "latest"
+        if found is None and pointer.is_file():
+            raise CheckpointError(f"train.resume=latest: {pointer} names "
+                                  f"{pointer.read_text().strip()!r}, which is not a complete "
+                                  f"checkpoint (no {STATE_FILE}); resume from another one "
+                                  f"(train.resume={root}/step-NNNNNN) or start a new run")
         if found is None:
             log.info("train.resume=latest: no checkpoint in %s yet; starting fresh", root)
         return found
@@ -155,7 +177,9 @@ def resolve_resume(resume: str | None, root: Path) -> Path | None:
 
 
 def load(accelerator, path: Path, objective: dict[str, Any]) -> dict[str, Any]:
-    """Restore accelerate state from `path` after checking the objective settings match."""
+    """Restore accelerate state from `path` after checking its files' SHA-256 and that the
+    objective settings match."""
+    verify(path)
     state = json.loads((path / STATE_FILE).read_text())
     saved = state.get("objective", {})
     diff = {k: (saved.get(k), v) for k, v in objective.items() if saved.get(k) != v}
@@ -164,6 +188,25 @@ def load(accelerator, path: Path, objective: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"refusing to resume from {path}: the objective differs ({lines}). "
                          f"Use the checkpoint's settings, or start a new run (train.resume=null) "
                          f"warm-started from an export (drafter.warm_start=DIR)")
-    accelerator.load_state(str(path))
+    try:
+        accelerator.load_state(str(path))
+    except (OSError, RuntimeError, SafetensorError) as e:   # a damaged file in an unsummed one
+        raise CheckpointError(f"refusing to resume from {path}: its state does not load "
+                              f"({' '.join(str(e).split())[:300]}); resume from an older "
+                              f"checkpoint or start a new run") from None
     log.info("resumed from %s (step %d)", path, state["step"])
     return state
+
+
+def verify(path: Path) -> None:
+    """Raise CheckpointError naming the first file of checkpoint `path` that is missing or
+    differs from its SHA256SUMS (checkpoints written before checksums: a warning)."""
+    problems = verify_checksums(path)
+    if problems is None:
+        log.warning("checkpoint %s has no %s (written by an older eyas): resuming without "
+                    "checking its files", path, CHECKSUMS_NAME)
+    elif problems:
+        more = f" (and {len(problems) - 1} more file(s))" if len(problems) > 1 else ""
+        raise CheckpointError(f"refusing to resume from {path}: {problems[0]}{more}; resume "
+                              f"from an older checkpoint (train.resume={path.parent}/step-NNNNNN) "
+                              f"or start a new run")

@@ -142,6 +142,14 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
     """Background prefetch workers of the packed loader."""
     vocab: Optional[str] = None
     """Existing vocab map file (d2t/t2d); null = build from the training set."""
+    verify: bool = True
+    """Check each sample's crc32 and NaN/inf the first time the loader reads it (`data.verify`:
+    one integer pass over its bytes in the loader threads, first epoch only); a corrupted sample
+    stops training with an error naming shard file and sample. false trains on the bytes as
+    they are (stored NaN/inf then reach the trainer's non-finite-loss guard)."""
+    nonfinite: str = "raise"
+    """What a stored NaN/inf sample does when data.verify is on: raise (an error naming shard
+    file, sample and token) or skip (left out of its batch, counted and logged)."""
 
 
 @dataclass
@@ -326,6 +334,8 @@ def check(cfg: DictConfig | Any) -> None:
     if cfg.target.dtype not in DTYPE_CHOICES:
         fail("target.dtype", cfg.target.dtype, f"one of {list(DTYPE_CHOICES)}",
              "target.dtype=auto")
+    if cfg.data.nonfinite not in ("raise", "skip"):
+        fail("data.nonfinite", cfg.data.nonfinite, "raise or skip", "data.nonfinite=raise")
     if cfg.data.token_budget < 16:
         fail("data.token_budget", cfg.data.token_budget, ">= 16", "data.token_budget=2048")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:

@@ -29,8 +29,10 @@ from accelerate.utils import DistributedType, set_seed
 from torch import Tensor, nn
 
 from eyas.data.dataset import open_dataset
+from eyas.data.format import DatasetError
 from eyas.data.loader import Batch, PackedLoader
 from eyas.data.packing import split_indices
+from eyas.data.read_checks import contract_mismatch
 from eyas.data.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
@@ -101,9 +103,19 @@ def build_data(data_cfg: DataConfig, target: TargetConfig, datasets, *, seed: in
                          f"null or re-extract with --layers")
     if datasets.eval is not None:
         eval_ds, train_idx, eval_idx = open_dataset(datasets.eval), None, None
+        diff = contract_mismatch(manifest, eval_ds.manifest)
+        if diff is not None:
+            raise DatasetError(f"data.eval_dataset={datasets.eval} has {diff[0]}={diff[2]!r} but "
+                               f"data.dataset={datasets.train} has {diff[1]!r}: evaluate on a "
+                               f"dataset extracted with the same target, layers and format")
     else:
         train_idx, eval_idx = split_indices(len(train_ds), data_cfg.eval_fraction, seed)
         eval_ds = train_ds if len(eval_idx) else None
+    if data_cfg.verify:
+        nonfinite = "error" if data_cfg.nonfinite == "raise" else "skip"
+        for ds in {id(train_ds): train_ds, id(eval_ds): eval_ds}.values():
+            if ds is not None:
+                ds.enable_read_checks(checksum=True, nonfinite=nonfinite)
     train = PackedLoader(train_ds, data_cfg.token_budget, rank, world_size, seed,
                          num_workers=data_cfg.num_workers, indices=train_idx,
                          pin_memory=pin_memory)
@@ -261,11 +273,23 @@ def fit(t: Trainer) -> dict[str, Any]:
     bar.close()
     logger.close()
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
+                               "skipped_samples": _skipped_samples(t),
                                "eval": last_eval, "tau": last_eval.get("tau"),
                                "tau_trajectory": last_eval.get("tau_trajectory")}
     if cfg.export.enabled:
         summary["export"] = str(export_final(t, t.out / "export"))
     return summary
+
+
+def _skipped_samples(t: Trainer) -> int:
+    """Samples of this rank's training set left out for NaN/inf (data.nonfinite=skip)."""
+    checks = t.data.train.dataset.read_checks
+    if checks is None or not checks.skipped:
+        return 0
+    first = checks.skipped[0]
+    log.warning("data.nonfinite=skip left out %d sample(s) with NaN/inf values (first: %s "
+                "sample %d)", len(checks.skipped), first["file"], first["sample"])
+    return len(checks.skipped)
 
 
 def train_step(t: Trainer, batches: Iterator[Batch], window: MetricsWindow,
@@ -347,9 +371,8 @@ def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
              "loader": t.data.train.state_dict(),
              "eval": {k: v for k, v in last_eval.items() if math.isfinite(v)}}
     best = best if best is not None and math.isfinite(best) else None
-    path = ckpt.save(t.accelerator, t.out / "checkpoints", step, state,
-                     keep_last=t.cfg.train.keep_last, best_metric=best)
-    _write_export_meta(t, path)
+    ckpt.save(t.accelerator, t.out / "checkpoints", step, state, keep_last=t.cfg.train.keep_last,
+              best_metric=best, add_files=lambda d: _write_export_meta(t, d))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ CHECKPOINT may be
 The output (serving-contract.md §1-§3): `config.json` + `model.safetensors` in bf16 with exactly the
 layout-A names (no `model.` prefix, `midlayer.`, no `embed_tokens`, `lm_head` always, `d2t` int64
 offsets and `t2d` bool iff draft_vocab_size < vocab_size), plus `eyas_export.json` (TTT steps and
-training settings; both engines ignore extra files). It is written to a temporary directory,
-checked with the static validator, and renamed into place: a failed export leaves nothing behind.
+training settings) and `SHA256SUMS` (every file's SHA-256, `sha256sum -c` format; both engines
+ignore extra files). It is written to a temporary directory, checked with the static validator,
+and renamed into place: a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
+from eyas.data.checksums import write_checksums
 from eyas.data.lock import writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.utils import atomic_write_dir, umask_mode
@@ -273,6 +275,7 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
             if any(f.severity == ERROR for f in findings):
                 raise ExportError("the export breaks the serving contract:\n"
                                   + format_findings([f for f in findings if f.severity == ERROR]))
+        write_checksums(tmp)   # SHA256SUMS, checked by `eyas validate`
 
     out = atomic_write_dir(Path(out_dir), build, if_exists="replace" if overwrite else "error",
                            exists_hint=OVERWRITE_HINT)

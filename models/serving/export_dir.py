@@ -18,7 +18,7 @@ from eyas.data.utils import remove_leftover_dirs
 from eyas.models.serving.contract import ExportError
 
 #: what an export (layout A, or the speculators format beside it) writes into its directory
-EXPORT_WRITES = ("config.json", "eyas_export.json", "model.safetensors.index.json",
+EXPORT_WRITES = ("config.json", "eyas_export.json", "model.safetensors.index.json", "SHA256SUMS",
                  "model*.safetensors")
 
 

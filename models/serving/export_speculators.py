@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from eyas.data.checksums import write_checksums
 from eyas.data.utils import atomic_write_dir
 from eyas.models.serving.contract import OVERWRITE_HINT, ExportError
 
@@ -77,6 +78,7 @@ def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str
                     os.link(f, tmp / f.name)
                 except OSError:
                     shutil.copy2(f, tmp / f.name)
+        write_checksums(tmp)
 
     out = atomic_write_dir(out_dir, build, if_exists="replace" if overwrite else "error",
                            exists_hint=OVERWRITE_HINT)

@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eyas.data.checksums import verify_checksums
 from eyas.data.deps import require_deepspeed
 from eyas.data.vocab_map import VocabMap
-from eyas.models.serving.contract import CORE_TENSORS, TensorDir, read_config, resolve_target_config
+from eyas.models.serving.contract import (CORE_TENSORS, ExportError, TensorDir, read_config,
+                                          resolve_target_config)
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,9 @@ def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
     if pointer.is_file() and any((path / pointer.read_text().strip() / n).is_file()
                                  for n in CHECKPOINT_META):
         return read_trainer_checkpoint(path / pointer.read_text().strip())
+    problems = verify_checksums(path)   # a checkpoint's SHA256SUMS (eyas >= checksums)
+    if problems:
+        raise ExportError(f"{path} is damaged: {problems[0]}; export another checkpoint")
     meta_dir = path
     tag = _deepspeed_tag_dir(path)
     if tag is not None:

@@ -7,7 +7,9 @@ and compute the function eyas trained. With ``numeric=True`` it also loads the e
 way the engines do and checks that they reproduce the trainer's logits (validate_numeric.py).
 
 Tensors are read lazily (safetensors headers for names/shapes/dtypes; values only for the vocab
-mapping and a chunked NaN/inf scan), so a 10 GB export validates in seconds.
+mapping and a chunked NaN/inf and magnitude scan), so a 10 GB export validates in seconds. The
+files are first checked against the export's SHA256SUMS, and every weight's largest |w| and RMS
+against a bound for its role (validate_integrity.py).
 
     eyas validate DIR --target-config TARGET [--target-weights DIR] [--numeric]
 
@@ -25,9 +27,9 @@ from typing import Any
 import torch
 
 from eyas.data.log import HelpFormatter
-from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, TensorDir,
-                                          finding, format_findings, is_speculators_config,
+from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, finding, format_findings, is_speculators_config,
                                           read_config, require_dir, resolve_target_config)
+from eyas.models.serving.validate_integrity import checksum_findings, open_tensors
 from eyas.models.serving.validate_static import check_config, check_tensors
 
 log = logging.getLogger(__name__)
@@ -89,19 +91,22 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
         return [finding("CONFIG_MISSING", ERROR, f"{path} is not a directory",
                         "engines take a directory holding config.json and model.safetensors",
                         "pass the export directory")]
+    files = checksum_findings(path)   # SHA256SUMS first: damaged files are named as such
     try:
         cfg = read_config(path)
     except (FileNotFoundError, ValueError) as e:
-        return [finding("CONFIG_MISSING", ERROR, str(e),
-                        "both engines read the drafter's shape from config.json",
-                        "re-export with `eyas export`")]
+        return files + [finding("CONFIG_MISSING", ERROR, str(e),
+                                "both engines read the drafter's shape from config.json",
+                                "re-export with `eyas export`")]
     tcfg = resolve_target_config(target_config)
     findings: list[Finding] = []
     speculators = is_speculators_config(cfg)
     if speculators:  # a vLLM-only export: check what it stands for, with layout-A rules
         findings, cfg = speculators_findings(cfg)
-    findings += check_config(cfg, tcfg)
-    tdir = TensorDir(path)
+    findings = files + findings + check_config(cfg, tcfg)
+    tdir, unreadable = open_tensors(path)
+    if tdir is None:
+        return findings + unreadable
     findings += tdir.findings
     tensor_findings = check_tensors(tdir, cfg, tcfg, check_values=check_values)
     if speculators:  # vLLM reads `layers.0.` natively; SGLang does not read this format at all
@@ -135,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also check that the exported tensors reproduce the trainer's logits "
                         "when loaded the way the engines load them")
     p.add_argument("--no-values", action="store_true",
-                   help="skip the NaN/inf scan of the weights (headers and vocab map only)")
+                   help="skip the NaN/inf and magnitude scans of the weights (headers, vocab "
+                        "map and SHA256SUMS only)")
     p.add_argument("--json", action="store_true", help="print findings as JSON")
     p.add_argument("--engines", default=None,
                    help="also load DIR with these engines' own loaders on CPU, in their own "

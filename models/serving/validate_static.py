@@ -15,6 +15,7 @@ from typing import Any
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
                                           WARNING, Finding, TensorDir, all_finite, config_dims,
                                           expected_shapes, finding)
+from eyas.models.serving.validate_integrity import INTEGRITY_CODES, magnitude_findings
 from eyas.models.serving.validate_vocab import VOCAB_CODES, check_vocab_map
 
 #: settings that SGLang cannot parse (speculators format) or that only 2026-05+ builds implement
@@ -43,6 +44,8 @@ CODES = {
     "DTYPE_MIXED": ERROR, "DTYPE_NOT_BF16": WARNING, **VOCAB_CODES, "NONFINITE": ERROR,
     # numerical check (validate_numeric.py)
     "NUMERIC_MISMATCH": ERROR, "NUMERIC_LOAD": ERROR,
+    # files and magnitudes (validate_integrity.py)
+    **INTEGRITY_CODES,
 }
 
 _REEXPORT = "re-export with `eyas export` (it writes this field/tensor correctly)"
@@ -375,6 +378,7 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
             add("NONFINITE", f"NaN/inf values in {_short(bad)}",
                 "both engines load them without complaint; every draft is garbage",
                 "export from a checkpoint before the loss diverged")
+        out += magnitude_findings(tdir, canon)
     return out
 
 def _nonfinite(tdir: TensorDir, names: list[str]) -> list[str]:

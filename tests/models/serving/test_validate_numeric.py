@@ -9,6 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyas.data.checksums import write_checksums
+
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
@@ -79,6 +81,7 @@ def test_swapped_gate_up_passes_static_but_not_numeric(exported, tcfg, tmp_path)
     g, u = "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"
     ts[g], ts[u] = ts[u], ts[g]
     save_file(ts, bad / "model.safetensors")
+    write_checksums(bad)                                  # as a buggy exporter would write it
     assert validate(bad, tcfg) == []                      # static: clean
     assert validate(bad, tcfg, numeric=True) == []        # self-consistent on its own tensors
     found = validate(bad, tcfg, numeric=True, trainer_state_dict=sd)
@@ -101,4 +104,5 @@ def test_numeric_is_skipped_when_static_errors_exist(exported, tcfg, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["num_hidden_layers"] = 2
     (bad / "config.json").write_text(json.dumps(cfg))
+    write_checksums(bad)
     assert [f.code for f in validate(bad, tcfg, numeric=True)] == ["NUM_LAYERS"]
