@@ -165,3 +165,18 @@ def test_synthesize_prompt_files_name_file_line(tmp_path):
         path = write_lines(tmp_path / f"bad{i}.jsonl", [msgs("Fine"), bad])
         with pytest.raises(PrepareError, match=rf"bad{i}\.jsonl:2: "):
             prompt_texts(path)
+
+
+def test_generate_reads_prompts_the_same_way(tmp_path, caplog):
+    """`eyas prepare --generate`'s reader: file:line in raise mode, counted in skip mode (with
+    nothing left to answer, no model is loaded)."""
+    from eyas.data.generate import generate_conversations
+    src = write_lines(tmp_path / "p.jsonl", [BAD["not_utf8"][1], BAD["reasoning_int"][1]])
+    with pytest.raises(PrepareError, match=r"p\.jsonl:1: bad_encoding: "):
+        generate_conversations(src, "no-such-target", tmp_path / "g.jsonl")
+    with caplog.at_level("WARNING"):
+        out = generate_conversations(src, "no-such-target", tmp_path / "g.jsonl",
+                                     on_error="skip")
+    assert out == tmp_path / "g.jsonl"
+    assert "skipped 2 prompt records" in caplog.text
+    assert "'bad_encoding': 1" in caplog.text and "'bad_field': 1" in caplog.text
