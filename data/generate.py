@@ -6,7 +6,8 @@ usual pipeline answers a set of prompts with the target first (`eyas prepare --g
 Input: the same record shapes as data.prepare (OpenAI `messages` or ShareGPT), without the
 final assistant turn. Every user (or tool) message not already followed by an assistant message
 gets one generated answer, in order: a record with several user turns is answered turn by turn,
-each answer conditioned on the earlier generated ones.
+each answer conditioned on the earlier generated ones. Messages are written back as read
+(normalised); a ``"weight": 0`` turn keeps its weight, so it stays context in data.prepare.
 
 Output: JSONL, one finished conversation per line, ``{"id", "messages", ..., "generation":
 {"finish_reason": [...], ...}}``; `finish_reason` is "stop" (end-of-turn token) or "length"
@@ -37,6 +38,7 @@ import torch
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, pending_turns, resolve_template, scan_written)
 from eyas.data.settings import GenerationSettings, SeedSettings, TargetSettings
+from eyas.data.templates import for_template
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
     t0 = time.perf_counter()
 
     def render(cv: Conversation, msgs: list[dict]) -> str:
-        return tokenizer.apply_chat_template(msgs, tools=cv.tools, chat_template=template,
+        return tokenizer.apply_chat_template(for_template(msgs), tools=cv.tools, chat_template=template,
                                              tokenize=False, add_generation_prompt=True,
                                              **(template_kwargs or {}))
 

@@ -17,10 +17,16 @@ conversation into one sample per assistant turn (``on_nonprefix="split"``, the d
 
 Malformed records are never dropped silently: ``on_error="raise"`` stops at the first one with
 ``file:line: reason: detail``; ``"skip"`` counts them per reason, logs the counts and stores them in
-the summary and the manifest. Reasons: bad_json, not_an_object, no_messages, bad_message,
-missing_role, unknown_role, bad_content, empty_assistant, no_assistant, template_error (incl. a
-template that drops tool calls), no_end_of_turn, non_prefix_render, too_long. Reasoning a template
-does not render is counted (``reasoning_not_rendered``) and logged.
+the summary and the manifest. Reasons: bad_encoding (a line that is not UTF-8), bad_json,
+not_an_object, no_messages, bad_message, missing_role, unknown_role, bad_content, bad_field (a
+key of the wrong type: reasoning_content, tool_calls, tool_call_id, name, tools, id), bad_weight,
+empty_assistant, no_assistant, template_error (incl. a template that drops tool calls),
+no_end_of_turn, non_prefix_render, too_long. Reasoning a template does not render is counted
+(``reasoning_not_rendered``) and logged.
+
+An assistant message with ``"weight": 0`` is rendered as context and not trained on (loss mask
+0 on all of it); ``"weight": 1`` or no weight trains it; any other value is a `bad_weight` error.
+Such turns are counted (``untrained_turns``). data/FORMAT.md lists every key read.
 
 Output (via data.shards): a dataset of kind "tokens"; each sample holds ``input_ids [T]`` and
 ``loss_mask [T]``; the manifest records the tokenizer identity (name, chat-template sha256,
@@ -171,6 +177,8 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
             skipped[e.reason] += 1
             continue
         stats["conversations"] += 1
+        stats["untrained_turns"] += sum(m["role"] == "assistant" and m.get("weight") == 0
+                                        for m in conv.messages)
         stats["split_records"] += len(encoded) > 1
         for ids, mask, straddle in encoded:
             pending.append({"input_ids": torch.tensor(ids, dtype=torch.int32),
@@ -192,7 +200,7 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
     summary = {"input": str(source), "input_sha256": _file_sha256(source),
                **{k: int(stats[k]) for k in ("records", "conversations", "samples", "tokens",
                                               "loss_tokens", "split_records",
-                                              "boundary_splits")},
+                                              "boundary_splits", "untrained_turns")},
                "reasoning_not_rendered": renderer.reasoning_dropped,
                "skipped": dict(sorted(skipped.items())), "max_length": max_length,
                "shards": len(metas), "out_dir": str(out)}

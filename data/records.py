@@ -1,9 +1,14 @@
-"""Conversation records: JSONL lines -> normalised `Conversation`s (prepare and generate share them).
+"""Conversation records: JSONL lines -> normalised `Conversation`s (prepare, generate and
+synthesize share them).
 
 Two record shapes are accepted, OpenAI ``{"id", "messages": [{"role", "content", …}], "tools"?}``
 and ShareGPT ``{"id", "conversations": [{"from", "value"}]}``; both become a `Conversation` with
-OpenAI roles. A malformed record raises (or, from `iter_jsonl`, yields) a `RecordError` whose
-`reason` is one of the codes data.prepare documents.
+OpenAI roles. The keys read, and their types, are listed in data/FORMAT.md ("Conversation
+records"); other keys are ignored (record-level ones are kept in `Conversation.extra`). A message
+with ``"weight": 0`` stays in the conversation as context and is not trained on (the normalised
+message keeps ``weight: 0``; `templates.for_template` drops the key before rendering). A
+malformed record raises (or, from `iter_jsonl`, yields) a `RecordError` whose `reason` is one of
+the codes data.prepare documents.
 """
 
 from __future__ import annotations
@@ -38,9 +43,20 @@ class PrepareError(ValueError):
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | RecordError]]:
-    """(line number, parsed object or RecordError) for each non-blank line of a JSONL file."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """(line number, parsed object or RecordError) for each non-blank line of a JSONL file.
+
+    Lines are split on ``\\n`` and decoded one at a time, so a line that is not UTF-8 is a
+    `bad_encoding` record error of its own (the lines around it still parse); a UTF-8 byte-order
+    mark at the start of the file is dropped."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, RecordError("bad_encoding", f"not valid UTF-8 (byte "
+                                          f"0x{raw[e.start]:02x} at byte {e.start + 1} of the "
+                                          f"line); re-encode the file as UTF-8")
+                continue
             if not line.strip():
                 continue
             try:
@@ -74,6 +90,37 @@ def _content_text(content: Any, where: str) -> str | None:
                       f"or null, got {type(content).__name__}")
 
 
+def _weight(m: dict[str, Any], where: str) -> int:
+    """A message's ``weight``: 1 when absent or null, else 0 or 1 (nothing in between)."""
+    w = m.get("weight")
+    if w is None:
+        return 1
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or w not in (0, 1):
+        raise RecordError("bad_weight", f"{where} has weight={w!r}; expected 0 (kept as "
+                          f"context, not trained on) or 1 (trained, the same as no weight)")
+    return int(w)
+
+
+def _check_types(m: dict[str, Any], where: str) -> None:
+    """The optional OpenAI message fields eyas passes on, each of the type templates expect."""
+    for key in ("reasoning_content", "tool_call_id", "name"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise RecordError("bad_field", f"{where}: {key} must be a string or null, got "
+                              f"{type(m[key]).__name__}")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise RecordError("bad_field", f"{where}: tool_calls must be a list of objects or null, "
+                          f"got {type(calls).__name__}")
+    for c, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]):
+            raise RecordError("bad_field", f"{where}: tool call {c} must be an object with a "
+                              f"non-empty string function name ({{\"function\": {{\"name\": "
+                              f"..., \"arguments\": ...}}}})")
+
+
 def _normalise_message(j: int, m: Any, sharegpt: bool) -> dict[str, Any]:
     where = f"message {j}"
     if not isinstance(m, dict):
@@ -95,9 +142,12 @@ def _normalise_message(j: int, m: Any, sharegpt: bool) -> dict[str, Any]:
         if role not in ROLES:
             raise RecordError("unknown_role", f"{where} has role={role!r}; expected one of {ROLES}")
         out = {"role": role, "content": _content_text(m.get("content"), where)}
+        _check_types(m, where)
         for key in ("reasoning_content", "tool_calls", "tool_call_id", "name"):
             if m.get(key) is not None:
                 out[key] = m[key]
+    if _weight(m, where) == 0:
+        out["weight"] = 0
     if out["content"] is None and not out.get("tool_calls"):
         raise RecordError("bad_content", f"{where} (role {role}) has no content")
     if role == "assistant" and not ((out["content"] or "").strip() or out.get("reasoning_content")
@@ -115,8 +165,16 @@ def normalise_record(rec: dict[str, Any], default_id: str) -> Conversation:
                           "'conversations' (ShareGPT)")
     messages = [_normalise_message(j, m, sharegpt) for j, m in enumerate(msgs)]
     tools = rec.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise RecordError("bad_field", f"tools must be a list of objects or null, got "
+                          f"{type(tools).__name__}")
+    rid = rec.get("id")
+    if isinstance(rid, (dict, list, bool)):
+        raise RecordError("bad_field", f"id must be a string or a number, got "
+                          f"{type(rid).__name__}")
     extra = {k: v for k, v in rec.items() if k not in ("id", "messages", "conversations", "tools")}
-    return Conversation(str(rec.get("id", default_id)), messages, tools or None, extra)
+    return Conversation(default_id if rid is None else str(rid), messages, tools or None, extra)
 
 
 def resolve_template(chat_template: str | None) -> tuple[str | None, str | None]:

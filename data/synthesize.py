@@ -39,6 +39,7 @@ import torch
 
 from eyas.data.generate import _generate_batch, _stop_ids
 from eyas.data.log import HelpFormatter
+from eyas.data.records import PrepareError, RecordError, iter_jsonl, normalise_record
 from eyas.data.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings, TargetSettings,
                                 field_help)
 from eyas.data.utils import atomic_write_bytes, progress
@@ -63,12 +64,18 @@ def _fold(text: str) -> str:
 
 
 def prompt_texts(path: str | Path) -> list[str]:
-    """The user messages of a prompts JSONL (for `exclude`)."""
+    """The user messages of a prompts or conversations JSONL (for `exclude` and openers), read
+    as data.records reads them (OpenAI or ShareGPT). Every record must parse: a malformed one
+    is a `PrepareError` naming file:line (a prompt left out of `exclude` could be repeated)."""
     out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            out += [m["content"] for m in json.loads(line).get("messages", [])
-                    if m.get("role") == "user" and isinstance(m.get("content"), str)]
+    for lineno, rec in iter_jsonl(path):
+        try:
+            if isinstance(rec, RecordError):
+                raise rec
+            conv = normalise_record(rec, default_id=f"{Path(path).name}:{lineno}")
+        except RecordError as e:
+            raise PrepareError(f"{path}:{lineno}: {e}") from None
+        out += [m["content"] for m in conv.messages if m["role"] == "user" and m["content"]]
     return out
 
 

@@ -49,7 +49,8 @@ class DrafterShape(VocabSettings):
     field, draft_vocab_size, is `data.settings.VocabSettings` (also `eyas vocab --size`)."""
 
     ttt_steps: int = 7
-    """K: training-time-test unroll length; must be >= the serving num_speculative_tokens."""
+    """K: training-time-test unroll length; must be >= the serving num_speculative_tokens
+    (training accepts 1..64, see train/limits.py)."""
     num_attention_heads: Optional[int] = None
     """Attention heads; null = the target family's default."""
     num_key_value_heads: Optional[int] = None

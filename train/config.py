@@ -21,6 +21,7 @@ from eyas.data.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSetti
                                 TargetSettings, TokenizeSettings)
 from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
 from eyas.models.config import DrafterShape
+from eyas.train.limits import check_data, check_loop, check_optim, check_ttt
 
 
 class AttentionImpl(str, Enum):
@@ -183,9 +184,9 @@ class OptimConfig:
     warmup_ratio: float = 0.015
     """Warmup as a fraction of total optimizer steps (used when warmup_steps is null)."""
     warmup_steps: Optional[int] = None
-    """Warmup length in optimizer steps; overrides warmup_ratio."""
+    """Warmup length in optimizer steps (>= 0; 0 = none); overrides warmup_ratio."""
     clip_grad_norm: float = 0.5
-    """Global gradient-norm clip; 0 disables."""
+    """Global gradient-norm clip (>= 0); 0 disables."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
 
@@ -226,15 +227,15 @@ class TrainConfig(SeedSettings):
     epochs: int = 1
     """Passes over the training set (max_steps wins when set)."""
     max_steps: Optional[int] = None
-    """Stop after this many optimizer steps."""
+    """Stop after this many optimizer steps (>= 1); null = train.epochs passes."""
     log_every: int = 10
-    """Optimizer steps between metric logs."""
+    """Optimizer steps between metric logs (>= 1; the last step always logs)."""
     eval_every: int = 0
-    """Optimizer steps between evaluations; 0 = only at the end."""
+    """Optimizer steps between evaluations; 0 = only at the end (negative: refused)."""
     save_every: int = 0
-    """Optimizer steps between checkpoints; 0 = only at the end."""
+    """Optimizer steps between checkpoints; 0 = only at the end (negative: refused)."""
     keep_last: int = 2
-    """Checkpoints kept by rotation (the best one is kept too)."""
+    """Checkpoints kept by rotation, >= 1 (the best one is kept too)."""
     resume: Optional[str] = None
     """Checkpoint directory to resume from, or "latest" (newest in this run's dir). A run dir
     that is not empty is reused only when resuming one of its own checkpoints or with
@@ -322,8 +323,7 @@ def check(cfg: DictConfig | Any) -> None:
     def fail(key: str, value: Any, expected: str, fix: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected {expected}. Fix: {fix}")
 
-    if cfg.drafter.ttt_steps < 1:
-        fail("drafter.ttt_steps", cfg.drafter.ttt_steps, "an integer >= 1", "drafter.ttt_steps=7")
+    check_ttt(cfg.drafter, fail)
     if cfg.drafter.draft_vocab_size < 2:
         fail("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size, ">= 2",
              "drafter.draft_vocab_size=32000")
@@ -334,32 +334,7 @@ def check(cfg: DictConfig | Any) -> None:
     if cfg.target.dtype not in DTYPE_CHOICES:
         fail("target.dtype", cfg.target.dtype, f"one of {list(DTYPE_CHOICES)}",
              "target.dtype=auto")
-    if cfg.data.nonfinite not in ("raise", "skip"):
-        fail("data.nonfinite", cfg.data.nonfinite, "raise or skip", "data.nonfinite=raise")
-    if cfg.data.token_budget < 16:
-        fail("data.token_budget", cfg.data.token_budget, ">= 16", "data.token_budget=2048")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        fail("data.eval_fraction", cfg.data.eval_fraction, "in [0, 1)", "data.eval_fraction=0.05")
-    if cfg.data.samples_per_prompt < 1:
-        fail("data.samples_per_prompt", cfg.data.samples_per_prompt, "an integer >= 1",
-             "data.samples_per_prompt=1")
-    if cfg.data.samples_per_prompt > 1 and cfg.data.temperature <= 0:
-        fail("data.temperature", cfg.data.temperature, "> 0 when data.samples_per_prompt > 1 "
-             "(answers after the first are sampled)", "data.temperature=0.7")
-    if cfg.data.endpoint_concurrency < 1:
-        fail("data.endpoint_concurrency", cfg.data.endpoint_concurrency, "an integer >= 1",
-             "data.endpoint_concurrency=8")
-    if cfg.data.synthetic_prompts < 0:
-        fail("data.synthetic_prompts", cfg.data.synthetic_prompts, "an integer >= 0",
-             "data.synthetic_prompts=0")
-    if cfg.data.synthetic_opener_words < 0:
-        fail("data.synthetic_opener_words", cfg.data.synthetic_opener_words, "an integer >= 0",
-             "data.synthetic_opener_words=2 (or 0: no openers)")
-    if cfg.data.synthetic_prompts > 0 and cfg.data.synthetic_temperature <= 0:
-        fail("data.synthetic_temperature", cfg.data.synthetic_temperature,
-             "> 0 (prompts are sampled)", "data.synthetic_temperature=1.0")
-    if not 0.0 < cfg.data.top_p <= 1.0:
-        fail("data.top_p", cfg.data.top_p, "in (0, 1]", "data.top_p=0.95")
+    check_data(cfg.data, fail)
     if cfg.optim.lr <= 0:
         fail("optim.lr", cfg.optim.lr, "> 0", "optim.lr=1e-4")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
@@ -368,6 +343,8 @@ def check(cfg: DictConfig | Any) -> None:
         fail("optim.grad_accum", cfg.optim.grad_accum, ">= 1", "optim.grad_accum=1")
     if not 0.0 <= cfg.optim.warmup_ratio < 1.0:
         fail("optim.warmup_ratio", cfg.optim.warmup_ratio, "in [0, 1)", "optim.warmup_ratio=0.015")
+    check_optim(cfg.optim, fail)
+    check_loop(cfg.train, cfg.export, fail)
     if cfg.dist.backend == DistBackend.deepspeed and cfg.dist.zero_stage not in (1, 2, 3):
         fail("dist.zero_stage", cfg.dist.zero_stage, "1, 2 or 3 with backend=deepspeed",
              "dist=zero2 (or dist.zero_stage=2)")

@@ -187,6 +187,11 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
     reset_accelerate_state()
     on_cpu = not fast_device()
     deepspeed = dist_cfg.backend == DistBackend.deepspeed
+    if deepspeed and dist_cfg.zero_stage == 3 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ConfigError("dist=zero3 with 1 process: expected 2 or more processes (ZeRO-3 "
+                          "partitions the parameters across processes; one process has nothing "
+                          "to partition and its backward fails). Fix: dist=zero2 or dist=ddp for "
+                          "one process, or launch several (./launch.sh --gpus N or --cpu N)")
     if deepspeed:
         require_deepspeed(f"dist=zero{dist_cfg.zero_stage} (dist.backend=deepspeed)")
     if log_with == "wandb" or (isinstance(log_with, (list, tuple)) and "wandb" in log_with):

@@ -205,6 +205,7 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
     the target's chat template is applied with add_generation_prompt=True.
     """
     from eyas.data.records import RecordError, iter_jsonl, normalise_record
+    from eyas.data.templates import for_template
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompts file (JSONL with OpenAI `messages`)")
@@ -224,7 +225,7 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
         if not msgs or msgs[-1]["role"] not in ("user", "tool"):
             raise ValueError(f"{path}:{lineno}: record {conv.id!r} has no user (or tool) turn to "
                              f"answer")
-        text = tokenizer.apply_chat_template(msgs, tools=conv.tools, tokenize=False,
+        text = tokenizer.apply_chat_template(for_template(msgs), tools=conv.tools, tokenize=False,
                                              add_generation_prompt=True)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         out.append((conv.id, ids))

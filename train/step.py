@@ -51,7 +51,7 @@ class TrainingModule(nn.Module):
 
     def register_for_zero3(self) -> None:
         """ZeRO-3: gather lm_head.weight during this module's forward (used outside lm_head)."""
-        from deepspeed.zero import register_external_parameter
+        from deepspeed.runtime.zero import register_external_parameter
         register_external_parameter(self, self.drafter.lm_head.weight)
         # ZeRO-3 gathers partitioned parameters in module hooks, which compiled graphs bypass
         self.drafter.compile_layer = False

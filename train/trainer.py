@@ -40,8 +40,9 @@ from eyas.models.metrics import summarize
 from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
 from eyas.train.trackers import init_trackers
-from eyas.train.config import (DataConfig, DistBackend, DrafterConfig, EyasConfig, LossConfig,
-                               OptimConfig, TargetConfig)
+from eyas.train.config import (ConfigError, DataConfig, DistBackend, DrafterConfig, EyasConfig,
+                               LossConfig, OptimConfig, TargetConfig)
+from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
@@ -202,6 +203,9 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
                       pin_memory=resolved.pin_memory)
     model = build_model(cfg.drafter, cfg.loss, cfg.data, cfg.target, data, resolved,
                         accelerator, out)
+    if (why := ttt_memory_error(model.config, cfg.data.token_budget, resolved,
+                                accelerator.device)) is not None:
+        raise ConfigError(why)          # before the first step runs out of memory
     deepspeed = cfg.dist.backend == DistBackend.deepspeed
     if deepspeed and cfg.dist.zero_stage == 3:
         model.module.register_for_zero3()

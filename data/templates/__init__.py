@@ -75,6 +75,18 @@ class RecordError(ValueError):
         self.detail = detail
 
 
+def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as a chat template gets them: eyas's own ``weight`` key (data.records) removed."""
+    if not any("weight" in m for m in messages):
+        return messages
+    return [{k: v for k, v in m.items() if k != "weight"} for m in messages]
+
+
+def trained(message: dict[str, Any]) -> bool:
+    """False for a message marked ``"weight": 0`` (context only), else True."""
+    return message.get("weight", 1) != 0
+
+
 @dataclass
 class Conversation:
     """A normalised record: OpenAI-style messages plus optional tool definitions."""
@@ -114,7 +126,7 @@ class TemplateRenderer:
     def render(self, conv: Conversation, messages: list[dict], generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=conv.tools, chat_template=self.chat_template, tokenize=False,
+                for_template(messages), tools=conv.tools, chat_template=self.chat_template, tokenize=False,
                 add_generation_prompt=generation_prompt, **self.template_kwargs)
         except Exception as e:  # jinja errors, raise_exception() in templates, type errors
             raise RecordError("template_error", f"rendering {len(messages)} message(s) failed: "
@@ -166,14 +178,18 @@ class TemplateRenderer:
                             "record %s); that reasoning is not trained on", conv.id)
 
     def samples(self, conv: Conversation) -> list[tuple[str, list[tuple[int, int]]]]:
-        """[(rendered text, [(start, end) char spans to train on])]: one entry, or one per turn."""
+        """[(rendered text, [(start, end) char spans to train on])]: one entry, or one per turn.
+
+        Assistant turns marked ``"weight": 0`` are rendered (context) but get no span."""
         # an assistant message before any user/tool message answers nothing: context, not trained
         roles = [m["role"] for m in conv.messages]
         first = next((j for j, r in enumerate(roles) if r in ("user", "tool")), len(roles))
-        turns = [i for i, r in enumerate(roles) if r == "assistant" and i > first]
+        answers = [i for i, r in enumerate(roles) if r == "assistant" and i > first]
+        turns = [i for i in answers if trained(conv.messages[i])]
         if not turns:
             raise RecordError("no_assistant", "the conversation has no assistant turn after a "
-                              "user turn to train on")
+                              "user turn to train on" + (
+                                  f" (all {len(answers)} have weight 0)" if answers else ""))
         whole = self.render(conv, conv.messages, False)
         spans = [self._span(conv, i) for i in turns]
         bad = [i for i, (f, _, _) in zip(turns, spans) if not whole.startswith(f)]

@@ -259,11 +259,12 @@ def test_refused_request_names_the_prompt(server, tmp_path):
 
 
 def test_server_error_is_retried_then_names_the_prompt(server, tmp_path):
-    # `transformers serve` answers HTTP 500 to a `tools` that is not a list
-    prompts = write_prompts(tmp_path / "prompts.jsonl", [dict(PROMPTS[0], tools="not-a-list")])
+    # `transformers serve` answers HTTP 500 when its chat template gets `tools` that are not a
+    # list (a prompt record's own `tools` must be a list: eyas refuses it before sending)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:1])
     out = tmp_path / "conv.jsonl"
-    r = run(generate_args(server.url, prompts, out, "--retries", "1", "--retry-backoff", "0.01"),
-            check=False)
+    r = run(generate_args(server.url, prompts, out, "--retries", "1", "--retry-backoff", "0.01",
+                          "--chat-template-kwargs", '{"tools": "not-a-list"}'), check=False)
     assert r.returncode == 3, r.stderr
     assert "HTTP 500" in r.stderr and "retry 1/1" in r.stderr
     last = r.stderr.strip().splitlines()[-1]

@@ -126,6 +126,15 @@ def test_bad_override_exits_nonzero_with_message(tmp_path):
     assert "dist=zero3" in r.stderr
 
 
+def test_zero3_on_one_process_is_refused_with_the_fix(tmp_path):
+    r = _run_main(["train.dry_run=true", "dist=zero3", f"hydra.run.dir={tmp_path}/r"],
+                  cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "dist=zero3 with 1 process: expected 2 or more processes" in r.stderr
+    assert "dist=zero2 or dist=ddp" in r.stderr
+
+
 def test_dry_run_writes_rank_record(tmp_path):
     r = _run_main(["train.dry_run=true", f"hydra.run.dir={tmp_path}/r"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -194,3 +203,47 @@ def test_tracker_checks_fail_before_any_data(monkeypatch, tmp_path):
         check(_compose(["tracker.kind=[nope]"]))
     with pytest.raises(ConfigError, match="swanlab is not installed.*pip install swanlab"):
         check(_compose(["tracker.kind=[swanlab]"]))
+
+
+@pytest.mark.parametrize("override,accepted", [
+    ("train.log_every=0", ">= 1"),
+    ("train.max_steps=0", ">= 1, or null"),
+    ("train.max_steps=-3", ">= 1, or null"),
+    ("train.save_every=-5", ">= 0 (0 = only at the end)"),
+    ("train.eval_every=-1", ">= 0 (0 = only at the end)"),
+    ("export.every=-2", ">= 0 (0 = only at the end)"),
+    ("train.keep_last=0", ">= 1"),
+    ("train.max_nonfinite_steps=-1", ">= 0"),
+    ("optim.clip_grad_norm=-1.0", ">= 0 (0 = no clipping)"),
+    ("optim.warmup_steps=-10", ">= 0, or null"),
+    ("drafter.ttt_steps=1000", "in [1, 64]"),
+])
+def test_surprising_values_are_refused_naming_key_range_and_fix(override, accepted):
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as e:
+        check(_compose([override]))
+    msg = str(e.value)
+    assert msg.startswith(f"{key}={value}: expected ") and accepted in msg and "Fix: " in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("override", [
+    "train.save_every=0", "train.eval_every=0", "export.every=0", "optim.clip_grad_norm=0",
+    "optim.warmup_steps=0", "train.max_steps=1", "train.log_every=1", "drafter.ttt_steps=64",
+    "train.max_nonfinite_steps=0", "train.max_steps=null"])
+def test_boundary_values_with_a_meaning_are_accepted(override):
+    check(_compose([override]))
+
+
+def test_zero_warmup_steps_means_no_warmup():
+    """optim.warmup_steps=0: the first step already runs at the peak LR."""
+    import torch
+    from types import SimpleNamespace
+
+    from eyas.train.optim import build_scheduler
+    p = torch.nn.Parameter(torch.ones(3))
+    for warm, first in ((0, 1.0), (3, 0.25)):
+        opt = torch.optim.SGD([p], lr=2.0)
+        cfg = SimpleNamespace(warmup_steps=warm, warmup_ratio=0.0, schedule="constant")
+        build_scheduler(opt, cfg, total_steps=10)
+        assert opt.param_groups[0]["lr"] == 2.0 * first

@@ -45,7 +45,8 @@ def test_overwrite_refuses_a_directory_with_other_files(tmp_path, source, capsys
     (out / "notes.txt").unlink()
     (out / "runs").rmdir()
     assert main(["export", str(source), str(out), "--overwrite"]) == 0  # an earlier export
-    assert sorted(_files(out)) == ["config.json", "eyas_export.json", "model.safetensors"]
+    assert sorted(_files(out)) == ["SHA256SUMS", "config.json", "eyas_export.json",
+                                   "model.safetensors"]
     assert not sibling_lock_path(out).exists()
 
 

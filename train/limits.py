@@ -1,0 +1,142 @@
+"""Ranges of single config values, for `train.config.check` (which passes its `fail`).
+
+Each rule refuses a value that would otherwise run with a surprising meaning: a negative
+interval acting like a positive one, `max_steps=0` meaning "all epochs", a negative clip
+meaning "no clipping". Where 0 means something (off, or "only at the end"), the schema
+docstring says so and 0 is accepted.
+
+`MAX_TTT_STEPS` bounds the TTT unroll. Each step adds a full decoder layer's activations
+(and, with the torch loss, a [T, draft_vocab] logits block) for the backward, so memory and
+time grow linearly in K, while the loss weight of step k is step_weight**k (0.8**64 ≈ 6e-7
+with the default: later steps train nothing measurable) and serving engines propose a
+handful of draft tokens (num_speculative_tokens <= K; EAGLE-3 trains K=7).
+`train.trainer` also estimates the unroll's activation memory before training and refuses
+a K that cannot fit (`ttt_activation_bytes`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+Fail = Callable[[str, Any, str, str], None]
+
+MAX_TTT_STEPS = 64
+
+
+def check_data(data, fail: Fail) -> None:
+    """The data group: read checks, budget, eval split, embedded-default sampling, endpoint."""
+    if data.nonfinite not in ("raise", "skip"):
+        fail("data.nonfinite", data.nonfinite, "raise or skip", "data.nonfinite=raise")
+    if data.token_budget < 16:
+        fail("data.token_budget", data.token_budget, ">= 16", "data.token_budget=2048")
+    if not 0.0 <= data.eval_fraction < 1.0:
+        fail("data.eval_fraction", data.eval_fraction, "in [0, 1)", "data.eval_fraction=0.05")
+    if data.samples_per_prompt < 1:
+        fail("data.samples_per_prompt", data.samples_per_prompt, "an integer >= 1",
+             "data.samples_per_prompt=1")
+    if data.samples_per_prompt > 1 and data.temperature <= 0:
+        fail("data.temperature", data.temperature, "> 0 when data.samples_per_prompt > 1 "
+             "(answers after the first are sampled)", "data.temperature=0.7")
+    if data.endpoint_concurrency < 1:
+        fail("data.endpoint_concurrency", data.endpoint_concurrency, "an integer >= 1",
+             "data.endpoint_concurrency=8")
+    if data.synthetic_prompts < 0:
+        fail("data.synthetic_prompts", data.synthetic_prompts, "an integer >= 0",
+             "data.synthetic_prompts=0")
+    if data.synthetic_opener_words < 0:
+        fail("data.synthetic_opener_words", data.synthetic_opener_words, "an integer >= 0",
+             "data.synthetic_opener_words=2 (or 0: no openers)")
+    if data.synthetic_prompts > 0 and data.synthetic_temperature <= 0:
+        fail("data.synthetic_temperature", data.synthetic_temperature,
+             "> 0 (prompts are sampled)", "data.synthetic_temperature=1.0")
+    if not 0.0 < data.top_p <= 1.0:
+        fail("data.top_p", data.top_p, "in (0, 1]", "data.top_p=0.95")
+
+
+def check_ttt(drafter, fail: Fail) -> None:
+    """drafter.ttt_steps in [1, MAX_TTT_STEPS] (module doc: where the bound comes from)."""
+    K = drafter.ttt_steps
+    if not 1 <= K <= MAX_TTT_STEPS:
+        fail("drafter.ttt_steps", K, f"an integer in [1, {MAX_TTT_STEPS}] (each step adds a "
+             f"decoder layer's activations; the loss weight of step k is loss.step_weight**k, "
+             f"and engines serve at most K draft tokens)", "drafter.ttt_steps=7")
+
+
+def check_loop(train, export, fail: Fail) -> None:
+    """The loop's counts and intervals: no negative interval, no max_steps=0."""
+    if train.max_steps is not None and train.max_steps < 1:
+        fail("train.max_steps", train.max_steps, "an integer >= 1, or null (train.epochs "
+             "decides)", "train.max_steps=100 (or train.max_steps=null)")
+    if train.log_every < 1:
+        fail("train.log_every", train.log_every, "an integer >= 1 (the non-finite step limit "
+             "is also checked at that interval)", "train.log_every=10")
+    for key, value in (("train.eval_every", train.eval_every),
+                       ("train.save_every", train.save_every), ("export.every", export.every)):
+        if value < 0:
+            fail(key, value, "an integer >= 0 (0 = only at the end)", f"{key}=0 or {key}=1000")
+    if train.keep_last < 1:
+        fail("train.keep_last", train.keep_last, "an integer >= 1", "train.keep_last=2")
+    if train.max_nonfinite_steps < 0:
+        fail("train.max_nonfinite_steps", train.max_nonfinite_steps, "an integer >= 0 (0 = "
+             "abort at the first skipped step)", "train.max_nonfinite_steps=20")
+
+
+def check_optim(optim, fail: Fail) -> None:
+    """Optimizer values whose sign would change their meaning."""
+    if optim.clip_grad_norm < 0:
+        fail("optim.clip_grad_norm", optim.clip_grad_norm, ">= 0 (0 = no clipping)",
+             "optim.clip_grad_norm=0.5 (or 0 to disable clipping)")
+    if optim.warmup_steps is not None and optim.warmup_steps < 0:
+        fail("optim.warmup_steps", optim.warmup_steps, "an integer >= 0, or null (then "
+             "optim.warmup_ratio decides)", "optim.warmup_steps=0 (no warmup) or null")
+
+
+def ttt_activation_bytes(config, tokens: int, bytes_per_value: int, eager_attention: bool,
+                         torch_loss: bool) -> int:
+    """A lower-bound estimate of what the TTT unroll keeps for the backward, in bytes.
+
+    Per step and token: the layer's inputs and outputs (embedding, feedback, attention and
+    MLP residuals, norms: ~10·H), q/k/v and the attention output, and the SwiGLU's four [I]
+    activations. Eager attention keeps the fp32 probabilities of step k over all k+1 key
+    blocks, [heads, T, T·(k+1)], so its share grows with K²; the torch loss keeps [T, Vd] fp32
+    logits and probabilities per step. Buffers freed before the backward, the flex kernels'
+    own and the allocator's slack are not counted."""
+    c, T, K = config, int(tokens), int(config.ttt_steps)
+    qkv = (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    per_row = (10 * c.hidden_size + qkv + 4 * c.intermediate_size) * bytes_per_value
+    total = K * T * per_row
+    if eager_attention:
+        total += c.num_attention_heads * T * T * 4 * K * (K + 1) // 2
+    if torch_loss:
+        total += K * 2 * T * c.draft_vocab_size * 4
+    return int(total)
+
+
+def available_memory(device) -> tuple[int, str]:
+    """(bytes free for training, what was measured): the GPU's free memory, else the host's
+    available memory (psutil)."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"{device} has"
+    import psutil
+    return int(psutil.virtual_memory().available), "this host has"
+
+
+def ttt_memory_error(config, tokens: int, resolved, device) -> str | None:
+    """A one-line reason when the TTT unroll's estimated activations (`ttt_activation_bytes`,
+    for one micro-batch of `tokens`) exceed the memory `device` has free, else None."""
+    import torch
+    width = torch.finfo(resolved.param_dtype).bits // 8
+    need = ttt_activation_bytes(config, tokens, width, resolved.attention == "eager",
+                                resolved.loss_impl == "torch")
+    free, where = available_memory(device)
+    if need <= free:
+        return None
+    gib = 2 ** 30
+    return (f"drafter.ttt_steps={config.ttt_steps}: the TTT unroll keeps about "
+            f"{need / gib:.1f} GiB of activations for a micro-batch of data.token_budget="
+            f"{tokens} tokens ({resolved.attention} attention, {resolved.loss_impl} loss; "
+            f"estimate of train/limits.py) but {where} {free / gib:.1f} GiB free. Fix: lower "
+            f"drafter.ttt_steps (EAGLE-3 trains 7) or data.token_budget")
