@@ -9,12 +9,16 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+try:  # python-zlib-ng: the same crc32 values as zlib's, SIMD-accelerated (~3x on these CPUs)
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - zlib-ng is a dependency; plain zlib is the fallback
+    from zlib import crc32
 import torch
 
 FORMAT_VERSION = 1
@@ -186,15 +190,15 @@ def crc32_rows(arrays: list[np.ndarray], offsets: np.ndarray) -> np.ndarray:
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         crc = 0
         for a in flat:
-            crc = zlib.crc32(a[lo:hi], crc)
+            crc = crc32(a[lo:hi], crc)
         out[i] = crc
     return out
 
 
 def table_checksum(offsets: np.ndarray, sample_crcs: np.ndarray) -> str:
     """The shard checksum: crc32 over the offsets and per-sample crc tables ('crc32:%08x')."""
-    crc = zlib.crc32(np.ascontiguousarray(offsets, dtype=np.int64).tobytes())
-    crc = zlib.crc32(np.ascontiguousarray(sample_crcs, dtype=np.int64).tobytes(), crc)
+    crc = crc32(np.ascontiguousarray(offsets, dtype=np.int64).tobytes())
+    crc = crc32(np.ascontiguousarray(sample_crcs, dtype=np.int64).tobytes(), crc)
     return f"crc32:{crc:08x}"
 
 

@@ -5,7 +5,7 @@ loader's `Dataset.read_into` then checks every sample the first time it is read 
 of a checked sample cost nothing):
 
 - checksum: the sample's crc32 (data/FORMAT.md: every per-token tensor of the sample, sorted
-  names, chained) is recomputed with `zlib.crc32` over the bytes just read into the batch buffer
+  names, chained) is recomputed with `format.crc32` (zlib-ng's) over the bytes just read into the batch buffer
   (bf16/bool fields land there verbatim through pread) and over the memory-mapped rows of the
   other tensors (int32 ids, fp8 scales: a few bytes per token). A mismatch, even one flipped
   bit, raises `DatasetError` naming the shard file and the sample. The shard's table of sample
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import zlib
 from typing import Any
 
 import numpy as np
 import torch
 
 from eyas.data.format import (AUX_SCALE, FLOAT_FIELDS, OFFSETS, SAMPLE_CRC, DatasetError,
-                              as_numpy_bytes, nonfinite_tokens, table_checksum)
+                              as_numpy_bytes, crc32, nonfinite_tokens, table_checksum)
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +65,9 @@ def sample_crc(sh, j: int, out: dict[str, torch.Tensor] | None = None,
     for name in sorted(n for n in sh.header.tensors if n not in (OFFSETS, SAMPLE_CRC)):
         dst = out.get(name) if full else None
         if dst is not None and _verbatim(sh, name, dst[:length]):
-            crc = zlib.crc32(_flat_bytes(dst[:length]), crc)
+            crc = crc32(_flat_bytes(dst[:length]), crc)
         else:
-            crc = zlib.crc32(_flat_bytes(sh.tensor(name)[lo:hi]), crc)
+            crc = crc32(_flat_bytes(sh.tensor(name)[lo:hi]), crc)
     return crc
 
 
