@@ -53,7 +53,10 @@ class TerminalProgressFilter(logging.Filter):
         if not getattr(record, PROGRESS, False):
             return True
         isatty = getattr(self.stream, "isatty", None)
-        return not (isatty is not None and isatty())
+        try:
+            return not (isatty is not None and isatty())
+        except ValueError:  # the stream was closed under its handler: nothing to show on
+            return False
 
 
 def current_rank() -> int:

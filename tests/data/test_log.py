@@ -94,3 +94,17 @@ def test_debug_shows_the_traceback(monkeypatch):
     monkeypatch.setenv("EYAS_DEBUG", "1")
     with pytest.raises(FileNotFoundError):
         run_command("eyas x", _raise(FileNotFoundError("missing")), [])
+
+
+def test_progress_records_to_a_closed_stream_are_dropped_not_raised():
+    import io
+    import logging
+
+    from eyas.data.log import PROGRESS, TerminalProgressFilter
+    stream = io.StringIO()
+    f = TerminalProgressFilter(stream)
+    rec = logging.LogRecord("eyas.x", logging.INFO, __file__, 1, "done %d", (1,), None)
+    setattr(rec, PROGRESS, True)
+    assert f.filter(rec) is True             # not a terminal: the log file keeps progress
+    stream.close()
+    assert f.filter(rec) is False            # closed: dropped, the caller goes on

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eyas.data.checksums import write_checksums
 from eyas.data.shards import write_manifest, write_shard
 from eyas.data.templates import template_sha256
 from eyas.models.config import Eagle3Config
@@ -101,6 +102,7 @@ def test_broken_export_and_data_each_cause_is_named(tcfg, target_dir, draft_ids,
     cfg = json.loads((out / "config.json").read_text())
     cfg["max_position_embeddings"] = 2048                            # a contract violation too
     (out / "config.json").write_text(json.dumps(cfg))
+    write_checksums(out)                                  # as a buggy exporter would write it
     data, samples = dataset(tmp_path / "data", draft_ids, outside=0.3, aux_ids=[2, 4, 5],
                             template_sha=template_sha256("another template"),
                             target_written=False)
@@ -151,6 +153,7 @@ def test_off_by_one_hint_and_degraded_checks(tcfg, draft_ids, tmp_path):
     assert len(aux) == 1 and "off by one" in aux[0].message
     # without data / side file, the report says what it could not check
     (out / "eyas_export.json").unlink()
+    write_checksums(out)                                  # an export without its side file
     bare = diagnose(out, "tiny-llama", num_speculative_tokens=4)
     assert any("template hash" in s for s in report.not_checked)
     assert bare.findings == []
