@@ -36,7 +36,6 @@ vocabulary size), the input file, and the counts.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 from collections import Counter
@@ -45,6 +44,7 @@ from typing import Any
 
 import torch
 
+from eyas.data.checksums import file_sha256
 from eyas.data.lock import writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
@@ -57,14 +57,6 @@ __all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversatio
            "PrepareError", "TemplateRenderer"]
 
 log = logging.getLogger(__name__)
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +189,7 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
     if not metas:
         raise PrepareError(f"no usable conversation in {source} ({stats['records']} records; "
                            f"skipped: {dict(skipped)})")
-    summary = {"input": str(source), "input_sha256": _file_sha256(source),
+    summary = {"input": str(source), "input_sha256": file_sha256(source),
                **{k: int(stats[k]) for k in ("records", "conversations", "samples", "tokens",
                                               "loss_tokens", "split_records",
                                               "boundary_splits", "untrained_turns")},

@@ -31,7 +31,6 @@ was written stays in ``OUT.partial`` for the next run.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.data.checksums import file_sha256
 from eyas.data.lock import dir_lock
 from eyas.data.records import (Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, pending_turns, scan_written)
@@ -67,14 +67,6 @@ def card_path(out: str | Path) -> Path:
 def partial_path(out: str | Path) -> Path:
     out = Path(out)
     return out.with_name(out.name + PARTIAL_SUFFIX)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_card(conversations: str | Path) -> dict[str, Any] | None:
