@@ -169,19 +169,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--port", type=int, default=29561)
     ap.add_argument("--timeout", type=int, default=420, help="seconds for the training run")
-    ap.add_argument("--workdir", help="keep target/, data/ and run/ here (default: temporary)")
+    ap.add_argument("--workdir", help="keep target/, data/ and run/ here (default: temporary); "
+                    "a workdir that already holds data/ is reused as it is")
+    ap.add_argument("--tag", default="", help="suffix of the run directory's name (several runs "
+                    "in one --workdir)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override")
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="eyas-e2e-"))
     t = time.perf_counter()
-    cfg = write_target(work / "target", args.target, device)
-    t_target = time.perf_counter() - t
-    manifest = write_dataset(work / "data", cfg, work / "target",
-                             int(args.epoch_steps * args.tokens * 1.1), device)
-    t_data = time.perf_counter() - t - t_target
-    run_dir = work / "run" / f"e2e-{args.target}-{args.dist}-T{args.tokens}"
+    if (work / "data" / "manifest.json").is_file():     # a kept workdir: same target and data
+        cfg = json.loads((work / "target" / "config.json").read_text())
+        manifest = json.loads((work / "data" / "manifest.json").read_text())
+        t_target = t_data = 0.0
+    else:
+        cfg = write_target(work / "target", args.target, device)
+        t_target = time.perf_counter() - t
+        manifest = write_dataset(work / "data", cfg, work / "target",
+                                 int(args.epoch_steps * args.tokens * 1.1), device)
+        t_data = time.perf_counter() - t - t_target
+    run_dir = work / "run" / f"e2e-{args.target}-{args.dist}-T{args.tokens}{args.tag}"
     rc, wall, log = launch(args, work / "target", work / "data", run_dir)
     if rc == 124:
         log = f"timed out after {args.timeout} s (metrics logged so far are kept)\n" + log
