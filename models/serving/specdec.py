@@ -40,6 +40,7 @@ draft position, = the TTT step k that drafts it):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -115,6 +116,10 @@ class TargetRunner:
         self.device = self.head.weight.device
         self.cache = None
         self.forwards = 0
+        # transformers 5.2x renamed the KV-cache argument (past_key_values -> cache); an unknown
+        # name would be swallowed by **kwargs and silently decode without a cache
+        params = inspect.signature(self.text.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def reset(self) -> None:
         """A new sequence (empty KV cache)."""
@@ -137,7 +142,7 @@ class TargetRunner:
         """Process `tokens` at the next positions. Returns (argmax [n] int64 CPU, aux [n, 3·tH]
         or None, logits of the last row [V] fp32); last_only computes the head on that row only."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        out = self.text(input_ids=ids, cache=self.cache, use_cache=True)
+        out = self.text(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
         self.forwards += 1
         h = out.last_hidden_state[0]                                      # [n, tH] post-norm
         logits = self.head(h[-1:] if last_only else h).float()            # [n or 1, V]
