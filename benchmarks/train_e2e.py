@@ -4,7 +4,7 @@ What it does, in a work directory (default: a temporary one):
   1. target/   a config-only preset made loadable: its config.json plus model.safetensors with
                random bf16 `model.embed_tokens.weight` and `lm_head.weight` [V, tH]
   2. data/     a hidden-state dataset written with data.shards.write_shard: documents of
-               64-1536 tokens (20 % prompt), random aux [n, 3, tH], last [n, tH], input_ids and
+               64-1536 tokens (`--doc-tokens`; 20 % prompt), random aux [n, 3, tH], last [n, tH], input_ids and
                target_argmax (90 % drawn from 30000 frequent ids, so the draft vocabulary the
                trainer builds covers them), ~`--epoch-steps` batches of `--tokens` per epoch
   3. runs `accelerate launch ... train/main.py dist=zero2 tracker=none target.name=target/
@@ -61,7 +61,7 @@ def write_target(out: Path, preset: str, device) -> dict:
 
 
 def write_dataset(out: Path, cfg: dict, target_dir: Path, tokens: int, device,
-                  docs_per_shard: int = 64) -> dict:
+                  docs_per_shard: int = 64, doc_tokens: tuple[int, int] = (64, 1536)) -> dict:
     """A hidden-state dataset of about `tokens` tokens (see the module docstring)."""
     tc = text_config(cfg)
     V, tH = int(tc["vocab_size"]), int(tc["hidden_size"])
@@ -71,7 +71,7 @@ def write_dataset(out: Path, cfg: dict, target_dir: Path, tokens: int, device,
     frequent = torch.randperm(V, generator=cpu_g)[:min(30000, V)]
     samples, metas, total = [], [], 0
     while total < tokens:
-        n = int(torch.randint(64, 1537, (1,), generator=cpu_g))
+        n = int(torch.randint(doc_tokens[0], doc_tokens[1] + 1, (1,), generator=cpu_g))
         argmax = frequent[torch.randint(0, frequent.numel(), (n,), generator=cpu_g)]
         rand = torch.randint(0, V, (n,), generator=cpu_g)
         samples.append(dict(
@@ -105,8 +105,9 @@ def launch(args, target_dir: Path, data_dir: Path, run_dir: Path) -> tuple[int, 
                  "data.eval_fraction=0", f"drafter.ttt_steps={args.ttt}",
                  f"drafter.draft_vocab_size={args.draft_vocab}", f"train.max_steps={args.steps}",
                  f"train.log_every={args.log_every}", "optim.warmup_steps=0",
-                 "export.enabled=false", "eval.speculative=false", f"hydra.run.dir={run_dir}",
-                 *args.override]
+                 "export.enabled=false", "eval.speculative=false", f"hydra.run.dir={run_dir}"]
+    given = {o.split("=", 1)[0] for o in args.override}
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in given] + args.override
     cmd = acc + [str(ROOT / "train" / "main.py"), *overrides]
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
                EYAS_RUN_ID=run_dir.name, PYTHONPATH=os.pathsep.join(
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--epoch-steps", type=int, default=24,
                     help="dataset size in batches of --tokens (more steps reuse it by epochs)")
+    ap.add_argument("--doc-tokens", default="64:1536", help="document lengths MIN:MAX (uniform; "
+                    "one number: all equal), e.g. 32768 for long-context runs")
     ap.add_argument("--dist", default="zero2", help="dist preset: zero1 | zero2 | zero3 | ddp")
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--port", type=int, default=29561)
@@ -186,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg = write_target(work / "target", args.target, device)
         t_target = time.perf_counter() - t
+        lo, _, hi = args.doc_tokens.partition(":")
         manifest = write_dataset(work / "data", cfg, work / "target",
-                                 int(args.epoch_steps * args.tokens * 1.1), device)
+                                 int(args.epoch_steps * args.tokens * 1.1), device,
+                                 docs_per_shard=max(1, min(64, 2 ** 17 // int(hi or lo))),
+                                 doc_tokens=(int(lo), int(hi or lo)))
         t_data = time.perf_counter() - t - t_target
     run_dir = work / "run" / f"e2e-{args.target}-{args.dist}-T{args.tokens}{args.tag}"
     rc, wall, log = launch(args, work / "target", work / "data", run_dir)
