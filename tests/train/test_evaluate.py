@@ -16,7 +16,8 @@ from eyas.models.metrics import COUNT_KEYS, accept_counts, chain_counts, summari
 from eyas.models.objective import metric_mask
 from eyas.data.targets import load_embedding_and_head, load_target_config
 from eyas.models.ttt import structural_valid
-from eyas.train.evaluate import cli_main, draft_argmax, offline_eval
+from eyas.train.evaluate import draft_argmax, offline_eval
+from eyas.train.evaluate_cli import cli_main
 from eyas.train.step import TrainingModule, batch_inputs
 
 K = 3
