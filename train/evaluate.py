@@ -11,8 +11,9 @@ iff it counts (valid, assistant token t+1+k) and its draft argmax mapped through
 target argmax at t+1+k. The counts, τ, its variants and their key names are defined once, in
 `models.metrics` (`chain_counts`, `summarize`, `tau_curves`); `count_acceptance` is the one
 evaluation loop, used by `offline_eval` and by the trainer. On target-generated text
-`tau_trajectory` is exactly the τ real greedy decoding measures
-(tests/train/test_evaluate_agreement.py).
+`tau_trajectory` is the τ real greedy decoding measures, both counted as the engines count
+their acceptance length, 1 + accepted drafts per round (tests/train/test_evaluate_agreement.py).
+Both also report τ per context bucket (`by_context`, `models.context`).
 
 Real decoding: `models.serving.specdec` (target via transformers, drafter via the engine reference).
 """
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from eyas.data.targets import TARGET_DTYPES, fast_device, target_dtype
+from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
 
@@ -36,8 +38,8 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: bool = False
-                     ) -> tuple[dict[str, Tensor], int]:
+def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: bool = False,
+                     edges=DEFAULT_EDGES) -> tuple[dict[str, Tensor], int]:
     """(`models.metrics.chain_counts` summed over the loader and all ranks, this rank's tokens).
 
     forward(host batch) -> (batch on the device, draft argmax [K, T], metric mask [K, T]): the
@@ -51,9 +53,11 @@ def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: boo
         if show_progress else loader
     for batch in batches:
         batch, arg, mask = forward(batch)
-        counts = add_counts(counts, chain_counts(arg, d2t, batch.target_argmax, mask))
+        counts = add_counts(counts, chain_counts(arg, d2t, batch.target_argmax, mask,
+                                                 batch.positions, edges))
         tokens += batch.num_tokens
-    return all_reduce_counts(counts if counts is not None else zero_counts(k, d2t.device)), tokens
+    empty = zero_counts(k, d2t.device, edges)
+    return all_reduce_counts(counts if counts is not None else empty), tokens
 
 
 def all_reduce_counts(counts: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -136,7 +140,7 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
                  indices=None, rank: int = 0, world_size: int = 1,
                  device: str | torch.device = "cpu", target: str | Path | None = None,
                  cache_dir: str | Path | None = None, dtype: torch.dtype | None = None,
-                 num_workers: int = 1) -> dict[str, Any]:
+                 num_workers: int = 1, context_buckets=DEFAULT_EDGES) -> dict[str, Any]:
     """Exact offline acceptance of a drafter on a hidden-state dataset (module docstring).
 
     drafter_dir_or_module: an exported layout-A directory (imported into `Eagle3Drafter` with
@@ -146,13 +150,15 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     rank/world_size: this process's share; counts are all-reduced (SUM) when torch.distributed
     is initialised. target: whose embedding to use (default: the dataset manifest's target).
     dtype: compute dtype for a directory (default bf16 on CUDA, fp32 on CPU; the exported
-    values are bf16 either way). Returns `models.metrics.summarize` and `tau_curves` of
-    the counts, the counts themselves and run information.
+    values are bf16 either way). context_buckets: edges of the `by_context` buckets (chain
+    start positions, `models.context`). Returns `models.metrics.summarize` and `tau_curves`
+    of the counts, `by_context`, the counts themselves and run information.
     """
     from eyas.data.dataset import open_dataset
     from eyas.data.loader import PackedLoader
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    edges = check_edges(context_buckets)
     dev = torch.device(device)
     ds = open_dataset(dataset_dir)
     for f in ("aux", "target_argmax"):
@@ -178,10 +184,12 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
         batch = batch.to(dev)
         return (batch, *draft_argmax(drafter, batch, k))
 
-    counts, tokens = count_acceptance(forward, loader, drafter.d2t, k, show_progress=True)
+    counts, tokens = count_acceptance(forward, loader, drafter.d2t, k, show_progress=True,
+                                      edges=edges)
     drafter.train(was_training)
     out = {"k": k, **summarize(counts), **tau_curves(counts),
-           "chain_starts": int(counts["chain_starts"]),
+           "chain_starts": int(counts["chain_starts"]), "context_buckets": list(edges),
+           "by_context": context_table(counts, edges),
            "counts": {key: [int(x) for x in v.reshape(-1).tolist()] for key, v in counts.items()}}
     out.update(mode="offline", drafter=name, dataset=str(dataset_dir), rank_tokens=tokens,
                num_samples=len(loader.indices), seconds=time.perf_counter() - t0)
@@ -235,7 +243,8 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
 def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: str | Path, *,
                      k: int, num_prompts: int | None, max_new_tokens: int,
                      cache_dir: str | Path | None = None, dtype: str = "fp32",
-                     model=None, tokenizer=None, progress: bool = True) -> dict[str, Any]:
+                     model=None, tokenizer=None, progress: bool = True,
+                     context_buckets=DEFAULT_EDGES) -> dict[str, Any]:
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
     drafter_dir: the exported drafter (loaded like vLLM, `models.serving.reference.EngineDrafter`);
@@ -243,7 +252,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     `model` + `tokenizer`. dtype: "fp32" (default: token identity is exact, and on CPUs without
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
-    Batch size 1; the drafter runs on the CPU.
+    Batch size 1; the drafter runs on the CPU. context_buckets: edges of the `by_context`
+    buckets (the verified position of each round, `models.context`).
     Returns models.serving.specdec.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import load_engine_drafter, run_prompts, stop_token_ids
@@ -266,7 +276,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     t0 = time.perf_counter()
     res = run_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
                       max_new_tokens=max_new_tokens, stop_ids=stop_token_ids(model, tokenizer),
-                      names=[n for n, _ in prompts], progress=progress)
+                      names=[n for n, _ in prompts], progress=progress,
+                      context_buckets=check_edges(context_buckets))
     res.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_path),
                dtype=dtype, max_new_tokens=max_new_tokens, wall_seconds=time.perf_counter() - t0)
     if not res["tokens_identical"]:

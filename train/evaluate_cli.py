@@ -18,6 +18,7 @@ import torch
 
 from eyas.data.log import HelpFormatter
 from eyas.data.targets import TARGET_DTYPES
+from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
 from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, offline_eval, speculative_eval
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ def format_table(res: dict[str, Any]) -> str:
     if res["mode"] == "offline":
         lines.append(f"offline chain acceptance, {res['chain_starts']} chain starts, "
                      f"{res['num_samples']} samples")
+        lines.append("tau = all-starts chain τ, tau_traj = the decoder walk (1 + accepted drafts "
+                     "per round, as vLLM and SGLang count it)")
         lines.append(f"{'K':>3} {'tau':>7} {'tau_traj':>9} {'tau_indep':>10} "
                      f"{'acc_{K-1}':>9} {'cond_acc_{K-1}':>14}")
         for j in range(res["k"]):
@@ -41,12 +44,14 @@ def format_table(res: dict[str, Any]) -> str:
                          f"{_fmt(res['tau_trajectory_by_k'][j]):>9} "
                          f"{_fmt(res['tau_independent_by_k'][j]):>10} {_fmt(res[f'acc_{j}']):>9} "
                          f"{_fmt(res[f'cond_acc_{j}']):>14}")
-        return "\n".join(lines)
+        return "\n".join(lines + _context_lines(res, "chain start position"))
     lines.append(f"speculative decoding, K={res['k']}, {res['num_prompts']} prompts, "
                  f"{res['dtype']}: tokens identical to target-only greedy: "
                  f"{res['tokens_identical']}")
-    lines.append(f"  tau {_fmt(res['tau'])}   tokens {res['tokens_generated']}   target forwards "
-                 f"{res['target_forwards']} (target-only: {res['baseline_target_forwards']})")
+    lines.append(f"  tau {_fmt(res['tau'])} (1 + accepted drafts per round; emitted tokens per "
+                 f"round {_fmt(res['tau_emitted'])})   tokens {res['tokens_generated']}   target "
+                 f"forwards {res['target_forwards']} (target-only: "
+                 f"{res['baseline_target_forwards']})")
     lines.append(f"  tokens/s {_fmt(res['tokens_per_s'], '.1f')} vs target-only "
                  f"{_fmt(res['baseline_tokens_per_s'], '.1f')}   speedup "
                  f"{_fmt(res['speedup'], '.2f')}x   (by CPU time: "
@@ -54,7 +59,21 @@ def format_table(res: dict[str, Any]) -> str:
     lines.append(f"  {'k':>3} {'cond_acc_{k}':>12} {'alive_{k}':>9}")
     for j in range(res["k"]):
         lines.append(f"  {j:>3} {_fmt(res[f'cond_acc_{j}']):>12} {_fmt(res[f'alive_{j}']):>9}")
-    return "\n".join(lines)
+    return "\n".join(lines + _context_lines(res, "verified position"))
+
+
+def _context_lines(res: dict[str, Any], where: str) -> list[str]:
+    """τ by context bucket (ca_j: per-position acceptance cond_acc_j), when the result has it."""
+    if not res.get("by_context"):
+        return []
+    return [f"by context (bucket of the {where}):", *format_context(res["by_context"])]
+
+
+def _edges_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_edges(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def training_record(drafter_dir: str | Path) -> dict[str, Any]:
@@ -146,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
                    "(default: ~/.cache/eyas)")
+    p.add_argument("--context-buckets", type=_edges_arg, default=list(DEFAULT_EDGES),
+                   metavar="E0,E1,...", help="edges of the τ-by-context buckets: positions where "
+                   "a round starts (offline: the chain start, --prompts: the verified position); "
+                   "the last bucket is open (default: eval.context_buckets, "
+                   f"{','.join(map(str, DEFAULT_EDGES))})")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest; "
                    "default: torch's own)")
@@ -166,7 +190,8 @@ def cli_main(argv: list[str] | None = None) -> int:
             p.error("--prompts needs --target")
         res = speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
                                num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                               cache_dir=args.cache_dir, dtype=args.dtype or "fp32")
+                               cache_dir=args.cache_dir, dtype=args.dtype or "fp32",
+                               context_buckets=args.context_buckets)
     else:
         from eyas.data.dataset import open_dataset
         n = len(open_dataset(args.data))
@@ -176,7 +201,8 @@ def cli_main(argv: list[str] | None = None) -> int:
         res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
                            indices=indices, device=args.device, target=args.target,
                            cache_dir=args.cache_dir,
-                           dtype=TARGET_DTYPES[args.dtype] if args.dtype else None)
+                           dtype=TARGET_DTYPES[args.dtype] if args.dtype else None,
+                           context_buckets=args.context_buckets)
     from eyas.data.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))

@@ -55,6 +55,7 @@ SHARED = {
     ("evaluate", "max_new_tokens"): "eval.max_new_tokens",
     ("evaluate", "token_budget"): "data.token_budget",
     ("evaluate", "seed"): "train.seed",
+    ("evaluate", "context_buckets"): "eval.context_buckets",
 }
 
 # `eyas prepare --generate` answers like data.generate (`data.settings.GenerationSettings`); the
