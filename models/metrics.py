@@ -32,8 +32,9 @@ mapped to a target id equals the target's argmax at index t+1+k:
     *_by_k[K']  = the same for a chain capped at K' = 1..K drafts (`tau_curves`).
 
 Key names, the same in logs, JSON, wandb and the README: `tau`, `tau_independent`,
-`tau_trajectory`, `acc_overall`, `acc_{k}`, `cond_acc_{k}` (k = 0..K-1, the TTT step), and the
-curves `tau_by_k`, `tau_independent_by_k`, `tau_trajectory_by_k`.
+`tau_trajectory`, `acc_overall`, `acc_{k}`, `cond_acc_{k}` (k = 0..K-1, the TTT step), the
+curves `tau_by_k`, `tau_independent_by_k`, `tau_trajectory_by_k`, and per context bucket
+`by_context` / `tau_ctx_<bucket>` (`models.context`).
 """
 
 from __future__ import annotations
