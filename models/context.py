@@ -73,8 +73,9 @@ def context_counts(alive: Tensor, mask: Tensor, positions: Tensor, edges) -> dic
     """
     e = check_edges(edges)
     K, T = alive.shape
-    bounds = torch.tensor(e[1:], dtype=positions.dtype, device=positions.device)
-    b = torch.bucketize(positions, bounds, right=True)                  # [T] in 0..B-1
+    b = torch.zeros_like(positions)                                     # [T] bucket 0..B-1
+    for edge in e[1:]:            # comparisons with Python ints: no host-to-device copy
+        b += positions >= edge
     mask = mask.to(torch.int64)
     before = torch.cat([torch.ones_like(alive[:1]), alive[:-1]])        # alive(k-1, t)
     z = torch.zeros(len(e), K, dtype=torch.int64, device=alive.device)
