@@ -2,7 +2,8 @@
 
 For each K: every prompt is decoded by target-only greedy decoding and by greedy chain
 speculation (models.serving.specdec; drafter loaded like vLLM, batch 1), interleaved per prompt so both
-see the same machine load. Reported: real τ (tokens per verify forward), per-position
+see the same machine load. Reported: real τ (1 + accepted drafts per verify forward, the
+engines' acceptance length) and the emitted tokens per verify forward, per-position
 acceptance, target forwards, tokens/s of both and the speedup, token identity. Then the
 target-only answers become a hidden-state dataset (`data.extract`, the training capture path)
 and `train.evaluate.offline_eval` computes, on exactly that text, the all-starts τ (what the
@@ -105,7 +106,7 @@ def main() -> int:
 
     print(f"\ntarget {args.target} ({args.dtype}), drafter {drafter_dir}, {len(prompts)} prompts "
           f"x {args.max_new_tokens} new tokens, {torch.get_num_threads()} thread(s)")
-    head = (f"{'K':>2} {'tau':>6} {'off_all':>8} {'gap':>7} {'off_walk':>9} {'gap':>7} "
+    head = (f"{'K':>2} {'tau':>6} {'emit':>6} {'off_all':>8} {'gap':>7} {'off_walk':>9} {'gap':>7} "
             f"{'tgt_fwd':>8} {'tokens':>7} {'tok/s':>7} {'base':>7} {'speedup':>8} {'cpu_x':>6} "
             f"{'same':>5}")
     print(head)
@@ -113,13 +114,15 @@ def main() -> int:
         a = w = float("nan")
         if offline is not None:
             a, w = offline["tau_by_k"][k - 1], offline["tau_trajectory_by_k"][k - 1]
-        print(f"{k:>2} {r['tau']:>6.3f} {a:>8.3f} {(a / r['tau'] - 1) * 100:>6.1f}% {w:>9.3f} "
+        print(f"{k:>2} {r['tau']:>6.3f} {r['tau_emitted']:>6.3f} {a:>8.3f} {(a / r['tau'] - 1) * 100:>6.1f}% {w:>9.3f} "
               f"{(w / r['tau'] - 1) * 100:>6.1f}% {r['target_forwards']:>8} "
               f"{r['tokens_generated']:>7} {r['tokens_per_s']:>7.1f} "
               f"{r['baseline_tokens_per_s']:>7.1f} {r['speedup']:>7.2f}x "
               f"{r['speedup_cpu']:>5.2f}x {str(r['tokens_identical']):>5}")
         print("   cond_acc_{k}, k = 0..K-1: " + " ".join(
             f"{r[f'cond_acc_{j}']:.2f}" for j in range(k)))
+    print("(tau: 1 + accepted drafts per round, as vLLM and SGLang count it; emit: emitted tokens "
+          "per round, lower where the token cap or a stop token cut a round)")
     print("(tok/s and speedup: wall clock; cpu_x: speedup by process CPU time, the fair figure "
           "on a shared machine)")
     print(f"total wall {time.perf_counter() - t0:.1f} s, CPU {time.process_time() - c0:.1f} s")

@@ -19,17 +19,22 @@ mapped to a target id equals the target's argmax at index t+1+k:
     tau         = Σ_starts (L(t) + 1) / #starts                         (exact greedy-chain τ)
     tau_independent = 1 + Σ_k Π_{j≤k} acc_j            (SpecForge's estimate Σ_k Π_{j≤k} acc_j,
                   which treats steps as independent, plus the same bonus token for comparability)
-    tau_trajectory  = emitted tokens / rounds of a greedy decoder walking each assistant span
-                  (`trajectory_counts`: start after the span's first token, accept L drafts + the
-                  bonus, jump there, stop at the span's last token). On target-generated text
-                  this is the τ real greedy decoding measures; `tau` averages over EVERY start
+    tau_trajectory  = 1 + accepted drafts / rounds of a greedy decoder walking each assistant
+                  span (`trajectory_counts`: start after the span's first token, accept
+                  L = min(L(t), K') drafts, jump past them and the bonus, stop once the span's
+                  last token is committed), counted the way vLLM and SGLang count their mean
+                  acceptance length (`models.serving.specdec`): a round's accepted drafts are
+                  all counted, also where they run past the span's end (the stored argmax of
+                  the span's last token verifies one draft beyond it). On target-generated text
+                  this is the τ real greedy decoding reports; `tau` averages over EVERY start
                   instead (including each span's last token, where a decoder has stopped), and
                   the two agree when acceptance is uniform along the text.
     *_by_k[K']  = the same for a chain capped at K' = 1..K drafts (`tau_curves`).
 
 Key names, the same in logs, JSON, wandb and the README: `tau`, `tau_independent`,
-`tau_trajectory`, `acc_overall`, `acc_{k}`, `cond_acc_{k}` (k = 0..K-1, the TTT step), and the
-curves `tau_by_k`, `tau_independent_by_k`, `tau_trajectory_by_k`.
+`tau_trajectory`, `acc_overall`, `acc_{k}`, `cond_acc_{k}` (k = 0..K-1, the TTT step), the
+curves `tau_by_k`, `tau_independent_by_k`, `tau_trajectory_by_k`, and per context bucket
+`by_context` / `tau_ctx_<bucket>` (`models.context`).
 """
 
 from __future__ import annotations
@@ -38,12 +43,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from eyas.models.context import context_counts, zero_context_counts
 from eyas.models.ttt import shifted_for_steps
 
 #: counts of `accept_counts`
 COUNT_KEYS = ("correct", "total", "cond_correct", "cond_total", "tau_sum", "chain_starts")
 #: counts of `trajectory_counts` (per K' = 1..K); `chain_counts` returns both sets
-TRAJECTORY_KEYS = ("traj_rounds", "traj_tokens")
+TRAJECTORY_KEYS = ("traj_rounds", "traj_accepted")
 
 
 def chain_alive(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
@@ -95,11 +101,11 @@ def add_counts(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, T
 
 
 def trajectory_counts(alive: Tensor, mask0: Tensor) -> tuple[Tensor, Tensor]:
-    """Decoder-walk counts for every K' = 1..K: (rounds [K], emitted tokens [K]) int64.
+    """Decoder-walk counts for every K' = 1..K: (rounds [K], accepted drafts [K]) int64.
 
     alive [K, T] 0/1 (step k and all before it correct), mask0 [T] bool = mask(0, ·) (row t is a
     chain start). Each maximal run [a, b] of starts is one assistant span (tokens a+1..b+1); the
-    walk starts at t = a and, while t < b, accepts L = min(L(t), K', b-t-1) drafts and emits L+1.
+    walk starts at t = a and, while t < b, accepts L = min(L(t), K') drafts and moves to t+L+1.
     Runs on the host (a sync): for evaluation, not for the training step.
     """
     K = alive.shape[0]
@@ -107,38 +113,45 @@ def trajectory_counts(alive: Tensor, mask0: Tensor) -> tuple[Tensor, Tensor]:
     m = mask0.cpu().numpy().astype(np.int8)
     edges = np.diff(np.concatenate([[0], m, [0]]))
     runs = zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1)   # [a, b] inclusive
-    rounds, tokens = np.zeros(K, dtype=np.int64), np.zeros(K, dtype=np.int64)
+    rounds, accepted = np.zeros(K, dtype=np.int64), np.zeros(K, dtype=np.int64)
     for a, b in runs:
         seg = lengths[a:b + 1].tolist()
         for kk in range(K):
             t = 0
             while t < b - a:
-                acc = min(seg[t], kk + 1, b - a - t - 1)
+                acc = min(seg[t], kk + 1)
                 rounds[kk] += 1
-                tokens[kk] += acc + 1
+                accepted[kk] += acc
                 t += acc + 1
     dev = alive.device
-    return torch.from_numpy(rounds).to(dev), torch.from_numpy(tokens).to(dev)
+    return torch.from_numpy(rounds).to(dev), torch.from_numpy(accepted).to(dev)
 
 
-def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
-                 ) -> dict[str, Tensor]:
-    """`accept_counts` plus the trajectory counts (`trajectory_counts`): the eval counts.
+def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor,
+                 positions: Tensor | None = None, edges=None) -> dict[str, Tensor]:
+    """`accept_counts` plus the trajectory counts (`trajectory_counts`): the eval counts; with
+    positions [T] (each row's position in its document) and bucket edges, also the per-bucket
+    counts of `models.context.context_counts`.
 
     draft_argmax [K, T] draft-vocab ids, d2t [Vd] offsets, target_argmax [T], mask [K, T] bool.
     """
     chain = chain_alive(draft_argmax, d2t, target_argmax, mask)
     counts = accept_counts(draft_argmax, d2t, target_argmax, mask, chain=chain)
-    counts["traj_rounds"], counts["traj_tokens"] = trajectory_counts(chain[1], mask[0].bool())
+    counts["traj_rounds"], counts["traj_accepted"] = trajectory_counts(chain[1], mask[0].bool())
+    if positions is not None and edges is not None:
+        counts.update(context_counts(chain[1], mask.bool(), positions, edges))
     return counts
 
 
-def zero_counts(k: int, device=None) -> dict[str, Tensor]:
+def zero_counts(k: int, device=None, edges=None) -> dict[str, Tensor]:
     """`chain_counts` of no rows (a rank without a batch still joins the collective)."""
     z = torch.zeros(k, dtype=torch.int64, device=device)
     scalar = ("tau_sum", "chain_starts")
-    return {key: (z[0].clone() if key in scalar else z.clone())
-            for key in COUNT_KEYS + TRAJECTORY_KEYS}
+    out = {key: (z[0].clone() if key in scalar else z.clone())
+           for key in COUNT_KEYS + TRAJECTORY_KEYS}
+    if edges is not None:
+        out.update(zero_context_counts(k, edges, device))
+    return out
 
 
 def _ratio(a: float, b: float) -> float:
@@ -160,8 +173,8 @@ def tau_curves(counts: dict[str, Tensor]) -> dict[str, list[float]]:
         indep.append(1.0 + run)
     out["tau_independent_by_k"] = indep
     if "traj_rounds" in c:
-        out["tau_trajectory_by_k"] = [_ratio(float(c["traj_tokens"][k]),
-                                             float(c["traj_rounds"][k])) for k in range(K)]
+        out["tau_trajectory_by_k"] = [1.0 + _ratio(float(c["traj_accepted"][k]),
+                                                   float(c["traj_rounds"][k])) for k in range(K)]
     return out
 
 

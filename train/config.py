@@ -21,6 +21,7 @@ from eyas.data.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSetti
                                 TargetSettings, TokenizeSettings)
 from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
 from eyas.models.config import DrafterShape
+from eyas.models.context import DEFAULT_EDGES, check_edges
 from eyas.train.limits import check_data, check_loop, check_optim, check_ttt
 
 
@@ -289,6 +290,9 @@ class EvalConfig:
     """Load the export with vLLM's and SGLang's own loaders when their venvs exist."""
     max_new_tokens: int = 64
     """Tokens generated per prompt."""
+    context_buckets: List[int] = field(default_factory=lambda: list(DEFAULT_EDGES))
+    """Edges of the τ-by-context buckets (the position where a round starts; the last bucket is
+    open): the trainer's eval logs eval/tau_ctx_<bucket> and keeps eval/by_context."""
 
 
 @dataclass
@@ -358,6 +362,11 @@ def check(cfg: DictConfig | Any) -> None:
         fail("dist.deepspeed_config", cfg.dist.deepspeed_config, "null with dist=ddp (DDP reads "
              "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
     _check_trackers(cfg.tracker, fail)
+    try:
+        check_edges(cfg.eval.context_buckets)
+    except ValueError:
+        fail("eval.context_buckets", list(cfg.eval.context_buckets), "increasing integer "
+             "positions starting at 0", "eval.context_buckets=[0,2048,8192,16384,32768]")
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.overwrite and cfg.train.resume == "latest":

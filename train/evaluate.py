@@ -3,8 +3,7 @@ speculative decoding with the target.
 
     offline_eval(drafter_dir_or_module, dataset_dir, k=K, token_budget=T)     -> dict
     speculative_eval(drafter_dir, target, prompts_path, k=K, num_prompts=N, max_new_tokens=M)
-    eyas evaluate --drafter DIR --target MODEL --prompts FILE.jsonl --k K --out FILE.json
-    eyas evaluate --drafter DIR [--target MODEL] --data DATASET_DIR  --k K --out FILE.json
+(the `eyas evaluate` command around them is `train.evaluate_cli`)
 
 Offline (eagle3-training.md §5): the exported drafter is imported into the training module
 (`Eagle3Drafter`, target embedding) and run with the trainer's TTT forward; row (k, t) is CORRECT
@@ -12,15 +11,15 @@ iff it counts (valid, assistant token t+1+k) and its draft argmax mapped through
 target argmax at t+1+k. The counts, τ, its variants and their key names are defined once, in
 `models.metrics` (`chain_counts`, `summarize`, `tau_curves`); `count_acceptance` is the one
 evaluation loop, used by `offline_eval` and by the trainer. On target-generated text
-`tau_trajectory` is exactly the τ real greedy decoding measures
-(tests/train/test_evaluate_agreement.py).
+`tau_trajectory` is the τ real greedy decoding measures, both counted as the engines count
+their acceptance length, 1 + accepted drafts per round (tests/train/test_evaluate_agreement.py).
+Both also report τ per context bucket (`by_context`, `models.context`).
 
 Real decoding: `models.serving.specdec` (target via transformers, drafter via the engine reference).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import time
@@ -30,16 +29,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eyas.data.log import HelpFormatter
 from eyas.data.targets import TARGET_DTYPES, fast_device, target_dtype
+from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
 
 log = logging.getLogger(__name__)
 
+
 @torch.no_grad()
-def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: bool = False
-                     ) -> tuple[dict[str, Tensor], int]:
+def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: bool = False,
+                     edges=DEFAULT_EDGES) -> tuple[dict[str, Tensor], int]:
     """(`models.metrics.chain_counts` summed over the loader and all ranks, this rank's tokens).
 
     forward(host batch) -> (batch on the device, draft argmax [K, T], metric mask [K, T]): the
@@ -53,9 +53,11 @@ def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: boo
         if show_progress else loader
     for batch in batches:
         batch, arg, mask = forward(batch)
-        counts = add_counts(counts, chain_counts(arg, d2t, batch.target_argmax, mask))
+        counts = add_counts(counts, chain_counts(arg, d2t, batch.target_argmax, mask,
+                                                 batch.positions, edges))
         tokens += batch.num_tokens
-    return all_reduce_counts(counts if counts is not None else zero_counts(k, d2t.device)), tokens
+    empty = zero_counts(k, d2t.device, edges)
+    return all_reduce_counts(counts if counts is not None else empty), tokens
 
 
 def all_reduce_counts(counts: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -138,7 +140,7 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
                  indices=None, rank: int = 0, world_size: int = 1,
                  device: str | torch.device = "cpu", target: str | Path | None = None,
                  cache_dir: str | Path | None = None, dtype: torch.dtype | None = None,
-                 num_workers: int = 1) -> dict[str, Any]:
+                 num_workers: int = 1, context_buckets=DEFAULT_EDGES) -> dict[str, Any]:
     """Exact offline acceptance of a drafter on a hidden-state dataset (module docstring).
 
     drafter_dir_or_module: an exported layout-A directory (imported into `Eagle3Drafter` with
@@ -148,13 +150,15 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     rank/world_size: this process's share; counts are all-reduced (SUM) when torch.distributed
     is initialised. target: whose embedding to use (default: the dataset manifest's target).
     dtype: compute dtype for a directory (default bf16 on CUDA, fp32 on CPU; the exported
-    values are bf16 either way). Returns `models.metrics.summarize` and `tau_curves` of
-    the counts, the counts themselves and run information.
+    values are bf16 either way). context_buckets: edges of the `by_context` buckets (chain
+    start positions, `models.context`). Returns `models.metrics.summarize` and `tau_curves`
+    of the counts, `by_context`, the counts themselves and run information.
     """
     from eyas.data.dataset import open_dataset
     from eyas.data.loader import PackedLoader
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    edges = check_edges(context_buckets)
     dev = torch.device(device)
     ds = open_dataset(dataset_dir)
     for f in ("aux", "target_argmax"):
@@ -180,10 +184,12 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
         batch = batch.to(dev)
         return (batch, *draft_argmax(drafter, batch, k))
 
-    counts, tokens = count_acceptance(forward, loader, drafter.d2t, k, show_progress=True)
+    counts, tokens = count_acceptance(forward, loader, drafter.d2t, k, show_progress=True,
+                                      edges=edges)
     drafter.train(was_training)
     out = {"k": k, **summarize(counts), **tau_curves(counts),
-           "chain_starts": int(counts["chain_starts"]),
+           "chain_starts": int(counts["chain_starts"]), "context_buckets": list(edges),
+           "by_context": context_table(counts, edges),
            "counts": {key: [int(x) for x in v.reshape(-1).tolist()] for key, v in counts.items()}}
     out.update(mode="offline", drafter=name, dataset=str(dataset_dir), rank_tokens=tokens,
                num_samples=len(loader.indices), seconds=time.perf_counter() - t0)
@@ -237,7 +243,8 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
 def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: str | Path, *,
                      k: int, num_prompts: int | None, max_new_tokens: int,
                      cache_dir: str | Path | None = None, dtype: str = "fp32",
-                     model=None, tokenizer=None, progress: bool = True) -> dict[str, Any]:
+                     model=None, tokenizer=None, progress: bool = True,
+                     context_buckets=DEFAULT_EDGES) -> dict[str, Any]:
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
     drafter_dir: the exported drafter (loaded like vLLM, `models.serving.reference.EngineDrafter`);
@@ -245,7 +252,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     `model` + `tokenizer`. dtype: "fp32" (default: token identity is exact, and on CPUs without
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
-    Batch size 1; the drafter runs on the CPU.
+    Batch size 1; the drafter runs on the CPU. context_buckets: edges of the `by_context`
+    buckets (the verified position of each round, `models.context`).
     Returns models.serving.specdec.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import load_engine_drafter, run_prompts, stop_token_ids
@@ -268,7 +276,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     t0 = time.perf_counter()
     res = run_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
                       max_new_tokens=max_new_tokens, stop_ids=stop_token_ids(model, tokenizer),
-                      names=[n for n, _ in prompts], progress=progress)
+                      names=[n for n, _ in prompts], progress=progress,
+                      context_buckets=check_edges(context_buckets))
     res.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_path),
                dtype=dtype, max_new_tokens=max_new_tokens, wall_seconds=time.perf_counter() - t0)
     if not res["tokens_identical"]:
@@ -293,169 +302,3 @@ def json_safe(x):
     if isinstance(x, (list, tuple)):
         return [json_safe(v) for v in x]
     return x
-
-
-def _fmt(x, spec: str = ".3f") -> str:
-    missing = x is None or (isinstance(x, float) and not math.isfinite(x))
-    return "n/a" if missing else format(x, spec)
-
-
-def format_table(res: dict[str, Any]) -> str:
-    """The short stdout table of an offline or speculative result."""
-    lines = []
-    if res["mode"] == "offline":
-        lines.append(f"offline chain acceptance, {res['chain_starts']} chain starts, "
-                     f"{res['num_samples']} samples")
-        lines.append(f"{'K':>3} {'tau':>7} {'tau_traj':>9} {'tau_indep':>10} "
-                     f"{'acc_{K-1}':>9} {'cond_acc_{K-1}':>14}")
-        for j in range(res["k"]):
-            lines.append(f"{j + 1:>3} {_fmt(res['tau_by_k'][j]):>7} "
-                         f"{_fmt(res['tau_trajectory_by_k'][j]):>9} "
-                         f"{_fmt(res['tau_independent_by_k'][j]):>10} {_fmt(res[f'acc_{j}']):>9} "
-                         f"{_fmt(res[f'cond_acc_{j}']):>14}")
-        return "\n".join(lines)
-    lines.append(f"speculative decoding, K={res['k']}, {res['num_prompts']} prompts, "
-                 f"{res['dtype']}: tokens identical to target-only greedy: "
-                 f"{res['tokens_identical']}")
-    lines.append(f"  tau {_fmt(res['tau'])}   tokens {res['tokens_generated']}   target forwards "
-                 f"{res['target_forwards']} (target-only: {res['baseline_target_forwards']})")
-    lines.append(f"  tokens/s {_fmt(res['tokens_per_s'], '.1f')} vs target-only "
-                 f"{_fmt(res['baseline_tokens_per_s'], '.1f')}   speedup "
-                 f"{_fmt(res['speedup'], '.2f')}x   (by CPU time: "
-                 f"{_fmt(res['speedup_cpu'], '.2f')}x)")
-    lines.append(f"  {'k':>3} {'cond_acc_{k}':>12} {'alive_{k}':>9}")
-    for j in range(res["k"]):
-        lines.append(f"  {j:>3} {_fmt(res[f'cond_acc_{j}']):>12} {_fmt(res[f'alive_{j}']):>9}")
-    return "\n".join(lines)
-
-
-def training_record(drafter_dir: str | Path) -> dict[str, Any]:
-    """What the drafter's export records of its training data (`eyas_export.json` training.data:
-    dataset, eval_dataset, eval_fraction, seed), or {} for an export that records none."""
-    import json
-    from eyas.models.serving.export import EXPORT_META
-    meta = Path(drafter_dir) / EXPORT_META
-    try:
-        rec = json.loads(meta.read_text()).get("training") or {}
-    except (OSError, ValueError):
-        return {}
-    return rec.get("data") or {}
-
-
-def _same_path(a: str | Path | None, b: str | Path) -> bool:
-    return a is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-
-
-def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
-    """(dataset indices to score or None for all, how they were chosen) for `eyas evaluate
-    --data`: by default the held-out split the trainer made when the dataset is the training
-    set, so training samples are never scored without saying so."""
-    from eyas.data.packing import split_indices
-    from eyas.train.config import DataConfig
-    if args.all or args.eval_fraction == 0:
-        return None, "every sample (--all), training samples included"
-    seed = args.seed if args.seed_given or "seed" not in rec else int(rec["seed"])
-    if args.eval_fraction is not None:
-        idx = split_indices(n, args.eval_fraction, seed)[1]
-        return idx, f"the held-out split eval_fraction={args.eval_fraction}, seed={seed}"
-    if rec.get("dataset") is not None and not _same_path(rec["dataset"], args.data):
-        return None, f"every sample (not the drafter's training set {rec['dataset']})"
-    if rec.get("eval_dataset") is not None:
-        log.warning("%s is the drafter's training set (it was evaluated on %s): every sample "
-                    "scored was trained on", args.data, rec["eval_dataset"])
-        return None, f"every sample: all of them were trained on (held out: {rec['eval_dataset']})"
-    frac = float(rec.get("eval_fraction", DataConfig.eval_fraction))
-    if frac == 0:
-        log.warning("the drafter was trained on every sample of %s (data.eval_fraction=0)",
-                    args.data)
-        return None, "every sample: all of them were trained on (data.eval_fraction=0)"
-    idx = split_indices(n, frac, seed)[1]
-    src = "as in training" if rec else "the trainer's defaults; the drafter records no training set"
-    return idx, (f"the trainer's held-out split (data.eval_fraction={frac}, train.seed={seed}, "
-                 f"{src}); --all scores every sample")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The options of `eyas evaluate`; defaults shared with training come from the schema."""
-    from eyas.train.config import DataConfig, EvalConfig, TrainConfig
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas evaluate",
-        description="Measure a drafter before serving it. With --prompts: real greedy "
-        "speculative decoding with the target (CPU, batch 1; the exported drafter is run the "
-        "way vLLM runs it), checked token for token against target-only greedy decoding. With "
-        "--data: exact offline chain acceptance on a hidden-state dataset (every K' <= K).")
-    p.add_argument("--drafter", required=True, help="exported drafter directory (layout A)")
-    p.add_argument("--target", default=None, help="target: directory, hub id (org/name[@revision]) "
-                   "or preset name (needed with --prompts; default with --data: the dataset "
-                   "manifest's target)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", help="prompts JSONL (OpenAI `messages`); the target's chat "
-                     "template is applied with add_generation_prompt")
-    src.add_argument("--data", help="hidden-state dataset directory (from eyas extract)")
-    p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
-    p.add_argument("--out", required=True, help="results JSON file (written atomically)")
-    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
-                   help="--prompts: tokens generated per prompt (default: eval.max_new_tokens, "
-                   f"{EvalConfig.max_new_tokens})")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="--prompts: the first N prompts (default all)")
-    p.add_argument("--dtype", choices=SPECDEC_DTYPES, default=None,
-                   help="compute dtype (--prompts default fp32: exact token identity, and faster "
-                   "than bf16 on CPUs without bf16 units; bf16 = the serving numerics. --data "
-                   "default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
-                   help="--data: packed tokens per forward (default: data.token_budget, "
-                   f"{DataConfig.token_budget})")
-    p.add_argument("--eval-fraction", type=float, default=None, help="--data: score the "
-                   "held-out split the trainer makes with this data.eval_fraction (and --seed); "
-                   "0 = every sample (default: the drafter's recorded training split when --data "
-                   "is its training set, else data.eval_fraction "
-                   f"{DataConfig.eval_fraction} when the drafter records no training set)")
-    p.add_argument("--all", action="store_true", help="--data: score every sample, training "
-                   "samples included")
-    p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
-                   "held-out split (train.seed; the drafter's recorded seed unless given)")
-    p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
-    p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
-                   "(default: ~/.cache/eyas)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
-                   "decoding gains little from more; on a busy machine 1 is often fastest; "
-                   "default: torch's own)")
-    return p
-
-
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
-    p = build_parser()
-    args = p.parse_args(argv)
-    args.seed_given = any(a == "--seed" or a.startswith("--seed=") for a in (argv or []))
-    if args.k < 1:
-        p.error("--k must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.prompts:
-        if not args.target:
-            p.error("--prompts needs --target")
-        res = speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
-                               num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                               cache_dir=args.cache_dir, dtype=args.dtype or "fp32")
-    else:
-        from eyas.data.dataset import open_dataset
-        n = len(open_dataset(args.data))
-        indices, how = scored_samples(args, n, training_record(args.drafter))
-        print(f"scoring {n if indices is None else len(indices)} of {n} samples of {args.data}: "
-              f"{how}")
-        res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
-                           indices=indices, device=args.device, target=args.target,
-                           cache_dir=args.cache_dir,
-                           dtype=TARGET_DTYPES[args.dtype] if args.dtype else None)
-    from eyas.data.utils import atomic_write_json
-    atomic_write_json(args.out, json_safe(res))
-    print(format_table(res))
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    from eyas.data.log import run_main
-    run_main(cli_main)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -113,11 +112,12 @@ class MetricsLogger:
     def log(self, step: int, record: dict[str, Any], *, prefix: str = "train") -> None:
         if not self.acc.is_main_process:
             return
-        clean = {f"{prefix}/{k}": (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in record.items()}
+        from eyas.train.evaluate import json_safe
+        clean = {f"{prefix}/{k}": json_safe(v) for k, v in record.items()}
         self._fh.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.use_trackers:
-            self.acc.log({k: v for k, v in clean.items() if v is not None}, step=step)
+        if self.use_trackers:   # scalars only: tables (eval/by_context) stay in metrics.jsonl
+            self.acc.log({k: v for k, v in clean.items()
+                          if v is not None and not isinstance(v, (list, dict))}, step=step)
 
     def close(self) -> None:
         if self._fh:

@@ -36,6 +36,7 @@ from eyas.data.read_checks import contract_mismatch
 from eyas.data.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
+from eyas.models.context import context_scalars, context_table
 from eyas.models.metrics import summarize
 from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
@@ -339,10 +340,11 @@ def _every(step: int, n: int) -> bool:
     return bool(n) and step % n == 0
 
 
-def evaluate(t: Trainer) -> dict[str, float]:
+def evaluate(t: Trainer) -> dict[str, Any]:
     """Exact acceptance on the held-out split (`train.evaluate.count_acceptance`, summed over
     ranks): `tau` averages the chain over every start, `tau_trajectory` walks the text as a
-    greedy decoder does (`models.metrics`)."""
+    greedy decoder does and counts as the engines do (`models.metrics`); `tau_ctx_<bucket>`
+    and the `by_context` table per bucket of eval.context_buckets (`models.context`)."""
     if t.data.eval is None:
         return {}
     K, skip_rows = t.model.config.ttt_steps, bool(t.cfg.loss.skip_masked_rows)
@@ -352,10 +354,13 @@ def evaluate(t: Trainer) -> dict[str, float]:
         res = t.module(**inputs)
         return batch, res.draft_argmax, res.metric_mask
 
+    edges = tuple(t.cfg.eval.context_buckets)
     t.module.eval()
-    counts, _ = count_acceptance(forward, t.data.eval, t.model.module.drafter.d2t, K)
+    counts, _ = count_acceptance(forward, t.data.eval, t.model.module.drafter.d2t, K,
+                                 edges=edges)
     t.module.train()
-    return summarize(counts)
+    table = context_table(counts, edges)
+    return {**summarize(counts), **context_scalars(table), "by_context": table}
 
 
 def _resume(t: Trainer, objective: dict) -> tuple[int, int]:
@@ -373,7 +378,8 @@ def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
     """Checkpoint `step` (the eval τ of this step, when finite, competes for `best`)."""
     state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
              "loader": t.data.train.state_dict(),
-             "eval": {k: v for k, v in last_eval.items() if math.isfinite(v)}}
+             "eval": {k: v for k, v in last_eval.items()
+                      if isinstance(v, float) and math.isfinite(v)}}
     best = best if best is not None and math.isfinite(best) else None
     ckpt.save(t.accelerator, t.out / "checkpoints", step, state, keep_last=t.cfg.train.keep_last,
               best_metric=best, add_files=lambda d: _write_export_meta(t, d))

@@ -21,9 +21,27 @@ floating point: a multi-token verify forward and a one-token decode forward use 
 kernels, and in bf16 a near-tie can flip (`greedy_decode` records each step's top-2 logit gap so
 a divergence can be attributed). In fp32 the sequences are identical.
 
-Counts per request: decode rounds (= verify forwards), tokens emitted per round (bonus included,
-cut at the first stop token and at max_new_tokens), and per draft position j the rounds that
-reached it (all earlier drafts accepted) and accepted it. τ = emitted decode tokens / rounds.
+Counts per request: decode rounds (= verify forwards), per round its verified position L, its
+accepted drafts n and the tokens it emitted (bonus included, cut at the first stop token and at
+max_new_tokens), and per draft position j the rounds that reached it (all earlier drafts
+accepted) and accepted it.
+
+τ is counted the way the serving engines count their acceptance length:
+  * vLLM (v1 `vllm/v1/spec_decode/metrics.py`): each verification step of a request with drafts
+    adds 1 to `num_drafts`, its drafted tokens to `num_draft_tokens` and its accepted drafts
+    (sampled tokens of the step − 1, counted by the scheduler before stop strings, EOS and
+    max_tokens cut the output) to `num_accepted_tokens`, and position i < n to
+    `num_accepted_tokens_per_pos[i]`. "Mean acceptance length" = 1 + num_accepted_tokens /
+    num_drafts (the 1 is the bonus token); per-position acceptance rate =
+    num_accepted_tokens_per_pos[i] / num_drafts; draft acceptance rate = accepted / drafted.
+  * SGLang (scheduler `update_spec_metrics`): each verify forward of a batch of bs requests adds
+    the accepted drafts of all of them + bs to `spec_num_accepted_tokens` and bs to
+    `spec_num_forward_ct`; "accept len" in the decode log, and `avg_spec_accept_length` of
+    /get_server_info (over the server's lifetime), is their ratio: again 1 + accepted drafts
+    per request verification step, before the output is cut at a stop token or max tokens.
+So `tau` = 1 + Σ accepted drafts / rounds = 1 + `mean_accepted_drafts`. The tokens a round adds
+to the output can be fewer (the last round is cut by the token cap or a stop token):
+`tau_emitted` = emitted decode tokens / rounds keeps that figure.
 
 Result keys (`summarize`), flat as `eyas.models.metrics.summarize` writes them (j = 0..K-1, the
 draft position, = the TTT step k that drafts it):
@@ -36,6 +54,8 @@ draft position, = the TTT step k that drafts it):
                     after a rejected one, so real decoding has no `acc_{k}`.
     accepted_drafts_histogram[n] = rounds that accepted exactly n = 0..K drafts (the bonus token
                     not counted, unlike τ, the acceptance length)
+    by_context    = τ, cond_acc, tokens and rounds per bucket of the verified position L
+                    (`models.context.rounds_table`)
 """
 
 from __future__ import annotations
@@ -49,6 +69,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from eyas.models.context import DEFAULT_EDGES, rounds_table
 from eyas.models.serving.reference import EngineDrafter
 
 log = logging.getLogger(__name__)
@@ -174,6 +195,8 @@ class Decoded:
     reached: list[int] = field(default_factory=list)    # [K] rounds whose draft j was verified
     accepted: list[int] = field(default_factory=list)   # [K] rounds that accepted draft j
     histogram: list[int] = field(default_factory=list)  # [K+1] rounds that accepted n drafts
+    # per round: (verified position L, accepted drafts n, tokens emitted)
+    round_log: list[tuple[int, int, int]] = field(default_factory=list)
     drafter_forwards: int = 0
     top2_gap: list[float] = field(default_factory=list)  # greedy only: logit gap per token
 
@@ -256,6 +279,7 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
         emitted = drafts[:acc] + [int(y[acc])]
         n_new, done = _finish(res.tokens, emitted, max_new_tokens, stop_ids)
         res.decode_tokens += n_new
+        res.round_log.append((L, acc, n_new))
         seq += emitted[:n_new]
         aux, row0 = aux_v[:acc + 1], L                                   # rows L..L+acc verified
     res.seconds, res.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
@@ -304,7 +328,8 @@ def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: li
                 done = [s for _, _, s in pairs]
                 log.info("specdec: %d/%d prompts, %d tokens, tau so far %.3f", len(pairs),
                          len(prompts), sum(len(s.tokens) for s in done),
-                         sum(s.decode_tokens for s in done) / max(1, sum(s.rounds for s in done)))
+                         1 + sum(sum(s.accepted) for s in done)
+                         / max(1, sum(s.rounds for s in done)))
     finally:
         plain.close()
         verifier.close()
@@ -313,15 +338,22 @@ def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: li
 
 def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[list[int]], *,
                 k: int, max_new_tokens: int, stop_ids: set[int], names: list[str] | None = None,
-                progress: bool = True) -> dict:
+                progress: bool = True, context_buckets=DEFAULT_EDGES) -> dict:
     """`decode_prompts` then `summarize`: tau, per-position acceptance, forwards, tokens/s,
     speedup and token identity of the speculative output against target-only greedy."""
     return summarize(decode_prompts(model, drafter, drafter_cfg, prompts, k=k,
                                     max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                    names=names, progress=progress), k)
+                                    names=names, progress=progress), k,
+                     context_buckets=context_buckets)
 
 
-def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
+def _tau(accepted: int, rounds: int) -> float:
+    """The engines' acceptance length: 1 + accepted drafts per verification round."""
+    return 1 + accepted / rounds if rounds else float("nan")
+
+
+def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int, *,
+              context_buckets=DEFAULT_EDGES) -> dict:
     """Aggregate (name, target-only, speculative) results into the evaluation JSON fields."""
     rounds = sum(s.rounds for _, _, s in pairs)
     decode_tokens = sum(s.decode_tokens for _, _, s in pairs)
@@ -349,7 +381,8 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
     base_tps = base_gen / t_base if t_base > 0 else nan
     return {
         "mode": "speculative", "k": k, "num_prompts": len(pairs),
-        "tau": decode_tokens / rounds if rounds else nan,
+        "tau": _tau(sum(accepted), rounds),
+        "tau_emitted": decode_tokens / rounds if rounds else nan,
         **{f"cond_acc_{j}": a / r if r else nan for j, (a, r) in enumerate(zip(accepted, reached))},
         # alive_{j}, not acc_{j}: drafts 0..j all accepted, per round (module docstring)
         **{f"alive_{j}": a / rounds if rounds else nan for j, a in enumerate(accepted)},
@@ -369,8 +402,12 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int) -> dict:
         "speedup_cpu": (gen / c_spec) / (base_gen / c_base) if c_spec > 0 and c_base > 0 else nan,
         "counts": {"reached": reached, "accepted": accepted},
         "accepted_drafts_histogram": histogram,    # rounds that accepted 0..K drafts (no bonus)
+        "context_buckets": list(context_buckets),
+        "by_context": rounds_table([r for _, _, s in pairs for r in s.round_log], k,
+                                   context_buckets),
         "per_prompt": [{"prompt": n, "tokens": len(s.tokens), "rounds": s.rounds,
                         "decode_tokens": s.decode_tokens,
-                        "tau": s.decode_tokens / s.rounds if s.rounds else nan,
+                        "tau": _tau(sum(s.accepted), s.rounds),
+                        "tau_emitted": s.decode_tokens / s.rounds if s.rounds else nan,
                         "identical": b.tokens == s.tokens} for n, b, s in pairs],
     }

@@ -15,7 +15,7 @@ from eyas.data import extract, importers, prepare, served_cli, synthesize, vocab
 from eyas.data.settings import GenerationSettings
 from eyas.models.serving import doctor, export, validate
 from eyas.models.serving.engines.cli import build_check_parser
-from eyas.train import evaluate
+from eyas.train import evaluate_cli as evaluate
 from eyas.train.config import EyasConfig
 
 PARSERS = {
@@ -55,6 +55,7 @@ SHARED = {
     ("evaluate", "max_new_tokens"): "eval.max_new_tokens",
     ("evaluate", "token_budget"): "data.token_budget",
     ("evaluate", "seed"): "train.seed",
+    ("evaluate", "context_buckets"): "eval.context_buckets",
 }
 
 # `eyas prepare --generate` answers like data.generate (`data.settings.GenerationSettings`); the

@@ -14,7 +14,7 @@ from eyas.data import (extract, importers, inspect, prepare, served_cli, synthes
 from eyas.data.log import HelpFormatter
 from eyas.models.serving import doctor, export, validate
 from eyas.models.serving.engines import cli as engines_cli
-from eyas.train import evaluate
+from eyas.train import evaluate_cli as evaluate
 from eyas.train.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -76,6 +76,8 @@ def test_bad_type_is_rejected():
     ("target.aux_layer_ids=[5,3,9]", "target.aux_layer_ids="),
     ("optim.betas=[0.9]", "optim.betas="),
     ("data.eval_fraction=1.5", "data.eval_fraction="),
+    ("eval.context_buckets=[0,8192,2048]", "eval.context_buckets=[0,2048"),
+    ("eval.context_buckets=[100,2048]", "eval.context_buckets=[0,2048"),
 ])
 def test_cross_field_errors_name_the_fix(override, fix):
     cfg = _compose([override])

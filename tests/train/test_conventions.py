@@ -13,7 +13,7 @@ from eyas.data.targets import load_target_config
 from eyas.data.vocab import cli_main as vocab_main, load_vocab
 from eyas.models.serving.export import export_drafter
 from eyas.train.config import DataConfig, TargetConfig
-from eyas.train.evaluate import cli_main as evaluate_main, scored_samples
+from eyas.train.evaluate_cli import cli_main as evaluate_main, scored_samples
 from eyas.train.trainer import build_vocab_map
 
 

@@ -12,11 +12,13 @@ from eyas.data.dataset import open_dataset
 from eyas.data.loader import PackedLoader
 from eyas.data.prompts import prompts_path
 from eyas.models.serving.export import export_drafter
+from eyas.models.context import DEFAULT_EDGES, context_scalars, context_table
 from eyas.models.metrics import COUNT_KEYS, accept_counts, chain_counts, summarize, tau_curves
 from eyas.models.objective import metric_mask
 from eyas.data.targets import load_embedding_and_head, load_target_config
 from eyas.models.ttt import structural_valid
-from eyas.train.evaluate import cli_main, draft_argmax, offline_eval
+from eyas.train.evaluate import draft_argmax, offline_eval
+from eyas.train.evaluate_cli import cli_main
 from eyas.train.step import TrainingModule, batch_inputs
 
 K = 3
@@ -57,11 +59,13 @@ def test_tau_by_hand():
     assert r["tau"] == r["tau_by_k"][-1]
     assert r["tau_independent_by_k"] == pytest.approx(
         [1 + 5 / 6, 1 + 5 / 6 + 25 / 36, 1 + 5 / 6 + 25 / 36 + 25 / 72])
-    # decoder walk: token 4 comes from the prefill, rounds emit 5..9.  K'=1: t=3 (+2), t=5 (+1),
-    # t=6 (+2) -> 3 rounds; K'=2: t=3 (+3), t=6 (+2); K'=3: t=3 (+4), t=7 (+1, the span ends)
+    # decoder walk: token 4 comes from the prefill, rounds emit 5..9, each counted as the
+    # engines count it: 1 + accepted drafts (also those past the span's end).  K'=1: t=3 (1),
+    # t=5 (0), t=6 (1) -> 3 rounds; K'=2: t=3 (2), t=6 (2: tokens 8, 9); K'=3: t=3 (3),
+    # t=7 (2: token 9 and token 10, the target's argmax after the span)
     assert c["traj_rounds"].tolist() == [3, 2, 2]
-    assert c["traj_tokens"].tolist() == [5, 5, 5]
-    assert r["tau_trajectory_by_k"] == pytest.approx([5 / 3, 2.5, 2.5])
+    assert c["traj_accepted"].tolist() == [2, 4, 5]
+    assert r["tau_trajectory_by_k"] == pytest.approx([1 + 2 / 3, 3.0, 3.5])
     assert r["tau_trajectory"] == r["tau_trajectory_by_k"][-1]
     assert r["tau_independent"] == r["tau_independent_by_k"][-1]
 
@@ -69,7 +73,7 @@ def test_tau_by_hand():
 def _walk_bruteforce(draft, target, loss_mask, doc_ids, kk):
     """A greedy chain decoder over every assistant span, written from the definitions."""
     T = len(target)
-    rounds = tokens = 0
+    rounds = accepted = 0
     for s in range(1, T):
         # a span: maximal run of loss_mask = 1 inside one document, tokens s..e
         if not loss_mask[s] or (loss_mask[s - 1] and doc_ids[s - 1] == doc_ids[s]) \
@@ -81,12 +85,14 @@ def _walk_bruteforce(draft, target, loss_mask, doc_ids, kk):
         c = s                                  # committed index; the prefill produced token s
         while c < e:
             t, n = c - 1, 0                    # chain start row t = c - 1 drafts c+1, c+2, ...
-            while n < kk and c + 1 + n <= e and draft[n][t] == target[t + 1 + n]:
+            # draft n is checked against the target's argmax at index c+n, stored up to the
+            # span's last token e (which verifies one draft past the span)
+            while n < kk and c + n <= e and draft[n][t] == target[t + 1 + n]:
                 n += 1
             rounds += 1
-            tokens += min(n + 1, e - c)
+            accepted += n
             c += n + 1
-    return rounds, tokens
+    return rounds, accepted
 
 
 def test_trajectory_matches_a_bruteforce_decoder():
@@ -105,9 +111,45 @@ def test_trajectory_matches_a_bruteforce_decoder():
         draft, d2t, target, mask = _pattern(T, lm, table, doc)
         c = chain_counts(draft, d2t, target, mask)
         for kk in range(1, K + 1):
-            got = (int(c["traj_rounds"][kk - 1]), int(c["traj_tokens"][kk - 1]))
+            got = (int(c["traj_rounds"][kk - 1]), int(c["traj_accepted"][kk - 1]))
             assert got == _walk_bruteforce(draft.tolist(), target.tolist(), lm, doc.tolist(), kk), \
                 (trial, kk)
+
+
+def test_tau_by_context_on_a_long_sample():
+    # one 36k-token answer (prompt = token 0) whose chains accept n_b drafts in context bucket b:
+    # 3 in 0-2k, 2 in 2k-8k, 1 in 8k-16k, 0 in 16k-32k, 1 in 32k+
+    T, n_by_bucket = 36_000, [3, 2, 1, 0, 1]
+    edges = DEFAULT_EDGES
+    bucket = torch.bucketize(torch.arange(T), torch.tensor(edges[1:]), right=True)
+    bl = bucket.tolist()
+    table = {(k, t): k < n_by_bucket[bl[t]] for t in range(T) for k in range(K)}
+    draft, d2t, target, mask = _pattern(T, [0] + [1] * (T - 1), table)
+    c = chain_counts(draft, d2t, target, mask, torch.arange(T), edges)
+    by = context_table(c, edges)
+    starts = [2048, 6144, 8192, 16384, 3231]          # t = 0..T-2 (the last token starts none)
+    assert [b["bucket"] for b in by] == ["0-2k", "2k-8k", "8k-16k", "16k-32k", "32k+"]
+    assert [(b["lo"], b["hi"]) for b in by] == [(0, 2048), (2048, 8192), (8192, 16384),
+                                                (16384, 32768), (32768, None)]
+    assert [b["rounds"] for b in by] == starts and [b["tokens"] for b in by] == starts
+    assert [b["tau"] for b in by] == [1.0 + n for n in n_by_bucket]
+    nan = float("nan")
+    want = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 0.0, nan], [0.0, nan, nan], [1.0, 0.0, nan]]
+    assert str([b["cond_acc"] for b in by]) == str(want)               # exact, NaN included
+    assert sum(int(x) for x in c["ctx_tau_sum"]) == int(c["tau_sum"])   # the buckets add up
+    assert context_scalars(by)["tau_ctx_8k-16k"] == 2.0
+    # other edges: one bucket per 1000 positions of the first 3000, then the rest
+    by = context_table(chain_counts(draft, d2t, target, mask, torch.arange(T), (0, 1000, 3000)),
+                       (0, 1000, 3000))
+    assert [(b["bucket"], b["tau"]) for b in by] == [
+        ("0-1000", 4.0), ("1000-3000", (1048 * 4 + 952 * 3) / 2000),
+        ("3000+", tail_tau(n_by_bucket, starts))]
+
+
+def tail_tau(n_by_bucket, starts):
+    """τ over every start from position 3000 on (the rest of 2k-8k, then the later buckets)."""
+    rest = [starts[1] - 952] + starts[2:]
+    return sum((1 + n) * s for n, s in zip(n_by_bucket[1:], rest)) / sum(rest)
 
 
 def test_offline_counts_equal_the_trainers(tiny_drafter, tiny_llama_dataset):
@@ -213,7 +255,27 @@ def test_cli_offline_and_speculative(tiny_drafter, tiny_llama_dataset, tmp_path,
                 "tau_independent", "tau_trajectory"):
         assert key in res
     assert res["num_samples"] == 6 and len(res["tau_by_k"]) == 3
-    assert "tau_traj" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "tau_traj" in printed and "by context" in printed and "32k+" in printed
+    by = res["by_context"]
+    assert [b["bucket"] for b in by] == ["0-2k", "2k-8k", "8k-16k", "16k-32k", "32k+"]
+    assert by[0]["rounds"] == res["chain_starts"] and by[0]["tau"] == pytest.approx(res["tau"])
+    assert all(b["rounds"] == 0 and b["tau"] is None for b in by[1:])   # short samples only
+    # other edges: the buckets split the same starts, and their τ average to the total
+    assert cli_main(["--drafter", str(out), "--data", str(tiny_llama_dataset), "--k", "3",
+                     "--out", str(f), "--token-budget", "256", "--eval-fraction", "0.25",
+                     "--context-buckets", "0,44,50"]) == 0        # answers start at 35..60
+    by = json.loads(f.read_text())["by_context"]
+    assert [b["bucket"] for b in by] == ["0-44", "44-50", "50+"] and by[2]["hi"] is None
+    assert sum(b["rounds"] for b in by) == res["chain_starts"] and all(b["rounds"] for b in by)
+    assert sum(b["tau"] * b["rounds"] for b in by) == pytest.approx(res["tau"] *
+                                                                    res["chain_starts"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--drafter", str(out), "--data", "x", "--k", "3", "--out", "y",
+                  "--context-buckets", "0,2048,1024"])
+    assert exc.value.code == 2
+    assert "--context-buckets '0,2048,1024': expected" in capsys.readouterr().err
 
     f = tmp_path / "spec.json"
     assert cli_main(["--drafter", str(out), "--target", "tiny-llama", "--prompts",
@@ -223,9 +285,12 @@ def test_cli_offline_and_speculative(tiny_drafter, tiny_llama_dataset, tmp_path,
     assert res["tokens_identical"] is True and res["num_prompts"] == 2
     assert [key for key in res if key.startswith(("cond_acc_", "alive_"))] == \
         ["cond_acc_0", "cond_acc_1", "alive_0", "alive_1"]
-    for key in ("tau", "target_forwards", "tokens_generated", "tokens_per_s",
+    for key in ("tau", "tau_emitted", "target_forwards", "tokens_generated", "tokens_per_s",
                 "baseline_tokens_per_s", "speedup"):
         assert res[key] is not None, key
+    assert res["tau"] == 1 + res["mean_accepted_drafts"]
+    assert res["by_context"][0]["rounds"] == res["decode_rounds"]
+    assert res["by_context"][0]["tau"] == pytest.approx(res["tau"])
     assert "speedup" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli_main(["--drafter", str(out), "--prompts", "x.jsonl", "--k", "2", "--out", "y"])

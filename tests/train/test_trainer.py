@@ -154,7 +154,7 @@ def test_tensorboard_receives_the_metrics(tmp_path, tiny_llama_dataset):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     run(tmp_path / "r", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=3",
-        "tracker=tensorboard", "export.enabled=false")
+        "tracker=tensorboard", "export.enabled=false", "eval.context_buckets=[0,44,50]")
     events = list((tmp_path / "r").rglob("events.out.tfevents.*"))
     assert events, "no tensorboard event file"
     tags = set()
@@ -162,9 +162,19 @@ def test_tensorboard_receives_the_metrics(tmp_path, tiny_llama_dataset):
         acc = EventAccumulator(str(e.parent))
         acc.Reload()
         tags |= set(acc.Tags()["scalars"])
-    for key in ("train/loss", "train/tau", "eval/tau"):
+    for key in ("train/loss", "train/tau", "eval/tau", "eval/tau_ctx_0-44", "eval/tau_ctx_44-50",
+                "eval/tau_ctx_50+"):
         assert key in tags, (key, sorted(tags))
-    assert (tmp_path / "r" / "metrics.jsonl").is_file()
+    assert not any("by_context" in t for t in tags)       # the table stays in metrics.jsonl
+    evals = [r for r in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text()
+                            .splitlines()) if "eval/tau" in r]
+    by = evals[-1]["eval/by_context"]
+    assert [(b["bucket"], b["lo"], b["hi"]) for b in by] == [("0-44", 0, 44), ("44-50", 44, 50),
+                                                             ("50+", 50, None)]
+    assert [evals[-1][f"eval/tau_ctx_{b['bucket']}"] for b in by] == [b["tau"] for b in by]
+    starts = sum(b["rounds"] for b in by)               # the buckets split every chain start
+    assert sum(b["tau"] * b["rounds"] for b in by if b["rounds"]) == \
+        pytest.approx(evals[-1]["eval/tau"] * starts)
 
 
 def test_overwrite_removes_the_old_tensorboard_events(tmp_path, tiny_llama_dataset):

@@ -74,7 +74,8 @@ def test_random_drafter_is_token_identical(tiny, random_export, caplog):
     assert res["decode_tokens"] == res["tokens_generated"] - n
     assert res["drafter_forwards"] == K * res["decode_rounds"]
     assert res["counts"]["reached"][0] == res["decode_rounds"]
-    assert res["tau"] == pytest.approx(1 + res["mean_accepted_drafts"], abs=0.05)
+    assert res["tau"] == 1 + res["mean_accepted_drafts"]
+    assert res["tau_emitted"] == res["decode_tokens"] / res["decode_rounds"]
     reached, accepted = res["counts"]["reached"], res["counts"]["accepted"]
     hist = res["accepted_drafts_histogram"]
     assert len(hist) == K + 1 and sum(hist) == res["decode_rounds"]
@@ -117,7 +118,7 @@ def expected_counts(prompt_len: int, n_new: int, wrong: set[int], k: int):
     """The decoding rule by hand: drafts d_1..d_K of a round after committed index c guess
     indices c+1..c+K; a round accepts the leading correct ones and emits them + the bonus."""
     c, rounds, emitted, reached, accepted = prompt_len, 0, 0, [0] * k, [0] * k
-    lengths = set()
+    lengths, log = set(), []
     end = prompt_len + n_new - 1                                         # last generated index
     while c < end:
         n = 0
@@ -129,8 +130,9 @@ def expected_counts(prompt_len: int, n_new: int, wrong: set[int], k: int):
             accepted[j] += j < n
         rounds += 1
         emitted += min(n + 1, end - c)
+        log.append((c, n, min(n + 1, end - c)))
         c += n + 1
-    return rounds, emitted, reached, accepted, lengths
+    return rounds, emitted, reached, accepted, lengths, log
 
 
 @pytest.mark.parametrize("pattern", ["perfect", "mixed"])
@@ -152,12 +154,33 @@ def test_scripted_drafter_exact_acceptance(tiny, random_export, pattern):
     verifier = TargetRunner(model, aux_ids)
     res = speculative_decode(verifier, drafter, prompt, k=K, max_new_tokens=n_new, stop_ids=set())
     assert res.tokens == ref[:n_new]
-    rounds, emitted, reached, accepted, lengths = expected_counts(P, n_new, wrong, K)
+    rounds, emitted, reached, accepted, lengths, log = expected_counts(P, n_new, wrong, K)
     assert (res.rounds, res.decode_tokens, res.reached, res.accepted) == \
         (rounds, emitted, reached, accepted)
+    assert res.round_log == log
     assert res.target_forwards == rounds + 1
     assert lengths == ({K} if pattern == "perfect" else {0, 1, 2, 3})
     out = summarize([("p", res, res)], K)
+    # τ as vLLM and SGLang count it: 1 + accepted drafts per round. perfect: the last round is
+    # cut by the token cap (it accepts 3 drafts, but only 3 of its 4 tokens fit), so the
+    # emitted-tokens figure is lower by exactly 1 token / rounds; mixed: the cap falls on a
+    # round's end, and the two agree
+    cut = sum(n + 1 - out_ for _, n, out_ in log)
+    assert cut == log[-1][1] + 1 - log[-1][2] == (1 if pattern == "perfect" else 0)
+    assert out["tau"] == 1 + sum(accepted) / rounds == 1 + out["mean_accepted_drafts"]
+    assert out["tau_emitted"] == emitted / rounds
+    assert out["tau"] - out["tau_emitted"] == pytest.approx(cut / rounds, abs=1e-12)
+    if pattern == "perfect":
+        assert (rounds, sum(accepted), emitted) == (5, 15, 19)
+        assert (out["tau"], out["tau_emitted"]) == (4.0, 3.8)
+    # by context: rounds bucketed by their verified position c, split at P+8
+    by = summarize([("p", res, res)], K, context_buckets=(0, P + 8))["by_context"]
+    for b, part in zip(by, ([r for r in log if r[0] < P + 8], [r for r in log if r[0] >= P + 8])):
+        assert b["rounds"] == len(part) and b["tokens"] == sum(r[2] for r in part)
+        assert b["tau"] == 1 + sum(r[1] for r in part) / len(part)
+        assert b["cond_acc"] == [sum(r[1] > j for r in part) / sum(r[1] >= j for r in part)
+                                 for j in range(K)]
+    assert (by[0]["lo"], by[0]["hi"], by[1]["hi"]) == (0, P + 8, None)
     assert [out[f"cond_acc_{j}"] for j in range(K)] == [a / r for a, r in zip(accepted, reached)]
     assert [out[f"alive_{j}"] for j in range(K)] == [a / rounds for a in accepted]
     # rounds accepting exactly n drafts: reached n, did not accept draft n (all K: accepted K-1)

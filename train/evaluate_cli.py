@@ -1,0 +1,215 @@
+"""`eyas evaluate`: the options, which samples are scored, and the stdout table.
+
+    eyas evaluate --drafter DIR --target MODEL --prompts FILE.jsonl --k K --out FILE.json
+    eyas evaluate --drafter DIR [--target MODEL] --data DATASET_DIR  --k K --out FILE.json
+
+The evaluations themselves are `train.evaluate` (`offline_eval`, `speculative_eval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.data.log import HelpFormatter
+from eyas.data.targets import TARGET_DTYPES
+from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
+from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, offline_eval, speculative_eval
+
+log = logging.getLogger(__name__)
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    missing = x is None or (isinstance(x, float) and not math.isfinite(x))
+    return "n/a" if missing else format(x, spec)
+
+
+def format_table(res: dict[str, Any]) -> str:
+    """The short stdout table of an offline or speculative result."""
+    lines = []
+    if res["mode"] == "offline":
+        lines.append(f"offline chain acceptance, {res['chain_starts']} chain starts, "
+                     f"{res['num_samples']} samples")
+        lines.append("tau = all-starts chain τ, tau_traj = the decoder walk (1 + accepted drafts "
+                     "per round, as vLLM and SGLang count it)")
+        lines.append(f"{'K':>3} {'tau':>7} {'tau_traj':>9} {'tau_indep':>10} "
+                     f"{'acc_{K-1}':>9} {'cond_acc_{K-1}':>14}")
+        for j in range(res["k"]):
+            lines.append(f"{j + 1:>3} {_fmt(res['tau_by_k'][j]):>7} "
+                         f"{_fmt(res['tau_trajectory_by_k'][j]):>9} "
+                         f"{_fmt(res['tau_independent_by_k'][j]):>10} {_fmt(res[f'acc_{j}']):>9} "
+                         f"{_fmt(res[f'cond_acc_{j}']):>14}")
+        return "\n".join(lines + _context_lines(res, "chain start position"))
+    lines.append(f"speculative decoding, K={res['k']}, {res['num_prompts']} prompts, "
+                 f"{res['dtype']}: tokens identical to target-only greedy: "
+                 f"{res['tokens_identical']}")
+    lines.append(f"  tau {_fmt(res['tau'])} (1 + accepted drafts per round; emitted tokens per "
+                 f"round {_fmt(res['tau_emitted'])})   tokens {res['tokens_generated']}   target "
+                 f"forwards {res['target_forwards']} (target-only: "
+                 f"{res['baseline_target_forwards']})")
+    lines.append(f"  tokens/s {_fmt(res['tokens_per_s'], '.1f')} vs target-only "
+                 f"{_fmt(res['baseline_tokens_per_s'], '.1f')}   speedup "
+                 f"{_fmt(res['speedup'], '.2f')}x   (by CPU time: "
+                 f"{_fmt(res['speedup_cpu'], '.2f')}x)")
+    lines.append(f"  {'k':>3} {'cond_acc_{k}':>12} {'alive_{k}':>9}")
+    for j in range(res["k"]):
+        lines.append(f"  {j:>3} {_fmt(res[f'cond_acc_{j}']):>12} {_fmt(res[f'alive_{j}']):>9}")
+    return "\n".join(lines + _context_lines(res, "verified position"))
+
+
+def _context_lines(res: dict[str, Any], where: str) -> list[str]:
+    """τ by context bucket (ca_j: per-position acceptance cond_acc_j), when the result has it."""
+    if not res.get("by_context"):
+        return []
+    return [f"by context (bucket of the {where}):", *format_context(res["by_context"])]
+
+
+def _edges_arg(text: str) -> tuple[int, ...]:
+    try:
+        return parse_edges(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def training_record(drafter_dir: str | Path) -> dict[str, Any]:
+    """What the drafter's export records of its training data (`eyas_export.json` training.data:
+    dataset, eval_dataset, eval_fraction, seed), or {} for an export that records none."""
+    import json
+    from eyas.models.serving.export import EXPORT_META
+    meta = Path(drafter_dir) / EXPORT_META
+    try:
+        rec = json.loads(meta.read_text()).get("training") or {}
+    except (OSError, ValueError):
+        return {}
+    return rec.get("data") or {}
+
+
+def _same_path(a: str | Path | None, b: str | Path) -> bool:
+    return a is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
+    """(dataset indices to score or None for all, how they were chosen) for `eyas evaluate
+    --data`: by default the held-out split the trainer made when the dataset is the training
+    set, so training samples are never scored without saying so."""
+    from eyas.data.packing import split_indices
+    from eyas.train.config import DataConfig
+    if args.all or args.eval_fraction == 0:
+        return None, "every sample (--all), training samples included"
+    seed = args.seed if args.seed_given or "seed" not in rec else int(rec["seed"])
+    if args.eval_fraction is not None:
+        idx = split_indices(n, args.eval_fraction, seed)[1]
+        return idx, f"the held-out split eval_fraction={args.eval_fraction}, seed={seed}"
+    if rec.get("dataset") is not None and not _same_path(rec["dataset"], args.data):
+        return None, f"every sample (not the drafter's training set {rec['dataset']})"
+    if rec.get("eval_dataset") is not None:
+        log.warning("%s is the drafter's training set (it was evaluated on %s): every sample "
+                    "scored was trained on", args.data, rec["eval_dataset"])
+        return None, f"every sample: all of them were trained on (held out: {rec['eval_dataset']})"
+    frac = float(rec.get("eval_fraction", DataConfig.eval_fraction))
+    if frac == 0:
+        log.warning("the drafter was trained on every sample of %s (data.eval_fraction=0)",
+                    args.data)
+        return None, "every sample: all of them were trained on (data.eval_fraction=0)"
+    idx = split_indices(n, frac, seed)[1]
+    src = "as in training" if rec else "the trainer's defaults; the drafter records no training set"
+    return idx, (f"the trainer's held-out split (data.eval_fraction={frac}, train.seed={seed}, "
+                 f"{src}); --all scores every sample")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options of `eyas evaluate`; defaults shared with training come from the schema."""
+    from eyas.train.config import DataConfig, EvalConfig, TrainConfig
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
+        prog="eyas evaluate",
+        description="Measure a drafter before serving it. With --prompts: real greedy "
+        "speculative decoding with the target (CPU, batch 1; the exported drafter is run the "
+        "way vLLM runs it), checked token for token against target-only greedy decoding. With "
+        "--data: exact offline chain acceptance on a hidden-state dataset (every K' <= K).")
+    p.add_argument("--drafter", required=True, help="exported drafter directory (layout A)")
+    p.add_argument("--target", default=None, help="target: directory, hub id (org/name[@revision]) "
+                   "or preset name (needed with --prompts; default with --data: the dataset "
+                   "manifest's target)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help="prompts JSONL (OpenAI `messages`); the target's chat "
+                     "template is applied with add_generation_prompt")
+    src.add_argument("--data", help="hidden-state dataset directory (from eyas extract)")
+    p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
+    p.add_argument("--out", required=True, help="results JSON file (written atomically)")
+    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
+                   help="--prompts: tokens generated per prompt (default: eval.max_new_tokens, "
+                   f"{EvalConfig.max_new_tokens})")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="--prompts: the first N prompts (default all)")
+    p.add_argument("--dtype", choices=SPECDEC_DTYPES, default=None,
+                   help="compute dtype (--prompts default fp32: exact token identity, and faster "
+                   "than bf16 on CPUs without bf16 units; bf16 = the serving numerics. --data "
+                   "default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
+                   help="--data: packed tokens per forward (default: data.token_budget, "
+                   f"{DataConfig.token_budget})")
+    p.add_argument("--eval-fraction", type=float, default=None, help="--data: score the "
+                   "held-out split the trainer makes with this data.eval_fraction (and --seed); "
+                   "0 = every sample (default: the drafter's recorded training split when --data "
+                   "is its training set, else data.eval_fraction "
+                   f"{DataConfig.eval_fraction} when the drafter records no training set)")
+    p.add_argument("--all", action="store_true", help="--data: score every sample, training "
+                   "samples included")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
+                   "held-out split (train.seed; the drafter's recorded seed unless given)")
+    p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
+    p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
+                   "(default: ~/.cache/eyas)")
+    p.add_argument("--context-buckets", type=_edges_arg, default=list(DEFAULT_EDGES),
+                   metavar="E0,E1,...", help="edges of the τ-by-context buckets: positions where "
+                   "a round starts (offline: the chain start, --prompts: the verified position); "
+                   "the last bucket is open (default: eval.context_buckets, "
+                   f"{','.join(map(str, DEFAULT_EDGES))})")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
+                   "decoding gains little from more; on a busy machine 1 is often fastest; "
+                   "default: torch's own)")
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.seed_given = any(a == "--seed" or a.startswith("--seed=") for a in (argv or []))
+    if args.k < 1:
+        p.error("--k must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.prompts:
+        if not args.target:
+            p.error("--prompts needs --target")
+        res = speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
+                               num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                               cache_dir=args.cache_dir, dtype=args.dtype or "fp32",
+                               context_buckets=args.context_buckets)
+    else:
+        from eyas.data.dataset import open_dataset
+        n = len(open_dataset(args.data))
+        indices, how = scored_samples(args, n, training_record(args.drafter))
+        print(f"scoring {n if indices is None else len(indices)} of {n} samples of {args.data}: "
+              f"{how}")
+        res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
+                           indices=indices, device=args.device, target=args.target,
+                           cache_dir=args.cache_dir,
+                           dtype=TARGET_DTYPES[args.dtype] if args.dtype else None,
+                           context_buckets=args.context_buckets)
+    from eyas.data.utils import atomic_write_json
+    atomic_write_json(args.out, json_safe(res))
+    print(format_table(res))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    from eyas.data.log import run_main
+    run_main(cli_main)
