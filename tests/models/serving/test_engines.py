@@ -27,6 +27,7 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.engines import check_engines, check_engines_many, cli_main
 from eyas.models.serving.engines.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
 from eyas.models.serving.engines.verdicts import verdict, verdict_table
+from eyas.models.serving.engine_rope import EngineRope
 from eyas.models.serving.export import export_drafter
 from eyas.data.targets import load_target_config, text_config
 
@@ -139,6 +140,31 @@ def test_clean_exports_load_cleanly(verdicts, exports, preset, engine):
     width = tcfg["vocab_size"] if engine == "vllm" else cfg["draft_vocab_size"]
     assert rep.smoke["logits_shape"] == [4, width] and rep.smoke["logits_finite"]
     assert rep.smoke["mapped_in_range"] and rep.smoke["mapped_increasing"]
+
+
+@pytest.mark.parametrize("preset", CLEAN)
+@pytest.mark.parametrize("engine", ("vllm", "sglang"))
+def test_engines_rope_is_the_references(verdicts, exports, preset, engine):
+    """The rotary tables the engine built from the export's config.json (read through its own
+    module at positions up to the served length) are the engine-math reference's: llama3 for
+    Llama-3.1-8B, yarn for Kimi-K2.5 (the target's scaling, carried by the export)."""
+    rope = verdicts[preset][engine].raw["rope"]
+    assert "error" not in rope, rope
+    cfg = json.loads((exports[0][preset] / "config.json").read_text())
+    kind = (cfg.get("rope_scaling") or {}).get("rope_type", "default")
+    assert kind == {"llama-3.1-8b": "llama3", "kimi-k2.5": "yarn"}.get(preset, "default")
+    if kind == "yarn":
+        assert rope["class"] == "YaRNScalingRotaryEmbedding"
+        assert cfg["rope_scaling"]["original_max_position_embeddings"] == 4096
+    ref = EngineRope(cfg, int(cfg["head_dim"]), engine)
+    pos = torch.tensor(rope["positions"])
+    assert int(pos.max()) >= 8191                             # beyond the original lengths
+    cos, sin = ref.cos_sin(pos)
+    torch.testing.assert_close(torch.tensor(rope["cos"]), cos, atol=1e-2, rtol=0)
+    torch.testing.assert_close(torch.tensor(rope["sin"]), sin, atol=1e-2, rtol=0)
+    plain = EngineRope(dict(cfg, rope_scaling=None), int(cfg["head_dim"]), engine).cos_sin(pos)
+    if kind != "default":                                     # the scaling is what they serve
+        assert float((plain[0] - cos).abs().max()) > 0.1
 
 
 @pytest.mark.parametrize("engine", ("vllm", "sglang"))
