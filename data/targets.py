@@ -76,6 +76,8 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         hidden_act="silu", vocab_size=129280, max_position_embeddings=163840,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
         bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16"),
 }
 _CONFIGS["kimi-k2.5"] = dict(
@@ -83,7 +85,10 @@ _CONFIGS["kimi-k2.5"] = dict(
     text_config=dict(_CONFIGS["deepseek-v3"], architectures=["DeepseekV3ForCausalLM"],
                      model_type="kimi_k2", num_attention_heads=64, n_routed_experts=384,
                      first_k_dense_replace=1, vocab_size=163840, max_position_embeddings=262144,
-                     rope_theta=50000.0, bos_token_id=163584, eos_token_id=163585),
+                     rope_theta=50000.0, bos_token_id=163584, eos_token_id=163585,
+                     rope_scaling=dict(type="yarn", factor=64.0,
+                                       original_max_position_embeddings=4096, beta_fast=1.0,
+                                       beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
     torch_dtype="bfloat16")
 
 #: presets whose weights eyas can produce offline

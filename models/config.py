@@ -22,14 +22,12 @@ from typing import Any, Optional
 
 from eyas.data.settings import VocabSettings
 from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, default_aux_layer_ids
+from eyas.models.rope import SUPPORTED_ROPE_TYPES, rope_type, target_rope_scaling  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 #: fields that steer training only; `to_config_dict` never writes them
 TRAINING_ONLY = ("ttt_steps",)
-
-#: RoPE types the drafter implements (and vLLM/SGLang's Llama drafter classes implement the same way)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 #: model_type values of MLA targets (DeepSeek-V2/V3, Kimi-K2/K2.5): their attention shape cannot be
 #: copied into a Llama-style drafter, so the drafter gets a GQA shape of its own
@@ -95,7 +93,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     """RoPE base"""
     rope_scaling: Optional[dict[str, Any]] = None
-    """legacy HF rope_scaling dict (rope_type in SUPPORTED_ROPE_TYPES) or None"""
+    """legacy HF rope_scaling dict (rope_type in SUPPORTED_ROPE_TYPES, models/rope.py) or None"""
     max_position_embeddings: int = 8192
     """>= the target's context length (vLLM crashes on longer prompts otherwise)"""
     hidden_act: str = "silu"
@@ -138,7 +136,13 @@ class Eagle3Config:
         if self.norm_before_residual:
             raise ValueError("norm_before_residual=True is not supported: SGLang does not "
                              "implement it, so a drafter trained with it serves wrongly there")
-        rope_type(self.rope_scaling)  # validates
+        if rope_type(self.rope_scaling) == "longrope":  # validates the keys of every type
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != self.head_dim // 2:
+                    raise ValueError(
+                        f"rope_scaling.{key} has {len(self.rope_scaling[key])} entries, the "
+                        f"drafter's head_dim={self.head_dim} needs head_dim/2 = {self.head_dim // 2};"
+                        f" give the drafter the target's head_dim")
 
     # ------------------------------------------------------------------ target → drafter
     @classmethod
@@ -165,7 +169,7 @@ class Eagle3Config:
             raise ValueError(f"aux_layer_ids={list(aux_layer_ids)}: {why}; expected "
                              f"{AUX_IDS_RULE}")
         vocab = int(tc["vocab_size"])
-        scaling = _copyable_rope_scaling(tc)
+        scaling = target_rope_scaling(tc)
         kwargs: dict[str, Any] = dict(
             hidden_size=int(tc["hidden_size"]), target_hidden_size=int(tc["hidden_size"]),
             vocab_size=vocab, draft_vocab_size=min(int(draft_vocab_size), vocab),
@@ -264,42 +268,10 @@ class Eagle3Config:
 
 
 # ---------------------------------------------------------------------- helpers
-def rope_type(rope_scaling: dict[str, Any] | None) -> str:
-    """The rope type of a legacy rope_scaling dict; raises for types the drafter lacks."""
-    if not rope_scaling:
-        return "default"
-    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_scaling type {kind!r} is not implemented by the drafter "
-                         f"(supported: {SUPPORTED_ROPE_TYPES}); set rope_scaling=None or one of those")
-    needed = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                                 "original_max_position_embeddings")}.get(kind, ())
-    missing = [k for k in needed if k not in rope_scaling]
-    if missing:
-        raise ValueError(f"rope_scaling {rope_scaling} of type {kind!r} lacks {missing}")
-    return kind
-
-
 def _rope_theta(tc: dict[str, Any]) -> float:
     if "rope_theta" in tc:
         return tc["rope_theta"]
     return (tc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-
-
-def _copyable_rope_scaling(tc: dict[str, Any]) -> dict[str, Any] | None:
-    """The target's RoPE scaling if the drafter implements it; otherwise None (logged)."""
-    scaling = tc.get("rope_scaling")
-    if scaling is None and isinstance(tc.get("rope_parameters"), dict):
-        scaling = {k: v for k, v in tc["rope_parameters"].items() if k != "rope_theta"}
-    if not scaling or scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-        return None
-    try:
-        rope_type(scaling)
-    except ValueError:
-        log.warning("target rope_scaling %s is not implemented by the Llama-style drafter; the "
-                    "drafter uses plain RoPE (override rope_scaling=... to change)", scaling)
-        return None
-    return dict(scaling)
 
 
 def _family_shape(tc: dict[str, Any]) -> dict[str, int]:

@@ -44,7 +44,8 @@ from torch import Tensor, nn
 
 from eyas.data.vocab_map import VocabMap
 from eyas.models.attention import ATTENTION_KINDS, TTTAttention
-from eyas.models.config import Eagle3Config, rope_type
+from eyas.models.config import Eagle3Config
+from eyas.models.rope import apply_rope, rope_inv_freq, rope_parameters  # noqa: F401 (re-export)
 from eyas.models.ttt import step_positions, step_tokens, structural_valid
 
 log = logging.getLogger(__name__)
@@ -80,33 +81,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
-    """[head_dim/2] fp32 inverse frequencies, with "linear" or "llama3" scaling (HF/vLLM formulas)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    kind = rope_type(scaling)
-    if kind == "linear":
-        return inv / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * torch.pi / inv
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)    # long waves: / factor
-        mid = (wavelen <= old_len / lo) & (wavelen >= old_len / hi)        # blend in between
-        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv
-
-
-def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    """Rotate x [heads, T, d] by positions [T] (rotate-half / NeoX layout, as Llama); fp32 math."""
-    angles = positions.float()[:, None] * inv_freq.to(x.device)[None, :]  # [T, d/2]
-    cos, sin = angles.cos(), angles.sin()
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -151,15 +125,16 @@ class Midlayer(nn.Module):
 #   p = h + mlp(post_attention_layernorm(h)); the lm_head reads norm(p), the next step takes p.
 # The pieces are what torch.compile fuses.
 def attention_inputs(layer: Midlayer, embeds: Tensor, g: Tensor, positions: Tensor,
-                     inv_freq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q [nh,T,d], k [nkv,T,d] (RoPE applied) and v [nkv,T,d] of one step."""
+                     inv_freq: Tensor, rope_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """q [nh,T,d], k [nkv,T,d] (RoPE applied, cos/sin × rope_factor) and v [nkv,T,d] of one step."""
     x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(g)], dim=-1)     # [T, 2H]
     a = layer.self_attn
     T = x.shape[0]
     q = a.q_proj(x).view(T, a.nh, a.hd).transpose(0, 1)
     k = a.k_proj(x).view(T, a.nkv, a.hd).transpose(0, 1)
     v = a.v_proj(x).view(T, a.nkv, a.hd).transpose(0, 1)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return (apply_rope(q, positions, inv_freq, rope_factor),
+            apply_rope(k, positions, inv_freq, rope_factor), v)
 
 
 def attention_residual(layer: Midlayer, attn_out: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
@@ -262,15 +237,18 @@ class Eagle3Drafter(nn.Module):
         attn = TTTAttention(doc_ids, self.attention, head_dim=self.config.head_dim,
                             compile_flex=self.compile_flex, block_size=self.flex_block_size,
                             compile_merge=fused)
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta,
-                                 self.config.rope_scaling).to(input_ids.device)
+        c = self.config
+        inv_freq, rope_factor = rope_parameters(c.head_dim, c.rope_theta, c.rope_scaling,
+                                                c.max_position_embeddings)
+        inv_freq = inv_freq.to(input_ids.device)
         pre = compiled(attention_inputs) if fused else attention_inputs
         post = compiled(layer_output) if fused else layer_output
         g = self.fc(aux.to(self.fc.weight.dtype))                           # [T, H]
         hidden, prenorm = [], []
         for k in range(K):
             embeds = self.embed_tokens(step_tokens(input_ids, k)).to(g.dtype)   # [T, H]
-            q, kk, v = pre(self.midlayer, embeds, g, step_positions(positions, k), inv_freq)
+            q, kk, v = pre(self.midlayer, embeds, g, step_positions(positions, k), inv_freq,
+                           rope_factor)
             out = attn(q, kk, v)                                            # [nh, T, d]
             if self.checkpoint_mlp and torch.is_grad_enabled():
                 p, normed = self._checkpointed_output(out, g, fused)

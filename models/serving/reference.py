@@ -24,6 +24,8 @@ import math
 import torch
 from torch import Tensor
 
+from eyas.models.serving.engine_rope import EngineRope
+
 #: tensor names of a layout-A checkpoint (serving-contract §3)
 REQUIRED_TENSORS = (
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -35,40 +37,11 @@ REQUIRED_TENSORS = (
 OPTIONAL_TENSORS = ("d2t", "t2d")
 
 
-def _engine_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
-    """RoPE inverse frequencies as the engines' rotary classes build them (fp32)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / scaling["factor"]
-    if kind == "llama3":
-        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        orig = scaling["original_max_position_embeddings"]
-        wave = 2 * math.pi / inv
-        smooth = (orig / wave - lo) / (hi - lo) if hi != lo else torch.zeros_like(inv)
-        blended = (1 - smooth) * inv / factor + smooth * inv
-        return torch.where(wave < orig / hi, inv, torch.where(wave > orig / lo, inv / factor, blended))
-    raise ValueError(f"rope type {kind!r} is not implemented by the engine reference")
-
-
-def _rotate(x: Tensor, positions: Tensor, inv_freq: Tensor) -> Tensor:
-    """NeoX-style rotary embedding of x [n, heads, d] at positions [n]: x·cos + rotate_half(x)·sin."""
-    freqs = positions.to(torch.float)[:, None] * inv_freq[None, :]       # [n, d/2]
-    cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None, :]          # [n, 1, d]
-    sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None, :]
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
 class EngineDrafter:
     """A layout-A drafter decoded the engines' way, one sequence at a time (see module docstring)."""
 
     def __init__(self, cfg: dict, tensors: dict[str, Tensor], embedding: Tensor,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, engine: str = "vllm"):
         self.dtype = dtype
         self.H = int(cfg["hidden_size"])
         self.nh, self.nkv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
@@ -83,22 +56,19 @@ class EngineDrafter:
         d2t = tensors.get("d2t")
         self.target_ids = torch.arange(self.Vd) + (d2t.to(torch.long) if d2t is not None else 0)
         self.embedding = embedding.to(dtype)
-        theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling")
-        if scaling is None and cfg.get("rope_parameters"):
-            scaling = {k: v for k, v in cfg["rope_parameters"].items() if k != "rope_theta"}
-        self.inv_freq = _engine_inv_freq(self.hd, float(theta), scaling)
+        self.rope = EngineRope(cfg, self.hd, engine)   # engine: whose RoPE where they differ
         self.reset()
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_tensors(cls, config_dict: dict, tensors: dict[str, Tensor], target_embedding: Tensor,
-                     *, dtype: torch.dtype | None = None) -> EngineDrafter:
+                     *, dtype: torch.dtype | None = None, engine: str = "vllm") -> EngineDrafter:
         """Load like the engines: layout-A names, d2t offsets, the target's embedding.
 
         config_dict: the drafter's config.json; tensors: its safetensors by name (no `model.`
         prefix, `midlayer.` layer); target_embedding: the target's input embedding [V, H].
-        dtype: compute dtype (default: that of fc.weight; engines serve bf16).
+        dtype: compute dtype (default: that of fc.weight; engines serve bf16). engine: "vllm" or
+        "sglang", whose RoPE to compute for the types where they differ (models/serving/engine_rope.py).
         Raises ValueError naming the tensor/key for anything the engines would reject or
         silently mis-serve (unknown or missing names, wrong shapes, missing d2t with Vd < V).
         """
@@ -144,7 +114,7 @@ class EngineDrafter:
                     or int(ids.min()) < 0 or int(ids.max()) >= V:
                 raise ValueError("d2t must be [draft_vocab_size] OFFSETS with i + d2t[i] strictly "
                                  "increasing within [0, vocab_size)")
-        return cls(cfg, tensors, target_embedding, dtype or tensors["fc.weight"].dtype)
+        return cls(cfg, tensors, target_embedding, dtype or tensors["fc.weight"].dtype, engine)
 
     # ------------------------------------------------------------------ cache
     def reset(self) -> None:
@@ -183,7 +153,7 @@ class EngineDrafter:
         q = self._lin(x, "midlayer.self_attn.q_proj.weight").view(n, self.nh, self.hd)
         k = self._lin(x, "midlayer.self_attn.k_proj.weight").view(n, self.nkv, self.hd)
         v = self._lin(x, "midlayer.self_attn.v_proj.weight").view(n, self.nkv, self.hd)
-        q, k = _rotate(q, positions, self.inv_freq), _rotate(k, positions, self.inv_freq)
+        q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
         start = self.cache_len
         self.k_cache = torch.cat([self.k_cache, k])                       # [L+n, nkv, hd]
         self.v_cache = torch.cat([self.v_cache, v])

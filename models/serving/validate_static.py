@@ -16,6 +16,7 @@ from eyas.models.serving.contract import (CORE_TENSORS, ERROR, FLOAT_DTYPES, LAY
                                           WARNING, Finding, TensorDir, all_finite, config_dims,
                                           expected_shapes, finding)
 from eyas.models.serving.validate_integrity import INTEGRITY_CODES, magnitude_findings
+from eyas.models.serving.validate_rope import ROPE_CODES, check_rope
 from eyas.models.serving.validate_vocab import VOCAB_CODES, check_vocab_map
 
 #: settings that SGLang cannot parse (speculators format) or that only 2026-05+ builds implement
@@ -35,7 +36,7 @@ CODES = {
     "NORM_BEFORE_RESIDUAL": ERROR, "AUX_IDS_MISSING": ERROR, "AUX_IDS_MISMATCH": ERROR,
     "AUX_IDS_COUNT": ERROR, "AUX_IDS_ORDER": ERROR, "AUX_IDS_RANGE": ERROR,
     "USE_AUX_OFF": ERROR, "FORBIDDEN_KEY": ERROR, "TORCH_DTYPE": WARNING,
-    "ROPE_LEGACY": WARNING, "SPECULATORS_FORMAT": WARNING,
+    "ROPE_LEGACY": WARNING, "SPECULATORS_FORMAT": WARNING, **ROPE_CODES,
     # model.safetensors
     "WEIGHTS_MISSING": ERROR, "SHARD_INDEX": ERROR, "SHARD_DUPLICATE": ERROR,
     "NAME_LAYERS0": ERROR, "NAME_MODEL_PREFIX": ERROR, "NAME_FUSED": ERROR,
@@ -192,7 +193,7 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
             "engines built on transformers 4 read rope_theta (default 10000) and rope_scaling",
             f"also write rope_theta = {rp.get('rope_theta')!r} (and rope_scaling)",
             severity=ERROR if rp.get("rope_theta", 10000.0) != 10000.0 else WARNING)
-    return out
+    return out + check_rope(cfg, tcfg)
 
 def _check_aux_ids(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Finding]:
     """Both spellings present, consistent (vLLM = SGLang + 1), ascending, within the target."""

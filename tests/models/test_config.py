@@ -114,11 +114,11 @@ def test_bad_config_dicts_fail_clearly(patch, match):
 
 
 def test_unsupported_rope_type_is_refused_or_not_copied():
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="deepseek_yarn"):
         Eagle3Config.from_target(load_target_config("tiny-llama"),
-                                 rope_scaling={"rope_type": "yarn", "factor": 4.0})
+                                 rope_scaling={"rope_type": "deepseek_yarn", "factor": 4.0})
     target = load_target_config("deepseek-v3")
-    target["rope_scaling"] = {"type": "yarn", "factor": 40}
+    target["rope_scaling"] = {"type": "deepseek_yarn", "factor": 40}
     assert Eagle3Config.from_target(target).rope_scaling is None    # logged, not copied
 
 

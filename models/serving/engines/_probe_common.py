@@ -202,3 +202,27 @@ def main_guard(fn: Callable[[], int]) -> None:
         code = 2
     sys.stdout.flush()
     sys.exit(code)
+
+
+#: positions at which the probes read the engine's rotary tables (filtered to the served length)
+ROPE_POSITIONS = (0, 1, 2, 100, 1000, 2047, 2048, 2049, 4095, 4096, 4097, 8191, 8192, 16385,
+                  32768, 131071, 262143)
+
+
+def rope_tables(model, max_len: int) -> dict[str, Any]:
+    """cos/sin [n, d/2] of the drafter's rotary module at ROPE_POSITIONS < max_len.
+
+    Rotates a query whose first half is 1 and second half 0 with the module's own forward: the
+    output halves are then cos and sin (NeoX layout), whatever tables the class builds."""
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    if rotary is None:
+        return {"error": "no rotary_emb module"}
+    d = int(rotary.head_size)
+    pos = torch.tensor([p for p in ROPE_POSITIONS if p < max_len], dtype=torch.long)
+    q = torch.cat([torch.ones(len(pos), d // 2), torch.zeros(len(pos), d // 2)], -1)
+    fwd = getattr(rotary, "forward_native", rotary.forward)
+    with torch.no_grad():
+        out, _ = fwd(pos, q.clone(), q.clone())
+    out = out.float().view(len(pos), d)
+    return {"class": type(rotary).__name__, "positions": pos.tolist(),
+            "cos": out[:, :d // 2].tolist(), "sin": out[:, d // 2:].tolist()}

@@ -185,6 +185,10 @@ def check_one(job: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:
         rec["error"] = pc.error_record("smoke", e)
         return rec
+    try:
+        rec["rope"] = pc.rope_tables(model, int(spec.draft_model_config.max_model_len))
+    except Exception as e:  # reported, never fatal: the load itself succeeded
+        rec["rope"] = {"error": f"{type(e).__name__}: {e}"}
     rec["ok"] = True
     return rec
 

@@ -27,6 +27,7 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.engines import check_engines, check_engines_many, cli_main
 from eyas.models.serving.engines.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
 from eyas.models.serving.engines.verdicts import verdict, verdict_table
+from eyas.models.serving.engine_rope import EngineRope
 from eyas.models.serving.export import export_drafter
 from eyas.data.targets import load_target_config, text_config
 
@@ -42,6 +43,20 @@ clean_tiny_export, random_export = _be.clean_tiny_export, _be.random_export
 pytestmark = pytest.mark.engines
 
 CLEAN = ("smollm2", "llama-3.1-8b", "kimi-k2.5", "tiny-llama")
+# tiny-llama targets with a long-context RoPE whose cos/sin factor is not 1 (yarn: 0.1·ln 4 + 1)
+ROPE_TARGETS = {
+    "tiny-yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
+    "tiny-longrope": {"rope_type": "longrope", "original_max_position_embeddings": 2048,
+                      "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                      "long_factor": [1.0 + 2.0 * i for i in range(8)]},
+}
+ROPE_KINDS = {"llama-3.1-8b": "llama3", "kimi-k2.5": "yarn", "tiny-yarn": "yarn",
+              "tiny-longrope": "longrope"}
+
+
+def rope_target(name: str) -> dict:
+    return dict(load_target_config("tiny-llama"), rope_scaling=ROPE_TARGETS[name],
+                max_position_embeddings=8192)
 
 # engine-loaders.md "What each engine's own code catches": the engine raises while loading
 RAISES = {
@@ -91,13 +106,25 @@ def smollm2_export(out: Path) -> Path:
     return export_drafter(drafter.state_dict(), cfg, None, None, out, target_config=tcfg)
 
 
+def rope_export(name: str, out: Path) -> Path:
+    """A random tiny drafter derived from a tiny target with long-context RoPE, exported."""
+    tcfg = rope_target(name)
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=512, ttt_steps=3)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg, attention="eager")
+    ids = torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values
+    drafter.set_vocab_map(ids - torch.arange(cfg.draft_vocab_size))
+    return export_drafter(drafter.state_dict(), cfg, None, None, out, target_config=tcfg)
+
+
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     clean = {"smollm2": smollm2_export(root / "smollm2"),
              "llama-3.1-8b": random_export("llama-3.1-8b", root / "llama8b"),
              "kimi-k2.5": random_export("kimi-k2.5", root / "kimi"),
-             "tiny-llama": clean_tiny_export(root / "tiny")}
+             "tiny-llama": clean_tiny_export(root / "tiny"),
+             **{name: rope_export(name, root / name) for name in ROPE_TARGETS}}
     return clean, broken_exports(clean["tiny-llama"], root / "broken")
 
 
@@ -106,7 +133,8 @@ def verdicts(exports):
     """{name: {engine: EngineReport}} for every clean and broken export (one process/engine)."""
     clean, broken = exports
     names = list(clean) + list(broken)
-    pairs = [(d, t) for t, d in clean.items()] + [(d, BROKEN_TARGET) for d, _ in broken.values()]
+    pairs = [(d, rope_target(t) if t in ROPE_TARGETS else t) for t, d in clean.items()]
+    pairs += [(d, BROKEN_TARGET) for d, _ in broken.values()]
     t0 = time.time()
     reports = check_engines_many(pairs)
     print(f"\n{len(pairs)} exports x 2 engines checked in {time.time() - t0:.0f} s")
@@ -139,6 +167,34 @@ def test_clean_exports_load_cleanly(verdicts, exports, preset, engine):
     width = tcfg["vocab_size"] if engine == "vllm" else cfg["draft_vocab_size"]
     assert rep.smoke["logits_shape"] == [4, width] and rep.smoke["logits_finite"]
     assert rep.smoke["mapped_in_range"] and rep.smoke["mapped_increasing"]
+
+
+@pytest.mark.parametrize("preset", CLEAN + tuple(ROPE_TARGETS))
+@pytest.mark.parametrize("engine", ("vllm", "sglang"))
+def test_engines_rope_is_the_references(verdicts, exports, preset, engine):
+    """The rotary tables the engine built from the export's config.json (read through its own
+    module at positions up to the served length) are the engine-math reference's: llama3 for
+    Llama-3.1-8B, yarn for Kimi-K2.5 (the target's scaling, carried by the export), and the tiny
+    yarn and longrope drafters, whose cos/sin factor is not 1."""
+    rep = verdicts[preset][engine]
+    assert rep.ok and rep.loaded, "\n".join(map(str, rep.findings))
+    rope = rep.raw["rope"]
+    assert "error" not in rope, rope
+    cfg = json.loads((exports[0][preset] / "config.json").read_text())
+    kind = (cfg.get("rope_scaling") or {}).get("rope_type", "default")
+    assert kind == ROPE_KINDS.get(preset, "default")
+    if kind == "yarn":
+        assert rope["class"] == "YaRNScalingRotaryEmbedding"
+        assert cfg["rope_scaling"]["original_max_position_embeddings"] in (2048, 4096)
+    ref = EngineRope(cfg, int(cfg["head_dim"]), engine)
+    pos = torch.tensor(rope["positions"])
+    assert int(pos.max()) >= 8191                             # beyond the original lengths
+    cos, sin = ref.cos_sin(pos)
+    torch.testing.assert_close(torch.tensor(rope["cos"]), cos, atol=1e-2, rtol=0)
+    torch.testing.assert_close(torch.tensor(rope["sin"]), sin, atol=1e-2, rtol=0)
+    plain = EngineRope(dict(cfg, rope_scaling=None), int(cfg["head_dim"]), engine).cos_sin(pos)
+    if kind != "default":                                     # the scaling is what they serve
+        assert float((plain[0] - cos).abs().max()) > 0.1
 
 
 @pytest.mark.parametrize("engine", ("vllm", "sglang"))
