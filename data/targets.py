@@ -87,7 +87,7 @@ _CONFIGS["kimi-k2.5"] = dict(
                      first_k_dense_replace=1, vocab_size=163840, max_position_embeddings=262144,
                      rope_theta=50000.0, bos_token_id=163584, eos_token_id=163585,
                      rope_scaling=dict(type="yarn", factor=64.0,
-                                       original_max_position_embeddings=4096, beta_fast=1.0,
+                                       original_max_position_embeddings=4096, beta_fast=32.0,
                                        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
     torch_dtype="bfloat16")
 
