@@ -34,6 +34,9 @@ from eyas.data.log import HelpFormatter
 from eyas.data.targets import TARGET_DTYPES, fast_device, target_dtype
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
+from eyas.train.evaluate_sampling import (add_sampling_args, by_temperature,
+                                          format_by_temperature, format_sampled,
+                                          offline_at_temperature)
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +240,8 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
 def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: str | Path, *,
                      k: int, num_prompts: int | None, max_new_tokens: int,
                      cache_dir: str | Path | None = None, dtype: str = "fp32",
-                     model=None, tokenizer=None, progress: bool = True) -> dict[str, Any]:
+                     model=None, tokenizer=None, progress: bool = True, temperature: float = 0.0,
+                     draft: str = "argmax", seed: int = 0) -> dict[str, Any]:
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
     drafter_dir: the exported drafter (loaded like vLLM, `models.serving.reference.EngineDrafter`);
@@ -245,7 +249,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     `model` + `tokenizer`. dtype: "fp32" (default: token identity is exact, and on CPUs without
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
-    Batch size 1; the drafter runs on the CPU.
+    Batch size 1; the drafter runs on the CPU. temperature > 0: the engines' rejection
+    sampling (`models.serving.sampling`; draft "argmax" or "sample"), prompt i seeded seed + i.
     Returns models.serving.specdec.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import load_engine_drafter, run_prompts, stop_token_ids
@@ -268,10 +273,11 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     t0 = time.perf_counter()
     res = run_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
                       max_new_tokens=max_new_tokens, stop_ids=stop_token_ids(model, tokenizer),
-                      names=[n for n, _ in prompts], progress=progress)
+                      names=[n for n, _ in prompts], progress=progress, temperature=temperature,
+                      draft=draft, seed=seed)
     res.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_path),
                dtype=dtype, max_new_tokens=max_new_tokens, wall_seconds=time.perf_counter() - t0)
-    if not res["tokens_identical"]:
+    if res["tokens_identical"] is False:
         log.warning("%d of %d prompts diverge from target-only greedy decoding (first: %s)%s",
                     len(res["mismatches"]), len(prompts), res["mismatches"][0],
                     "; bf16 near-ties (see target_top2_logit_gap) can flip between one-token "
@@ -303,6 +309,10 @@ def _fmt(x, spec: str = ".3f") -> str:
 def format_table(res: dict[str, Any]) -> str:
     """The short stdout table of an offline or speculative result."""
     lines = []
+    if res.get("temperature", 0) > 0:
+        lines.append(format_sampled(res))
+    if res["mode"] == "offline" and res.get("temperature", 0) > 0:
+        return "\n".join(lines)
     if res["mode"] == "offline":
         lines.append(f"offline chain acceptance, {res['chain_starts']} chain starts, "
                      f"{res['num_samples']} samples")
@@ -418,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
                    "(default: ~/.cache/eyas)")
+    add_sampling_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest; "
                    "default: torch's own)")
@@ -436,22 +447,37 @@ def cli_main(argv: list[str] | None = None) -> int:
     if args.prompts:
         if not args.target:
             p.error("--prompts needs --target")
-        res = speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
-                               num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                               cache_dir=args.cache_dir, dtype=args.dtype or "fp32")
+        from eyas.data.targets import load_target
+        dtype = args.dtype or "fp32"
+        model, tok = load_target(args.target, dtype=TARGET_DTYPES[dtype], cache_dir=args.cache_dir)
+
+        def evaluate_at(t: float) -> dict[str, Any]:
+            return speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
+                                    num_prompts=args.num_prompts, model=model, tokenizer=tok,
+                                    max_new_tokens=args.max_new_tokens, cache_dir=args.cache_dir,
+                                    dtype=dtype, temperature=t, draft=args.draft_sampling,
+                                    seed=args.sampling_seed)
     else:
         from eyas.data.dataset import open_dataset
         n = len(open_dataset(args.data))
         indices, how = scored_samples(args, n, training_record(args.drafter))
         print(f"scoring {n if indices is None else len(indices)} of {n} samples of {args.data}: "
               f"{how}")
-        res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
-                           indices=indices, device=args.device, target=args.target,
-                           cache_dir=args.cache_dir,
-                           dtype=TARGET_DTYPES[args.dtype] if args.dtype else None)
+
+        def evaluate_at(t: float) -> dict[str, Any]:
+            if t > 0:
+                return offline_at_temperature(args, indices, t, drafter_for=_drafter_for)
+            return offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
+                                indices=indices, device=args.device, target=args.target,
+                                cache_dir=args.cache_dir,
+                                dtype=TARGET_DTYPES[args.dtype] if args.dtype else None)
+    temps = args.temperatures or [args.temperature]
+    res = by_temperature(temps, evaluate_at) if args.temperatures else evaluate_at(temps[0])
     from eyas.data.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
+    if "by_temperature" in res:
+        print(format_by_temperature(res["by_temperature"]))
     print(f"wrote {args.out}")
     return 0
 
