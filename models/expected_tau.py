@@ -31,6 +31,15 @@ branch (no longer one forward per batch) and still only estimate the same expect
 figure is therefore exact in expectation for the stored text, and an estimate of served τ
 whose error grows with how far the stored text is from what the target samples at T.
 
+`tau_trajectory` is the expected DECODER WALK, the figure that predicts serving (as the greedy
+`tau_trajectory` of `models.metrics` does): on each assistant span the walk starts after the
+span's first token and, from position t, accepts n drafts with probability
+P(n ≥ j) = alive(j-1, t) (capped so the emitted n + 1 tokens stay in the span) and jumps to
+t + n + 1. Expected rounds R(t) = 1 + Σ_n P_t(n) R(t+n+1) and emitted tokens
+E(t) = Σ_n P_t(n) (n + 1 + E(t+n+1)) are summed backwards over the span (`expected_walk`);
+tau_trajectory = Σ E / Σ R over spans. `tau` averages over EVERY start instead and reads
+high where acceptance varies along the text, exactly as the greedy `tau` does.
+
 `tau_se` is the standard error of the mean over chain starts of 1 + Σ_k alive(k, t) (how much
 the figure moves with the text sampled), not the sampling noise of a real run.
 Counts are float64 sums that add over batches and ranks (`add_expected`), summarised once.
@@ -40,11 +49,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
-#: float64 sums of `expected_counts` (per step k: alive, before; scalars: starts, Σ L, Σ L²)
-EXPECTED_KEYS = ("alive", "before", "starts", "length_sum", "length_sq_sum")
+#: float64 sums of `expected_counts` (per step k: alive, before; scalars: starts, Σ L, Σ L²,
+#: the expected walk's rounds and emitted tokens)
+EXPECTED_KEYS = ("alive", "before", "starts", "length_sum", "length_sq_sum", "walk_rounds",
+                 "walk_tokens")
 
 
 def _temp_softmax(logits: Tensor, temperature: float) -> Tensor:
@@ -85,6 +97,31 @@ def topk_step_acceptance(draft_logits: Tensor, topk_ids: Tensor, topk_logits: Te
     return torch.minimum(p, q).double().sum(-1)
 
 
+def expected_walk(alive: Tensor, mask0: Tensor) -> tuple[float, float]:
+    """(expected rounds, expected emitted tokens) of the decoder walk (module docstring) summed
+    over the spans of one batch. alive [K, T] float64, mask0 [T] bool (the chain starts; each
+    maximal run [a, b] is one span). Runs on the host: for evaluation only."""
+    K = alive.shape[0]
+    surv = alive.detach().to("cpu", torch.float64).numpy()                # [K, T]
+    m = mask0.detach().cpu().numpy().astype(np.int8)
+    edges = np.diff(np.concatenate([[0], m, [0]]))
+    rounds = tokens = 0.0
+    for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1):
+        span = b - a                                        # the walk runs while t < span
+        R, E = np.zeros(span + K + 2), np.zeros(span + K + 2)
+        for t in range(span - 1, -1, -1):
+            cap = min(K, span - t - 1)
+            S = np.concatenate([[1.0], surv[:cap, a + t], [0.0]])        # P(n >= j), j = 0..cap+1
+            P = S[:-1] - S[1:]                                            # P(n), n = 0..cap
+            n = np.arange(cap + 1)
+            R[t] = 1.0 + float((P * R[t + n + 1]).sum())
+            E[t] = float((P * (n + 1 + E[t + n + 1])).sum())
+        if span > 0:
+            rounds += R[0]
+            tokens += E[0]
+    return rounds, tokens
+
+
 def expected_counts(alpha: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """Sums of one batch: alpha [K, T] acceptance probabilities, mask [K, T] bool (rows that
     count; `models.objective.metric_mask`). Chain starts are the rows with mask[0]."""
@@ -93,9 +130,12 @@ def expected_counts(alpha: Tensor, mask: Tensor) -> dict[str, Tensor]:
     before = torch.cat([torch.ones_like(alive[:1]), alive[:-1]]) * mask
     starts = mask[0]
     length = alive.sum(0)[starts]                                        # [S] expected L(t)
+    rounds, tokens = expected_walk(alive, starts)
+    f64 = dict(dtype=torch.float64, device=alpha.device)
     return {"alive": alive[:, starts].sum(1), "before": before[:, starts].sum(1),
             "starts": starts.sum().double(), "length_sum": length.sum(),
-            "length_sq_sum": (length * length).sum()}
+            "length_sq_sum": (length * length).sum(), "walk_rounds": torch.tensor(rounds, **f64),
+            "walk_tokens": torch.tensor(tokens, **f64)}
 
 
 def add_expected(acc: dict[str, Tensor] | None, new: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -103,13 +143,15 @@ def add_expected(acc: dict[str, Tensor] | None, new: dict[str, Tensor]) -> dict[
 
 
 def summarize_expected(counts: dict[str, Tensor]) -> dict:
-    """tau, tau_se, tau_by_k (chains capped at K' = 1..K), cond_acc_{k} (expected P(draft k
-    accepted | 0..k-1 accepted)) and chain_starts of the summed counts."""
+    """tau, tau_se, tau_trajectory (the expected decoder walk), tau_by_k (chains capped at
+    K' = 1..K), cond_acc_{k} (expected P(draft k accepted | 0..k-1 accepted)) and chain_starts
+    of the summed counts."""
     n = float(counts["starts"])
     alive = counts["alive"].tolist()
     nan = float("nan")
     if n == 0:
-        return {"tau": nan, "tau_se": nan, "tau_by_k": [nan] * len(alive), "chain_starts": 0,
+        return {"tau": nan, "tau_se": nan, "tau_trajectory": nan, "tau_by_k": [nan] * len(alive),
+                "chain_starts": 0,
                 **{f"cond_acc_{k}": nan for k in range(len(alive))}}
     mean = float(counts["length_sum"]) / n
     var = (float(counts["length_sq_sum"]) - n * mean * mean) / (n - 1) if n > 1 else nan
@@ -118,7 +160,9 @@ def summarize_expected(counts: dict[str, Tensor]) -> dict:
         run += a
         by_k.append(1.0 + run / n)
     before = counts["before"].tolist()
+    walk = float(counts["walk_rounds"])
     return {"tau": 1.0 + mean, "tau_se": math.sqrt(max(var, 0.0) / n) if n > 1 else nan,
+            "tau_trajectory": float(counts["walk_tokens"]) / walk if walk > 0 else nan,
             "tau_by_k": by_k, "chain_starts": int(n),
             **{f"cond_acc_{k}": a / b if b > 0 else nan
                for k, (a, b) in enumerate(zip(alive, before))}}

@@ -153,12 +153,13 @@ def offline_at_temperature(args, indices, temperature: float, *, drafter_for) ->
 
 def format_sampled(res: dict) -> str:
     """The stdout lines of a result at temperature > 0 (τ ± its standard error; offline: the
-    expected τ by chain cap and the per-position acceptance)."""
+    expected decoder walk, τ by chain cap and the per-position acceptance)."""
     def f(x):
         return "n/a" if x is None or x != x else f"{x:.3f}"
     lines = [f"{res['mode']} at temperature {res['temperature']:g} (draft "
              f"{res.get('draft', 'argmax')}): tau {f(res['tau'])} ± {f(res.get('tau_se'))} (s.e.)"]
     if res["mode"] == "offline":
+        lines.append(f"  expected decoder walk: tau_trajectory {f(res['tau_trajectory'])}")
         lines.append(f"{'k':>3} {'tau_by_k':>9} {'cond_acc_{k}':>12}")
         lines += [f"{j:>3} {f(res['tau_by_k'][j]):>9} {f(res[f'cond_acc_{j}']):>12}"
                   for j in range(res["k"])]
@@ -207,13 +208,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def by_temperature(temps: list[float], evaluate_at: Callable[[float], dict]) -> dict[str, Any]:
     """Evaluate at each temperature; the first result with `by_temperature` = [{temperature,
-    tau, tau_se, offline_tau (offline results only)}] of all of them."""
+    tau, tau_se, and for offline results offline_tau: the decoder-walk τ, `tau_trajectory`,
+    the offline figure that predicts real decoding}] of all of them."""
     results = [evaluate_at(t) for t in temps]
     rows = []
     for t, res in zip(temps, results):
         row = {"temperature": t, "tau": res.get("tau"), "tau_se": res.get("tau_se")}
         if res.get("mode") == "offline":
-            row["offline_tau"] = res.get("tau")
+            row["offline_tau"] = res.get("tau_trajectory")
         rows.append(row)
     out = dict(results[0])
     out["by_temperature"] = rows
@@ -224,6 +226,7 @@ def format_by_temperature(rows: list[dict]) -> str:
     """The stdout table of `by_temperature`."""
     def f(x):
         return "n/a" if x is None or x != x else f"{x:.3f}"
-    lines = [f"{'T':>5} {'tau':>7} {'tau_se':>7}"]
-    lines += [f"{r['temperature']:>5g} {f(r['tau']):>7} {f(r['tau_se']):>7}" for r in rows]
+    lines = [f"{'T':>5} {'tau':>7} {'tau_se':>7} {'offline_tau (walk)':>18}"]
+    lines += [f"{r['temperature']:>5g} {f(r['tau']):>7} {f(r['tau_se']):>7} "
+              f"{f(r.get('offline_tau')):>18}" for r in rows]
     return "\n".join(lines)

@@ -77,3 +77,62 @@ def test_temperature_zero_is_refused():
     z, logits, ids = _case()
     with pytest.raises(ValueError, match="temperature > 0"):
         step_acceptance(z, logits, ids, temperature=0.0, draft="sample")
+
+
+def _spans(T, g):
+    """A mask [K=3, T] like metric_mask: starts in runs (assistant spans), rows k valid while
+    t+1+k stays in the span."""
+    K = 3
+    m0 = torch.rand(T, generator=g) < 0.8
+    m0[torch.arange(T) % 11 == 0] = False                                 # break into spans
+    mask = torch.zeros(K, T, dtype=torch.bool)
+    for k in range(K):
+        ok = torch.zeros(T, dtype=torch.bool)
+        ok[:T - k] = m0[k:]
+        run = m0.clone()
+        for j in range(1, k + 1):
+            run[:T - j] &= m0[j:]
+            run[T - j:] = False
+        mask[k] = run & ok
+    return mask
+
+
+def test_expected_walk_of_certain_steps_is_the_greedy_walk():
+    from eyas.models.metrics import trajectory_counts
+    g = torch.Generator().manual_seed(4)
+    mask = _spans(200, g)
+    correct = (torch.rand(mask.shape, generator=g) < 0.7) & mask
+    alive = torch.cumprod(correct.to(torch.int64), 0)
+    rounds, tokens = trajectory_counts(alive, mask[0])
+    res = summarize_expected(expected_counts(correct.double(), mask))
+    assert res["tau_trajectory"] == pytest.approx(float(tokens[-1]) / float(rounds[-1]), abs=1e-12)
+
+
+def test_expected_walk_matches_simulated_walks():
+    g = torch.Generator().manual_seed(6)
+    mask = _spans(60, g)
+    alpha = torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
+    res = summarize_expected(expected_counts(alpha, mask))
+    alive = torch.cumprod(alpha, 0)
+    m0 = mask[0].tolist()
+    spans, a = [], None
+    for t, s in enumerate(m0 + [False]):
+        if s and a is None:
+            a = t
+        if not s and a is not None:
+            spans.append((a, t - 1))
+            a = None
+    rng = torch.Generator().manual_seed(7)
+    rounds = tokens = 0
+    for _ in range(4000):
+        for a, b in spans:
+            t = 0
+            while t < b - a:
+                n, u = 0, float(torch.rand(1, generator=rng))
+                cap = min(3, b - a - t - 1)
+                while n < cap and u < float(alive[n, a + t]):               # P(n >= j) = alive
+                    n += 1
+                rounds += 1
+                tokens += n + 1
+                t += n + 1
+    assert res["tau_trajectory"] == pytest.approx(tokens / rounds, rel=5e-3)

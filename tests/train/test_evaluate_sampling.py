@@ -86,6 +86,7 @@ def test_offline_expected_tau_predicts_real_sampling(sampled_case):
     assert all(h > 0 for h in hist) and 1.5 < real < K + 1, hist   # a nontrivial acceptance
     se = (real_se ** 2 + off["tau_se"] ** 2) ** 0.5
     assert abs(off["tau"] - real) <= REAL_SE * se, (off["tau"], real, se)
+    assert abs(off["tau_trajectory"] - real) <= REAL_SE * se, (off["tau_trajectory"], real, se)
     # the engines' argmax proposal on the same drafter: p(argmax q) ~ 1/V here, so τ ~ 1
     arg = offline_sampling_eval(drafter, root / "hidden", k=K, temperature=T, draft="argmax",
                                 token_budget=1024, head=load_embedding_and_head("tiny-llama")[1])
@@ -103,6 +104,7 @@ def test_cli_temperatures(sampled_case, tmp_path, capsys):
     assert [r["temperature"] for r in rows] == [0.0, 1.0]
     assert all(set(r) == {"temperature", "tau", "tau_se", "offline_tau"} for r in rows)
     assert rows[0]["tau"] == res["tau"] and rows[1]["tau"] > rows[0]["tau"]
+    assert rows[0]["offline_tau"] == res["tau_trajectory"]
     assert rows[1]["tau_se"] > 0
     assert "tau_se" in capsys.readouterr().out
 
