@@ -93,6 +93,29 @@ def test_offline_expected_tau_predicts_real_sampling(sampled_case):
     assert 1.0 <= arg["tau"] < 1.01
 
 
+def test_topk_teacher_over_every_id_matches_the_last_state(sampled_case, tmp_path):
+    """A top-k dataset with k = V, built from the stored last states, gives the same expected τ
+    through the top-k branch (the draft vocabulary mapped back through to_draft)."""
+    _, _, _, root, export = sampled_case
+    src = open_dataset(root / "hidden")
+    head = load_embedding_and_head("tiny-llama")[1].float()
+    samples = []
+    for i in range(2):
+        s = src[i]
+        vals, ids = (s["last"].float() @ head.T).topk(head.shape[0], dim=-1)
+        samples.append({"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], "aux": s["aux"],
+                        "target_argmax": s["target_argmax"], "topk_ids": ids, "topk_logits": vals})
+    out = tmp_path / "topk"
+    write_manifest(out, dict(src.manifest, teacher="topk"), [write_shard(out, 0, samples)])
+    drafter = load_training_drafter(export, "tiny-llama", attention="eager")
+    kw = dict(k=K, temperature=0.7, draft="sample", token_budget=1024, indices=[0, 1])
+    topk = offline_sampling_eval(drafter, out, **kw)
+    full = offline_sampling_eval(drafter, root / "hidden", head=head, **kw)
+    assert topk["teacher"] == "topk" and full["teacher"] == "last"
+    assert topk["tau"] == pytest.approx(full["tau"], rel=1e-5)
+    assert topk["tau_trajectory"] == pytest.approx(full["tau_trajectory"], rel=1e-5)
+
+
 def test_cli_temperatures(sampled_case, tmp_path, capsys):
     _, _, _, root, export = sampled_case
     f = tmp_path / "offline.json"
