@@ -200,8 +200,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated temperatures, e.g. 0,0.7,1.0: one evaluation each, "
                    "listed under by_temperature (the first one's full result at the top level)")
     p.add_argument("--draft-sampling", choices=DRAFT_MODES, default="argmax", help="T > 0: "
-                   "how drafts are proposed: argmax (what vLLM and SGLang serve; q one-hot) or "
-                   "sample (drawn from the drafter's softmax at T)")
+                   "how drafts are proposed: argmax (what vLLM and SGLang serve by default; q "
+                   "one-hot) or sample (drawn from the drafter's softmax at T: vLLM's "
+                   "draft_sample_method probabilistic)")
     p.add_argument("--sampling-seed", type=int, default=0, help="T > 0 with --prompts: seed "
                    "of prompt i's generator is this + i (reproducible runs)")
 

@@ -11,10 +11,11 @@ Whatever q is, the emitted tokens are distributed exactly as sampling from the t
 (Leviathan et al. 2023, Chen et al. 2023); q only changes how many drafts are accepted.
 
 Two proposals q (`DRAFT_MODES`):
-  * "argmax" (the default: what both engines serve). vLLM's EAGLE proposer drafts by argmax
-    and hands the rejection sampler no draft probabilities (`draft_probs=None`, the path it
-    shares with n-gram drafting): q is then one-hot on the draft, so a draft is accepted with
-    probability p(d) and a rejection resamples from p with d's mass removed. SGLang's chain
+  * "argmax" (the default: what both engines serve by default). vLLM's EAGLE proposer drafts
+    by argmax (`speculative_config.draft_sample_method`, default "greedy") and hands the
+    rejection sampler no draft probabilities (`draft_probs=None`, the path it shares with
+    n-gram drafting): q is then one-hot on the draft, so a draft is accepted with probability
+    p(d) and a rejection resamples from p with d's mass removed. SGLang's chain
     (topk=1) proposes the drafter's top token too and verifies with
     `tree_speculative_sampling_target_only`, which is given all-zero draft probabilities: it
     accepts d when u <= p(d) (default thresholds 1) and, after a rejection, samples from the
@@ -23,8 +24,9 @@ Two proposals q (`DRAFT_MODES`):
     TARGET logits only; the drafter's logits get no temperature.
   * "sample": drafts sampled from q = softmax(drafter logits / T) over the draft vocabulary
     (mapped to target ids, zero elsewhere): the textbook speculative sampling, and vLLM's
-    `compute_probs_and_sample_next_token`, a proposer helper that samples drafts at the
-    request's temperature (temperature only) for the rejection sampler's `draft_probs` path.
+    `draft_sample_method: "probabilistic"`, whose proposer (`compute_probs_and_sample_next_token`)
+    divides the draft logits by the request's temperature (no top-k/top-p), samples, and keeps
+    those probabilities for the rejection sampler's `draft_probs` path.
 
 Randomness: every call takes a `torch.Generator` and draws a fixed amount from it per round
 (one multinomial per draft in "sample" mode, K uniforms, K residual draws and one bonus draw),

@@ -20,9 +20,9 @@ At temperature T > 0 the round is the engines' speculative sampling instead
 (`models.serving.sampling`: drafts proposed by argmax, as vLLM and SGLang do, or sampled from
 the drafter at T; accepted with probability min(1, p/q), a rejection resampled from the
 residual), the output is a sample of the target at T, and a seeded `torch.Generator` per
-request makes it reproducible. T = 0 is the greedy path below, unchanged.
+request makes it reproducible. T = 0 is the greedy path, unchanged:
 
-Every emitted token of a greedy run is a target argmax, so the output equals target-only greedy decoding up to
+Every emitted token is a target argmax, so the output equals target-only greedy decoding up to
 floating point: a multi-token verify forward and a one-token decode forward use different
 kernels, and in bf16 a near-tie can flip (`greedy_decode` records each step's top-2 logit gap so
 a divergence can be attributed). In fp32 the sequences are identical.
@@ -42,6 +42,8 @@ draft position, = the TTT step k that drafts it):
                     after a rejected one, so real decoding has no `acc_{k}`.
     accepted_drafts_histogram[n] = rounds that accepted exactly n = 0..K drafts (the bonus token
                     not counted, unlike τ, the acceptance length)
+    temperature, tau_se = the sampling temperature (0 = greedy) and the standard error of
+                    the acceptance length 1 + n over rounds (from the histogram)
 """
 
 from __future__ import annotations

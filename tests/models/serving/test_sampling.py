@@ -92,7 +92,8 @@ def tiny_case(tmp_path_factory):
     torch.manual_seed(0)
     d = Eagle3Drafter(cfg, attention="eager")
     export = export_drafter(d.state_dict(), cfg, torch.zeros(V, dtype=torch.long), None,
-                            tmp_path_factory.mktemp("x") / "full", target_config=model.config.to_dict())
+                            tmp_path_factory.mktemp("x") / "full",
+                            target_config=model.config.to_dict())
     prompt = tok("Name a colour.", add_special_tokens=False)["input_ids"]
     engine, ecfg = load_engine_drafter(export, model.get_input_embeddings().weight.detach(),
                                        dtype=torch.float32)
