@@ -198,7 +198,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "expected τ under it from the stored teacher")
     g.add_argument("--temperatures", type=parse_temperatures, default=None,
                    help="comma-separated temperatures, e.g. 0,0.7,1.0: one evaluation each, "
-                   "listed under by_temperature (the first one's full result at the top level)")
+                   "listed under by_temperature, the first one's full result at the top level "
+                   "(none: one evaluation, at --temperature)")
     p.add_argument("--draft-sampling", choices=DRAFT_MODES, default="argmax", help="T > 0: "
                    "how drafts are proposed: argmax (what vLLM and SGLang serve by default; q "
                    "one-hot) or sample (drawn from the drafter's softmax at T: vLLM's "
@@ -207,15 +208,41 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "of prompt i's generator is this + i (reproducible runs)")
 
 
+#: the offline figures copied into a real result evaluated with --data too
+OFFLINE_SUMMARY = ("tau", "tau_se", "tau_trajectory", "chain_starts", "num_samples", "dataset",
+                   "teacher", "draft")
+
+
+def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] | None,
+                          offline_at: Callable[[float], dict] | None, *, table: bool
+                          ) -> dict[str, Any]:
+    """`eyas evaluate`'s result: real decoding (real_at) and/or the offline estimate
+    (offline_at) at each temperature. With both, the real result carries `offline` (the
+    offline figures) and `offline_tau` (the offline decoder-walk τ, which predicts it).
+    table: a `by_temperature` result (`by_temperature`), else the one temperature's result."""
+    def one(t: float) -> dict[str, Any]:
+        if real_at is None:
+            return offline_at(t)
+        res = real_at(t)
+        if offline_at is not None:
+            off = offline_at(t)
+            res["offline"] = {key: off.get(key) for key in OFFLINE_SUMMARY if key in off}
+            res["offline_tau"] = off.get("tau_trajectory")
+        return res
+    return by_temperature(temps, one) if table else one(temps[0])
+
+
 def by_temperature(temps: list[float], evaluate_at: Callable[[float], dict]) -> dict[str, Any]:
     """Evaluate at each temperature; the first result with `by_temperature` = [{temperature,
-    tau, tau_se, and for offline results offline_tau: the decoder-walk τ, `tau_trajectory`,
-    the offline figure that predicts real decoding}] of all of them."""
+    tau, tau_se, and, for offline results or real ones evaluated with --data too, offline_tau:
+    the offline decoder-walk τ (`tau_trajectory`), the figure that predicts real decoding}]."""
     results = [evaluate_at(t) for t in temps]
     rows = []
     for t, res in zip(temps, results):
         row = {"temperature": t, "tau": res.get("tau"), "tau_se": res.get("tau_se")}
-        if res.get("mode") == "offline":
+        if "offline_tau" in res:
+            row["offline_tau"] = res["offline_tau"]
+        elif res.get("mode") == "offline":
             row["offline_tau"] = res.get("tau_trajectory")
         rows.append(row)
     out = dict(results[0])
@@ -223,10 +250,14 @@ def by_temperature(temps: list[float], evaluate_at: Callable[[float], dict]) -> 
     return out
 
 
-def format_by_temperature(rows: list[dict]) -> str:
-    """The stdout table of `by_temperature`."""
+def format_by_temperature(res: dict) -> str:
+    """The stdout table of `by_temperature` (or the one row of a real result evaluated with
+    --data too): τ, its standard error and the offline decoder-walk τ per temperature."""
     def f(x):
         return "n/a" if x is None or x != x else f"{x:.3f}"
+    rows = res.get("by_temperature") or [{"temperature": res.get("temperature", 0.0),
+                                          "tau": res["tau"], "tau_se": res.get("tau_se"),
+                                          "offline_tau": res.get("offline_tau")}]
     lines = [f"{'T':>5} {'tau':>7} {'tau_se':>7} {'offline_tau (walk)':>18}"]
     lines += [f"{r['temperature']:>5g} {f(r['tau']):>7} {f(r['tau_se']):>7} "
               f"{f(r.get('offline_tau')):>18}" for r in rows]

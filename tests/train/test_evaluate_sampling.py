@@ -120,7 +120,7 @@ def test_cli_temperatures(sampled_case, tmp_path, capsys):
     _, _, _, root, export = sampled_case
     f = tmp_path / "offline.json"
     assert cli_main(["--drafter", str(export), "--data", str(root / "hidden"), "--k", str(K),
-                     "--out", str(f), "--all", "--temperatures", "0,1.0",
+                     "--out", str(f), "--all", "--temperatures", "0,1.0", "--token-budget", "1024",
                      "--draft-sampling", "sample"]) == 0
     res = json.loads(f.read_text())
     rows = res["by_temperature"]
@@ -131,14 +131,21 @@ def test_cli_temperatures(sampled_case, tmp_path, capsys):
     assert rows[1]["tau_se"] > 0
     assert "tau_se" in capsys.readouterr().out
 
+    # real decoding with the offline estimate beside it, at each temperature
     f = tmp_path / "real.json"
     args = ["--drafter", str(export), "--target", "tiny-llama", "--prompts",
             str(prompts_path("heldout")), "--k", str(K), "--out", str(f), "--max-new-tokens", "6",
-            "--num-prompts", "2", "--temperature", "1.0", "--draft-sampling", "sample"]
-    assert cli_main(args) == 0
-    res = json.loads(f.read_text())
-    assert res["temperature"] == 1.0 and res["tau_se"] >= 0 and res["tokens_identical"] is None
-    assert cli_main(args + ["--sampling-seed", "0"]) == 0
-    assert json.loads(f.read_text())["per_prompt"] == res["per_prompt"]      # seeded
+            "--num-prompts", "2", "--draft-sampling", "sample"]
     with pytest.raises(SystemExit):
-        cli_main(args[:-4] + ["--temperatures", "0,-1"])
+        cli_main(args + ["--temperatures", "0,-1"])
+    assert cli_main(args + ["--temperatures", "1.0,0", "--data", str(root / "hidden"),
+                            "--all", "--token-budget", "1024"]) == 0
+    res = json.loads(f.read_text())
+    assert res["mode"] == "speculative" and res["temperature"] == 1.0
+    assert res["tau_se"] >= 0 and res["tokens_identical"] is None      # a sample, not greedy
+    assert set(res["offline"]) >= {"tau", "tau_trajectory", "chain_starts"}
+    rows = res["by_temperature"]
+    assert [r["temperature"] for r in rows] == [1.0, 0.0]
+    assert [set(r) for r in rows] == [{"temperature", "tau", "tau_se", "offline_tau"}] * 2
+    assert rows[0]["offline_tau"] == res["offline"]["tau_trajectory"] == res["offline_tau"]
+    assert "offline_tau (walk)" in capsys.readouterr().out
