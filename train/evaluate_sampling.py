@@ -39,8 +39,9 @@ def teacher_of(fields: dict, dataset_dir) -> str:
 
 
 def _target_logits(last: Tensor, head: Tensor, transform: tuple) -> Tensor:
-    """lm_head(last) in fp32, with the target's logit scale / soft-capping where it has them."""
-    logits = last.float() @ head.T
+    """lm_head(last) as fp32 logits, with the target's logit scale / soft-capping where it has
+    them."""
+    logits = (last.to(head.dtype) @ head.T).float()
     scale, cap = transform
     if scale is not None:
         logits = logits * scale
@@ -108,7 +109,11 @@ def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperatu
     fields = ("aux", "last") if teacher == "last" else ("aux", "topk_ids", "topk_logits")
     loader = PackedLoader(ds, token_budget, 0, 1, seed=0, shuffle=False, num_workers=num_workers,
                           indices=indices, load_fields=fields)
-    head = None if head is None else head.to(dev, torch.float32)
+    # fp32 on the CPU (no fast bf16 GEMMs there); on an accelerator the head keeps its dtype
+    # (a bf16 GEMM with fp32 accumulation, as the target computes it; no fp32 copy of a
+    # [V, tH] head) and the logits are taken to fp32 per row chunk
+    if head is not None:
+        head = head.to(dev, torch.float32 if dev.type == "cpu" else head.dtype)
     was_training = drafter.training
     drafter.eval()
     t0, counts = time.perf_counter(), None
