@@ -244,7 +244,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
                      k: int, num_prompts: int | None, max_new_tokens: int,
                      cache_dir: str | Path | None = None, dtype: str = "fp32",
                      model=None, tokenizer=None, progress: bool = True,
-                     context_buckets=DEFAULT_EDGES) -> dict[str, Any]:
+                     context_buckets=DEFAULT_EDGES, temperature: float = 0.0,
+                     draft: str = "argmax", seed: int = 0) -> dict[str, Any]:
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
     drafter_dir: the exported drafter (loaded like vLLM, `models.serving.reference.EngineDrafter`);
@@ -253,7 +254,9 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
     Batch size 1; the drafter runs on the CPU. context_buckets: edges of the `by_context`
-    buckets (the verified position of each round, `models.context`).
+    buckets (the verified position of each round, `models.context`). temperature > 0: the
+    engines' rejection sampling (`models.serving.sampling`; draft "argmax" or "sample"),
+    prompt i seeded seed + i.
     Returns models.serving.specdec.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import load_engine_drafter, run_prompts, stop_token_ids
@@ -277,10 +280,11 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     res = run_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
                       max_new_tokens=max_new_tokens, stop_ids=stop_token_ids(model, tokenizer),
                       names=[n for n, _ in prompts], progress=progress,
-                      context_buckets=check_edges(context_buckets))
+                      context_buckets=check_edges(context_buckets), temperature=temperature,
+                      draft=draft, seed=seed)
     res.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_path),
                dtype=dtype, max_new_tokens=max_new_tokens, wall_seconds=time.perf_counter() - t0)
-    if not res["tokens_identical"]:
+    if res["tokens_identical"] is False:
         log.warning("%d of %d prompts diverge from target-only greedy decoding (first: %s)%s",
                     len(res["mismatches"]), len(prompts), res["mismatches"][0],
                     "; bf16 near-ties (see target_top2_logit_gap) can flip between one-token "

@@ -19,7 +19,11 @@ import torch
 from eyas.data.log import HelpFormatter
 from eyas.data.targets import TARGET_DTYPES
 from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
-from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, offline_eval, speculative_eval
+from eyas.train.evaluate import (SPECDEC_DTYPES, _drafter_for, json_safe, offline_eval,
+                                 speculative_eval)
+from eyas.train.evaluate_sampling import (add_sampling_args, evaluate_temperatures,
+                                          format_by_temperature, format_sampled,
+                                          offline_at_temperature)
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,10 @@ def _fmt(x, spec: str = ".3f") -> str:
 def format_table(res: dict[str, Any]) -> str:
     """The short stdout table of an offline or speculative result."""
     lines = []
+    if res.get("temperature", 0) > 0:
+        lines.append(format_sampled(res))
+    if res["mode"] == "offline" and res.get("temperature", 0) > 0:
+        return "\n".join(lines)
     if res["mode"] == "offline":
         lines.append(f"offline chain acceptance, {res['chain_starts']} chain starts, "
                      f"{res['num_samples']} samples")
@@ -135,10 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target: directory, hub id (org/name[@revision]) "
                    "or preset name (needed with --prompts; default with --data: the dataset "
                    "manifest's target)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", help="prompts JSONL (OpenAI `messages`); the target's chat "
-                     "template is applied with add_generation_prompt")
-    src.add_argument("--data", help="hidden-state dataset directory (from eyas extract)")
+    p.add_argument("--prompts", help="prompts JSONL (OpenAI `messages`); the target's chat "
+                   "template is applied with add_generation_prompt (none: no real decoding; "
+                   "one of --prompts and --data is required)")
+    p.add_argument("--data", help="hidden-state dataset directory (from eyas extract); with "
+                   "--prompts too, its offline estimate is reported beside the real figure "
+                   "(`offline`, `offline_tau`) (none: no offline estimate)")
     p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
     p.add_argument("--out", required=True, help="results JSON file (written atomically)")
     p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
@@ -170,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a round starts (offline: the chain start, --prompts: the verified position); "
                    "the last bucket is open (default: eval.context_buckets, "
                    f"{','.join(map(str, DEFAULT_EDGES))})")
+    add_sampling_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest; "
                    "default: torch's own)")
@@ -183,29 +194,47 @@ def cli_main(argv: list[str] | None = None) -> int:
     args.seed_given = any(a == "--seed" or a.startswith("--seed=") for a in (argv or []))
     if args.k < 1:
         p.error("--k must be >= 1")
+    if not (args.prompts or args.data):
+        p.error("one of the arguments --prompts --data is required")
     if args.threads:
         torch.set_num_threads(args.threads)
+    real_at = offline_at = None
     if args.prompts:
         if not args.target:
             p.error("--prompts needs --target")
-        res = speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
-                               num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                               cache_dir=args.cache_dir, dtype=args.dtype or "fp32",
-                               context_buckets=args.context_buckets)
-    else:
+        from eyas.data.targets import load_target
+        dtype = args.dtype or "fp32"
+        model, tok = load_target(args.target, dtype=TARGET_DTYPES[dtype], cache_dir=args.cache_dir)
+
+        def real_at(t: float) -> dict[str, Any]:
+            return speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
+                                    num_prompts=args.num_prompts, model=model, tokenizer=tok,
+                                    max_new_tokens=args.max_new_tokens, cache_dir=args.cache_dir,
+                                    dtype=dtype, context_buckets=args.context_buckets,
+                                    temperature=t, draft=args.draft_sampling,
+                                    seed=args.sampling_seed)
+    if args.data:
         from eyas.data.dataset import open_dataset
         n = len(open_dataset(args.data))
         indices, how = scored_samples(args, n, training_record(args.drafter))
         print(f"scoring {n if indices is None else len(indices)} of {n} samples of {args.data}: "
               f"{how}")
-        res = offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
-                           indices=indices, device=args.device, target=args.target,
-                           cache_dir=args.cache_dir,
-                           dtype=TARGET_DTYPES[args.dtype] if args.dtype else None,
-                           context_buckets=args.context_buckets)
+
+        def offline_at(t: float) -> dict[str, Any]:
+            if t > 0:
+                return offline_at_temperature(args, indices, t, drafter_for=_drafter_for)
+            return offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
+                                indices=indices, device=args.device, target=args.target,
+                                cache_dir=args.cache_dir,
+                                dtype=TARGET_DTYPES[args.dtype] if args.dtype else None,
+                                context_buckets=args.context_buckets)
+    res = evaluate_temperatures(args.temperatures or [args.temperature], real_at, offline_at,
+                                table=bool(args.temperatures))
     from eyas.data.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
+    if "by_temperature" in res or "offline_tau" in res:
+        print(format_by_temperature(res))
     print(f"wrote {args.out}")
     return 0
 

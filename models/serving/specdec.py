@@ -16,6 +16,12 @@ Batch size 1, one sequence at a time, each with its own KV caches. One request r
               were already rolled back, and the next round's step 0 adds rows L..L+n with the
               target's new aux states paired with x_{L+1}..x_{L+n+1} (serving-contract §4)
 
+At temperature T > 0 the round is the engines' speculative sampling instead
+(`models.serving.sampling`: drafts proposed by argmax, as vLLM and SGLang do, or sampled from
+the drafter at T; accepted with probability min(1, p/q), a rejection resampled from the
+residual), the output is a sample of the target at T, and a seeded `torch.Generator` per
+request makes it reproducible. T = 0 is the greedy path, unchanged:
+
 Every emitted token is a target argmax, so the output equals target-only greedy decoding up to
 floating point: a multi-token verify forward and a one-token decode forward use different
 kernels, and in bf16 a near-tie can flip (`greedy_decode` records each step's top-2 logit gap so
@@ -56,6 +62,8 @@ draft position, = the TTT step k that drafts it):
                     not counted, unlike τ, the acceptance length)
     by_context    = τ, cond_acc, tokens and rounds per bucket of the verified position L
                     (`models.context.rounds_table`)
+    temperature, tau_se = the sampling temperature (0 = greedy) and the standard error of
+                    the acceptance length 1 + n over rounds (from the histogram)
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ import torch
 from torch import Tensor
 
 from eyas.models.context import DEFAULT_EDGES, rounds_table
+from eyas.models.serving import sampling
 from eyas.models.serving.reference import EngineDrafter
 
 log = logging.getLogger(__name__)
@@ -158,10 +167,11 @@ class TargetRunner:
             self.cache.crop(-n)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], *, last_only: bool = False
+    def forward(self, tokens: list[int], *, last_only: bool = False, all_logits: bool = False
                 ) -> tuple[Tensor, Tensor | None, Tensor]:
         """Process `tokens` at the next positions. Returns (argmax [n] int64 CPU, aux [n, 3·tH]
-        or None, logits of the last row [V] fp32); last_only computes the head on that row only."""
+        or None, logits of the last row [V] fp32, or of every row [n, V] with all_logits);
+        last_only computes the head on that row only."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.text(input_ids=ids, use_cache=True, **{self._cache_arg: self.cache})
         self.forwards += 1
@@ -171,7 +181,7 @@ class TargetRunner:
         if self.capture is not None:
             aux = torch.cat([self.capture.aux[k][0] for k in self.capture.aux_ids], dim=-1)
             self.capture.aux.clear()
-        return logits.argmax(-1).cpu(), aux, logits[-1]
+        return logits.argmax(-1).cpu(), aux, logits.cpu() if all_logits else logits[-1]
 
     def close(self) -> None:
         if self.capture is not None:
@@ -215,8 +225,10 @@ def _finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> tup
 
 
 def greedy_decode(target: TargetRunner, prompt: list[int], *, max_new_tokens: int,
-                  stop_ids: set[int]) -> Decoded:
-    """Target-only greedy decoding, one token per forward (the reference and the baseline)."""
+                  stop_ids: set[int], temperature: float = 0.0,
+                  generator: torch.Generator | None = None) -> Decoded:
+    """Target-only decoding, one token per forward (the reference and the baseline): greedy,
+    or with temperature > 0 sampled from softmax(logits / T) with `generator`."""
     if not prompt:
         raise ValueError("empty prompt: nothing to condition on")
     t0, c0 = time.perf_counter(), time.process_time()
@@ -225,18 +237,30 @@ def greedy_decode(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     arg, _, logits = target.forward(prompt, last_only=True)
     out: list[int] = []
     gaps = [float(torch.topk(logits, 2).values.diff().abs())]
-    _, done = _finish(out, [int(arg[-1])], max_new_tokens, stop_ids)
+    _, done = _finish(out, [_next(arg, logits, temperature, generator)], max_new_tokens, stop_ids)
     while not done:
         arg, _, logits = target.forward(out[-1:], last_only=True)
         gaps.append(float(torch.topk(logits, 2).values.diff().abs()))
-        _, done = _finish(out, [int(arg[-1])], max_new_tokens, stop_ids)
+        _, done = _finish(out, [_next(arg, logits, temperature, generator)], max_new_tokens,
+                          stop_ids)
     return Decoded(out, time.perf_counter() - t0, time.process_time() - c0,
                    target.forwards - start, top2_gap=gaps)
 
 
+def _next(arg: Tensor, logits: Tensor, temperature: float, generator) -> int:
+    """The target's next token: the argmax (T = 0) or a sample at temperature T."""
+    if temperature == 0:
+        return int(arg[-1])
+    return int(sampling.sample(sampling.probs(logits.cpu(), temperature), generator))
+
+
 def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: list[int], *, k: int,
-                       max_new_tokens: int, stop_ids: set[int]) -> Decoded:
-    """Greedy chain speculation with K drafts per round (see the module docstring)."""
+                       max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
+                       draft: str = "argmax", generator: torch.Generator | None = None
+                       ) -> Decoded:
+    """Chain speculation with K drafts per round (see the module docstring): greedy at
+    temperature 0; at T > 0 the engines' rejection sampling (`models.serving.sampling`,
+    draft "argmax" or "sample"), seeded by `generator`."""
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")
     if not prompt:
@@ -249,9 +273,14 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
     drafter.reset()
     start = target.forwards
     res = Decoded([], 0.0, 0.0, 0, reached=[0] * k, accepted=[0] * k, histogram=[0] * (k + 1))
-    arg, aux, _ = target.forward(prompt, last_only=True)                  # aux [P, 3·tH]
+    sampling.check_sampling(temperature, draft)
+    sampled = temperature > 0
+    if sampled and generator is None:
+        raise ValueError("sampling at temperature > 0 needs a seeded torch.Generator")
+    arg, aux, last = target.forward(prompt, last_only=True)               # aux [P, 3·tH]
     seq = list(prompt)
-    _, done = _finish(res.tokens, [int(arg[-1])], max_new_tokens, stop_ids)
+    _, done = _finish(res.tokens, [_next(arg, last, temperature, generator)], max_new_tokens,
+                      stop_ids)
     seq += res.tokens
     row0 = 0                                  # first position whose aux the drafter has not seen
     while not done:
@@ -260,23 +289,32 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
         pos = torch.arange(row0, row0 + n)
         nxt = torch.tensor(seq[row0 + 1:row0 + n + 1])
         prenorm, logits = drafter.prefill(aux.to(drafter.dtype).cpu(), nxt, pos)
-        drafts = drafter.greedy_chain(prenorm[-1], logits[-1], row0 + n - 1, k).tolist()
+        if sampled:
+            drafts, q = sampling.draft_chain(drafter, prenorm[-1], logits[-1], row0 + n - 1, k,
+                                             temperature=temperature, draft=draft,
+                                             generator=generator)
+        else:
+            drafts = drafter.greedy_chain(prenorm[-1], logits[-1], row0 + n - 1, k).tolist()
         res.drafter_forwards += k
         # verify: the last committed token and the K drafts, at positions L..L+K
         L = len(seq) - 1
         if target.length != L:
             raise RuntimeError(f"target KV cache holds {target.length} positions, expected {L}")
-        y, aux_v, _ = target.forward([seq[-1]] + drafts)                 # y [K+1]
+        y, aux_v, v_logits = target.forward([seq[-1]] + drafts, all_logits=sampled)  # y [K+1]
         res.rounds += 1
-        acc = 0
-        while acc < k and drafts[acc] == int(y[acc]):
-            acc += 1
+        if sampled:
+            acc, emitted = sampling.verify(drafts, q, sampling.probs(v_logits, temperature),
+                                           generator)
+        else:
+            acc = 0
+            while acc < k and drafts[acc] == int(y[acc]):
+                acc += 1
+            emitted = drafts[:acc] + [int(y[acc])]
         for j in range(min(acc + 1, k)):
             res.reached[j] += 1
             res.accepted[j] += j < acc
         res.histogram[acc] += 1
         target.crop(k - acc)
-        emitted = drafts[:acc] + [int(y[acc])]
         n_new, done = _finish(res.tokens, emitted, max_new_tokens, stop_ids)
         res.decode_tokens += n_new
         res.round_log.append((L, acc, n_new))
@@ -302,8 +340,10 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[list[int]], *,
                    k: int, max_new_tokens: int, stop_ids: set[int], names: list[str] | None = None,
-                   progress: bool = True) -> list[tuple[str, Decoded, Decoded]]:
-    """Decode every prompt twice, interleaved: target-only greedy, then speculative.
+                   progress: bool = True, temperature: float = 0.0, draft: str = "argmax",
+                   seed: int = 0) -> list[tuple[str, Decoded, Decoded]]:
+    """Decode every prompt twice, interleaved: target-only, then speculative (greedy, or at
+    temperature > 0 sampled; prompt i's two runs use generators seeded seed + i).
 
     prompts: token id lists (chat template already applied). Returns [(name, greedy, spec)].
     A short warm-up of both paths runs first (first calls allocate and pick kernels).
@@ -315,14 +355,20 @@ def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: li
     names = names or [str(i) for i in range(len(prompts))]
     try:
         warm = prompts[0][: min(8, len(prompts[0]))]
-        greedy_decode(plain, warm, max_new_tokens=2, stop_ids=set())
-        speculative_decode(verifier, drafter, warm, k=k, max_new_tokens=2, stop_ids=set())
+        sample = dict(temperature=temperature)
+        gen = (lambda i: {"generator": torch.Generator().manual_seed(seed + i)}) \
+            if temperature > 0 else (lambda i: {})
+        greedy_decode(plain, warm, max_new_tokens=2, stop_ids=set(), **sample, **gen(0))
+        speculative_decode(verifier, drafter, warm, k=k, max_new_tokens=2, stop_ids=set(),
+                           draft=draft, **sample, **gen(0))
         pairs, every = [], max(1, len(prompts) // 8)
-        for name, prompt in bar(list(zip(names, prompts)), desc="specdec", unit="prompt",
-                                disable=None if progress else True):
-            base = greedy_decode(plain, prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-            spec = speculative_decode(verifier, drafter, prompt, k=k,
-                                      max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+        for i, (name, prompt) in enumerate(bar(list(zip(names, prompts)), desc="specdec",
+                                               unit="prompt", disable=None if progress else True)):
+            base = greedy_decode(plain, prompt, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                 **sample, **gen(i))
+            spec = speculative_decode(verifier, drafter, prompt, k=k, draft=draft,
+                                      max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                      **sample, **gen(i))
             pairs.append((name, base, spec))
             if progress and len(pairs) % every == 0:     # a log line too: bars are off in logs
                 done = [s for _, _, s in pairs]
@@ -338,13 +384,17 @@ def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: li
 
 def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[list[int]], *,
                 k: int, max_new_tokens: int, stop_ids: set[int], names: list[str] | None = None,
-                progress: bool = True, context_buckets=DEFAULT_EDGES) -> dict:
+                progress: bool = True, context_buckets=DEFAULT_EDGES, temperature: float = 0.0,
+                draft: str = "argmax", seed: int = 0) -> dict:
     """`decode_prompts` then `summarize`: tau, per-position acceptance, forwards, tokens/s,
     speedup and token identity of the speculative output against target-only greedy."""
-    return summarize(decode_prompts(model, drafter, drafter_cfg, prompts, k=k,
-                                    max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                                    names=names, progress=progress), k,
-                     context_buckets=context_buckets)
+    pairs = decode_prompts(model, drafter, drafter_cfg, prompts, k=k, max_new_tokens=max_new_tokens,
+                           stop_ids=stop_ids, names=names, progress=progress,
+                           temperature=temperature, draft=draft, seed=seed)
+    res = summarize(pairs, k, context_buckets=context_buckets, temperature=temperature)
+    if temperature > 0:
+        res.update(draft=draft, seed=seed)
+    return res
 
 
 def _tau(accepted: int, rounds: int) -> float:
@@ -353,8 +403,11 @@ def _tau(accepted: int, rounds: int) -> float:
 
 
 def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int, *,
-              context_buckets=DEFAULT_EDGES) -> dict:
-    """Aggregate (name, target-only, speculative) results into the evaluation JSON fields."""
+              context_buckets=DEFAULT_EDGES, temperature: float = 0.0) -> dict:
+    """Aggregate (name, target-only, speculative) results into the evaluation JSON fields.
+
+    At temperature > 0 both runs are samples: `tokens_identical` is None (not comparable token
+    for token). `tau_se` is the standard error of τ over rounds either way."""
     rounds = sum(s.rounds for _, _, s in pairs)
     decode_tokens = sum(s.decode_tokens for _, _, s in pairs)
     reached = [sum(s.reached[j] for _, _, s in pairs) for j in range(k)]
@@ -368,7 +421,7 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int, *,
     c_base = sum(b.cpu_seconds for _, b, _ in pairs)
     mismatches = []
     for name, b, s in pairs:
-        if b.tokens != s.tokens:
+        if b.tokens != s.tokens and temperature == 0:
             j = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y),
                      min(len(b.tokens), len(s.tokens)))
             mismatches.append({"prompt": name, "index": j,
@@ -387,7 +440,9 @@ def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int, *,
         # alive_{j}, not acc_{j}: drafts 0..j all accepted, per round (module docstring)
         **{f"alive_{j}": a / rounds if rounds else nan for j, a in enumerate(accepted)},
         "mean_accepted_drafts": sum(accepted) / rounds if rounds else nan,
-        "tokens_identical": not mismatches, "mismatches": mismatches,
+        "temperature": temperature, "tau_se": sampling.round_lengths_se(histogram),
+        "tokens_identical": not mismatches if temperature == 0 else None,
+        "mismatches": mismatches,
         "tokens_generated": gen, "decode_rounds": rounds, "decode_tokens": decode_tokens,
         "target_forwards": sum(s.target_forwards for _, _, s in pairs),
         "drafter_forwards": sum(s.drafter_forwards for _, _, s in pairs),

@@ -73,6 +73,8 @@ DIFFERENT = {
     ("evaluate", "dtype"): "the drafter's compute dtype in evaluation, not the target's",
     ("evaluate", "eval_fraction"): "unset = the trainer's held-out split when --data is the "
                                    "drafter's training set; set = that split fraction",
+    ("evaluate", "temperature"): "the speculative-sampling temperature of the evaluation "
+                                 "(0 = greedy); data.temperature is the answer generator's",
     ("vocab", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default",
     ("evaluate", "prompts"): "required choice of mode, no default",
     ("evaluate", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default "

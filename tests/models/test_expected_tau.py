@@ -1,0 +1,138 @@
+"""The offline expected τ under sampling (models.expected_tau): α by formula and by sampler, the
+chain product by hand, the top-k teacher against the full one."""
+
+import math
+
+import pytest
+import torch
+
+from eyas.models.expected_tau import (add_expected, expected_counts, step_acceptance,
+                                      summarize_expected, topk_step_acceptance)
+from eyas.models.serving.sampling import accept_or_resample, probs
+
+V, VD, T = 8, 5, 0.8
+
+
+def _case(seed=0, n=4):
+    g = torch.Generator().manual_seed(seed)
+    draft_ids = torch.tensor([0, 2, 3, 5, 7])                    # draft id i -> target id
+    return (torch.randn(n, VD, generator=g) * 2, torch.randn(n, V, generator=g) * 2, draft_ids)
+
+
+@pytest.mark.parametrize("draft", ["sample", "argmax"])
+def test_alpha_is_the_samplers_acceptance_rate(draft):
+    z, logits, ids = _case(n=1)
+    alpha = float(step_acceptance(z, logits, ids, temperature=T, draft=draft)[0])
+    q = torch.zeros(1, V)
+    q[0, ids] = probs(z, T)[0]                                      # q over target ids
+    p = probs(logits, T)
+    n = 100_000
+    g = torch.Generator().manual_seed(3)
+    if draft == "sample":
+        drafts = torch.multinomial(q.expand(n, -1), 1, replacement=True, generator=g)[:, 0]
+        acc, _ = accept_or_resample(drafts, q.expand(n, -1), p.expand(n, -1), g)
+        assert alpha == pytest.approx(float(torch.minimum(p, q).sum()), abs=1e-6)
+    else:
+        drafts = ids[z.argmax(-1)].expand(n)
+        acc, _ = accept_or_resample(drafts, None, p.expand(n, -1), g)
+        assert alpha == pytest.approx(float(p[0, ids[z.argmax()]]), abs=1e-6)
+    assert abs(float(acc.double().mean()) - alpha) < 4 * math.sqrt(alpha * (1 - alpha) / n)
+
+
+@pytest.mark.parametrize("draft", ["sample", "argmax"])
+def test_topk_teacher_with_every_id_equals_the_full_teacher(draft):
+    z, logits, ids = _case(seed=1)
+    to_draft = torch.full((V,), -1)
+    to_draft[ids] = torch.arange(VD)
+    top_v, top_i = logits.topk(V, dim=-1)
+    full = step_acceptance(z, logits, ids, temperature=T, draft=draft)
+    topk = topk_step_acceptance(z, top_i, top_v, to_draft, temperature=T, draft=draft)
+    torch.testing.assert_close(topk, full, rtol=1e-6, atol=1e-7)
+    # fewer ids: the teacher renormalised over its top 3 (the mass of the rest is dropped)
+    part = topk_step_acceptance(z, top_i[:, :3], top_v[:, :3], to_draft, temperature=T,
+                                draft=draft)
+    assert part.shape == full.shape and bool(((part >= 0) & (part <= 1)).all())
+
+
+def test_chain_product_by_hand():
+    alpha = torch.tensor([[0.5, 0.8, 0.9],
+                          [0.4, 0.5, 0.7]], dtype=torch.float64)          # [K=2, T=3]
+    mask = torch.tensor([[True, True, False],
+                         [True, False, False]])                        # start 2 never counts
+    counts = expected_counts(alpha, mask)
+    # starts t=0: 0.5 + 0.5*0.4 = 0.7 accepted; t=1: 0.8 (step 1 does not count: chain stops)
+    lengths = torch.tensor([0.7, 0.8], dtype=torch.float64)
+    res = summarize_expected(add_expected(None, counts))
+    assert res["chain_starts"] == 2
+    assert res["tau"] == pytest.approx(1 + 0.75)
+    assert res["tau_se"] == pytest.approx(float(lengths.std()) / math.sqrt(2))
+    assert res["tau_by_k"] == pytest.approx([1 + (0.5 + 0.8) / 2, 1.75])
+    assert res["cond_acc_0"] == pytest.approx(1.3 / 2)
+    assert res["cond_acc_1"] == pytest.approx(0.2 / 0.5)           # only start 0 reaches step 1
+    twice = summarize_expected(add_expected(counts, counts))
+    assert twice["tau"] == pytest.approx(res["tau"]) and twice["chain_starts"] == 4
+
+
+def test_temperature_zero_is_refused():
+    z, logits, ids = _case()
+    with pytest.raises(ValueError, match="temperature > 0"):
+        step_acceptance(z, logits, ids, temperature=0.0, draft="sample")
+
+
+def _spans(T, g):
+    """A mask [K=3, T] like metric_mask: starts in runs (assistant spans), rows k valid while
+    t+1+k stays in the span."""
+    K = 3
+    m0 = torch.rand(T, generator=g) < 0.8
+    m0[torch.arange(T) % 11 == 0] = False                                 # break into spans
+    mask = torch.zeros(K, T, dtype=torch.bool)
+    for k in range(K):
+        ok = torch.zeros(T, dtype=torch.bool)
+        ok[:T - k] = m0[k:]
+        run = m0.clone()
+        for j in range(1, k + 1):
+            run[:T - j] &= m0[j:]
+            run[T - j:] = False
+        mask[k] = run & ok
+    return mask
+
+
+def test_expected_walk_of_certain_steps_is_the_greedy_walk():
+    from eyas.models.metrics import trajectory_counts
+    g = torch.Generator().manual_seed(4)
+    mask = _spans(200, g)
+    correct = (torch.rand(mask.shape, generator=g) < 0.7) & mask
+    alive = torch.cumprod(correct.to(torch.int64), 0)
+    rounds, tokens = trajectory_counts(alive, mask[0])
+    res = summarize_expected(expected_counts(correct.double(), mask))
+    assert res["tau_trajectory"] == pytest.approx(float(tokens[-1]) / float(rounds[-1]), abs=1e-12)
+
+
+def test_expected_walk_matches_simulated_walks():
+    g = torch.Generator().manual_seed(6)
+    mask = _spans(60, g)
+    alpha = torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
+    res = summarize_expected(expected_counts(alpha, mask))
+    alive = torch.cumprod(alpha, 0)
+    m0 = mask[0].tolist()
+    spans, a = [], None
+    for t, s in enumerate(m0 + [False]):
+        if s and a is None:
+            a = t
+        if not s and a is not None:
+            spans.append((a, t - 1))
+            a = None
+    rng = torch.Generator().manual_seed(7)
+    rounds = tokens = 0
+    for _ in range(4000):
+        for a, b in spans:
+            t = 0
+            while t < b - a:
+                n, u = 0, float(torch.rand(1, generator=rng))
+                cap = min(3, b - a - t - 1)
+                while n < cap and u < float(alive[n, a + t]):               # P(n >= j) = alive
+                    n += 1
+                rounds += 1
+                tokens += n + 1
+                t += n + 1
+    assert res["tau_trajectory"] == pytest.approx(tokens / rounds, rel=5e-3)
