@@ -34,11 +34,12 @@ whose error grows with how far the stored text is from what the target samples a
 `tau_trajectory` is the expected DECODER WALK, the figure that predicts serving (as the greedy
 `tau_trajectory` of `models.metrics` does): on each assistant span the walk starts after the
 span's first token and, from position t, accepts n drafts with probability
-P(n ≥ j) = alive(j-1, t) (capped so the emitted n + 1 tokens stay in the span) and jumps to
-t + n + 1. Expected rounds R(t) = 1 + Σ_n P_t(n) R(t+n+1) and emitted tokens
-E(t) = Σ_n P_t(n) (n + 1 + E(t+n+1)) are summed backwards over the span (`expected_walk`);
-tau_trajectory = Σ E / Σ R over spans. `tau` averages over EVERY start instead and reads
-high where acceptance varies along the text, exactly as the greedy `tau` does.
+P(n ≥ j) = alive(j-1, t) and jumps to t + n + 1 (alive is 0 past the span's text, so the
+chain never runs beyond it). Expected rounds R(t) = 1 + Σ_n P_t(n) R(t+n+1) and accepted
+drafts A(t) = Σ_n P_t(n) (n + A(t+n+1)) are summed backwards over the span (`expected_walk`);
+tau_trajectory = 1 + Σ A / Σ R over spans, the engines' acceptance length (1 + accepted drafts
+per verification round). `tau` averages over EVERY start instead and reads high where
+acceptance varies along the text, exactly as the greedy `tau` does.
 
 `tau_se` is the standard error of the mean over chain starts of 1 + Σ_k alive(k, t) (how much
 the figure moves with the text sampled), not the sampling noise of a real run.
@@ -54,9 +55,9 @@ import torch
 from torch import Tensor
 
 #: float64 sums of `expected_counts` (per step k: alive, before; scalars: starts, Σ L, Σ L²,
-#: the expected walk's rounds and emitted tokens)
+#: the expected walk's rounds and accepted drafts)
 EXPECTED_KEYS = ("alive", "before", "starts", "length_sum", "length_sq_sum", "walk_rounds",
-                 "walk_tokens")
+                 "walk_accepted")
 
 
 def _temp_softmax(logits: Tensor, temperature: float) -> Tensor:
@@ -98,28 +99,27 @@ def topk_step_acceptance(draft_logits: Tensor, topk_ids: Tensor, topk_logits: Te
 
 
 def expected_walk(alive: Tensor, mask0: Tensor) -> tuple[float, float]:
-    """(expected rounds, expected emitted tokens) of the decoder walk (module docstring) summed
+    """(expected rounds, expected accepted drafts) of the decoder walk (module docstring) summed
     over the spans of one batch. alive [K, T] float64, mask0 [T] bool (the chain starts; each
     maximal run [a, b] is one span). Runs on the host: for evaluation only."""
     K = alive.shape[0]
     surv = alive.detach().to("cpu", torch.float64).numpy()                # [K, T]
     m = mask0.detach().cpu().numpy().astype(np.int8)
     edges = np.diff(np.concatenate([[0], m, [0]]))
-    rounds = tokens = 0.0
+    rounds = accepted = 0.0
+    n = np.arange(K + 1)
     for a, b in zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1):
         span = b - a                                        # the walk runs while t < span
-        R, E = np.zeros(span + K + 2), np.zeros(span + K + 2)
+        R, A = np.zeros(span + K + 2), np.zeros(span + K + 2)
         for t in range(span - 1, -1, -1):
-            cap = min(K, span - t - 1)
-            S = np.concatenate([[1.0], surv[:cap, a + t], [0.0]])        # P(n >= j), j = 0..cap+1
-            P = S[:-1] - S[1:]                                            # P(n), n = 0..cap
-            n = np.arange(cap + 1)
+            S = np.concatenate([[1.0], surv[:, a + t], [0.0]])            # P(n >= j), j = 0..K+1
+            P = S[:-1] - S[1:]                                            # P(n), n = 0..K
             R[t] = 1.0 + float((P * R[t + n + 1]).sum())
-            E[t] = float((P * (n + 1 + E[t + n + 1])).sum())
+            A[t] = float((P * (n + A[t + n + 1])).sum())
         if span > 0:
             rounds += R[0]
-            tokens += E[0]
-    return rounds, tokens
+            accepted += A[0]
+    return rounds, accepted
 
 
 def expected_counts(alpha: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -130,12 +130,12 @@ def expected_counts(alpha: Tensor, mask: Tensor) -> dict[str, Tensor]:
     before = torch.cat([torch.ones_like(alive[:1]), alive[:-1]]) * mask
     starts = mask[0]
     length = alive.sum(0)[starts]                                        # [S] expected L(t)
-    rounds, tokens = expected_walk(alive, starts)
+    rounds, accepted = expected_walk(alive, starts)
     f64 = dict(dtype=torch.float64, device=alpha.device)
     return {"alive": alive[:, starts].sum(1), "before": before[:, starts].sum(1),
             "starts": starts.sum().double(), "length_sum": length.sum(),
             "length_sq_sum": (length * length).sum(), "walk_rounds": torch.tensor(rounds, **f64),
-            "walk_tokens": torch.tensor(tokens, **f64)}
+            "walk_accepted": torch.tensor(accepted, **f64)}
 
 
 def add_expected(acc: dict[str, Tensor] | None, new: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -162,7 +162,7 @@ def summarize_expected(counts: dict[str, Tensor]) -> dict:
     before = counts["before"].tolist()
     walk = float(counts["walk_rounds"])
     return {"tau": 1.0 + mean, "tau_se": math.sqrt(max(var, 0.0) / n) if n > 1 else nan,
-            "tau_trajectory": float(counts["walk_tokens"]) / walk if walk > 0 else nan,
+            "tau_trajectory": 1.0 + float(counts["walk_accepted"]) / walk if walk > 0 else nan,
             "tau_by_k": by_k, "chain_starts": int(n),
             **{f"cond_acc_{k}": a / b if b > 0 else nan
                for k, (a, b) in enumerate(zip(alive, before))}}

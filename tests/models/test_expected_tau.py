@@ -103,9 +103,10 @@ def test_expected_walk_of_certain_steps_is_the_greedy_walk():
     mask = _spans(200, g)
     correct = (torch.rand(mask.shape, generator=g) < 0.7) & mask
     alive = torch.cumprod(correct.to(torch.int64), 0)
-    rounds, tokens = trajectory_counts(alive, mask[0])
+    rounds, accepted = trajectory_counts(alive, mask[0])
     res = summarize_expected(expected_counts(correct.double(), mask))
-    assert res["tau_trajectory"] == pytest.approx(float(tokens[-1]) / float(rounds[-1]), abs=1e-12)
+    assert res["tau_trajectory"] == pytest.approx(1 + float(accepted[-1]) / float(rounds[-1]),
+                                                  abs=1e-12)
 
 
 def test_expected_walk_matches_simulated_walks():
@@ -123,16 +124,15 @@ def test_expected_walk_matches_simulated_walks():
             spans.append((a, t - 1))
             a = None
     rng = torch.Generator().manual_seed(7)
-    rounds = tokens = 0
+    rounds = accepted = 0
     for _ in range(4000):
         for a, b in spans:
             t = 0
             while t < b - a:
                 n, u = 0, float(torch.rand(1, generator=rng))
-                cap = min(3, b - a - t - 1)
-                while n < cap and u < float(alive[n, a + t]):               # P(n >= j) = alive
+                while n < 3 and u < float(alive[n, a + t]):                 # P(n >= j) = alive
                     n += 1
                 rounds += 1
-                tokens += n + 1
+                accepted += n
                 t += n + 1
-    assert res["tau_trajectory"] == pytest.approx(tokens / rounds, rel=5e-3)
+    assert res["tau_trajectory"] == pytest.approx(1 + accepted / rounds, rel=5e-3)
