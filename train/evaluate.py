@@ -415,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "samples included")
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
                    "held-out split (train.seed; the drafter's recorded seed unless given)")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result as a "
+                   "PNG: per-position acceptance, tau by context bucket and by temperature "
+                   "(what the result holds)")
     p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
                    "(default: ~/.cache/eyas)")
@@ -453,6 +456,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
     print(f"wrote {args.out}")
+    if args.plot:
+        from eyas.train.plots import write_evaluation_plot
+        if write_evaluation_plot(json_safe(res), args.plot) is not None:
+            print(f"wrote {args.plot}")
     return 0
 
 
