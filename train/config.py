@@ -281,7 +281,9 @@ class ExportConfig:
     select: ExportSelect = ExportSelect.best
     """Which weights the end-of-training export holds: `best` = the checkpoint with the highest
     eval decoder-walk τ (`tau_trajectory`; every new best eval is checkpointed), `last` = the
-    final step's. Without a held-out eval `best` falls back to `last` (logged)."""
+    final step's. Without held-out data (data.eval_fraction=0, no data.eval_dataset) `best`
+    falls back to `last` (logged); with train.eval_every=0 the only eval is the final step's,
+    so `best` is the final step too."""
 
 
 @dataclass

@@ -170,7 +170,12 @@ def context_axes(ax, groups: dict[str, list[dict]], title: str) -> None:
         bars = ax.bar(xs, ys, width=width, label=label)
         ax.bar_label(bars, labels=["" if math.isnan(y) else f"{y:.2f}" for y in ys],
                      fontsize="small")
+    for j, name in enumerate(buckets):
+        if not any(_num(b.get("tau")) for rows in groups.values() for b in rows
+                   if b["bucket"] == name):
+            ax.text(j, 0, "no rounds", ha="center", va="bottom", color="gray")
     tokens = {b["bucket"]: b.get("tokens") for rows in groups.values() for b in rows}
+    ax.margins(y=0.1)                   # room for the value labels
     ax.set_xticks(range(len(buckets)))
     ax.set_xticklabels([f"{b}\n{tokens[b]} tok" if tokens.get(b) is not None else b
                         for b in buckets])

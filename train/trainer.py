@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from torch import Tensor, nn
 
 from eyas.data.dataset import open_dataset
@@ -294,6 +294,8 @@ def _export_selected(t: Trainer, step: int, last_eval: dict) -> dict[str, Any]:
     their summary entries."""
     sel = select_checkpoint(t.out / "checkpoints", t.cfg.export.select.value, step, last_eval,
                             has_eval=t.data.eval is not None)
+    if t.accelerator.num_processes > 1:  # rank 0's reading of checkpoints/ decides for all
+        sel = broadcast_object_list([sel], from_process=0)[0]
     found: dict[str, Any] = {"checkpoint_selection": sel}
     if t.cfg.export.enabled:
         log.info("%s", describe(sel))

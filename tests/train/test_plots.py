@@ -3,6 +3,8 @@
 import json
 import logging
 
+import pytest
+
 from eyas.train.plots import evaluation_figure, write_evaluation_plot, write_run_plots
 
 # the result layout `eyas evaluate` writes (README: context buckets and temperatures)
@@ -65,3 +67,23 @@ def test_a_failed_drawing_is_a_warning_not_an_error(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert write_run_plots(other) == []
     assert f"could not draw the run's plots into {other / 'plots'}" in caplog.text
+
+
+def test_run_plots_draw_context_buckets_when_the_eval_reports_them(tmp_path):
+    from eyas.train.plots import read_records, run_figures
+    buckets = RESULT["by_context"]
+    recs = [{"step": s, "train/loss": 3.0 - s / 10, "eval/loss": 3.1 - s / 10,
+             "eval/tau": 1.5 + s / 10, "eval/tau_trajectory": 1.4 + s / 10,
+             "eval/cond_acc_0": 0.4, "eval/cond_acc_1": 0.3,
+             "eval/by_context": [dict(b, tau=None if b["tau"] is None else b["tau"] + s / 10)
+                                 for b in buckets]} for s in (2, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    written = write_run_plots(tmp_path, selected_step=2)
+    assert sorted(p.name for p in written) == ["acceptance.png", "loss.png", "tau.png",
+                                               "tau_by_context.png"]
+    (ax,) = run_figures(read_records(tmp_path / "metrics.jsonl"), 2)["tau_by_context"].axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["selected checkpoint (step 2)", "last eval (step 4)"]
+    assert len(ax.patches) == 2 * len(buckets)           # one bar per bucket and eval
+    heights = [p.get_height() for p in ax.patches]
+    assert heights[:2] == pytest.approx([2.5, 2.1]) and heights[3:5] == pytest.approx([2.7, 2.3])
