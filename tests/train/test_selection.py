@@ -143,3 +143,22 @@ def test_eyas_evaluate_plot_draws_what_the_result_holds(spiked, tiny_llama_datas
     assert len(fig.axes) == want
     assert list(fig.axes[0].get_lines()[0].get_ydata()) == pytest.approx(
         [res[f"cond_acc_{k}"] for k in range(3)])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_best(tmp_path, tiny_llama_dataset):
+    d = tmp_path / "r"
+    first = [o for o in SPIKE if not o.startswith("train.max_steps")]
+    run(d, tiny_llama_dataset, *first, "train.max_steps=5")
+    before = json.loads((d / "checkpoints" / "best.json").read_text())
+    run(d, tiny_llama_dataset, *SPIKE, "train.resume=latest")
+    walk = _evals(d)
+    peak = max(walk, key=walk.get)
+    assert peak < 5 and walk[LAST] < walk[peak], walk
+    assert before["step"] == peak
+    sel = json.loads((d / "summary.json").read_text())["checkpoint_selection"]
+    assert sel["exported"] == "best" and sel["step"] == peak
+    exported = load_file(str(d / "export" / "model.safetensors"))
+    best = _drafter_tensors(read_trainer_checkpoint(d / "checkpoints" / f"step-{peak:06d}")
+                            .state_dict)
+    assert all(_same(exported, best, n) for n in set(exported) & set(best))
