@@ -52,7 +52,8 @@ from eyas.train.selection import BestWalk, describe, select_checkpoint
 from eyas.train.step import TrainingModule, to_device
 from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, default_peak_flops,
                                  flops_per_token, mean_over_ranks)
-from eyas.train.update import SkippedSteps, host_checked_micro_step, micro_step
+from eyas.train.update import (SkippedSteps, host_checked_micro_step, micro_step,
+                               skipped_samples)
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,7 @@ def fit(t: Trainer) -> dict[str, Any]:
     bar.close()
     logger.close()
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
-                               "skipped_samples": _skipped_samples(t),
+                               "skipped_samples": skipped_samples(t.data.train.dataset),
                                "eval": last_eval, "tau": last_eval.get("tau"),
                                "tau_trajectory": last_eval.get("tau_trajectory")}
     return {**summary, **_export_selected(t, step, last_eval)}
@@ -303,17 +304,6 @@ def _export_selected(t: Trainer, step: int, last_eval: dict) -> dict[str, Any]:
     if t.accelerator.is_main_process:
         write_run_plots(t.out, selected_step=sel["step"])
     return found
-
-
-def _skipped_samples(t: Trainer) -> int:
-    """Samples of this rank's training set left out for NaN/inf (data.nonfinite=skip)."""
-    checks = t.data.train.dataset.read_checks
-    if checks is None or not checks.skipped:
-        return 0
-    first = checks.skipped[0]
-    log.warning("data.nonfinite=skip left out %d sample(s) with NaN/inf values (first: %s "
-                "sample %d)", len(checks.skipped), first["file"], first["sample"])
-    return len(checks.skipped)
 
 
 def train_step(t: Trainer, batches: Iterator[Batch], window: MetricsWindow,
