@@ -5,13 +5,14 @@ Layout under `<run>/checkpoints/`:
                           shards under DeepSpeed) + eyas_state.json (step, loader position,
                           objective settings, metrics)
     latest                text file naming the newest complete checkpoint
-    best                  text file naming the checkpoint with the best eval acceptance length
+    best                  text file naming the checkpoint with the best decoder-walk τ
+    best.json             {"checkpoint", "step", "tau_trajectory", "tau"} of that checkpoint
 
 A checkpoint is written to `.step-000100.tmp` and renamed only when every rank has finished,
 so a crash while saving leaves the previous checkpoint as `latest`. Before the rename rank 0
 records every file's SHA-256 in `SHA256SUMS` (data.checksums); resume checks them, so a
 checkpoint with changed bytes or a truncated file is refused with an error naming the file.
-Rotation renames a checkpoint to `.step-000100.del` before deleting it, so an interrupted
+Rotation keeps the `keep_last` newest checkpoints and the best one; it renames a checkpoint to `.step-000100.del` before deleting it, so an interrupted
 rotation never leaves a half-deleted `step-*`; what killed runs leave (`.step-*.tmp`,
 `.step-*.del`, a `step-*` without its eyas_state.json) is removed by the next run in the
 directory (`clean_leftovers`).
@@ -72,11 +73,13 @@ def latest(root: Path) -> Path | None:
 
 
 def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last: int,
-         best_metric: float | None = None,
+         best_metric: float | None = None, best_record: dict[str, Any] | None = None,
          add_files: Callable[[Path], None] | None = None) -> Path:
     """Write checkpoint `step` on every rank; rank 0 publishes it and rotates old ones.
 
     `add_files(dir)` (rank 0) writes more files into the checkpoint before it is checksummed.
+    `best_metric` (the eval's decoder-walk τ, `tau_trajectory`) competes for the `best` pointer;
+    `best_record` is written with it into best.json.
 
     Every rank writes its part into one `.step-N.tmp` directory that all of them can name, then
     rank 0 renames it onto `step-N` (a single-writer `data.utils.atomic_write_dir` cannot be
@@ -98,11 +101,11 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
         os.replace(tmp, final)
         _write_pointer(root / "latest", final.name)
         if best_metric is not None:
-            prev = _read_best(root)
-            if prev is None or best_metric > prev[1]:
+            if improves(root, best_metric):
                 _write_pointer(root / "best", final.name)
-                atomic_write_json(root / "best.json", {"checkpoint": final.name,
-                                                       "tau": best_metric})
+                atomic_write_json(root / "best.json", {**(best_record or {}),
+                                                       "checkpoint": final.name, "step": step,
+                                                       "tau_trajectory": best_metric})
         _rotate(root, keep_last)
         log.info("checkpoint %s", final)
     accelerator.wait_for_everyone()
@@ -113,12 +116,32 @@ def _write_pointer(path: Path, name: str) -> None:
     atomic_write_bytes(path, name.encode())
 
 
+def improves(root: Path, metric: float | None) -> bool:
+    """Whether an eval decoder-walk τ `metric` beats the run's best checkpoint (or there is none)."""
+    if metric is None:
+        return False
+    prev = _read_best(root)
+    return prev is None or metric > prev[1]
+
+
+def read_best(root: Path) -> dict[str, Any] | None:
+    """best.json of the checkpoints dir `root` when it names a complete checkpoint, else None."""
+    f = root / "best.json"
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    return d if (root / d["checkpoint"] / STATE_FILE).is_file() else None
+
+
 def _read_best(root: Path) -> tuple[str, float] | None:
     f = root / "best.json"
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
-    return d["checkpoint"], float(d["tau"] if "tau" in d else d["accept_len"])  # older runs
+    for key in ("tau_trajectory", "tau", "accept_len"):  # older runs ranked by tau/accept_len
+        if d.get(key) is not None:
+            return d["checkpoint"], float(d[key])
+    return None
 
 
 def _rotate(root: Path, keep_last: int) -> None:

@@ -53,6 +53,11 @@ class DistBackend(str, Enum):
     deepspeed = "deepspeed"
 
 
+class ExportSelect(str, Enum):
+    best = "best"
+    last = "last"
+
+
 class ParamDtype(str, Enum):
     auto = "auto"
     bf16 = "bf16"
@@ -276,6 +281,12 @@ class ExportConfig:
     """Also export every N optimizer steps; 0 = only at the end."""
     speculators_config: bool = False
     """Also write a vLLM speculators-format config next to the export."""
+    select: ExportSelect = ExportSelect.best
+    """Which weights the end-of-training export holds: `best` = the checkpoint with the highest
+    eval decoder-walk τ (`tau_trajectory`; every new best eval is checkpointed), `last` = the
+    final step's. Without held-out data (data.eval_fraction=0, no data.eval_dataset) `best`
+    falls back to `last` (logged); with train.eval_every=0 the only eval is the final step's,
+    so `best` is the final step too."""
 
 
 @dataclass

@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a round starts (offline: the chain start, --prompts: the verified position); "
                    "the last bucket is open (default: eval.context_buckets, "
                    f"{','.join(map(str, DEFAULT_EDGES))})")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result as a "
+                   "PNG: per-position acceptance, tau by context bucket and by temperature "
+                   "(what the result holds)")
     add_sampling_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest; "
@@ -236,6 +239,10 @@ def cli_main(argv: list[str] | None = None) -> int:
     if "by_temperature" in res or "offline_tau" in res:
         print(format_by_temperature(res))
     print(f"wrote {args.out}")
+    if args.plot:
+        from eyas.train.plots import write_evaluation_plot
+        if write_evaluation_plot(json_safe(res), args.plot) is not None:
+            print(f"wrote {args.plot}")
     return 0
 
 

@@ -215,6 +215,9 @@ def main(cfg: DictConfig) -> None:
     except Exception as e:
         raise SystemExit(_report(e)) from None
     if current_rank() == 0:
+        if summary.get("export") and summary.get("checkpoint_selection"):
+            from eyas.train.selection import describe
+            print(describe(summary["checkpoint_selection"]))
         if summary.get("export"):
             print(f"export: {summary['export']}")
         if summary.get("speculative"):

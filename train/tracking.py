@@ -97,6 +97,17 @@ class MetricsWindow:
         return rec
 
 
+def mean_over_ranks(accelerator, values: list) -> float:
+    """The mean of every rank's scalar device tensors `values` (NaN when there are none; a rank
+    without any adds zeros, so the collective still matches)."""
+    dev = accelerator.device
+    total = torch.stack(values).sum() if values else torch.zeros((), device=dev)
+    pair = torch.stack([total.to(dev, torch.float32),
+                        torch.tensor(float(len(values)), device=dev)])
+    pair = accelerator.reduce(pair, "sum")
+    return float(pair[0] / pair[1]) if float(pair[1]) else float("nan")
+
+
 class MetricsLogger:
     """Rank 0 writes `metrics.jsonl`; trackers (wandb) get the same records."""
 

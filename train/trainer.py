@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, broadcast_object_list, set_seed
 from torch import Tensor, nn
 
 from eyas.data.dataset import open_dataset
@@ -42,16 +42,19 @@ from eyas.data.targets import load_embedding_and_head, load_target_config, text_
 from eyas.train import checkpoint as ckpt
 from eyas.train.trackers import init_trackers
 from eyas.train.config import (ConfigError, DataConfig, DistBackend, DrafterConfig, EyasConfig,
-                               LossConfig, OptimConfig, TargetConfig)
+                               ExportSelect, LossConfig, OptimConfig, TargetConfig)
 from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
 from eyas.train.optim import build_scheduler
+from eyas.train.plots import write_run_plots
+from eyas.train.selection import BestWalk, describe, select_checkpoint
 from eyas.train.step import TrainingModule, to_device
 from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, default_peak_flops,
-                                 flops_per_token)
-from eyas.train.update import SkippedSteps, host_checked_micro_step, micro_step
+                                 flops_per_token, mean_over_ranks)
+from eyas.train.update import (SkippedSteps, host_checked_micro_step, micro_step,
+                               skipped_samples)
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +247,7 @@ def fit(t: Trainer) -> dict[str, Any]:
     init_trackers(cfg, acc, t.out)
     logger = MetricsLogger(acc, t.out, use_trackers=trackers)
     objective = ckpt.objective_record(cfg, acc.num_processes)
-    step, nonfinite = _resume(t, objective)
+    step, nonfinite, best = _resume(t, objective)
     skipped = SkippedSteps(cfg.train.max_nonfinite_steps, acc.device, done=nonfinite)
     peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
             else default_peak_flops(acc.device))
@@ -269,32 +272,39 @@ def fit(t: Trainer) -> dict[str, Any]:
                 logger.log(step, last_eval, prefix="eval")
                 log.info("eval step %d: tau %.3f (decoder walk %.3f), acc_0 %.3f", step,
                          last_eval["tau"], last_eval["tau_trajectory"], last_eval["acc_0"])
-        if _every(step, cfg.train.save_every) or done:
-            _save(t, step, objective, skipped, last_eval,
-                  best=last_eval.get("tau") if is_eval else None)
+        walk = last_eval.get("tau_trajectory") if is_eval else None
+        # a new best decoder-walk τ is checkpointed, so export.select=best can export it
+        new_best = best.offer(walk, step) and cfg.export.select == ExportSelect.best
+        if _every(step, cfg.train.save_every) or done or new_best:
+            _save(t, step, objective, skipped, last_eval, best, walk=walk)
+        if is_eval and acc.is_main_process:
+            write_run_plots(t.out, selected_step=best.step)
         if _every(step, cfg.export.every) and not done:
             export_final(t, t.out / f"export-step{step:06d}")
     batches.close()   # stops the loader's prefetch threads
     bar.close()
     logger.close()
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
-                               "skipped_samples": _skipped_samples(t),
+                               "skipped_samples": skipped_samples(t.data.train.dataset),
                                "eval": last_eval, "tau": last_eval.get("tau"),
                                "tau_trajectory": last_eval.get("tau_trajectory")}
-    if cfg.export.enabled:
-        summary["export"] = str(export_final(t, t.out / "export"))
-    return summary
+    return {**summary, **_export_selected(t, step, last_eval)}
 
 
-def _skipped_samples(t: Trainer) -> int:
-    """Samples of this rank's training set left out for NaN/inf (data.nonfinite=skip)."""
-    checks = t.data.train.dataset.read_checks
-    if checks is None or not checks.skipped:
-        return 0
-    first = checks.skipped[0]
-    log.warning("data.nonfinite=skip left out %d sample(s) with NaN/inf values (first: %s "
-                "sample %d)", len(checks.skipped), first["file"], first["sample"])
-    return len(checks.skipped)
+def _export_selected(t: Trainer, step: int, last_eval: dict) -> dict[str, Any]:
+    """The export of the checkpoint export.select picks (`train.selection`) and the run's plots;
+    their summary entries."""
+    sel = select_checkpoint(t.out / "checkpoints", t.cfg.export.select.value, step, last_eval,
+                            has_eval=t.data.eval is not None)
+    if t.accelerator.num_processes > 1:  # rank 0's reading of checkpoints/ decides for all
+        sel = broadcast_object_list([sel], from_process=0)[0]
+    found: dict[str, Any] = {"checkpoint_selection": sel}
+    if t.cfg.export.enabled:
+        log.info("%s", describe(sel))
+        found["export"] = str(export_final(t, t.out / "export", selection=sel))
+    if t.accelerator.is_main_process:
+        write_run_plots(t.out, selected_step=sel["step"])
+    return found
 
 
 def train_step(t: Trainer, batches: Iterator[Batch], window: MetricsWindow,
@@ -344,14 +354,17 @@ def evaluate(t: Trainer) -> dict[str, Any]:
     """Exact acceptance on the held-out split (`train.evaluate.count_acceptance`, summed over
     ranks): `tau` averages the chain over every start, `tau_trajectory` walks the text as a
     greedy decoder does and counts as the engines do (`models.metrics`); `tau_ctx_<bucket>`
-    and the `by_context` table per bucket of eval.context_buckets (`models.context`)."""
+    and the `by_context` table per bucket of eval.context_buckets (`models.context`); `loss`
+    is the training objective's mean."""
     if t.data.eval is None:
         return {}
     K, skip_rows = t.model.config.ttt_steps, bool(t.cfg.loss.skip_masked_rows)
+    losses: list[Tensor] = []
 
     def forward(batch):
         batch, inputs = to_device(batch, t.accelerator.device, K, skip_rows)
         res = t.module(**inputs)
+        losses.append(res.loss.detach().float())
         return batch, res.draft_argmax, res.metric_mask
 
     edges = tuple(t.cfg.eval.context_buckets)
@@ -360,29 +373,36 @@ def evaluate(t: Trainer) -> dict[str, Any]:
                                  edges=edges)
     t.module.train()
     table = context_table(counts, edges)
-    return {**summarize(counts), **context_scalars(table), "by_context": table}
+    return {**summarize(counts), **context_scalars(table), "by_context": table,
+            "loss": mean_over_ranks(t.accelerator, losses)}
 
 
-def _resume(t: Trainer, objective: dict) -> tuple[int, int]:
-    """(step, non-finite steps so far) of the checkpoint train.resume names, or (0, 0)."""
+def _resume(t: Trainer, objective: dict) -> tuple[int, int, BestWalk]:
+    """(step, non-finite steps so far, best eval decoder walk so far) of the checkpoint
+    train.resume names, or (0, 0, none)."""
     path = ckpt.resolve_resume(t.cfg.train.resume, t.out / "checkpoints")
     if path is None:
-        return 0, 0
+        return 0, 0, BestWalk()
     state = ckpt.load(t.accelerator, path, objective)
     t.data.train.load_state_dict(state["loader"])
-    return state["step"], state.get("nonfinite", 0)
+    best = state.get("best") or {}
+    return (state["step"], state.get("nonfinite", 0),
+            BestWalk(best.get("tau_trajectory"), best.get("step")))
 
 
 def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
-          last_eval: dict[str, float], best: float | None) -> None:
-    """Checkpoint `step` (the eval τ of this step, when finite, competes for `best`)."""
+          last_eval: dict[str, float], best: BestWalk, walk: float | None) -> None:
+    """Checkpoint `step` (the eval decoder-walk τ of this step, when finite, competes for
+    `best`; `train.selection`)."""
     state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
              "loader": t.data.train.state_dict(),
              "eval": {k: v for k, v in last_eval.items()
-                      if isinstance(v, float) and math.isfinite(v)}}
-    best = best if best is not None and math.isfinite(best) else None
+                      if isinstance(v, (int, float)) and math.isfinite(v)},
+             "best": {"tau_trajectory": best.value, "step": best.step}}
+    walk = walk if walk is not None and math.isfinite(walk) else None
     ckpt.save(t.accelerator, t.out / "checkpoints", step, state, keep_last=t.cfg.train.keep_last,
-              best_metric=best, add_files=lambda d: _write_export_meta(t, d))
+              best_metric=walk, best_record={"tau": last_eval.get("tau")},
+              add_files=lambda d: _write_export_meta(t, d))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,18 +433,25 @@ def _data_record(t: Trainer) -> dict:
             "eval_fraction": float(t.cfg.data.eval_fraction), "seed": int(t.cfg.train.seed)}
 
 
-def export_final(t: Trainer, out_dir: Path) -> Path:
-    """Layout-A export of the current weights (gathers ZeRO-3 shards), written by rank 0."""
+def export_final(t: Trainer, out_dir: Path, selection: dict | None = None) -> Path:
+    """Layout-A export, written by rank 0, of the current weights (gathers ZeRO-3 shards), or of
+    the checkpoint `selection` names (`train.selection`: read back from its files)."""
     from eyas.models.serving.export import export_drafter
+    from eyas.models.serving.importer import read_trainer_checkpoint
     acc, m, cfg = t.accelerator, t.model, t.cfg
-    state = acc.get_state_dict(t.module)
+    from_checkpoint = selection is not None and selection["checkpoint"] is not None
+    state = None if from_checkpoint else acc.get_state_dict(t.module)
     if acc.is_main_process:
+        if from_checkpoint:
+            state = read_trainer_checkpoint(selection["checkpoint"]).state_dict
+        training = {"run": cfg.run_name, "target": str(cfg.target.name), "data": _data_record(t)}
+        if selection is not None:
+            training["checkpoint_selection"] = selection
         spec = cfg.export.speculators_config
         export_drafter(state, m.config, m.d2t, m.t2d, out_dir, target_config=t.data.target_config,
                        ttt_steps=m.config.ttt_steps, overwrite=True, speculators=spec,
                        verifier=str(cfg.target.name) if spec else None,
-                       training={"run": cfg.run_name, "target": str(cfg.target.name),
-                                 "data": _data_record(t)})
+                       training=training)
         log.info("exported %s", out_dir)
     acc.wait_for_everyone()
     return out_dir

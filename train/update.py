@@ -136,3 +136,14 @@ class SkippedSteps:
                                f"train.max_nonfinite_steps={self.limit}, checked every "
                                f"train.log_every steps); lower optim.lr or check the dataset "
                                f"with `eyas inspect`")
+
+
+def skipped_samples(dataset) -> int:
+    """Samples of this rank's training set left out for NaN/inf (data.nonfinite=skip), logged."""
+    checks = dataset.read_checks
+    if checks is None or not checks.skipped:
+        return 0
+    first = checks.skipped[0]
+    log.warning("data.nonfinite=skip left out %d sample(s) with NaN/inf values (first: %s "
+                "sample %d)", len(checks.skipped), first["file"], first["sample"])
+    return len(checks.skipped)

@@ -1,0 +1,99 @@
+"""Which weights the end-of-training export holds (`export.select`), and the record saying so.
+
+Checkpoints are ranked by the eval decoder-walk τ (`tau_trajectory`, `models.metrics`: the
+estimate that real greedy decoding measures). `checkpoint.save` names the best one in
+`checkpoints/best` and `best.json`, rotation never deletes it, and with `export.select=best`
+the loop checkpoints every eval that beats it (`BestWalk`), so the peak survives whatever
+`train.save_every` is. At the end of training:
+
+    export.select=best   the best checkpoint's weights, read back from its files (checksums
+                         verified; the final weights themselves when the final step is the best)
+    export.select=last   the final step's weights
+
+Without a held-out eval (data.eval_fraction=0 and no data.eval_dataset), or when no eval gave
+a finite decoder-walk τ, there is no best: `best` falls back to the final step, and says so in
+the log and the record.
+
+The record (`summary.json` key `checkpoint_selection`, and `training.checkpoint_selection` in
+the export's eyas_export.json):
+    {"select": "best"|"last", "exported": "best"|"last", "step": exported step,
+     "checkpoint": the checkpoint dir read back or null (the final weights), "reason": str,
+     "best": {"step", "checkpoint", "tau_trajectory", "tau"} or null,
+     "last": {"step", "tau_trajectory", "tau"}}
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from eyas.train import checkpoint as ckpt
+
+log = logging.getLogger(__name__)
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+class BestWalk:
+    """The best eval decoder-walk τ so far, the same on every rank (the eval counts are summed
+    over ranks), so all of them agree on when to checkpoint a new best."""
+
+    def __init__(self, value: float | None = None, step: int | None = None):
+        self.value = _finite(value)
+        self.step = step if self.value is not None else None
+
+    def offer(self, walk: float | None, step: int) -> bool:
+        """True (and remember it) when `walk` is finite and beats the best so far."""
+        walk = _finite(walk)
+        if walk is None or (self.value is not None and walk <= self.value):
+            return False
+        self.value, self.step = walk, step
+        return True
+
+
+def _step_of(name: str) -> int:
+    return int(name.rsplit("-", 1)[-1])
+
+
+def select_checkpoint(root: Path, select: str, step: int, last_eval: dict[str, Any],
+                      has_eval: bool) -> dict[str, Any]:
+    """The record (module docstring) of what the final export holds; logged on the way.
+
+    root: the run's checkpoints dir, select: export.select, step: the final step, last_eval: the
+    final eval's record ({} without one), has_eval: whether the run has held-out data."""
+    last = {"step": step, "tau_trajectory": _finite(last_eval.get("tau_trajectory")),
+            "tau": _finite(last_eval.get("tau"))}
+    found = ckpt.read_best(root)
+    best = None if found is None else {
+        "step": int(found.get("step", _step_of(found["checkpoint"]))),
+        "checkpoint": found["checkpoint"],
+        "tau_trajectory": _finite(found.get("tau_trajectory")), "tau": _finite(found.get("tau"))}
+    rec: dict[str, Any] = {"select": select, "best": best, "last": last}
+    if select == "last":
+        return {**rec, "exported": "last", "step": step, "checkpoint": None,
+                "reason": "export.select=last"}
+    if best is None:
+        why = ("no held-out data to evaluate on (data.eval_fraction=0 and no data.eval_dataset)"
+               if not has_eval else "no eval gave a finite decoder-walk tau")
+        log.info("export.select=best: %s; exporting the final step %d instead", why, step)
+        return {**rec, "exported": "last", "step": step, "checkpoint": None,
+                "reason": f"export.select=best fell back to the final step: {why}"}
+    path = None if best["step"] == step else str(root / best["checkpoint"])
+    return {**rec, "exported": "best", "step": best["step"], "checkpoint": path,
+            "reason": "export.select=best: the highest eval decoder-walk tau"}
+
+
+def describe(sel: dict[str, Any]) -> str:
+    """One line: which step was exported and the decoder-walk τ of the best and the last."""
+    def tau(r):
+        v = None if r is None else r.get("tau_trajectory")
+        return "n/a" if v is None else f"{v:.3f}"
+
+    best = sel["best"]
+    where = f"best step {best['step']} tau {tau(best)}" if best else "no best (no eval tau)"
+    return (f"exported step {sel['step']} ({sel['exported']}, export.select={sel['select']}); "
+            f"{where}, last step {sel['last']['step']} tau {tau(sel['last'])} (decoder walk)")
