@@ -102,12 +102,12 @@ def test_without_held_out_data_best_falls_back_to_the_last_step(tmp_path, tiny_l
 def test_the_run_draws_its_pictures(spiked):
     d, summary, _ = spiked
     assert sorted(p.name for p in (d / "plots").iterdir()) == ["acceptance.png", "loss.png",
-                                                             "tau.png"]
+                                                             "tau.png", "tau_by_context.png"]
     for p in (d / "plots").iterdir():
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     peak = summary["checkpoint_selection"]["step"]
     figs = run_figures(read_records(d / "metrics.jsonl"), selected_step=peak)
-    assert set(figs) == {"loss", "tau", "acceptance"}   # the eval reports no context buckets
+    assert set(figs) == {"loss", "tau", "acceptance", "tau_by_context"}   # eval's by_context
 
     def labels(ax):
         return [line.get_label() for line in ax.get_lines()]
