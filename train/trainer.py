@@ -47,6 +47,7 @@ from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
 from eyas.train.optim import build_scheduler
+from eyas.train.provenance import run_record
 from eyas.train.step import TrainingModule, to_device
 from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, default_peak_flops,
                                  flops_per_token)
@@ -270,9 +271,10 @@ def fit(t: Trainer) -> dict[str, Any]:
                          last_eval["tau"], last_eval["tau_trajectory"], last_eval["acc_0"])
         if _every(step, cfg.train.save_every) or done:
             _save(t, step, objective, skipped, last_eval,
-                  best=last_eval.get("tau") if is_eval else None)
+                  best=last_eval.get("tau") if is_eval else None, evaluated=is_eval)
         if _every(step, cfg.export.every) and not done:
-            export_final(t, t.out / f"export-step{step:06d}")
+            export_final(t, t.out / f"export-step{step:06d}", step,
+                         last_eval if is_eval else None)
     batches.close()   # stops the loader's prefetch threads
     bar.close()
     logger.close()
@@ -281,7 +283,7 @@ def fit(t: Trainer) -> dict[str, Any]:
                                "eval": last_eval, "tau": last_eval.get("tau"),
                                "tau_trajectory": last_eval.get("tau_trajectory")}
     if cfg.export.enabled:
-        summary["export"] = str(export_final(t, t.out / "export"))
+        summary["export"] = str(export_final(t, t.out / "export", step, last_eval))
     return summary
 
 
@@ -369,25 +371,31 @@ def _resume(t: Trainer, objective: dict) -> tuple[int, int]:
 
 
 def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
-          last_eval: dict[str, float], best: float | None) -> None:
-    """Checkpoint `step` (the eval τ of this step, when finite, competes for `best`)."""
+          last_eval: dict[str, float], best: float | None, evaluated: bool = False) -> None:
+    """Checkpoint `step` (the eval τ of this step, when finite, competes for `best`; its
+    provenance holds the eval record when `evaluated`: the record is this step's)."""
     state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
              "loader": t.data.train.state_dict(),
              "eval": {k: v for k, v in last_eval.items() if math.isfinite(v)}}
     best = best if best is not None and math.isfinite(best) else None
     ckpt.save(t.accelerator, t.out / "checkpoints", step, state, keep_last=t.cfg.train.keep_last,
-              best_metric=best, add_files=lambda d: _write_export_meta(t, d))
+              best_metric=best,
+              add_files=lambda d: _write_export_meta(t, d, step,
+                                                     last_eval if evaluated else None))
 
 
 # ---------------------------------------------------------------------------------------------
 # Outside the loop: tracker, checkpoint metadata, export
 
 
-def _write_export_meta(t: Trainer, path: Path) -> None:
-    """eyas.json + vocab next to the accelerate state, so `eyas export CHECKPOINT` works."""
+def _write_export_meta(t: Trainer, path: Path, step: int, evaluated: dict | None) -> None:
+    """eyas.json + vocab next to the accelerate state, so `eyas export CHECKPOINT` works, and
+    the run record its export's model card is made from (train/provenance.py)."""
     if not t.accelerator.is_main_process:
         return
     from eyas.data.utils import atomic_write_json
+    from eyas.models.serving.card import PROVENANCE, json_clean
+    atomic_write_json(path / PROVENANCE, json_clean(run_record(t, step, evaluated)))
     m = t.model
     save_vocab(path / "vocab.safetensors", m.d2t, m.t2d)
     atomic_write_json(path / "eyas.json", {"drafter": m.config.to_dict(),
@@ -407,8 +415,9 @@ def _data_record(t: Trainer) -> dict:
             "eval_fraction": float(t.cfg.data.eval_fraction), "seed": int(t.cfg.train.seed)}
 
 
-def export_final(t: Trainer, out_dir: Path) -> Path:
-    """Layout-A export of the current weights (gathers ZeRO-3 shards), written by rank 0."""
+def export_final(t: Trainer, out_dir: Path, step: int, evaluated: dict | None) -> Path:
+    """Layout-A export of the current weights (gathers ZeRO-3 shards), written by rank 0, with
+    the model card of the run at `step` (`evaluated`: that step's eval record, if any)."""
     from eyas.models.serving.export import export_drafter
     acc, m, cfg = t.accelerator, t.model, t.cfg
     state = acc.get_state_dict(t.module)
@@ -418,7 +427,8 @@ def export_final(t: Trainer, out_dir: Path) -> Path:
                        ttt_steps=m.config.ttt_steps, overwrite=True, speculators=spec,
                        verifier=str(cfg.target.name) if spec else None,
                        training={"run": cfg.run_name, "target": str(cfg.target.name),
-                                 "data": _data_record(t)})
+                                 "data": _data_record(t)},
+                       provenance=run_record(t, step, evaluated))
         log.info("exported %s", out_dir)
     acc.wait_for_everyone()
     return out_dir
