@@ -107,8 +107,9 @@ def build_provenance(run: Mapping[str, Any] | None, cfg: Mapping[str, Any],
             "training": run.get("training"), "eval": run.get("eval"),
             "selected": run.get("selected"), "config": run.get("config"),
             "software": software,
-            "checks": {**(run.get("checks") or {}), "validator": _validator(findings, None if where is None
-                                                                  else Path(where))}}
+            # checks of another directory (a re-exported one) are not this export's
+            "checks": {"validator": _validator(findings, None if where is None
+                                               else Path(where))}}
     return json_clean(prov)
 
 

@@ -345,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas export",
         description="Write a trained drafter as a directory vLLM and SGLang serve as is "
-                    "(config.json + model.safetensors, serving-contract layout A).")
+                    "(config.json + model.safetensors, serving-contract layout A), with a "
+                    "model card (README.md) and eyas_provenance.json made from the "
+                    "checkpoint's run record: the same card as the run's own export.")
     p.add_argument("checkpoint", help="trainer checkpoint dir (DDP or DeepSpeed, with eyas.json), "
                    "a state-dict file, or an exported drafter dir (re-export / convert)")
     p.add_argument("out_dir", help="output directory (must not exist unless --overwrite)")
