@@ -17,8 +17,8 @@ layout-A names (no `model.` prefix, `midlayer.`, no `embed_tokens`, `lm_head` al
 offsets and `t2d` bool iff draft_vocab_size < vocab_size), plus `eyas_export.json` (TTT steps and
 training settings), the model card `README.md` and `eyas_provenance.json` (how the drafter was
 made: models/serving/card.py) and `SHA256SUMS` (every file's SHA-256, `sha256sum -c` format;
-both engines ignore extra files). It is written to a temporary directory, checked with the static validator,
-and renamed into place: a failed export leaves nothing behind.
+both engines ignore extra files). It is written to a temporary directory, checked with the
+static validator, and renamed into place: a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
