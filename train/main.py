@@ -102,7 +102,22 @@ def _train(cfg, resolved, accelerator) -> dict:
     found.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
     if accelerator.is_main_process and found.get("export"):
         found.update(_checks(cfg, found["export"]))
+        _record_checks(found["export"], found)
     return found
+
+
+def _record_checks(export: str, found: dict) -> None:
+    """The engine loaders' verdicts and the real decoding's headline figures, into the export's
+    model card and provenance (models/serving/card.py)."""
+    from eyas.models.serving.card import record_checks
+    checks = {}
+    if found.get("engines"):
+        checks["engines"] = found["engines"]
+    if isinstance(found.get("speculative"), dict):
+        checks["speculative"] = {k: v for k, v in found["speculative"].items()
+                                 if isinstance(v, (int, float, str, bool))}
+    if checks:
+        record_checks(export, **checks)
 
 
 def _checks(cfg, export: str) -> dict:

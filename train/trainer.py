@@ -16,6 +16,7 @@ next step while the device still runs this one.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -49,6 +50,7 @@ from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
 from eyas.train.optim import build_scheduler
 from eyas.train.plots import write_run_plots
+from eyas.train.provenance import run_record
 from eyas.train.selection import BestWalk, describe, select_checkpoint
 from eyas.train.step import TrainingModule, to_device
 from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, default_peak_flops,
@@ -276,11 +278,12 @@ def fit(t: Trainer) -> dict[str, Any]:
         # a new best decoder-walk τ is checkpointed, so export.select=best can export it
         new_best = best.offer(walk, step) and cfg.export.select == ExportSelect.best
         if _every(step, cfg.train.save_every) or done or new_best:
-            _save(t, step, objective, skipped, last_eval, best, walk=walk)
+            _save(t, step, objective, skipped, last_eval, best, walk=walk, evaluated=is_eval)
         if is_eval and acc.is_main_process:
             write_run_plots(t.out, selected_step=best.step)
         if _every(step, cfg.export.every) and not done:
-            export_final(t, t.out / f"export-step{step:06d}")
+            export_final(t, t.out / f"export-step{step:06d}", step,
+                         last_eval if is_eval else None)
     batches.close()   # stops the loader's prefetch threads
     bar.close()
     logger.close()
@@ -301,7 +304,7 @@ def _export_selected(t: Trainer, step: int, last_eval: dict) -> dict[str, Any]:
     found: dict[str, Any] = {"checkpoint_selection": sel}
     if t.cfg.export.enabled:
         log.info("%s", describe(sel))
-        found["export"] = str(export_final(t, t.out / "export", selection=sel))
+        found["export"] = str(export_final(t, t.out / "export", step, last_eval, selection=sel))
     if t.accelerator.is_main_process:
         write_run_plots(t.out, selected_step=sel["step"])
     return found
@@ -391,9 +394,10 @@ def _resume(t: Trainer, objective: dict) -> tuple[int, int, BestWalk]:
 
 
 def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
-          last_eval: dict[str, float], best: BestWalk, walk: float | None) -> None:
+          last_eval: dict[str, float], best: BestWalk, walk: float | None,
+          evaluated: bool = False) -> None:
     """Checkpoint `step` (the eval decoder-walk τ of this step, when finite, competes for
-    `best`; `train.selection`)."""
+    `best`; `train.selection`); its provenance holds the eval record when `evaluated`."""
     state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
              "loader": t.data.train.state_dict(),
              "eval": {k: v for k, v in last_eval.items()
@@ -402,18 +406,22 @@ def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
     walk = walk if walk is not None and math.isfinite(walk) else None
     ckpt.save(t.accelerator, t.out / "checkpoints", step, state, keep_last=t.cfg.train.keep_last,
               best_metric=walk, best_record={"tau": last_eval.get("tau")},
-              add_files=lambda d: _write_export_meta(t, d))
+              add_files=lambda d: _write_export_meta(t, d, step,
+                                                     last_eval if evaluated else None))
 
 
 # ---------------------------------------------------------------------------------------------
 # Outside the loop: tracker, checkpoint metadata, export
 
 
-def _write_export_meta(t: Trainer, path: Path) -> None:
-    """eyas.json + vocab next to the accelerate state, so `eyas export CHECKPOINT` works."""
+def _write_export_meta(t: Trainer, path: Path, step: int, evaluated: dict | None) -> None:
+    """eyas.json + vocab next to the accelerate state, so `eyas export CHECKPOINT` works, and
+    the run record its export's model card is made from (train/provenance.py)."""
     if not t.accelerator.is_main_process:
         return
     from eyas.data.utils import atomic_write_json
+    from eyas.models.serving.card import PROVENANCE, json_clean
+    atomic_write_json(path / PROVENANCE, json_clean(run_record(t, step, evaluated)))
     m = t.model
     save_vocab(path / "vocab.safetensors", m.d2t, m.t2d)
     atomic_write_json(path / "eyas.json", {"drafter": m.config.to_dict(),
@@ -421,6 +429,24 @@ def _write_export_meta(t: Trainer, path: Path) -> None:
                                            "vocab_map": "vocab.safetensors",
                                            "target": str(t.cfg.target.name),
                                            "data": _data_record(t)})
+
+
+def _provenance(t: Trainer, step: int, evaluated: dict | None, sel: dict | None) -> dict:
+    """The run record of the exported weights: the selected checkpoint's own (written at its
+    save), else the run's at `step`; `selected` says which step and why, with both τ."""
+    from eyas.models.serving.card import PROVENANCE
+    rec = None
+    if sel is not None and sel.get("checkpoint"):
+        f = Path(sel["checkpoint"]) / PROVENANCE
+        rec = json.loads(f.read_text()) if f.is_file() else None
+    rec = rec or run_record(t, step, evaluated)
+    if sel is not None:
+        best, last = sel.get("best") or {}, sel["last"]
+        rec["selected"] = {"step": sel["step"], "by": sel["exported"], "reason": sel["reason"],
+                           "tau": (best if sel["exported"] == "best" else last).get(
+                               "tau_trajectory"),
+                           "last_step": last["step"], "last_tau": last.get("tau_trajectory")}
+    return rec
 
 
 def _data_record(t: Trainer) -> dict:
@@ -433,9 +459,12 @@ def _data_record(t: Trainer) -> dict:
             "eval_fraction": float(t.cfg.data.eval_fraction), "seed": int(t.cfg.train.seed)}
 
 
-def export_final(t: Trainer, out_dir: Path, selection: dict | None = None) -> Path:
+def export_final(t: Trainer, out_dir: Path, step: int, evaluated: dict | None,
+                 selection: dict | None = None) -> Path:
     """Layout-A export, written by rank 0, of the current weights (gathers ZeRO-3 shards), or of
-    the checkpoint `selection` names (`train.selection`: read back from its files)."""
+    the checkpoint `selection` names (`train.selection`: read back from its files), with the
+    model card of the run at `step` (`evaluated`: that step's eval record, if any) or the
+    record the selected checkpoint holds."""
     from eyas.models.serving.export import export_drafter
     from eyas.models.serving.importer import read_trainer_checkpoint
     acc, m, cfg = t.accelerator, t.model, t.cfg
@@ -445,13 +474,14 @@ def export_final(t: Trainer, out_dir: Path, selection: dict | None = None) -> Pa
         if from_checkpoint:
             state = read_trainer_checkpoint(selection["checkpoint"]).state_dict
         training = {"run": cfg.run_name, "target": str(cfg.target.name), "data": _data_record(t)}
+        provenance = _provenance(t, step, evaluated, selection)
         if selection is not None:
             training["checkpoint_selection"] = selection
         spec = cfg.export.speculators_config
         export_drafter(state, m.config, m.d2t, m.t2d, out_dir, target_config=t.data.target_config,
                        ttt_steps=m.config.ttt_steps, overwrite=True, speculators=spec,
                        verifier=str(cfg.target.name) if spec else None,
-                       training=training)
+                       training=training, provenance=provenance)
         log.info("exported %s", out_dir)
     acc.wait_for_everyone()
     return out_dir

@@ -15,9 +15,10 @@ CHECKPOINT may be
 The output (serving-contract.md §1-§3): `config.json` + `model.safetensors` in bf16 with exactly the
 layout-A names (no `model.` prefix, `midlayer.`, no `embed_tokens`, `lm_head` always, `d2t` int64
 offsets and `t2d` bool iff draft_vocab_size < vocab_size), plus `eyas_export.json` (TTT steps and
-training settings) and `SHA256SUMS` (every file's SHA-256, `sha256sum -c` format; both engines
-ignore extra files). It is written to a temporary directory, checked with the static validator,
-and renamed into place: a failed export leaves nothing behind.
+training settings), the model card `README.md` and `eyas_provenance.json` (how the drafter was
+made: models/serving/card.py) and `SHA256SUMS` (every file's SHA-256, `sha256sum -c` format;
+both engines ignore extra files). It is written to a temporary directory, checked with the
+static validator, and renamed into place: a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from eyas.data.lock import writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.utils import atomic_write_dir, umask_mode
 from eyas.data.vocab_map import VocabMap
+from eyas.models.serving.card import (build_provenance, read_provenance, serve_commands,
+                                      write_card)
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
                                           TensorDir, all_finite, expected_shapes,
                                           format_findings, resolve_target_config)
@@ -172,7 +175,8 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
                    ttt_steps: int | None = None, training: dict[str, Any] | None = None,
                    speculators: bool = False, verifier: str | None = None,
                    num_speculative_tokens: int | None = None, overwrite: bool = False,
-                   max_shard_bytes: int | None = None, check: bool = True) -> Path:
+                   max_shard_bytes: int | None = None, check: bool = True,
+                   provenance: Mapping[str, Any] | None = None) -> Path:
     """Write the layout-A directory `out_dir` for a drafter and return its path.
 
     `state_dict_or_checkpoint`: the drafter's tensors (names as in models.drafter, wrappers
@@ -181,7 +185,9 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     dict's buffers; t2d is rebuilt from d2t when absent). `target_config` enables the target-
     dependent checks. `ttt_steps`/`training` go to eyas_export.json. `speculators=True` also
     writes `<out_dir>-speculators/` (vLLM-only speculators format; needs `verifier`).
-    `check=False` skips the static validation of the result (not recommended).
+    `check=False` skips the static validation of the result (not recommended). `provenance`:
+    the run record (train/provenance.py) the model card `README.md` and `eyas_provenance.json`
+    are built from (models/serving/card.py); None: a card of what the export itself knows.
     """
     if speculators and not verifier:
         raise ExportError("a speculators-format export names its verifier (the target model path "
@@ -266,6 +272,7 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         _save_tensors(tensors, tmp, max_shard_bytes)
         (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+        findings = None
         if check:
             # values were checked in memory above; the files are checked for layout only
             findings = check_config(cfg, tcfg) + check_tensors(TensorDir(tmp), cfg, tcfg,
@@ -275,6 +282,7 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
             if any(f.severity == ERROR for f in findings):
                 raise ExportError("the export breaks the serving contract:\n"
                                   + format_findings([f for f in findings if f.severity == ERROR]))
+        write_card(tmp, build_provenance(provenance, cfg, meta, findings, where=tmp))
         write_checksums(tmp)   # SHA256SUMS, checked by `eyas validate`
 
     out = atomic_write_dir(Path(out_dir), build, if_exists="replace" if overwrite else "error",
@@ -292,6 +300,14 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
 # Checkpoint -> export, and the CLI
 # ---------------------------------------------------------------------------------------------
 
+def _provenance(d: Path) -> dict[str, Any] | None:
+    """The run record a trainer checkpoint (or an export) carries, for the export's card."""
+    try:
+        return read_provenance(d)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
                       config: Any = None, target_config: dict | str | Path | None = None,
                       **kwargs: Any) -> Path:
@@ -307,6 +323,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
         kwargs.setdefault("ttt_steps", meta.get("ttt_steps"))
         kwargs.setdefault("training", dict(meta.get("training") or {}, source_format=fmt))
+        kwargs.setdefault("provenance", _provenance(checkpoint))
         return export_drafter(sd, config if config is not None else cfg, d2t, t2d, out_dir,
                               target_config=target_config, **kwargs)
     ck = read_trainer_checkpoint(checkpoint)  # (a) file, (b) DDP / DeepSpeed directory
@@ -318,19 +335,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
     training = {k: v for k, v in ck.meta.items() if k not in ("drafter", "drafter_config",
                                                               "config")}
     kwargs.setdefault("training", dict(training, checkpoint=str(checkpoint), source=ck.source))
+    kwargs.setdefault("provenance", None if ck.meta_dir is None else _provenance(ck.meta_dir))
     return export_drafter(ck.state_dict, cfg, ck.d2t, ck.t2d, out_dir,
                           target_config=target_config, **kwargs)
-
-
-def serve_commands(export_dir: str | Path, target: str, k: int) -> tuple[str, str]:
-    """The vLLM and SGLang command lines that serve `target` with this drafter, K draft tokens."""
-    spec = json.dumps({"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k},
-                      separators=(",", ":"))
-    vllm = f"vllm serve {target} --speculative-config '{spec}'"
-    sglang = (f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
-              f"--speculative-draft-model-path {export_dir} --speculative-num-steps {k} "
-              f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
-    return vllm, sglang
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,7 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas export",
         description="Write a trained drafter as a directory vLLM and SGLang serve as is "
-                    "(config.json + model.safetensors, serving-contract layout A).")
+                    "(config.json + model.safetensors, serving-contract layout A), with a "
+                    "model card (README.md) and eyas_provenance.json made from the "
+                    "checkpoint's run record: the same card as the run's own export.")
     p.add_argument("checkpoint", help="trainer checkpoint dir (DDP or DeepSpeed, with eyas.json), "
                    "a state-dict file, or an exported drafter dir (re-export / convert)")
     p.add_argument("out_dir", help="output directory (must not exist unless --overwrite)")

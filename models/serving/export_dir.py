@@ -19,7 +19,7 @@ from eyas.models.serving.contract import ExportError
 
 #: what an export (layout A, or the speculators format beside it) writes into its directory
 EXPORT_WRITES = ("config.json", "eyas_export.json", "model.safetensors.index.json", "SHA256SUMS",
-                 "model*.safetensors")
+                 "model*.safetensors", "README.md", "eyas_provenance.json")
 
 
 def foreign_entries(out: Path) -> list[str]:

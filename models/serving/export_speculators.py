@@ -61,7 +61,8 @@ def speculators_config(cfg: dict[str, Any], *, verifier: str,
 def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str | None,
                              target_config: dict | None, num_speculative_tokens: int,
                              overwrite: bool = False) -> Path:
-    """`out_dir` = speculators config.json + the layout-A weights (hard-linked when possible)."""
+    """`out_dir` = speculators config.json + the layout-A weights (hard-linked when possible)
+    and model card."""
     if not verifier:
         raise ExportError("a speculators-format export names its verifier (the target model path "
                           "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
@@ -73,7 +74,9 @@ def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str
     def build(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
         for f in Path(layout_a_dir).iterdir():
-            if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
+            if f.name in ("README.md", "eyas_provenance.json"):   # the model card travels along
+                shutil.copy2(f, tmp / f.name)
+            elif f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
                 try:
                     os.link(f, tmp / f.name)
                 except OSError:

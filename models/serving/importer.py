@@ -116,6 +116,7 @@ class TrainerCheckpoint:
     t2d: torch.Tensor | None
     meta: dict[str, Any] = field(default_factory=dict)  # the whole eyas.json
     source: str = ""                       # which format was read
+    meta_dir: Path | None = None           # the directory holding eyas.json (None: a file)
 
 
 def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
@@ -174,7 +175,7 @@ def read_trainer_checkpoint(path: str | Path) -> TrainerCheckpoint:
                                     f"not exist in {meta_dir}")
     if config is None and meta_file is not None:
         log.warning("%s has no drafter config ('drafter' entry)", meta_file)
-    return TrainerCheckpoint(config, sd, d2t, t2d, meta, source)
+    return TrainerCheckpoint(config, sd, d2t, t2d, meta, source, meta_dir)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eyas.data.checksums import read_checksums
 from eyas.data.vocab import save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
@@ -163,6 +164,9 @@ def test_speculators_config_export(drafter, tcfg, tmp_path):
     assert layer["vocab_size"] == 49152 and layer["num_hidden_layers"] == 1
     assert "eagle_config" not in layer and "draft_vocab_size" not in layer
     assert (spec_dir / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    for name in ("README.md", "eyas_provenance.json"):          # the model card travels along
+        assert (spec_dir / name).read_bytes() == (out / name).read_bytes()
+        assert name in read_checksums(spec_dir)
     # the layout-A config.json itself stays free of speculators keys
     assert validate(out, tcfg) == []
     with pytest.raises(ExportError, match="verifier"):

@@ -44,9 +44,10 @@ def test_overwrite_refuses_a_directory_with_other_files(tmp_path, source, capsys
     assert _files(out) == before and (out / "runs").is_dir()
     (out / "notes.txt").unlink()
     (out / "runs").rmdir()
-    assert main(["export", str(source), str(out), "--overwrite"]) == 0  # an earlier export
-    assert sorted(_files(out)) == ["SHA256SUMS", "config.json", "eyas_export.json",
-                                   "model.safetensors"]
+    # an earlier export, its model card and provenance record included, is replaced
+    assert main(["export", str(source), str(out), "--overwrite"]) == 0
+    assert sorted(_files(out)) == ["README.md", "SHA256SUMS", "config.json", "eyas_export.json",
+                                   "eyas_provenance.json", "model.safetensors"]
     assert not sibling_lock_path(out).exists()
 
 
