@@ -69,5 +69,7 @@ def run_record(t, step: int, eval_record: Mapping[str, Any] | None) -> dict[str,
             "drafter": {"vocab_coverage": vocab_coverage(train_ds, t.model.t2d)},
             "datasets": datasets, "capture": capture_contract(manifest),
             "training": _training(t, step), "eval": dict(eval_record or {}) or None,
-            "selected": {"step": int(step), "by": str(getattr(t.cfg.export, "select", "last"))},
+            # this step's own weights; the run's final export replaces it with what
+            # export.select chose and why (train.run_export)
+            "selected": {"step": int(step), "by": "checkpoint"},
             "config": to_plain(t.cfg), "software": software_record()}

@@ -118,8 +118,18 @@ def test_the_runs_export_card_and_the_checkpoints_export_card(tmp_path, dataset_
     # `eyas export` of the final checkpoint: the same card, the same record
     ck = run / "checkpoints" / "step-000003"
     assert main(["export", str(ck), str(tmp_path / "again"), "--target-config", "tiny-llama"]) == 0
-    assert (tmp_path / "again" / CARD).read_text() == text.replace(spec, "")
+    # (less the run's own record of what export.select chose: by hand, the checkpoint is chosen)
+    def chosen(card):
+        return [ln for ln in card.splitlines() if ln.startswith("Exported checkpoint: step 3 ")]
+
+    assert chosen(text) == ["Exported checkpoint: step 3 (selected: best, τ "
+                            f"{summary['tau_trajectory']:.3f}; last step 3, τ "
+                            f"{summary['tau_trajectory']:.3f})."]
+    by_hand = (tmp_path / "again" / CARD).read_text()
+    assert chosen(by_hand) == ["Exported checkpoint: step 3 (selected: checkpoint)."]
+    assert by_hand.replace(chosen(by_hand)[0], chosen(text)[0]) == text.replace(spec, "")
     again = json.loads((tmp_path / "again" / PROVENANCE).read_text())
     prov["checks"].pop("speculative")
-    assert again == prov
+    assert again.pop("selected") == {"step": 3, "by": "checkpoint"}
+    assert prov.pop("selected")["by"] == "best" and again == prov
     assert validate(tmp_path / "again", "tiny-llama") == []
