@@ -96,6 +96,9 @@ def _style(ax, title: str, xlabel: str, ylabel: str, legend: bool = True) -> Non
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    fmt = ax.yaxis.get_major_formatter()
+    if hasattr(fmt, "set_useOffset"):          # plain values, also for a flat curve
+        fmt.set_useOffset(False)
     ax.grid(alpha=0.3)
     if legend and ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
