@@ -115,12 +115,15 @@ for m in modes:
     real = [json.loads(p.read_text()) for p in parts]
     tok = sum(r["decode_tokens"] for r in real)
     rounds = sum(r["decode_rounds"] for r in real)
+    accepted = sum(sum(r["counts"]["accepted"]) for r in real)
     rows[m] = {"bytes_per_token": round(man["bytes"] / man["n_tokens"], 1),
                "bytes_per_tH": round(man["bytes"] / man["n_tokens"] / hidden, 3),
                "offline": {k: off.get(k) for k in ("tau_trajectory", "tau", "tau_independent")},
                "real_parts": len(real), "real_prompts": sum(r["num_prompts"] for r in real),
                "real_tokens": tok, "real_rounds": rounds,
-               "real_tau": round(tok / rounds, 4) if rounds else None,
+               # the engines' acceptance length: 1 + accepted drafts per verification round
+               "real_tau": round(1 + accepted / rounds, 4) if rounds else None,
+               "real_tau_emitted": round(tok / rounds, 4) if rounds else None,
                "real_identical": all(r["tokens_identical"] for r in real) if real else None}
 base = rows[modes[0]]
 for m, r in rows.items():

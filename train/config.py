@@ -147,8 +147,9 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
     """Fraction of samples held out for evaluation when eval_dataset is null."""
     num_workers: int = 2
     """Background prefetch threads of the packed loader. Two keep the first epoch's read
-    checks (data.verify) off the critical path on the H200 benchmark (data wait 0.07 %, as with
-    the checks off); one left 3-9 % data wait there (benchmarks/README.md)."""
+    checks (data.verify) off the critical path on the H200 benchmark (data wait ≤ 0.1 %, as with
+    the checks off; tokens/s within noise); one left 3-9 % data wait there
+    (benchmarks/README.md)."""
     vocab: Optional[str] = None
     """Existing vocab map file (d2t/t2d); null = build from the training set."""
     verify: bool = True
