@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{','.join(map(str, DEFAULT_EDGES))})")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result as a "
                    "PNG: per-position acceptance, tau by context bucket and by temperature "
-                   "(what the result holds)")
+                   "(what the result holds) (none: no picture)")
     add_sampling_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest; "

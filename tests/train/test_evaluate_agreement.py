@@ -120,8 +120,8 @@ def smol_case(tmp_path_factory):
 class Bf16AuxRunner(TargetRunner):
     """The verifier with its aux states rounded to bf16, the precision the dataset stores."""
 
-    def forward(self, tokens, *, last_only=False):
-        arg, aux, logits = super().forward(tokens, last_only=last_only)
+    def forward(self, tokens, *, last_only=False, all_logits=False):
+        arg, aux, logits = super().forward(tokens, last_only=last_only, all_logits=all_logits)
         return arg, None if aux is None else aux.bfloat16().float(), logits
 
 
