@@ -105,6 +105,30 @@ def tiny_drafter():
     return _tiny_llama_drafter
 
 
+def _full_vocab_export(model, out):
+    """A seeded random drafter over the whole vocabulary of tiny-llama `model` (d2t all zero),
+    exported to `out` (layout A); returns the export directory."""
+    import torch
+
+    from eyas.data.targets import default_aux_layer_ids
+    from eyas.models.config import Eagle3Config
+    from eyas.models.drafter import Eagle3Drafter
+    from eyas.models.serving.export import export_drafter
+    V = model.config.vocab_size
+    cfg = Eagle3Config.from_target(model.config.to_dict(), draft_vocab_size=V,
+                                   aux_layer_ids=default_aux_layer_ids(8))
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg, attention="eager")
+    return export_drafter(d.state_dict(), cfg, torch.zeros(V, dtype=torch.long), None, out,
+                          target_config=model.config.to_dict())
+
+
+@pytest.fixture(scope="session")
+def full_vocab_export():
+    """`full_vocab_export(model, out_dir)`: see `_full_vocab_export`."""
+    return _full_vocab_export
+
+
 _HOLD = """
 import sys
 from eyas.data.lock import DirLock

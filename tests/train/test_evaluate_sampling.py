@@ -21,10 +21,7 @@ from eyas.data.dataset import open_dataset
 from eyas.data.extract import extract
 from eyas.data.prompts import prompts_path
 from eyas.data.shards import write_manifest, write_shard
-from eyas.data.targets import default_aux_layer_ids, load_embedding_and_head, load_target
-from eyas.models.config import Eagle3Config
-from eyas.models.drafter import Eagle3Drafter
-from eyas.models.serving.export import export_drafter
+from eyas.data.targets import load_embedding_and_head, load_target
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                                          load_engine_drafter, speculative_decode)
 from eyas.train.evaluate import load_prompts, load_training_drafter
@@ -38,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def sampled_case(tmp_path_factory):
+def sampled_case(tmp_path_factory, full_vocab_export):
     root = tmp_path_factory.mktemp("sampled")
     model, tok = load_target("tiny-llama", dtype=torch.float32)
     prompts = [p for _, p in load_prompts(prompts_path("heldout"), tok, num_prompts=N_PROMPTS)]
@@ -51,13 +48,7 @@ def sampled_case(tmp_path_factory):
                for p, a in zip(prompts, answers)]
     write_manifest(root / "tokens", {"kind": "tokens"}, [write_shard(root / "tokens", 0, samples)])
     extract(root / "tokens", "tiny-llama", root / "hidden", model=model)
-    V = model.config.vocab_size
-    cfg = Eagle3Config.from_target(model.config.to_dict(), draft_vocab_size=V,
-                                   aux_layer_ids=default_aux_layer_ids(8))
-    torch.manual_seed(0)
-    d = Eagle3Drafter(cfg, attention="eager")
-    export = export_drafter(d.state_dict(), cfg, torch.zeros(V, dtype=torch.long), None,
-                            root / "drafter", target_config=model.config.to_dict())
+    export = full_vocab_export(model, root / "drafter")
     return model, tok, prompts, root, export
 
 

@@ -14,14 +14,11 @@ Two levels, both seeded so every statistic below is one fixed number:
 import pytest
 import torch
 
-from eyas.models.config import Eagle3Config
-from eyas.models.drafter import Eagle3Drafter
-from eyas.models.serving.export import export_drafter
 from eyas.models.serving.sampling import (accept_or_resample, probs, round_lengths_se, sample,
                                           verify)
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids,
                                          load_engine_drafter, speculative_decode)
-from eyas.data.targets import default_aux_layer_ids, load_target
+from eyas.data.targets import load_target
 
 P = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
 Q = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.05, 0.10])
@@ -84,16 +81,9 @@ def test_verify_is_reproducible_per_seed():
 
 
 @pytest.fixture(scope="module")
-def tiny_case(tmp_path_factory):
+def tiny_case(tmp_path_factory, full_vocab_export):
     model, tok = load_target("tiny-llama", dtype=torch.float32)
-    V = model.config.vocab_size
-    cfg = Eagle3Config.from_target(model.config.to_dict(), draft_vocab_size=V,
-                                   aux_layer_ids=default_aux_layer_ids(8))
-    torch.manual_seed(0)
-    d = Eagle3Drafter(cfg, attention="eager")
-    export = export_drafter(d.state_dict(), cfg, torch.zeros(V, dtype=torch.long), None,
-                            tmp_path_factory.mktemp("x") / "full",
-                            target_config=model.config.to_dict())
+    export = full_vocab_export(model, tmp_path_factory.mktemp("x") / "full")
     prompt = tok("Name a colour.", add_special_tokens=False)["input_ids"]
     engine, ecfg = load_engine_drafter(export, model.get_input_embeddings().weight.detach(),
                                        dtype=torch.float32)
