@@ -257,7 +257,7 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     buckets (the verified position of each round, `models.context`). temperature > 0: the
     engines' rejection sampling (`models.serving.sampling`; draft "argmax" or "sample"),
     prompt i seeded seed + i.
-    Returns models.serving.specdec.summarize's dict plus the run settings.
+    Returns models.serving.specdec_summary.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import load_engine_drafter, run_prompts, stop_token_ids
     if dtype not in SPECDEC_DTYPES:

@@ -49,7 +49,7 @@ So `tau` = 1 + Σ accepted drafts / rounds = 1 + `mean_accepted_drafts`. The tok
 to the output can be fewer (the last round is cut by the token cap or a stop token):
 `tau_emitted` = emitted decode tokens / rounds keeps that figure.
 
-Result keys (`summarize`), flat as `eyas.models.metrics.summarize` writes them (j = 0..K-1, the
+Result keys (`summarize`, in `models.serving.specdec_summary`), flat as `eyas.models.metrics.summarize` writes them (j = 0..K-1, the
 draft position, = the TTT step k that drafts it):
     cond_acc_{j}  = accepted[j] / reached[j]: P(draft j accepted | drafts 0..j-1 accepted), the
                     offline `cond_acc_{k}` measured on real rounds
@@ -77,9 +77,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eyas.models.context import DEFAULT_EDGES, rounds_table
+from eyas.models.context import DEFAULT_EDGES
 from eyas.models.serving import sampling
 from eyas.models.serving.reference import EngineDrafter
+from eyas.models.serving.specdec_summary import summarize
 
 log = logging.getLogger(__name__)
 
@@ -395,74 +396,3 @@ def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[
     if temperature > 0:
         res.update(draft=draft, seed=seed)
     return res
-
-
-def _tau(accepted: int, rounds: int) -> float:
-    """The engines' acceptance length: 1 + accepted drafts per verification round."""
-    return 1 + accepted / rounds if rounds else float("nan")
-
-
-def summarize(pairs: list[tuple[str, Decoded, Decoded]], k: int, *,
-              context_buckets=DEFAULT_EDGES, temperature: float = 0.0) -> dict:
-    """Aggregate (name, target-only, speculative) results into the evaluation JSON fields.
-
-    At temperature > 0 both runs are samples: `tokens_identical` is None (not comparable token
-    for token). `tau_se` is the standard error of τ over rounds either way."""
-    rounds = sum(s.rounds for _, _, s in pairs)
-    decode_tokens = sum(s.decode_tokens for _, _, s in pairs)
-    reached = [sum(s.reached[j] for _, _, s in pairs) for j in range(k)]
-    accepted = [sum(s.accepted[j] for _, _, s in pairs) for j in range(k)]
-    histogram = [sum(s.histogram[j] for _, _, s in pairs) for j in range(k + 1)]
-    gen = sum(len(s.tokens) for _, _, s in pairs)
-    base_gen = sum(len(b.tokens) for _, b, _ in pairs)
-    t_spec = sum(s.seconds for _, _, s in pairs)
-    t_base = sum(b.seconds for _, b, _ in pairs)
-    c_spec = sum(s.cpu_seconds for _, _, s in pairs)
-    c_base = sum(b.cpu_seconds for _, b, _ in pairs)
-    mismatches = []
-    for name, b, s in pairs:
-        if b.tokens != s.tokens and temperature == 0:
-            j = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y),
-                     min(len(b.tokens), len(s.tokens)))
-            mismatches.append({"prompt": name, "index": j,
-                               "target_only": b.tokens[j] if j < len(b.tokens) else None,
-                               "speculative": s.tokens[j] if j < len(s.tokens) else None,
-                               "target_top2_logit_gap": b.top2_gap[j] if j < len(b.top2_gap)
-                               else None})
-    nan = float("nan")
-    spec_tps = gen / t_spec if t_spec > 0 else nan
-    base_tps = base_gen / t_base if t_base > 0 else nan
-    return {
-        "mode": "speculative", "k": k, "num_prompts": len(pairs),
-        "tau": _tau(sum(accepted), rounds),
-        "tau_emitted": decode_tokens / rounds if rounds else nan,
-        **{f"cond_acc_{j}": a / r if r else nan for j, (a, r) in enumerate(zip(accepted, reached))},
-        # alive_{j}, not acc_{j}: drafts 0..j all accepted, per round (module docstring)
-        **{f"alive_{j}": a / rounds if rounds else nan for j, a in enumerate(accepted)},
-        "mean_accepted_drafts": sum(accepted) / rounds if rounds else nan,
-        "temperature": temperature, "tau_se": sampling.round_lengths_se(histogram),
-        "tokens_identical": not mismatches if temperature == 0 else None,
-        "mismatches": mismatches,
-        "tokens_generated": gen, "decode_rounds": rounds, "decode_tokens": decode_tokens,
-        "target_forwards": sum(s.target_forwards for _, _, s in pairs),
-        "drafter_forwards": sum(s.drafter_forwards for _, _, s in pairs),
-        "baseline_tokens_generated": base_gen,
-        "baseline_target_forwards": sum(b.target_forwards for _, b, _ in pairs),
-        "tokens_per_target_forward": gen / max(1, sum(s.target_forwards for _, _, s in pairs)),
-        "tokens_per_s": spec_tps, "baseline_tokens_per_s": base_tps,
-        "speedup": spec_tps / base_tps if base_tps and base_tps == base_tps else nan,
-        "seconds": t_spec, "baseline_seconds": t_base,
-        # process CPU time: the fair comparison on a shared machine (with one torch thread)
-        "cpu_seconds": c_spec, "baseline_cpu_seconds": c_base,
-        "speedup_cpu": (gen / c_spec) / (base_gen / c_base) if c_spec > 0 and c_base > 0 else nan,
-        "counts": {"reached": reached, "accepted": accepted},
-        "accepted_drafts_histogram": histogram,    # rounds that accepted 0..K drafts (no bonus)
-        "context_buckets": list(context_buckets),
-        "by_context": rounds_table([r for _, _, s in pairs for r in s.round_log], k,
-                                   context_buckets),
-        "per_prompt": [{"prompt": n, "tokens": len(s.tokens), "rounds": s.rounds,
-                        "decode_tokens": s.decode_tokens,
-                        "tau": _tau(sum(s.accepted), s.rounds),
-                        "tau_emitted": s.decode_tokens / s.rounds if s.rounds else nan,
-                        "identical": b.tokens == s.tokens} for n, b, s in pairs],
-    }
