@@ -122,7 +122,7 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
     return drafter.to(device=dev, dtype=dtype).eval()
 
 
-def _drafter_for(drafter_dir_or_module, ds, dataset_dir, *, target, cache_dir, dtype,
+def drafter_for(drafter_dir_or_module, ds, dataset_dir, *, target, cache_dir, dtype,
                  device: torch.device):
     """(drafter, name): a module as it is, or an exported directory imported onto `device` with
     the embedding of `target` (default: the dataset manifest's)."""
@@ -166,7 +166,7 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
             raise ValueError(f"{dataset_dir}: dataset has no {f!r} field (fields: "
                              f"{sorted(ds.fields)}); offline evaluation needs a hidden-state "
                              f"dataset from `eyas extract`")
-    drafter, name = _drafter_for(drafter_dir_or_module, ds, dataset_dir, target=target,
+    drafter, name = drafter_for(drafter_dir_or_module, ds, dataset_dir, target=target,
                                  cache_dir=cache_dir, dtype=dtype, device=dev)
     aux_ids = list(ds.manifest.get("aux_layer_ids") or [])
     if aux_ids and list(drafter.config.aux_layer_ids) != aux_ids:

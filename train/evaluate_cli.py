@@ -19,8 +19,7 @@ import torch
 from eyas.data.log import HelpFormatter
 from eyas.data.targets import TARGET_DTYPES
 from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
-from eyas.train.evaluate import (SPECDEC_DTYPES, _drafter_for, json_safe, offline_eval,
-                                 speculative_eval)
+from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, offline_eval, speculative_eval
 from eyas.train.evaluate_sampling import (add_sampling_args, evaluate_temperatures,
                                           format_by_temperature, format_sampled,
                                           offline_at_temperature)
@@ -225,7 +224,7 @@ def cli_main(argv: list[str] | None = None) -> int:
 
         def offline_at(t: float) -> dict[str, Any]:
             if t > 0:
-                return offline_at_temperature(args, indices, t, drafter_for=_drafter_for)
+                return offline_at_temperature(args, indices, t)
             return offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
                                 indices=indices, device=args.device, target=args.target,
                                 cache_dir=args.cache_dir,

@@ -24,6 +24,7 @@ from eyas.models.expected_tau import (add_expected, expected_counts, step_accept
                                       summarize_expected, topk_step_acceptance)
 from eyas.models.objective import metric_mask
 from eyas.models.serving.sampling import DRAFT_MODES, check_sampling
+from eyas.train.evaluate import drafter_for
 
 
 def teacher_of(fields: dict, dataset_dir) -> str:
@@ -136,9 +137,9 @@ def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperatu
 # CLI
 
 
-def offline_at_temperature(args, indices, temperature: float, *, drafter_for) -> dict[str, Any]:
-    """`eyas evaluate --data` at temperature > 0. drafter_for: `train.evaluate._drafter_for`
-    (the exported drafter imported onto the device with the target's embedding)."""
+def offline_at_temperature(args, indices, temperature: float) -> dict[str, Any]:
+    """`eyas evaluate --data` at temperature > 0 (the exported drafter imported onto the device
+    with the target's embedding, as `train.evaluate.offline_eval` does)."""
     from eyas.data.dataset import open_dataset
     from eyas.data.targets import TARGET_DTYPES, load_embedding_and_head
     ds = open_dataset(args.data)
