@@ -11,13 +11,14 @@
 #          everything extracted with the target in float32, once per mode
 #   train  the three drafters train side by side on the GPU (K = 7, EPOCHS epochs, lr 3e-3,
 #          32000-token draft vocabulary, MLP width 3072, 16384-token batches), then each export's
-#          offline τ on the held-out hidden states goes to OUT/<mode>/offline.json
-#   real   real speculative decoding of the held-out prompts on the CPU (fp32, batch 1), the
-#          prompts split over PARTS processes per drafter: OUT/<mode>/real-<i>.json
+#          offline τ on the held-out hidden states (on DEVICE) goes to OUT/<mode>/offline.json
+#   real   real speculative decoding of the held-out prompts (fp32, batch 1; the target on
+#          DEVICE: cpu, or cuda to verify on the GPU), the prompts split over PARTS processes
+#          per drafter: OUT/<mode>/real-<i>.json
 #   table  bytes/token and τ per mode (OUT/storage_tau.json)
 # Usage: benchmarks/storage_tau.sh OUT [data|train|real|table|all]
 #   N_SYNTH (4000), MAX_NEW_TOKENS (256), EPOCHS (12), GEN_BATCH (4096), PARTS (5),
-#   REAL_PROMPTS (64), REAL_TOKENS (128)
+#   REAL_PROMPTS (64), REAL_TOKENS (128), DEVICE (cpu)
 set -euo pipefail
 out=${1:?usage: benchmarks/storage_tau.sh OUT [data|train|real|table|all]}
 stage=${2:-all}
@@ -71,7 +72,8 @@ train() {
   for p in "${pids[@]}"; do wait "$p"; done
   for m in "${modes[@]}"; do
     [ -f "$out/$m/offline.json" ] || eyas evaluate --drafter "$out/$m/run/export" \
-      --data "$out/heldout-hidden" --all --k 7 --out "$out/$m/offline.json" > /dev/null
+      --data "$out/heldout-hidden" --all --k 7 --device "${DEVICE:-cpu}" \
+      --out "$out/$m/offline.json" > /dev/null
   done
 }
 
@@ -83,8 +85,10 @@ real() {
   for m in "${modes[@]}"; do
     for ((i = 0; i < parts; i++)); do
       [ -f "$out/$m/real-$i.json" ] && continue
+      [ -s "$out/real-part-$i" ] || continue    # split may leave a part empty
       eyas evaluate --drafter "$out/$m/run/export" --target smollm2 \
         --prompts "$out/real-part-$i" --k 7 --max-new-tokens "${REAL_TOKENS:-128}" --threads 1 \
+        --device "${DEVICE:-cpu}" \
         --out "$out/$m/real-$i.json" > "$out/$m/real-$i.log" 2>&1 &
       pids+=($!)
     done
@@ -93,7 +97,7 @@ real() {
   for p in "${pids[@]}"; do wait "$p" || failed=1; done
   for m in "${modes[@]}"; do
     for ((i = 0; i < parts; i++)); do
-      [ -f "$out/$m/real-$i.json" ] || { echo "real decoding $m part $i failed:" >&2
+      [ -s "$out/real-part-$i" ] && [ ! -f "$out/$m/real-$i.json" ] && { echo "real decoding $m part $i failed:" >&2
                                           tail -n 5 "$out/$m/real-$i.log" >&2; }
     done
   done

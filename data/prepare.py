@@ -142,6 +142,7 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
 
     skipped: Counter[str] = Counter()
     stats = Counter()
+    sampling: Counter[tuple] = Counter()     # (temperature, top_p) of generated answers
     metas, pending = [], []
 
     def flush():
@@ -169,6 +170,9 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
             skipped[e.reason] += 1
             continue
         stats["conversations"] += 1
+        gen = rec.get("generation") if isinstance(rec, dict) else None
+        if isinstance(gen, dict) and "temperature" in gen:
+            sampling[(gen["temperature"], gen.get("top_p"))] += 1
         stats["untrained_turns"] += sum(m["role"] == "assistant" and m.get("weight") == 0
                                         for m in conv.messages)
         stats["split_records"] += len(encoded) > 1
@@ -195,7 +199,11 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
                                               "boundary_splits", "untrained_turns")},
                "reasoning_not_rendered": renderer.reasoning_dropped,
                "skipped": dict(sorted(skipped.items())), "max_length": max_length,
-               "shards": len(metas), "out_dir": str(out)}
+               "shards": len(metas), "out_dir": str(out),
+               # how the answers were sampled, where the records say (the offline estimate of
+               # acceptance at temperature T needs answers sampled at T)
+               "answer_sampling": [{"temperature": t, "top_p": tp, "records": n}
+                                   for (t, tp), n in sorted(sampling.items(), key=str)]}
     if card is not None:   # `eyas generate` wrote the input: its data card travels along
         summary["generation_card"] = dict(card, matches_input=card["sha256"] ==
                                           summary["input_sha256"])

@@ -171,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "samples included")
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
                    "held-out split (train.seed; the drafter's recorded seed unless given)")
-    p.add_argument("--device", default="cpu", help="--data: cpu or cuda[:i]")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where --data's drafter "
+                   "and --prompts' target run (the engine-reference drafter of real decoding "
+                   "stays on the CPU)")
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
                    "(default: ~/.cache/eyas)")
     p.add_argument("--context-buckets", type=_edges_arg, default=list(DEFAULT_EDGES),
@@ -206,7 +208,8 @@ def cli_main(argv: list[str] | None = None) -> int:
             p.error("--prompts needs --target")
         from eyas.data.targets import load_target
         dtype = args.dtype or "fp32"
-        model, tok = load_target(args.target, dtype=TARGET_DTYPES[dtype], cache_dir=args.cache_dir)
+        model, tok = load_target(args.target, dtype=TARGET_DTYPES[dtype], cache_dir=args.cache_dir,
+                                 device=args.device)
 
         def real_at(t: float) -> dict[str, Any]:
             return speculative_eval(args.drafter, args.target, args.prompts, k=args.k,

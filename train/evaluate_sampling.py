@@ -4,15 +4,19 @@
     offline_sampling_eval(drafter, dataset_dir, k=K, temperature=T, token_budget=B, head=W)
 
 runs the drafter's TTT forward over the dataset (as the greedy `offline_eval` does) and, per
-counted row (k, t), the acceptance probability of the rejection sampler against the stored
-teacher (`models.expected_tau`: the full target distribution from the stored last hidden
-state and the target's lm_head, else the stored top-k logits). Real decoding at T > 0 is
+counted row (k, t), the probability that the rejection sampler accepted the draft given the
+stored token (`models.expected_tau`: p from the stored last hidden state and the target's
+lm_head, else the stored top-k logits). The estimate predicts serving at T when the dataset's
+answers were sampled by the target at T (`eyas prepare --generate --temperature T`); the
+result records the temperature(s) the answers were generated at where the dataset says so
+(`text_temperature`) and warns when they differ. Real decoding at T > 0 is
 `models.serving.specdec` with `temperature=` (the engines' rejection sampling).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +29,8 @@ from eyas.models.expected_tau import (add_expected, expected_counts, step_accept
 from eyas.models.objective import metric_mask
 from eyas.models.serving.sampling import DRAFT_MODES, check_sampling
 from eyas.train.evaluate import drafter_for
+
+log = logging.getLogger(__name__)
 
 
 def teacher_of(fields: dict, dataset_dir) -> str:
@@ -55,32 +61,55 @@ def _target_logits(last: Tensor, head: Tensor, transform: tuple) -> Tensor:
 def batch_acceptance(drafter, batch, k: int, *, temperature: float, draft: str, teacher: str,
                      head: Tensor | None, transform: tuple = (None, None),
                      chunk_rows: int = 1024) -> tuple[Tensor, Tensor]:
-    """(α [K, T] float64, mask [K, T] bool) of one packed batch (on the drafter's device)."""
+    """(β [K, T] float64, mask [K, T] bool) of one packed batch (on the drafter's device): β of
+    row (k, t) against the stored token t+2+k (`models.expected_tau`), 0 where the document
+    holds no such token."""
     out = drafter(batch.input_ids, batch.aux, batch.doc_ids, batch.positions, k)
     mask = metric_mask(out.valid, batch.loss_mask)                      # [K, T]
-    hidden = out.hidden.reshape(k, mask.shape[1], -1)                   # [K, T, H]
+    T = mask.shape[1]
+    hidden = out.hidden.reshape(k, T, -1)                               # [K, T, H]
     d2t = drafter.d2t
-    draft_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t     # [Vd] target ids
-    to_draft = None
-    if teacher == "topk":
-        to_draft = torch.full((int(drafter.config.vocab_size),), -1, dtype=torch.long,
-                              device=d2t.device)
-        to_draft[draft_ids] = torch.arange(d2t.shape[0], device=d2t.device)
+    to_draft = torch.full((int(drafter.config.vocab_size),), -1, dtype=torch.long,
+                          device=d2t.device)
+    to_draft[torch.arange(d2t.shape[0], device=d2t.device) + d2t] = \
+        torch.arange(d2t.shape[0], device=d2t.device)
     alpha = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
     for j in range(k):
         rows = mask[j].nonzero()[:, 0]
+        tr = rows + 1 + j                                               # target row of the token
+        has = tr + 1 < T
+        has[has.clone()] = batch.doc_ids[tr[has] + 1] == batch.doc_ids[tr[has]]
+        rows, tr = rows[has], tr[has]
         for c in range(0, rows.shape[0], chunk_rows):
-            r = rows[c:c + chunk_rows]
+            r, t = rows[c:c + chunk_rows], tr[c:c + chunk_rows]
             z = drafter.draft_logits(hidden[j, r])                      # [n, Vd]
-            tr = r + 1 + j                                              # target row of the token
+            token = batch.input_ids[t + 1]                              # the stored token
             if teacher == "last":
-                alpha[j, r] = step_acceptance(z, _target_logits(batch.last[tr], head, transform),
-                                              draft_ids, temperature=temperature, draft=draft)
+                alpha[j, r] = step_acceptance(z, _target_logits(batch.last[t], head, transform),
+                                              to_draft, token, temperature=temperature,
+                                              draft=draft)
             else:
-                alpha[j, r] = topk_step_acceptance(z, batch.topk_ids[tr], batch.topk_logits[tr],
-                                                   to_draft, temperature=temperature,
+                alpha[j, r] = topk_step_acceptance(z, batch.topk_ids[t], batch.topk_logits[t],
+                                                   to_draft, token, temperature=temperature,
                                                    draft=draft)
     return alpha, mask
+
+
+def answer_temperatures(manifest: dict, dataset_dir, temperature: float) -> list[float] | None:
+    """The temperatures the dataset's answers were sampled at, where its `prepare` record says
+    (None: unknown, e.g. imported text); warns when they are not `temperature` at top_p 1."""
+    rows = (manifest.get("prepare") or {}).get("answer_sampling")
+    if not rows:
+        return None
+    temps = sorted({float(r["temperature"]) for r in rows})
+    nucleus = any(r.get("top_p") not in (None, 1, 1.0) for r in rows)
+    if temps != [temperature] or nucleus:
+        log.warning("%s: its answers were sampled at temperature %s%s, not at %g: the offline "
+                    "estimate predicts serving at T only on answers the target sampled at T "
+                    "(eyas prepare --generate --temperature %g)", dataset_dir,
+                    "/".join(f"{t:g}" for t in temps), " with top_p < 1" if nucleus else "",
+                    temperature, temperature)
+    return temps
 
 
 def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperature: float,
@@ -105,6 +134,7 @@ def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperatu
     teacher = teacher_of(ds.fields, dataset_dir)
     if teacher == "last" and head is None:
         raise ValueError(f"{dataset_dir} stores the last hidden state: pass the target's head")
+    text_temps = answer_temperatures(ds.manifest, dataset_dir, temperature)
     cfg = text_config(ds.manifest.get("target_config") or {})
     transform = (cfg.get("logit_scale"), cfg.get("final_logit_softcapping"))
     fields = ("aux", "last") if teacher == "last" else ("aux", "topk_ids", "topk_logits")
@@ -129,6 +159,7 @@ def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperatu
     out = {"mode": "offline", "k": k, "temperature": temperature, "draft": draft,
            "teacher": teacher, **summarize_expected(counts)}
     out.update(dataset=str(dataset_dir), num_samples=len(loader.indices),
+               text_temperature=text_temps,
                seconds=time.perf_counter() - t0)
     return out
 
@@ -165,7 +196,8 @@ def format_sampled(res: dict) -> str:
     lines = [f"{res['mode']} at temperature {res['temperature']:g} (draft "
              f"{res.get('draft', 'argmax')}): tau {f(res['tau'])} ± {f(res.get('tau_se'))} (s.e.)"]
     if res["mode"] == "offline":
-        lines.append(f"  expected decoder walk: tau_trajectory {f(res['tau_trajectory'])}")
+        lines.append(f"  expected decoder walk: tau_trajectory {f(res['tau_trajectory'])} ± "
+                     f"{f(res.get('tau_trajectory_se'))} (s.e. over answers)")
         lines.append(f"{'k':>3} {'tau_by_k':>9} {'cond_acc_{k}':>12}")
         lines += [f"{j:>3} {f(res['tau_by_k'][j]):>9} {f(res[f'cond_acc_{j}']):>12}"
                   for j in range(res["k"])]
@@ -215,8 +247,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 #: the offline figures copied into a real result evaluated with --data too
-OFFLINE_SUMMARY = ("tau", "tau_se", "tau_trajectory", "chain_starts", "num_samples", "dataset",
-                   "teacher", "draft")
+OFFLINE_SUMMARY = ("tau", "tau_se", "tau_trajectory", "tau_trajectory_se", "chain_starts",
+                   "num_samples", "dataset", "teacher", "draft", "text_temperature")
 
 
 def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] | None,

@@ -1,13 +1,15 @@
 """The evaluation record of many real speculative decodes: `summarize` aggregates the
 (name, target-only, speculative) `Decoded` pairs of `models.serving.specdec.decode_prompts`
 into the result keys that module's docstring defines (tau = 1 + accepted drafts per round,
-tau_emitted, cond_acc_{j}, alive_{j}, by_context, tau_se, speed and token identity)."""
+tau_emitted, cond_acc_{j}, alive_{j}, by_context, tau_se, tau_se_prompts, speed and token
+identity)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from eyas.models.context import DEFAULT_EDGES, rounds_table
+from eyas.models.expected_tau import ratio_se_of
 from eyas.models.serving import sampling
 
 
@@ -22,7 +24,9 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
     evaluation JSON fields.
 
     At temperature > 0 both runs are samples: `tokens_identical` is None (not comparable token
-    for token). `tau_se` is the standard error of τ over rounds either way."""
+    for token). `tau_se` is the standard error of τ over rounds either way; `tau_se_prompts` over
+    prompts (rounds of one answer are not independent: the figure to compare with an offline
+    estimate's `tau_trajectory_se`)."""
     rounds = sum(s.rounds for _, _, s in pairs)
     decode_tokens = sum(s.decode_tokens for _, _, s in pairs)
     reached = [sum(s.reached[j] for _, _, s in pairs) for j in range(k)]
@@ -56,6 +60,7 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
         **{f"alive_{j}": a / rounds if rounds else nan for j, a in enumerate(accepted)},
         "mean_accepted_drafts": sum(accepted) / rounds if rounds else nan,
         "temperature": temperature, "tau_se": sampling.round_lengths_se(histogram),
+        "tau_se_prompts": ratio_se_of([(sum(s.accepted), s.rounds) for _, _, s in pairs]),
         "tokens_identical": not mismatches if temperature == 0 else None,
         "mismatches": mismatches,
         "tokens_generated": gen, "decode_rounds": rounds, "decode_tokens": decode_tokens,
@@ -76,6 +81,7 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
         "by_context": rounds_table([r for _, _, s in pairs for r in s.round_log], k,
                                    context_buckets),
         "per_prompt": [{"prompt": n, "tokens": len(s.tokens), "rounds": s.rounds,
+                        "accepted": sum(s.accepted),
                         "decode_tokens": s.decode_tokens,
                         "tau": _tau(sum(s.accepted), s.rounds),
                         "tau_emitted": s.decode_tokens / s.rounds if s.rounds else nan,

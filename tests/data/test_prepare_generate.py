@@ -107,6 +107,22 @@ def test_prepare_generate_end_to_end(tmp_path, tiny):
     assert len(ds) == 3 and summary["conversations"] == 3
     # b: two generated turns, both trained (SmolLM2 template re-renders history unchanged)
     assert int((ds[1]["loss_mask"][1:].int() - ds[1]["loss_mask"][:-1].int() == 1).sum()) == 2
+    # how the answers were sampled travels into the manifest (greedy here)
+    assert summary["answer_sampling"] == [{"temperature": 0.0, "top_p": 1.0, "records": 3}]
+    assert ds.manifest["prepare"]["answer_sampling"] == summary["answer_sampling"]
+
+
+def test_answer_sampling_of_mixed_records(tmp_path):
+    """Records answered at different settings are counted per setting; others not at all."""
+    from eyas.data.targets import load_tokenizer
+    recs = [{"id": str(i), "messages": [{"role": "user", "content": "Hi."},
+                                        {"role": "assistant", "content": "Hello."}],
+             **({"generation": {"temperature": t, "top_p": 0.9}} if t is not None else {})}
+            for i, t in enumerate([0.7, 0.7, 1.0, None])]
+    summary = prepare(write_jsonl(tmp_path / "in.jsonl", recs), "tiny-llama", tmp_path / "ds",
+                      tokenizer=load_tokenizer("tiny-llama"))
+    assert summary["answer_sampling"] == [{"temperature": 0.7, "top_p": 0.9, "records": 2},
+                                          {"temperature": 1.0, "top_p": 0.9, "records": 1}]
 
 
 def test_left_padded_batches_match_single_prompts_on_smollm2(tmp_path):

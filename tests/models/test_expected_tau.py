@@ -1,12 +1,13 @@
-"""The offline expected τ under sampling (models.expected_tau): α by formula and by sampler, the
-chain product by hand, the top-k teacher against the full one."""
+"""The offline τ under sampling (models.expected_tau): β (acceptance given the emitted token) by
+formula and by sampler, the chain product by hand, the top-k teacher against the full one, the
+walk and its standard error."""
 
 import math
 
 import pytest
 import torch
 
-from eyas.models.expected_tau import (add_expected, expected_counts, step_acceptance,
+from eyas.models.expected_tau import (add_expected, expected_counts, ratio_se, step_acceptance,
                                       summarize_expected, topk_step_acceptance)
 from eyas.models.serving.sampling import accept_or_resample, probs
 
@@ -19,39 +20,72 @@ def _case(seed=0, n=4):
     return (torch.randn(n, VD, generator=g) * 2, torch.randn(n, V, generator=g) * 2, draft_ids)
 
 
+def _to_draft(ids):
+    to_draft = torch.full((V,), -1)
+    to_draft[ids] = torch.arange(VD)
+    return to_draft
+
+
 @pytest.mark.parametrize("draft", ["sample", "argmax"])
-def test_alpha_is_the_samplers_acceptance_rate(draft):
+def test_beta_is_the_acceptance_given_the_emitted_token(draft):
+    """The sampler run many times on one row: among rounds that emitted token y, the share that
+    accepted the draft is β(y) = min(1, q(y)/p(y)) (argmax: 1[y = draft])."""
     z, logits, ids = _case(n=1)
-    alpha = float(step_acceptance(z, logits, ids, temperature=T, draft=draft)[0])
     q = torch.zeros(1, V)
     q[0, ids] = probs(z, T)[0]                                      # q over target ids
     p = probs(logits, T)
-    n = 100_000
+    n = 200_000
     g = torch.Generator().manual_seed(3)
     if draft == "sample":
         drafts = torch.multinomial(q.expand(n, -1), 1, replacement=True, generator=g)[:, 0]
-        acc, _ = accept_or_resample(drafts, q.expand(n, -1), p.expand(n, -1), g)
-        assert alpha == pytest.approx(float(torch.minimum(p, q).sum()), abs=1e-6)
+        acc, emitted = accept_or_resample(drafts, q.expand(n, -1), p.expand(n, -1), g)
     else:
         drafts = ids[z.argmax(-1)].expand(n)
-        acc, _ = accept_or_resample(drafts, None, p.expand(n, -1), g)
-        assert alpha == pytest.approx(float(p[0, ids[z.argmax()]]), abs=1e-6)
-    assert abs(float(acc.double().mean()) - alpha) < 4 * math.sqrt(alpha * (1 - alpha) / n)
+        acc, emitted = accept_or_resample(drafts, None, p.expand(n, -1), g)
+    tokens = torch.arange(V)
+    beta = step_acceptance(z.expand(V, -1), logits.expand(V, -1), _to_draft(ids), tokens,
+                           temperature=T, draft=draft)
+    if draft == "sample":
+        want = torch.clamp(q[0] / p[0], max=1.0).double()
+    else:
+        want = (tokens == ids[z.argmax()]).double()
+    torch.testing.assert_close(beta, want, rtol=1e-6, atol=1e-9)
+    for y in range(V):
+        hits = emitted == y
+        m = int(hits.sum())
+        assert abs(m / n - float(p[0, y])) < 5 * math.sqrt(float(p[0, y]) / n) + 1e-4  # y ~ p
+        if m > 1000:
+            share = float(acc[hits].double().mean())
+            b = float(beta[y])
+            assert abs(share - b) < 5 * math.sqrt(max(b * (1 - b), 1e-4) / m), (y, share, b)
 
 
 @pytest.mark.parametrize("draft", ["sample", "argmax"])
 def test_topk_teacher_with_every_id_equals_the_full_teacher(draft):
     z, logits, ids = _case(seed=1)
-    to_draft = torch.full((V,), -1)
-    to_draft[ids] = torch.arange(VD)
+    to_draft = _to_draft(ids)
+    token = torch.tensor([0, 2, 7, 4])                              # 4: outside the draft vocab
     top_v, top_i = logits.topk(V, dim=-1)
-    full = step_acceptance(z, logits, ids, temperature=T, draft=draft)
-    topk = topk_step_acceptance(z, top_i, top_v, to_draft, temperature=T, draft=draft)
+    full = step_acceptance(z, logits, to_draft, token, temperature=T, draft=draft)
+    topk = topk_step_acceptance(z, top_i, top_v, to_draft, token, temperature=T, draft=draft)
     torch.testing.assert_close(topk, full, rtol=1e-6, atol=1e-7)
-    # fewer ids: the teacher renormalised over its top 3 (the mass of the rest is dropped)
-    part = topk_step_acceptance(z, top_i[:, :3], top_v[:, :3], to_draft, temperature=T,
+    assert float(full[3]) == 0.0                                    # q(4) = 0: never accepted
+    # fewer ids: the teacher renormalised over its top 3 over-states p, so β can only fall
+    part = topk_step_acceptance(z, top_i[:, :3], top_v[:, :3], to_draft, token, temperature=T,
                                 draft=draft)
-    assert part.shape == full.shape and bool(((part >= 0) & (part <= 1)).all())
+    assert part.shape == full.shape and bool(((part >= 0) & (part <= full + 1e-9)).all())
+
+
+def test_ratio_se_is_the_delta_method():
+    g = torch.Generator().manual_seed(2)
+    R = torch.randint(5, 40, (30,), generator=g).double()
+    A = (R * torch.rand(30, generator=g, dtype=torch.float64)).round()
+    r = float(A.sum() / R.sum())
+    want = math.sqrt(float(((A - r * R) ** 2).sum()) / (30 * 29)) / float(R.mean())
+    got = ratio_se(30, float(A.sum()), float(R.sum()), float((A * A).sum()),
+                   float((R * R).sum()), float((A * R).sum()))
+    assert got == pytest.approx(want, rel=1e-9)
+    assert math.isnan(ratio_se(1, 1.0, 2.0, 1.0, 4.0, 2.0))
 
 
 def test_chain_product_by_hand():
@@ -76,7 +110,8 @@ def test_chain_product_by_hand():
 def test_temperature_zero_is_refused():
     z, logits, ids = _case()
     with pytest.raises(ValueError, match="temperature > 0"):
-        step_acceptance(z, logits, ids, temperature=0.0, draft="sample")
+        step_acceptance(z, logits, _to_draft(ids), torch.zeros(4, dtype=torch.long),
+                        temperature=0.0, draft="sample")
 
 
 def _spans(T, g):

@@ -47,7 +47,8 @@ from eyas.models.objective import metric_mask
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, speculative_decode, stop_token_ids)
 from eyas.data.targets import default_aux_layer_ids, load_target
-from eyas.train.evaluate import load_prompts, offline_eval
+from eyas.train.evaluate import load_prompts, load_training_drafter, offline_eval
+from eyas.train.evaluate_sampling import offline_sampling_eval
 
 N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512
 TRAJ_TOL = 0.05
@@ -177,3 +178,40 @@ def test_offline_tau_agrees_with_real_decoding(smol_case):
     assert abs(off["tau"] - real) <= ALL_SE * se, (off["tau"], real, se)
     assert off["tau_by_k"][-1] == off["tau"] and len(off["tau_by_k"]) == K
     assert 1.0 <= off["tau_by_k"][0] <= off["tau_by_k"][1] <= off["tau_by_k"][2]
+
+
+@pytest.mark.slow
+def test_offline_walk_at_temperature_reproduces_real_sampling(smol_case, tmp_path):
+    """At T > 0 with argmax drafts a draft is accepted exactly when the target's sample equals
+    it (models/expected_tau.py), so the walk over the text real decoding SAMPLED counts the same
+    rounds and the same accepted drafts (the text bounds the last round at what it emitted)."""
+    model, tok, prompts, _, stop, root, export = smol_case
+    temp = 0.3                  # the fitted head knows the greedy text: stay near it
+    emb = model.get_input_embeddings().weight.detach()
+    engine, cfg = load_engine_drafter(export, emb, dtype=torch.float32)
+    verifier = Bf16AuxRunner(model, drafter_aux_layer_ids(cfg, model.config.num_hidden_layers))
+    rounds = accepted = walkable = 0
+    samples = []
+    try:
+        for i, p in enumerate(prompts):
+            res = speculative_decode(verifier, engine, p, k=K, max_new_tokens=N_NEW,
+                                     stop_ids=stop, temperature=temp, draft="argmax",
+                                     generator=torch.Generator().manual_seed(10 + i))
+            rounds += res.rounds
+            accepted += sum(res.accepted)
+            *body, (_, n_last, out_last) = res.round_log
+            walkable += sum(n for _, n, _ in body) + min(n_last, out_last)
+            samples.append({"input_ids": torch.tensor(p + res.tokens),
+                            "loss_mask": torch.tensor([False] * len(p) + [True] * len(res.tokens))})
+    finally:
+        verifier.close()
+    assert 1.2 < 1 + accepted / rounds, (accepted, rounds)        # drafts do get accepted
+    write_manifest(tmp_path / "tokens", {"kind": "tokens"}, [write_shard(tmp_path / "tokens", 0,
+                                                                         samples)])
+    extract(tmp_path / "tokens", "smollm2", tmp_path / "hidden", model=model)
+    drafter = load_training_drafter(export, "smollm2", attention="eager")
+    off = offline_sampling_eval(drafter, tmp_path / "hidden", k=K, temperature=temp,
+                                draft="argmax", token_budget=1024,
+                                head=model.get_output_embeddings().weight.detach())
+    assert off["tau_trajectory"] == pytest.approx(1 + walkable / rounds, abs=1e-12)
+    assert off["tau_trajectory_se"] > 0

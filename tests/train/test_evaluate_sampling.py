@@ -4,12 +4,12 @@ Text: the tiny random Llama (fp32) answers held-out prompts by SAMPLING at tempe
 answers are extracted (`data.extract`, the training capture path: aux, last hidden state) and a
 drafter over the full vocabulary (random layers: at T = 1 both distributions are broad, so
 drafts are accepted often and every chain length occurs) is exported. Then
-  * offline: `offline_sampling_eval` (TTT forward over the stored text, α = Σ min(p, q) from
-    the stored last state times the target's head);
+  * offline: `offline_sampling_eval` (TTT forward over the stored text, β = min(1, q(s)/p(s))
+    of each stored token s, p from the stored last state times the target's head);
   * real: `speculative_decode` at T with sampled drafts, several seeds per prompt.
-They must agree within REAL_SE combined standard errors (the real one over rounds, the
-offline one over chain starts): the offline figure feeds the stored tokens where a real round
-feeds its own samples (models/expected_tau.py), an approximation the agreement bounds.
+Both are unbiased estimates of the same τ (models/expected_tau.py) from independent samples of
+the text, so they must agree within REAL_SE combined standard errors over answers (the real
+one over prompt runs, the offline one over the stored answers).
 """
 
 import json
@@ -22,11 +22,12 @@ from eyas.data.extract import extract
 from eyas.data.prompts import prompts_path
 from eyas.data.shards import write_manifest, write_shard
 from eyas.data.targets import load_embedding_and_head, load_target
+from eyas.models.expected_tau import ratio_se_of
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                                          load_engine_drafter, speculative_decode)
 from eyas.train.evaluate import load_prompts, load_training_drafter
 from eyas.train.evaluate_cli import cli_main
-from eyas.train.evaluate_sampling import offline_sampling_eval
+from eyas.train.evaluate_sampling import answer_temperatures, offline_sampling_eval
 
 N_PROMPTS, N_NEW, K, T, SEEDS = 6, 20, 2, 1.0, 3
 REAL_SE = 3.0
@@ -63,7 +64,7 @@ def test_offline_expected_tau_predicts_real_sampling(sampled_case):
     engine, cfg = load_engine_drafter(export, model.get_input_embeddings().weight.detach(),
                                       dtype=torch.float32)
     verifier = TargetRunner(model, drafter_aux_layer_ids(cfg, model.config.num_hidden_layers))
-    hist = [0] * (K + 1)
+    hist, per_run = [0] * (K + 1), []
     try:
         for s in range(SEEDS):
             for i, p in enumerate(prompts):
@@ -71,13 +72,13 @@ def test_offline_expected_tau_predicts_real_sampling(sampled_case):
                                          stop_ids=set(), temperature=T, draft="sample",
                                          generator=torch.Generator().manual_seed(s * 100 + i))
                 hist = [a + b for a, b in zip(hist, res.histogram)]
+                per_run.append((sum(res.accepted), res.rounds))
     finally:
         verifier.close()
-    lengths = torch.repeat_interleave(torch.arange(1, K + 2).double(), torch.tensor(hist))
-    real, real_se = float(lengths.mean()), float(lengths.std()) / len(lengths) ** 0.5
+    real = 1 + sum(a for a, _ in per_run) / sum(r for _, r in per_run)
+    real_se = ratio_se_of(per_run)
     assert all(h > 0 for h in hist) and 1.5 < real < K + 1, hist   # a nontrivial acceptance
-    se = (real_se ** 2 + off["tau_se"] ** 2) ** 0.5
-    assert abs(off["tau"] - real) <= REAL_SE * se, (off["tau"], real, se)
+    se = (real_se ** 2 + off["tau_trajectory_se"] ** 2) ** 0.5
     assert abs(off["tau_trajectory"] - real) <= REAL_SE * se, (off["tau_trajectory"], real, se)
     # the engines' argmax proposal on the same drafter: p(argmax q) ~ 1/V here, so τ ~ 1
     arg = offline_sampling_eval(drafter, root / "hidden", k=K, temperature=T, draft="argmax",
@@ -141,3 +142,17 @@ def test_cli_temperatures(sampled_case, tmp_path, capsys):
     assert [set(r) for r in rows] == [{"temperature", "tau", "tau_se", "offline_tau"}] * 2
     assert rows[0]["offline_tau"] == res["offline"]["tau_trajectory"] == res["offline_tau"]
     assert "offline_tau (walk)" in capsys.readouterr().out
+
+
+def test_answer_temperatures_warn_on_a_mismatch(caplog):
+    def man(*rows):
+        return {"prepare": {"answer_sampling": [dict(temperature=t, top_p=p, records=1)
+                                                for t, p in rows]}}
+    assert answer_temperatures({}, "d", 0.7) is None                   # unknown: no claim
+    with caplog.at_level("WARNING"):
+        assert answer_temperatures(man((0.7, 1.0)), "d", 0.7) == [0.7]
+        assert not caplog.records
+        assert answer_temperatures(man((0.0, 1.0), (0.7, 1.0)), "d", 0.7) == [0.0, 0.7]
+        assert "sampled at temperature 0/0.7, not at 0.7" in caplog.records[-1].getMessage()
+        answer_temperatures(man((0.7, 0.9)), "d", 0.7)
+        assert "top_p < 1" in caplog.records[-1].getMessage()
