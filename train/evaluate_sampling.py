@@ -73,7 +73,7 @@ def batch_acceptance(drafter, batch, k: int, *, temperature: float, draft: str, 
                           device=d2t.device)
     to_draft[torch.arange(d2t.shape[0], device=d2t.device) + d2t] = \
         torch.arange(d2t.shape[0], device=d2t.device)
-    alpha = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    beta = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
     for j in range(k):
         rows = mask[j].nonzero()[:, 0]
         tr = rows + 1 + j                                               # target row of the token
@@ -85,14 +85,14 @@ def batch_acceptance(drafter, batch, k: int, *, temperature: float, draft: str, 
             z = drafter.draft_logits(hidden[j, r])                      # [n, Vd]
             token = batch.input_ids[t + 1]                              # the stored token
             if teacher == "last":
-                alpha[j, r] = step_acceptance(z, _target_logits(batch.last[t], head, transform),
+                beta[j, r] = step_acceptance(z, _target_logits(batch.last[t], head, transform),
                                               to_draft, token, temperature=temperature,
                                               draft=draft)
             else:
-                alpha[j, r] = topk_step_acceptance(z, batch.topk_ids[t], batch.topk_logits[t],
+                beta[j, r] = topk_step_acceptance(z, batch.topk_ids[t], batch.topk_logits[t],
                                                    to_draft, token, temperature=temperature,
                                                    draft=draft)
-    return alpha, mask
+    return beta, mask
 
 
 def answer_temperatures(manifest: dict, dataset_dir, temperature: float) -> list[float] | None:
@@ -149,10 +149,10 @@ def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperatu
     drafter.eval()
     t0, counts = time.perf_counter(), None
     for batch in loader:
-        alpha, mask = batch_acceptance(drafter, batch.to(dev), k, temperature=temperature,
+        beta, mask = batch_acceptance(drafter, batch.to(dev), k, temperature=temperature,
                                        draft=draft, teacher=teacher, head=head,
                                        transform=transform)
-        counts = add_expected(counts, expected_counts(alpha, mask))
+        counts = add_expected(counts, expected_counts(beta, mask))
     drafter.train(was_training)
     if counts is None:
         raise ValueError(f"{dataset_dir}: no samples to score")
@@ -232,8 +232,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature T "
                    "(default 0 = greedy). T > 0: --prompts decodes with the engines' rejection "
-                   "sampling (the output is a sample of the target at T), --data reports the "
-                   "expected τ under it from the stored teacher")
+                   "sampling (the output is a sample of the target at T), --data estimates it "
+                   "from answers the target sampled at T (each stored token scored with the "
+                   "probability its draft was accepted)")
     g.add_argument("--temperatures", type=parse_temperatures, default=None,
                    help="comma-separated temperatures, e.g. 0,0.7,1.0: one evaluation each, "
                    "listed under by_temperature, the first one's full result at the top level "
