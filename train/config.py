@@ -305,6 +305,15 @@ class EvalConfig:
     context_buckets: List[int] = field(default_factory=lambda: list(DEFAULT_EDGES))
     """Edges of the τ-by-context buckets (the position where a round starts; the last bucket is
     open): the trainer's eval logs eval/tau_ctx_<bucket> and keeps eval/by_context."""
+    target_device: str = "auto"
+    """Where the evaluation's target runs (real decoding, eval.heldout_offline): auto (the GPU
+    when there is one, else the CPU), cpu or cuda[:i]. The engine-reference drafter of real
+    decoding runs on the CPU either way."""
+    heldout_offline: bool = False
+    """Also answer the held-out prompts greedily in float32 (the first num_prompts, at most
+    max_new_tokens tokens; cached under data.cache_dir/heldout/<key>), extract them and report
+    the export's offline decoder walk on that text: the offline figure next to the real one
+    (`heldout_offline` in summary.json)."""
 
 
 @dataclass
@@ -379,6 +388,10 @@ def check(cfg: DictConfig | Any) -> None:
     except ValueError:
         fail("eval.context_buckets", list(cfg.eval.context_buckets), "increasing integer "
              "positions starting at 0", "eval.context_buckets=[0,2048,8192,16384,32768]")
+    dev = str(cfg.eval.target_device)
+    if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
+        fail("eval.target_device", dev, "auto, cpu, cuda or cuda:<index>",
+             "eval.target_device=auto")
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.overwrite and cfg.train.resume == "latest":
@@ -389,7 +402,8 @@ def check(cfg: DictConfig | Any) -> None:
         fail("train.epochs", cfg.train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
     # generation, extraction (no data.dataset) and decoding run the model; training reads the
     # embedding and lm_head only
-    need = "model" if cfg.data.dataset is None or cfg.eval.speculative else "embedding"
+    need = ("model" if cfg.data.dataset is None or cfg.eval.speculative
+            or cfg.eval.heldout_offline else "embedding")
     if (why := weights_error(cfg.target.name, need, cfg.data.cache_dir)) is not None:
         raise ConfigError(f"target.name={cfg.target.name!r}: {why}")
 

@@ -245,7 +245,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
                      cache_dir: str | Path | None = None, dtype: str = "fp32",
                      model=None, tokenizer=None, progress: bool = True,
                      context_buckets=DEFAULT_EDGES, temperature: float = 0.0,
-                     draft: str = "argmax", seed: int = 0) -> dict[str, Any]:
+                     draft: str = "argmax", seed: int = 0,
+                     device: str | torch.device = "cpu") -> dict[str, Any]:
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
     drafter_dir: the exported drafter (loaded like vLLM, `models.serving.reference.EngineDrafter`);
@@ -253,7 +254,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     `model` + `tokenizer`. dtype: "fp32" (default: token identity is exact, and on CPUs without
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
-    Batch size 1; the drafter runs on the CPU. context_buckets: edges of the `by_context`
+    Batch size 1; the target runs on `device` (when it is loaded here), the drafter on the
+    CPU. context_buckets: edges of the `by_context`
     buckets (the verified position of each round, `models.context`). temperature > 0: the
     engines' rejection sampling (`models.serving.sampling`; draft "argmax" or "sample"),
     prompt i seeded seed + i.
@@ -264,7 +266,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
         raise ValueError(f"dtype must be one of {list(SPECDEC_DTYPES)}, got {dtype!r}")
     if model is None or tokenizer is None:
         from eyas.data.targets import load_target
-        model, tokenizer = load_target(target, dtype=TARGET_DTYPES[dtype], cache_dir=cache_dir)
+        model, tokenizer = load_target(target, dtype=TARGET_DTYPES[dtype], cache_dir=cache_dir,
+                                       device=device)
     elif next(model.parameters()).dtype != TARGET_DTYPES[dtype]:
         raise ValueError(f"the model passed in is {next(model.parameters()).dtype}, but "
                          f"dtype={dtype!r}: pass the matching dtype (or let it load the target)")

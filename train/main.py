@@ -121,7 +121,8 @@ def _record_checks(export: str, found: dict) -> None:
 
 
 def _checks(cfg, export: str) -> dict:
-    """Real speculative decoding and the engines' loaders on the export (rank 0)."""
+    """Real speculative decoding, the engines' loaders and (eval.heldout_offline) the offline
+    walk on the held-out answers, on the export (rank 0)."""
     from eyas.train import pipeline
     found: dict = {}
     spec = pipeline.run_speculative_check(cfg.eval, cfg.target.name, export,
@@ -137,6 +138,12 @@ def _checks(cfg, export: str) -> dict:
         log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
                  "for %d tokens, identical to greedy: %s", spec["tau"],
                  spec["target_forwards"], spec["tokens_generated"], spec["tokens_identical"])
+    off = pipeline.run_heldout_offline(cfg.eval, cfg.data, cfg.target, export,
+                                       k=cfg.drafter.ttt_steps)
+    if off:
+        found["heldout_offline"] = off
+        log.info("offline decoder walk on the held-out answers: tau %.3f over %d chain starts",
+                 off["tau_trajectory"], off["chain_starts"])
     return found
 
 
@@ -239,6 +246,9 @@ def main(cfg: DictConfig) -> None:
             spec = summary["speculative"]
             print(f"speculative: tau {spec['tau']:.3f} on held-out prompts, identical to greedy: "
                   f"{spec['tokens_identical']}")
+        if summary.get("heldout_offline"):
+            print(f"held-out offline: tau {summary['heldout_offline']['tau_trajectory']:.3f} "
+                  f"(decoder walk on the held-out prompts' own answers)")
         if summary.get("tau") is not None:
             walk = summary.get("tau_trajectory")
             print(f"tau: {summary['tau']:.3f}" + (f" (decoder walk {walk:.3f})"

@@ -1,4 +1,6 @@
-"""The stages of the main job, each a function over the config: dataset → train → export → eval.
+"""The stages of the main job, each a function over the config: dataset → train → export → eval
+(real decoding on held-out prompts, the engines' loaders, and with eval.heldout_offline the
+offline walk on the held-out prompts' own answers).
 
 `train/main.py` calls them in order. The embedded default dataset (SmolLM2 answering the
 shipped prompts, then hidden states extracted from it) is built once and cached under
@@ -206,7 +208,66 @@ def run_speculative_check(eval_cfg: EvalConfig, target: str, export_dir: str | P
     prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
     return evaluate.speculative_eval(export_dir, target, prompts, k=k,
                                      num_prompts=eval_cfg.num_prompts,
-                                     max_new_tokens=eval_cfg.max_new_tokens)
+                                     max_new_tokens=eval_cfg.max_new_tokens,
+                                     device=eval_device(eval_cfg))
+
+
+def eval_device(eval_cfg: EvalConfig) -> str:
+    """eval.target_device with "auto" decided: the GPU when there is one."""
+    if eval_cfg.target_device != "auto":
+        return eval_cfg.target_device
+    from eyas.data.targets import default_device
+    return default_device().type
+
+
+def _heldout_key(eval_cfg: EvalConfig, target: TargetConfig, prompts: Path) -> str:
+    h = hashlib.sha256(prompts.read_bytes())
+    ids = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
+    h.update(json.dumps([target.name, ids, eval_cfg.num_prompts, eval_cfg.max_new_tokens,
+                         "float32"]).encode())
+    return h.hexdigest()[:16]
+
+
+def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
+                        export_dir: str | Path, *, k: int) -> dict | None:
+    """The export's offline acceptance on the held-out prompts' own greedy answers (rank 0):
+    the first eval.num_prompts prompts answered by the target in float32 (the precision of real
+    decoding), tokenised and extracted once, cached under data.cache_dir/heldout/<key> (each
+    step resumable: generation continues where it stopped), then `evaluate.offline_eval`."""
+    if not eval_cfg.heldout_offline:
+        return None
+    import torch
+
+    from eyas.data import extract, generate, prepare
+    from eyas.data.lock import dir_lock
+    from eyas.data.targets import load_target
+    from eyas.train import evaluate
+    prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
+    root = Path(data.cache_dir).expanduser() / "heldout" / _heldout_key(eval_cfg, target, prompts)
+    hidden = root / "hidden"
+    device = eval_device(eval_cfg)
+    if not (hidden / "manifest.json").is_file():
+        with dir_lock(root, what="held-out dataset cache"):
+            log.info("held-out offline check: answering %d prompts of %s (float32, cached in %s)",
+                     eval_cfg.num_prompts, prompts.name, root)
+            model, tokenizer = load_target(target.name, dtype=torch.float32, device=device)
+            subset = root / "prompts.jsonl"
+            lines = [x for x in prompts.read_text().splitlines() if x.strip()]
+            _write_lines(subset, lines[:eval_cfg.num_prompts])
+            conversations = generate.generate_conversations(
+                subset, target.name, root / "conversations.jsonl",
+                max_new_tokens=eval_cfg.max_new_tokens, batch_size=data.generation_batch_size,
+                temperature=0.0, model=model, tokenizer=tokenizer)
+            if not (root / "tokens" / "manifest.json").is_file():
+                prepare.prepare(conversations, target.name, root / "tokens",
+                                max_length=data.max_length, on_error="skip")
+            extract.extract(root / "tokens", target.name, hidden,
+                            layers=None if target.aux_layer_ids is None
+                            else list(target.aux_layer_ids), model=model, device=device)
+    res = evaluate.offline_eval(export_dir, hidden, k=k, token_budget=data.token_budget,
+                                device=device, target=target.name, cache_dir=data.cache_dir)
+    keep = ("tau", "tau_trajectory", "chain_starts", "num_samples", "dataset")
+    return {key: res[key] for key in keep if key in res}
 
 
 def run_engine_check(eval_cfg: EvalConfig, target: str,
