@@ -1,6 +1,6 @@
-"""The stages of the main job, each a function over the config: dataset → train → export → eval
-(real decoding on held-out prompts, the engines' loaders, and with eval.heldout_offline the
-offline walk on the held-out prompts' own answers).
+"""The stages of the main job, each a function over the config: dataset → train → export →
+eval (real decoding on held-out prompts, the engines' loaders, and with eval.heldout_offline
+the offline walk on the held-out prompts' own answers).
 
 `train/main.py` calls them in order. The embedded default dataset (SmolLM2 answering the
 shipped prompts, then hidden states extracted from it) is built once and cached under
