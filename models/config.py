@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 #: fields that steer training only; `to_config_dict` never writes them
 TRAINING_ONLY = ("ttt_steps",)
+#: the EAGLE-3.1 variants (fields of Eagle3Config and config.json keys of the same name)
+EAGLE31_KEYS = ("norm_before_fc", "fc_norm", "norm_output")
 
 #: model_type values of MLA targets (DeepSeek-V2/V3, Kimi-K2/K2.5): their attention shape cannot be
 #: copied into a Llama-style drafter, so the drafter gets a GQA shape of its own
@@ -59,8 +61,16 @@ class DrafterShape(VocabSettings):
     """SwiGLU width; null = the target family's default."""
     max_position_embeddings: Optional[int] = None
     """Exported context length; null = the target's."""
+    norm_before_fc: bool = False
+    """EAGLE-3.1: one RMSNorm over the concatenated aux states before fc (input_norm)."""
+    fc_norm: bool = False
+    """EAGLE-3.1: an RMSNorm per aux state before fc (fc_norm.0-2)."""
+    norm_output: bool = False
+    """EAGLE-3.1: feed the next draft step the final norm's output, not the pre-norm state.
+    The three variants load in vLLM >= 0.33 and SGLang >= 0.5.23 only (older builds ignore
+    the keys and serve another function); all off is plain EAGLE-3."""
 
-    def overrides(self) -> dict[str, int]:
+    def overrides(self) -> dict[str, int | bool]:
         """The fields set explicitly (not None), as `Eagle3Config.from_target` keywords."""
         return {f.name: getattr(self, f.name) for f in fields(DrafterShape)
                 if getattr(self, f.name) is not None}
@@ -100,6 +110,15 @@ class Eagle3Config:
     """only SwiGLU ("silu") exists in both engines"""
     norm_before_residual: bool = False
     """always False: SGLang does not implement the True variant"""
+    norm_before_fc: bool = False
+    """EAGLE-3.1: one RMSNorm over the concatenated aux states [h_a|h_b|h_c] before fc
+    (tensor input_norm.weight [3·tH]; vLLM >= 0.33 and SGLang >= 0.5.23 load it)"""
+    fc_norm: bool = False
+    """EAGLE-3.1: an RMSNorm per aux state before fc (fc_norm.{0,1,2}.weight [tH]), applied
+    after input_norm when both are on"""
+    norm_output: bool = False
+    """EAGLE-3.1: the hidden state fed to the next draft step is the final norm's output, not
+    the pre-norm residual"""
     # ---- training only: never exported (TRAINING_ONLY) ----
     ttt_steps: int = 7
     """TTT unroll depth K used in training; >= the serving num_speculative_tokens"""
@@ -214,9 +233,12 @@ class Eagle3Config:
             "mlp_bias": False,
             "norm_before_residual": False,
             "eagle_config": {"use_aux_hidden_state": True,
-                             "eagle_aux_hidden_state_layer_ids": [a - 1, b - 1, c - 1]},
+                             "eagle_aux_hidden_state_layer_ids": [a - 1, b - 1, c - 1],
+                             **({"norm_before_fc": True} if self.norm_before_fc else {})},
             "eagle_aux_hidden_state_layer_ids": [a, b, c],
             "torch_dtype": "bfloat16",
+            # the EAGLE-3.1 variants only when on: older engine builds do not know the keys
+            **{k: True for k in EAGLE31_KEYS if getattr(self, k)},
         }
 
     @classmethod
@@ -235,8 +257,15 @@ class Eagle3Config:
             raise ValueError("config.json norm_before_residual=true: eyas drafters (and SGLang) "
                              "implement only false")
         aux = _aux_ids_from_dict(d)
+        nbf = (d.get("eagle_config") or {}).get("norm_before_fc")
+        if nbf is not None and bool(nbf) != bool(d.get("norm_before_fc", nbf)):
+            raise ValueError(f"config.json norm_before_fc={d.get('norm_before_fc')!r} but "
+                             f"eagle_config.norm_before_fc={nbf!r}: both engines read "
+                             f"eagle_config's first; write one value in both places")
         names = {f.name for f in fields(cls)} - set(TRAINING_ONLY) - {"aux_layer_ids"}
         kwargs: dict[str, Any] = {n: d[n] for n in names if n in d}
+        if nbf is not None:
+            kwargs["norm_before_fc"] = bool(nbf)
         if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):
             rp = dict(d["rope_parameters"])
             kwargs["rope_theta"] = float(rp.pop("rope_theta", 10000.0))

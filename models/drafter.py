@@ -4,6 +4,7 @@ Parameter names are the exported layout-A names (serving-contract.md §3), so a 
 `embed_tokens.weight` is the export:
 
     fc.weight                                   [H, 3·tH]   fuses [h_a | h_b | h_c]
+    input_norm.weight [3·tH], fc_norm.{0,1,2}.weight [tH]  EAGLE-3.1 aux norms, when configured
     midlayer.input_layernorm.weight             [H]         RMSNorm on the token embedding
     midlayer.hidden_norm.weight                 [H]         RMSNorm on fc(aux) / the fed-back hidden
     midlayer.self_attn.{q,k,v}_proj.weight      [heads·hd, 2H]   input cat(norm(embed), norm(g))
@@ -196,7 +197,12 @@ class Eagle3Drafter(nn.Module):
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc = nn.Linear(3 * config.target_hidden_size, H, bias=False)
+        tH = config.target_hidden_size
+        # EAGLE-3.1 norms on the aux states (config.norm_before_fc / fc_norm), engine names
+        self.input_norm = RMSNorm(3 * tH, config.rms_norm_eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(tH, config.rms_norm_eps) for _ in range(3)]) \
+            if config.fc_norm else None
+        self.fc = nn.Linear(3 * tH, H, bias=False)
         self.midlayer = Midlayer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
@@ -243,7 +249,7 @@ class Eagle3Drafter(nn.Module):
         inv_freq = inv_freq.to(input_ids.device)
         pre = compiled(attention_inputs) if fused else attention_inputs
         post = compiled(layer_output) if fused else layer_output
-        g = self.fc(aux.to(self.fc.weight.dtype))                           # [T, H]
+        g = self.fc(self._fc_input(aux).to(self.fc.weight.dtype))          # [T, H]
         hidden, prenorm = [], []
         for k in range(K):
             embeds = self.embed_tokens(step_tokens(input_ids, k)).to(g.dtype)   # [T, H]
@@ -256,10 +262,19 @@ class Eagle3Drafter(nn.Module):
                 p, normed = post(self.midlayer, out, g, self.norm)          # [T, H] each
             hidden.append(normed)
             prenorm.append(p)
-            g = p                                                           # pre-norm feedback
+            g = normed if c.norm_output else p                              # fed to step k+1
         return DrafterOutput(hidden=torch.stack(hidden),
                              prenorm=torch.stack(prenorm) if return_prenorm else None,
                              valid=valid)
+
+    def _fc_input(self, aux: Tensor) -> Tensor:
+        """aux [T, 3·tH] through the EAGLE-3.1 norms that are on (input_norm over the whole row,
+        then fc_norm per state), as both engines apply them; unchanged otherwise."""
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:
+            aux = torch.cat([n(x) for n, x in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
+        return aux
 
     def _checkpointed_output(self, attn_out: Tensor, g: Tensor, fused: bool
                              ) -> tuple[Tensor, Tensor]:

@@ -69,6 +69,27 @@ CORE_TENSORS = (
 )
 VOCAB_TENSORS = ("d2t", "t2d")
 
+
+def norm_before_fc(cfg: dict[str, Any]) -> bool:
+    """The EAGLE-3.1 flag as both engines read it: eagle_config's value first, then the
+    top-level key (vLLM 0.33 and SGLang 0.5.23 alike)."""
+    return bool((cfg.get("eagle_config") or {}).get("norm_before_fc",
+                                                    cfg.get("norm_before_fc", False)))
+
+
+def eagle31_tensors(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """The tensors the EAGLE-3.1 aux norms add when config.json turns them on: input_norm
+    (norm_before_fc, one RMSNorm over [h_a|h_b|h_c]) and fc_norm.{0,1,2} (one per aux state)."""
+    names: tuple[str, ...] = ("input_norm.weight",) if norm_before_fc(cfg) else ()
+    if cfg.get("fc_norm"):
+        names += tuple(f"fc_norm.{i}.weight" for i in range(3))
+    return names
+
+
+def layout_tensors(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Every tensor a drafter with this config.json ships besides d2t/t2d."""
+    return CORE_TENSORS + eagle31_tensors(cfg)
+
 LAYOUT_A_ARCH = "LlamaForCausalLMEagle3"
 #: safetensors header dtype names of the float torch dtypes (`eyas.data.format.ST_TO_TORCH`)
 FLOAT_DTYPES = tuple(k for k, v in ST_TO_TORCH.items() if v.is_floating_point)
@@ -147,6 +168,8 @@ def expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
         "midlayer.mlp.down_proj.weight": shape(H, inter),
         "norm.weight": shape(H),
         "lm_head.weight": shape(Vd, H),  # Vd absent: DRAFT_VOCAB_MISSING says so
+        **{n: shape(3 * tH if tH else None) if n == "input_norm.weight" else shape(tH)
+           for n in eagle31_tensors(cfg)},
         "d2t": shape(Vd),
         "t2d": shape(V),
     }

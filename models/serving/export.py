@@ -43,7 +43,7 @@ from eyas.data.vocab_map import VocabMap
 from eyas.models.serving.card import (build_provenance, read_provenance, serve_commands,
                                       write_card)
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
-                                          TensorDir, all_finite, expected_shapes,
+                                          TensorDir, all_finite, expected_shapes, layout_tensors,
                                           format_findings, resolve_target_config)
 from eyas.models.serving.export_dir import prepare_out
 from eyas.models.serving.export_speculators import write_speculators_export
@@ -244,11 +244,12 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     if unknown:
         raise ExportError(f"checkpoint tensors outside layout A: {unknown}. Layout A has "
                           f"{list(CORE_TENSORS)}; biases, fused or extra layers cannot be served")
-    missing = [n for n in CORE_TENSORS if n not in sd]
+    wanted = layout_tensors(cfg)
+    missing = [n for n in wanted if n not in sd]
     if missing:
         raise ExportError(f"checkpoint lacks {missing}: not a complete EAGLE-3 drafter")
     tensors: dict[str, torch.Tensor] = {}
-    for n in CORE_TENSORS:
+    for n in wanted:
         t = sd[n]
         if shapes[n] is not None and tuple(t.shape) != shapes[n]:
             raise ExportError(f"{n} has shape {list(t.shape)} but the config implies "

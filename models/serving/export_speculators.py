@@ -16,14 +16,15 @@ from typing import Any
 
 from eyas.data.checksums import write_checksums
 from eyas.data.utils import atomic_write_dir
-from eyas.models.serving.contract import OVERWRITE_HINT, ExportError
+from eyas.models.serving.contract import OVERWRITE_HINT, ExportError, norm_before_fc
 
 
 log = logging.getLogger(__name__)
 
 
 _EAGLE_KEYS = ("architectures", "eagle_config", "eagle_aux_hidden_state_layer_ids",
-               "draft_vocab_size", "target_hidden_size", "norm_before_residual", "torch_dtype")
+               "draft_vocab_size", "target_hidden_size", "norm_before_residual", "torch_dtype",
+               "norm_before_fc", "fc_norm", "norm_output")
 
 
 def speculators_config(cfg: dict[str, Any], *, verifier: str,
@@ -33,7 +34,8 @@ def speculators_config(cfg: dict[str, Any], *, verifier: str,
 
     vLLM reads `transformer_layer_config` as the Llama layer config, `draft_vocab_size`,
     `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (as is) and
-    `norm_before_residual` (default TRUE there, so it is written false), and takes the default
+    `norm_before_residual` (default TRUE there, so it is written false), the EAGLE-3.1 flags
+    `norm_before_fc`, `fc_norm` and `norm_output` (written when on), and takes the default
     `num_speculative_tokens` from the first proposal method.
     """
     layer = {k: v for k, v in cfg.items() if k not in _EAGLE_KEYS}
@@ -45,6 +47,10 @@ def speculators_config(cfg: dict[str, Any], *, verifier: str,
         "target_hidden_size": cfg.get("target_hidden_size", cfg["hidden_size"]),
         "norm_before_residual": False,
         "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
+        # the EAGLE-3.1 norms: vLLM copies these top-level keys into the layer config
+        **{k: True for k, on in (("norm_before_fc", norm_before_fc(cfg)),
+                                 ("fc_norm", bool(cfg.get("fc_norm"))),
+                                 ("norm_output", bool(cfg.get("norm_output")))) if on},
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from eyas.data.checksums import verify_checksums
 from eyas.data.deps import require_deepspeed
 from eyas.data.vocab_map import VocabMap
-from eyas.models.serving.contract import (CORE_TENSORS, ExportError, TensorDir, read_config,
-                                          resolve_target_config)
+from eyas.models.serving.contract import (CORE_TENSORS, ExportError, TensorDir, layout_tensors,
+                                          read_config, resolve_target_config)
 
 log = logging.getLogger(__name__)
 
@@ -229,11 +229,16 @@ def _layout_a_from(src: dict[str, Any], layer: dict[str, Any], aux: list[int],
     d = {k: layer[k] for k in _LAYER_FIELDS if layer.get(k) is not None}
     d.update(target_hidden_size=src.get("target_hidden_size") or H,
              draft_vocab_size=draft_vocab_size, eagle_aux_hidden_state_layer_ids=list(aux))
+    if not ("speculators_model_type" in src or "transformer_layer_config" in src):
+        from eyas.models.serving.contract import norm_before_fc
+        d.update(norm_before_fc=norm_before_fc(src), fc_norm=bool(src.get("fc_norm", False)),
+                 norm_output=bool(src.get("norm_output", False)))      # the EAGLE-3.1 norms
     unused = sorted(set(layer) - set(_LAYER_FIELDS) - {
         "architectures", "model_type", "num_hidden_layers", "target_hidden_size",
         "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
         "norm_before_residual", "tie_word_embeddings", "attention_bias", "mlp_bias",
         "torch_dtype", "dtype", "transformers_version", "_name_or_path", "bos_token_id",
+        "norm_before_fc", "fc_norm", "norm_output",
         "eos_token_id", "pad_token_id", "initializer_range", "use_cache", "pretraining_tp",
         "attention_dropout"})
     if unused:
@@ -280,6 +285,7 @@ def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None =
         raise ValueError(f"{where}: tie_word_embeddings = true: an EAGLE-3 drafter ships its own "
                          f"lm_head over the draft vocabulary")
 
+    wanted = layout_tensors(layer) if fmt == "layout-a" else CORE_TENSORS
     sd: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         n = name[len("model."):] if name.startswith("model.") else name
@@ -288,11 +294,11 @@ def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None =
             log.info("%s: %s is not a drafter weight (eyas uses the target's); not imported",
                      path, name)
             continue
-        if n not in CORE_TENSORS and n not in ("d2t", "t2d"):
+        if n not in wanted and n not in ("d2t", "t2d"):
             raise ValueError(f"{path}: tensor {name!r} has no place in an eyas drafter (layout A "
-                             f"names: {list(CORE_TENSORS)} + d2t, t2d)")
+                             f"names: {list(wanted)} + d2t, t2d)")
         sd[n] = t
-    missing = [n for n in CORE_TENSORS if n not in sd]
+    missing = [n for n in wanted if n not in sd]
     if missing:
         raise ValueError(f"{path}: the drafter lacks {missing}")
     d2t, t2d = sd.pop("d2t", None), sd.pop("t2d", None)

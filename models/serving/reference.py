@@ -11,6 +11,12 @@ and decodes incrementally with a KV cache (serving-contract.md §4):
              logits = scatter(lm_head(norm(p)))  → [V]: draft logit i lands on target id i + d2t[i],
                                                       -inf elsewhere (vLLM)
 
+EAGLE-3.1 variants, read from config.json as both engines read them (vLLM 0.33, SGLang
+0.5.23): norm_before_fc (eagle_config's value first) applies one RMSNorm `input_norm` over the
+concatenated aux row before fc, fc_norm one RMSNorm `fc_norm.{0,1,2}` per aux state (after
+input_norm when both are on), and norm_output feeds the next step the final norm's output
+instead of the pre-norm p (the "prenorm" that prefill and step return is then that output).
+
 One `EngineDrafter` holds one sequence's KV cache, like one request in an engine: `prefill` and
 `step` append to it, `truncate` rolls rejected draft entries back. `serve_packed` replays a packed
 training batch through this loop (every start row, every draft step) for parity checks.
@@ -35,6 +41,16 @@ REQUIRED_TENSORS = (
     "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
 )
 OPTIONAL_TENSORS = ("d2t", "t2d")
+#: the EAGLE-3.1 aux norms, present exactly when config.json turns them on (module docstring)
+NORM_BEFORE_FC_TENSOR = "input_norm.weight"
+FC_NORM_TENSORS = tuple(f"fc_norm.{i}.weight" for i in range(3))
+
+
+def _eagle31(cfg: dict) -> tuple[bool, bool, bool]:
+    """(norm_before_fc, fc_norm, norm_output) as both engines read them (eagle_config's
+    norm_before_fc first, then the top-level key)."""
+    nbf = (cfg.get("eagle_config") or {}).get("norm_before_fc", cfg.get("norm_before_fc", False))
+    return bool(nbf), bool(cfg.get("fc_norm", False)), bool(cfg.get("norm_output", False))
 
 
 class EngineDrafter:
@@ -51,7 +67,9 @@ class EngineDrafter:
         # weights rounded to the serving dtype, held in fp32: every GEMM below is fp32 math on
         # dtype values with the result rounded to dtype, which is what a bf16 cuBLAS GEMM does
         # (fp32 accumulation) and avoids slow bf16 GEMMs on CPU
-        self.w = {k: v.to(dtype).float() for k, v in tensors.items() if k in REQUIRED_TENSORS}
+        self.norm_before_fc, self.fc_norm, self.norm_output = _eagle31(cfg)
+        keep = set(REQUIRED_TENSORS) | {NORM_BEFORE_FC_TENSOR, *FC_NORM_TENSORS}
+        self.w = {k: v.to(dtype).float() for k, v in tensors.items() if k in keep}
         self.Vd = self.w["lm_head.weight"].shape[0]
         d2t = tensors.get("d2t")
         self.target_ids = torch.arange(self.Vd) + (d2t.to(torch.long) if d2t is not None else 0)
@@ -80,11 +98,14 @@ class EngineDrafter:
             if cfg.get(key) is None:
                 raise ValueError(f"config.json: {key!r} is missing or null; both engines need an int")
         names = set(tensors)
-        unknown = sorted(names - set(REQUIRED_TENSORS) - set(OPTIONAL_TENSORS))
+        nbf, fcn, _ = _eagle31(cfg)
+        norms = ((NORM_BEFORE_FC_TENSOR,) if nbf else ()) + (FC_NORM_TENSORS if fcn else ())
+        unknown = sorted(names - set(REQUIRED_TENSORS) - set(OPTIONAL_TENSORS) - set(norms))
         if unknown:
-            raise ValueError(f"tensors not in layout A: {unknown} (vLLM raises on unknown names, "
-                             f"SGLang drops them; embed_tokens must not be shipped)")
-        missing = sorted(set(REQUIRED_TENSORS) - names)
+            raise ValueError(f"tensors not in layout A: {unknown} (vLLM raises on unknown names "
+                             f"or drops an EAGLE-3.1 norm its config does not turn on, SGLang "
+                             f"drops them; embed_tokens must not be shipped)")
+        missing = sorted((set(REQUIRED_TENSORS) | set(norms)) - names)
         if missing:
             raise ValueError(f"layout-A tensors missing: {missing}")
         H, tH, V = int(cfg["hidden_size"]), int(cfg["target_hidden_size"]), int(cfg["vocab_size"])
@@ -98,6 +119,7 @@ class EngineDrafter:
                 "midlayer.mlp.gate_proj.weight": (inter, H), "midlayer.mlp.up_proj.weight": (inter, H),
                 "midlayer.mlp.down_proj.weight": (H, inter), "lm_head.weight": (Vd, H)}
         want.update({n: (H,) for n in REQUIRED_TENSORS if n.endswith("norm.weight")})
+        want.update({n: (3 * tH,) if n == NORM_BEFORE_FC_TENSOR else (tH,) for n in norms})
         for name, shape in want.items():
             if tuple(tensors[name].shape) != shape:
                 raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, "
@@ -169,7 +191,9 @@ class EngineDrafter:
         act = torch.nn.functional.silu(self._lin(m, "midlayer.mlp.gate_proj.weight"))
         p = h + self._lin(act * self._lin(m, "midlayer.mlp.up_proj.weight"),
                           "midlayer.mlp.down_proj.weight")
-        return p, self._norm(p, "norm.weight").float() @ self.w["lm_head.weight"].T   # [n, Vd]
+        normed = self._norm(p, "norm.weight")
+        carried = normed if self.norm_output else p       # what the next draft step is fed
+        return carried, normed.float() @ self.w["lm_head.weight"].T                  # [n, Vd]
 
     # ------------------------------------------------------------------ public decoding API
     @torch.no_grad()
@@ -179,8 +203,13 @@ class EngineDrafter:
         aux [n, 3·tH] (the target's [h_a|h_b|h_c] at those positions), next_tokens [n] (the token
         at position i+1 for each i), positions [n]. Returns (prenorm [n, H], logits [n, V] fp32).
         """
-        g = self._lin(aux.to(self.dtype), "fc.weight")
-        p, draft = self._layer(g, next_tokens.long(), positions.long())
+        x = aux.to(self.dtype)
+        if self.norm_before_fc:                          # vLLM's / SGLang's order: whole row,
+            x = self._norm(x, NORM_BEFORE_FC_TENSOR)
+        if self.fc_norm:                                 # then each aux state
+            x = torch.cat([self._norm(c, n) for c, n in zip(x.chunk(3, dim=-1), FC_NORM_TENSORS)],
+                          dim=-1)
+        p, draft = self._layer(self._lin(x, "fc.weight"), next_tokens.long(), positions.long())
         return p, self._scatter(draft)
 
     @torch.no_grad()

@@ -60,6 +60,9 @@ def speculators_findings(cfg: dict[str, Any]) -> tuple[list[Finding], dict[str, 
                 draft_vocab_size=cfg.get("draft_vocab_size"),
                 target_hidden_size=cfg.get("target_hidden_size") or flat.get("hidden_size"),
                 torch_dtype=cfg.get("torch_dtype", flat.get("torch_dtype")))
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):   # EAGLE-3.1: read from the top
+        if key in cfg:
+            flat[key] = cfg[key]
     if vl is not None:
         flat["eagle_aux_hidden_state_layer_ids"] = vl
         if isinstance(vl, list) and all(isinstance(i, int) for i in vl):

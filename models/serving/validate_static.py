@@ -12,17 +12,17 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from eyas.models.serving.contract import (CORE_TENSORS, ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
+from eyas.models.serving.contract import (ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
                                           WARNING, Finding, TensorDir, all_finite, config_dims,
-                                          expected_shapes, finding)
+                                          expected_shapes, finding, layout_tensors)
 from eyas.models.serving.validate_integrity import INTEGRITY_CODES, magnitude_findings
 from eyas.models.serving.validate_rope import ROPE_CODES, check_rope
 from eyas.models.serving.validate_vocab import VOCAB_CODES, check_vocab_map
 
-#: settings that SGLang cannot parse (speculators format) or that only 2026-05+ builds implement
-FORBIDDEN_KEYS = ("norm_before_fc", "fc_norm", "norm_output", "quantization_config",
-                  "logit_scale", "speculators_config", "transformer_layer_config",
-                  "speculators_model_type")
+#: settings that SGLang cannot parse (speculators format) or that one engine reads and the other
+#: ignores (use_aux_norm: SGLang's legacy spelling of fc_norm; vLLM knows only fc_norm)
+FORBIDDEN_KEYS = ("use_aux_norm", "quantization_config", "logit_scale", "speculators_config",
+                  "transformer_layer_config", "speculators_model_type")
 
 #: every code either function can emit -> the severity it is emitted with
 CODES = {
@@ -35,7 +35,7 @@ CODES = {
     "DRAFT_VOCAB_RANGE": ERROR, "TIE_EMBEDDINGS": ERROR, "BIAS_CONFIG": ERROR,
     "NORM_BEFORE_RESIDUAL": ERROR, "AUX_IDS_MISSING": ERROR, "AUX_IDS_MISMATCH": ERROR,
     "AUX_IDS_COUNT": ERROR, "AUX_IDS_ORDER": ERROR, "AUX_IDS_RANGE": ERROR,
-    "USE_AUX_OFF": ERROR, "FORBIDDEN_KEY": ERROR, "TORCH_DTYPE": WARNING,
+    "USE_AUX_OFF": ERROR, "FORBIDDEN_KEY": ERROR, "EAGLE31_FLAG": ERROR, "TORCH_DTYPE": WARNING,
     "ROPE_LEGACY": WARNING, "SPECULATORS_FORMAT": WARNING, **ROPE_CODES,
     # model.safetensors
     "WEIGHTS_MISSING": ERROR, "SHARD_INDEX": ERROR, "SHARD_DUPLICATE": ERROR,
@@ -179,9 +179,11 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
     bad = [k for k in FORBIDDEN_KEYS if k in cfg]
     if bad:
         add("FORBIDDEN_KEY", f"config.json carries {bad}",
-            "SGLang cannot parse speculators-format keys; the newer norm flags exist only in "
-            "2026-05+ builds, so older engines compute a different function",
-            "remove them (write a speculators config as a separate vLLM-only export)")
+            "SGLang cannot parse speculators-format keys; use_aux_norm turns fc_norm on in "
+            "SGLang only, so the engines compute different functions",
+            "remove them (fc_norm: write \"fc_norm\": true; a speculators config goes in a "
+            "separate vLLM-only export)")
+    out += _check_eagle31(cfg)
     dt = cfg.get("torch_dtype", cfg.get("dtype"))
     if dt != "bfloat16":
         add("TORCH_DTYPE", f"torch_dtype = {dt!r}; expected 'bfloat16'",
@@ -338,7 +340,7 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
                 "uses the target's: the engines agree only if it is the target's exact table",
                 "do not ship embed_tokens (eyas trains with the target's, frozen)")
 
-    for c in CORE_TENSORS:
+    for c in layout_tensors(cfg):
         if c not in canon:
             if c == "lm_head.weight":
                 add("LM_HEAD_MISSING", "lm_head.weight is not shipped",
@@ -390,3 +392,23 @@ def _nonfinite(tdir: TensorDir, names: list[str]) -> list[str]:
                 bad.append(n)
                 break
     return bad
+
+
+def _check_eagle31(cfg: dict) -> list[Finding]:
+    """The EAGLE-3.1 flags (norm_before_fc, fc_norm, norm_output): booleans, and norm_before_fc
+    spelt alike at the top level and in eagle_config (both engines read eagle_config's first;
+    a top-level value that disagrees is what an older reader would use)."""
+    out: list[Finding] = []
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        for where, d in (("", cfg), ("eagle_config.", cfg.get("eagle_config") or {})):
+            if key in d and not isinstance(d[key], bool):
+                out.append(finding("EAGLE31_FLAG", ERROR, f"{where}{key} = {d[key]!r}",
+                                   "the engines test it for truth: a string such as \"false\" "
+                                   "turns the norm on", f'write "{key}": true or false'))
+    inner = (cfg.get("eagle_config") or {}).get("norm_before_fc")
+    if inner is not None and "norm_before_fc" in cfg and bool(inner) != bool(cfg["norm_before_fc"]):
+        out.append(finding("EAGLE31_FLAG", ERROR, f"norm_before_fc = {cfg['norm_before_fc']!r} "
+                           f"but eagle_config.norm_before_fc = {inner!r}",
+                           "vLLM and SGLang use eagle_config's value; other readers the "
+                           "top-level one", "write the same value in both places"))
+    return out

@@ -172,6 +172,11 @@ def check_one(job: dict[str, Any]) -> dict[str, Any]:
             rec.update(_job["recorder"].report())
         return rec
     rec["resolved"]["model_class"] = type(model).__name__
+    inner = getattr(model, "model", None)
+    rec["resolved"]["eagle31"] = {                     # the EAGLE-3.1 norms the model applies
+        "norm_before_fc": bool(getattr(inner, "norm_before_fc", False)),
+        "fc_norm": getattr(inner, "fc_norm", None) is not None,
+        "norm_output": bool(getattr(inner, "norm_output", False))}
     rec.update(_job["recorder"].report())
     rec["params"] = {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
                      for n, p in model.named_parameters()}

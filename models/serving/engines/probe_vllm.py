@@ -113,6 +113,13 @@ def _from_target(model, target_hidden: int) -> dict[str, str]:
     return out
 
 
+def _eagle31(inner) -> dict[str, bool]:
+    """Which EAGLE-3.1 norms the loaded model applies (its own attributes)."""
+    return {"norm_before_fc": bool(getattr(inner, "norm_before_fc", False)),
+            "fc_norm": getattr(inner, "fc_norm", None) is not None,
+            "norm_output": bool(getattr(inner, "norm_output", False))}
+
+
 def _smoke(model, V: int, Vd: int, H: int) -> dict[str, Any]:
     """compute_logits on random rows: finite, width V, every mapped id in [0, V)."""
     g = torch.Generator().manual_seed(0)
@@ -179,6 +186,7 @@ def check_one(job: dict[str, Any]) -> dict[str, Any]:
                        if "t2d" in n}
     rec["resolved"]["norm_before_residual_applied"] = (
         model.model.layers[0]._residual_norm.__name__ == "_norm_before_residual")
+    rec["resolved"]["eagle31"] = _eagle31(model.model)
     Vd = int(rec["resolved"]["draft_vocab_size"] or V)
     try:
         rec["smoke"] = _smoke(model, V, Vd, int(dcfg.hidden_size))

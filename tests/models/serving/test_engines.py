@@ -117,6 +117,26 @@ def rope_export(name: str, out: Path) -> Path:
     return export_drafter(drafter.state_dict(), cfg, None, None, out, target_config=tcfg)
 
 
+EAGLE31 = dict(norm_before_fc=True, fc_norm=True, norm_output=True)
+#: clean exports whose key is not their target's name
+TARGET_OF = {"tiny-eagle31": "tiny-llama"}
+
+
+def eagle31_export(out: Path) -> Path:
+    """A random tiny drafter with every EAGLE-3.1 norm on (norms not the identity), exported."""
+    tcfg = load_target_config("tiny-llama")
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=512, ttt_steps=3, **EAGLE31)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg, attention="eager")
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith(("input_norm", "fc_norm")):
+                p.copy_(1 + 0.5 * torch.randn(p.shape))
+    ids = torch.randperm(cfg.vocab_size)[:cfg.draft_vocab_size].sort().values
+    drafter.set_vocab_map(ids - torch.arange(cfg.draft_vocab_size))
+    return export_drafter(drafter.state_dict(), cfg, None, None, out, target_config=tcfg)
+
+
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
@@ -124,7 +144,8 @@ def exports(tmp_path_factory):
              "llama-3.1-8b": random_export("llama-3.1-8b", root / "llama8b"),
              "kimi-k2.5": random_export("kimi-k2.5", root / "kimi"),
              "tiny-llama": clean_tiny_export(root / "tiny"),
-             **{name: rope_export(name, root / name) for name in ROPE_TARGETS}}
+             **{name: rope_export(name, root / name) for name in ROPE_TARGETS},
+             "tiny-eagle31": eagle31_export(root / "eagle31")}
     return clean, broken_exports(clean["tiny-llama"], root / "broken")
 
 
@@ -133,7 +154,8 @@ def verdicts(exports):
     """{name: {engine: EngineReport}} for every clean and broken export (one process/engine)."""
     clean, broken = exports
     names = list(clean) + list(broken)
-    pairs = [(d, rope_target(t) if t in ROPE_TARGETS else t) for t, d in clean.items()]
+    pairs = [(d, rope_target(t) if t in ROPE_TARGETS else TARGET_OF.get(t, t))
+             for t, d in clean.items()]
     pairs += [(d, BROKEN_TARGET) for d, _ in broken.values()]
     t0 = time.time()
     reports = check_engines_many(pairs)
@@ -167,6 +189,21 @@ def test_clean_exports_load_cleanly(verdicts, exports, preset, engine):
     width = tcfg["vocab_size"] if engine == "vllm" else cfg["draft_vocab_size"]
     assert rep.smoke["logits_shape"] == [4, width] and rep.smoke["logits_finite"]
     assert rep.smoke["mapped_in_range"] and rep.smoke["mapped_increasing"]
+    # plain EAGLE-3: none of the EAGLE-3.1 norms is applied
+    assert rep.resolved["eagle31"] == {k: False for k in EAGLE31}
+
+
+@pytest.mark.parametrize("engine", ("vllm", "sglang"))
+def test_eagle31_norms_are_loaded_and_applied(verdicts, exports, engine):
+    """norm_before_fc, fc_norm and norm_output under the export's spellings: the engine turns
+    each on, every norm tensor reaches its parameter and nothing is left unwritten."""
+    rep = verdicts["tiny-eagle31"][engine]
+    assert rep.ok and rep.loaded, "\n".join(map(str, rep.findings))
+    assert rep.resolved["eagle31"] == {k: True for k in EAGLE31}
+    reached = rep.raw["reached"]
+    for name in ("input_norm.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"):
+        assert reached[name], (name, reached)
+    assert rep.unwritten == {"model.embed_tokens.weight": 1.0}
 
 
 @pytest.mark.parametrize("preset", CLEAN + tuple(ROPE_TARGETS))

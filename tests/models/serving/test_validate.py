@@ -148,7 +148,7 @@ CASES = [
     ("hidden_act", _cfg(hidden_act="gelu"), None, {"HIDDEN_ACT"}),
     ("tie_embeddings", _cfg(tie_word_embeddings=True), None, {"TIE_EMBEDDINGS"}),
     ("bias_config", _cfg(attention_bias=True), None, {"BIAS_CONFIG"}),
-    ("forbidden_key", _cfg(norm_before_fc=False), None, {"FORBIDDEN_KEY"}),
+    ("forbidden_key", _cfg(logit_scale=1.0), None, {"FORBIDDEN_KEY"}),
     ("torch_dtype", _cfg(torch_dtype="float16"), None, {"TORCH_DTYPE"}),
     ("rope_parameters_only", lambda c: c.update(rope_parameters={"rope_theta": c.pop("rope_theta"),
                                                                 "rope_type": "default"}), None,
