@@ -30,7 +30,7 @@ from eyas.data.checksums import verify_checksums
 from eyas.data.deps import require_deepspeed
 from eyas.data.vocab_map import VocabMap
 from eyas.models.serving.contract import (CORE_TENSORS, ExportError, TensorDir, layout_tensors,
-                                          read_config, resolve_target_config)
+                                          norm_before_fc, read_config, resolve_target_config)
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,6 @@ def _layout_a_from(src: dict[str, Any], layer: dict[str, Any], aux: list[int],
     d.update(target_hidden_size=src.get("target_hidden_size") or H,
              draft_vocab_size=draft_vocab_size, eagle_aux_hidden_state_layer_ids=list(aux))
     if not ("speculators_model_type" in src or "transformer_layer_config" in src):
-        from eyas.models.serving.contract import norm_before_fc
         d.update(norm_before_fc=norm_before_fc(src), fc_norm=bool(src.get("fc_norm", False)),
                  norm_output=bool(src.get("norm_output", False)))      # the EAGLE-3.1 norms
     unused = sorted(set(layer) - set(_LAYER_FIELDS) - {

@@ -30,6 +30,7 @@ import math
 import torch
 from torch import Tensor
 
+from eyas.models.serving.contract import norm_before_fc
 from eyas.models.serving.engine_rope import EngineRope
 
 #: tensor names of a layout-A checkpoint (serving-contract §3)
@@ -49,8 +50,7 @@ FC_NORM_TENSORS = tuple(f"fc_norm.{i}.weight" for i in range(3))
 def _eagle31(cfg: dict) -> tuple[bool, bool, bool]:
     """(norm_before_fc, fc_norm, norm_output) as both engines read them (eagle_config's
     norm_before_fc first, then the top-level key)."""
-    nbf = (cfg.get("eagle_config") or {}).get("norm_before_fc", cfg.get("norm_before_fc", False))
-    return bool(nbf), bool(cfg.get("fc_norm", False)), bool(cfg.get("norm_output", False))
+    return norm_before_fc(cfg), bool(cfg.get("fc_norm", False)), bool(cfg.get("norm_output", False))
 
 
 class EngineDrafter:
