@@ -26,7 +26,9 @@ step before compile/fusion), compile (torch.compile of each step's element-wise 
 (fused + the MLP of each step recomputed in backward), rows (fused, the loss rows listed on the
 host as the trainer does with loss.skip_masked_rows: masked rows skip the lm_head GEMMs),
 rows+ckpt (both), async (rows with no host sync inside the step: the norm stays on the device
-and a skip flag goes to the optimizer, as train.update.micro_step does).
+and a skip flag goes to the optimizer, as train.update.micro_step does, and compact masters:
+the trainer's default), async-fp32m (async with full fp32 master copies), fp8 / fp8-rowwise
+(async with drafter.fp8=tensorwise / rowwise: torchao float8 linears).
 
 The real trainer end to end (accelerate + DeepSpeed ZeRO-2 on shards on disk): see
 benchmarks/train_e2e.py (`python benchmarks/train_step.py --trainer ...` forwards to it).
@@ -53,6 +55,7 @@ import torch
 from eyas.data.loader import Batch
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
+from eyas.models.fp8 import convert_drafter_to_float8
 from eyas.models.metrics import accept_counts
 from eyas.models.objective import metric_rows
 from eyas.data.targets import load_target_config, text_config
@@ -72,6 +75,8 @@ class Case(NamedTuple):
     ckpt: bool                  # checkpoint_mlp
     rows: bool                  # loss rows listed on the host (loss.skip_masked_rows)
     norm_sync: bool = True      # float(grad norm) on the host; False: a device skip flag
+    fp8: str = "off"            # drafter.fp8 (models.fp8): torchao float8 linears
+    compact: bool = False       # optim.compact_masters: masters as bf16 param + int16 low bits
 
 
 CASES = {
@@ -82,7 +87,12 @@ CASES = {
     "ckpt": Case(True, "triton", True, True, False),
     "rows": Case(True, "triton", True, False, True),
     "rows+ckpt": Case(True, "triton", True, True, True),
-    "async": Case(True, "triton", False, False, True, norm_sync=False),
+    "async-fp32m": Case(True, "triton", False, False, True, norm_sync=False),
+    "async": Case(True, "triton", False, False, True, norm_sync=False, compact=True),
+    "fp8": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
+                compact=True),
+    "fp8-rowwise": Case(True, "triton", False, False, True, norm_sync=False, fp8="rowwise",
+                        compact=True),
 }
 
 
@@ -129,6 +139,7 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
                                 checkpoint_mlp=c.ckpt)
     dtype = torch.bfloat16 if on_cuda else torch.float32
     drafter.to(dtype)
+    convert_drafter_to_float8(drafter, c.fp8 if on_cuda else "off")
     drafter.embed_tokens.weight.normal_()
     V, Vd, tH = cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd].sort().values
@@ -138,7 +149,7 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
                             loss_impl="triton" if on_cuda else "torch", ttt_steps=K)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = MasterAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                      impl=c.impl if on_cuda else "torch")
+                      impl=c.impl if on_cuda else "torch", compact=c.compact and on_cuda)
     optim_cfg = OptimConfig(warmup_steps=0, warmup_ratio=0.0, schedule=Schedule.constant)
     return module, opt, build_scheduler(opt, optim_cfg, 1000), ids.to(device)
 

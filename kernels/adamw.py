@@ -16,6 +16,14 @@ run torch's fused AdamW on the masters, copy back". `steps` are torch AdamW's ow
 step counters (fp32 scalars on the device, incremented here without a host sync), so the
 state stays a torch AdamW state: checkpoints load into either implementation.
 
+Compact masters (`masters` int16): the fp32 master is kept as its bf16 parameter plus the
+16 low bits it lacks, `lo = bits(master) − bits(param) << 16` with the parameter rounded as
+`(bits + 0x8000) >> 16` (to nearest; exact ties away from zero instead of to even), so lo
+always fits an int16. The kernel rebuilds the exact fp32 master from the two, updates it and
+splits it again: the same fp32 trajectory as separate fp32 masters at 2 bytes per parameter
+instead of 4 (24 bytes of traffic per parameter instead of 28). `split_master` / `join_master`
+are the torch twins of the split and the rebuild.
+
 `skip` (optional 0-dim device tensor, nonzero = skip) turns the whole step into a no-op without
 a host sync, for a step whose gradients hold NaN/inf: every program loads the flag and masks
 off all its loads and stores, and the step counters advance by (skip == 0). The caller can
@@ -34,7 +42,7 @@ BLOCK = 4096
 @triton.jit
 def _master_adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, step_ptr, skip_ptr, n,
                          lr, beta1, beta2, eps, weight_decay, BLOCK: tl.constexpr,
-                         HAS_SKIP: tl.constexpr):
+                         HAS_SKIP: tl.constexpr, COMPACT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     step = tl.load(step_ptr).to(tl.float32)                 # already incremented (if not skipped)
     if HAS_SKIP:                                # a skipped step reads and writes nothing
@@ -44,17 +52,28 @@ def _master_adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, step_ptr
     bc1 = 1.0 - tl.exp2(step * tl.log2(beta1))
     bc2_sqrt = tl.sqrt(1.0 - tl.exp2(step * tl.log2(beta2)))
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(master_ptr + offs, mask=mask, other=0.0)
+    if COMPACT:             # master bits = (param bits << 16) + lo, in wrapping int32
+        hi = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.int16, bitcast=True)
+        lo = tl.load(master_ptr + offs, mask=mask, other=0).to(tl.int32)
+        w = (((hi.to(tl.int32) & 0xFFFF) << 16) + lo).to(tl.float32, bitcast=True)
+    else:
+        w = tl.load(master_ptr + offs, mask=mask, other=0.0)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     w = w * (1.0 - lr * weight_decay)
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
     w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
-    tl.store(master_ptr + offs, w, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=mask)
+    if COMPACT:
+        bits = w.to(tl.int32, bitcast=True)
+        hi = (bits + 0x8000) >> 16                       # the low 16 bits are the bf16 bits
+        tl.store(master_ptr + offs, (bits - (hi << 16)).to(tl.int16), mask=mask)
+        tl.store(param_ptr + offs, hi.to(tl.int16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(master_ptr + offs, w, mask=mask)
+        tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=mask)
 
 
 @torch.no_grad()
@@ -66,7 +85,8 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
     """One AdamW step in place (see the module docstring); all lists are parallel.
 
     params: tensors of any float dtype (bf16 usually), contiguous; grads: same shapes, any float
-    dtype; masters, exp_avgs, exp_avg_sqs: fp32, contiguous; steps: 0-dim fp32 counters on the
+    dtype; masters: fp32, or int16 low halves of bf16 params (compact, module docstring);
+    exp_avgs, exp_avg_sqs: fp32, contiguous; steps: 0-dim fp32 counters on the
     same device (incremented by one here); skip: None, or a 0-dim tensor of any dtype (moved to
     the parameters' device): when nonzero, params, masters, moments and steps stay bitwise
     unchanged.
@@ -84,15 +104,20 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
         if not (p.is_contiguous() and w.is_contiguous() and m.is_contiguous()
                 and v.is_contiguous()):
             raise ValueError("master_adamw_: parameters and fp32 state must be contiguous")
-        if w.dtype != torch.float32 or m.dtype != torch.float32 or v.dtype != torch.float32:
-            raise ValueError(f"master_adamw_: masters and moments must be fp32, got {w.dtype}, "
-                             f"{m.dtype}, {v.dtype}")
+        compact = w.dtype == torch.int16
+        if compact and p.dtype != torch.bfloat16:
+            raise ValueError(f"master_adamw_: int16 (compact) masters need bf16 parameters, "
+                             f"got {p.dtype}")
+        if not (compact or w.dtype == torch.float32) or m.dtype != torch.float32 \
+                or v.dtype != torch.float32:
+            raise ValueError(f"master_adamw_: masters must be fp32 or int16 and moments fp32, "
+                             f"got {w.dtype}, {m.dtype}, {v.dtype}")
         g = g.contiguous()
         n = p.numel()
         _master_adamw_kernel[(triton.cdiv(n, block),)](
             p, g, w, m, v, s, s if flag is None else flag, n, float(lr), float(beta1),
             float(beta2), float(eps), float(weight_decay), BLOCK=block,
-            HAS_SKIP=flag is not None, num_warps=8 if p.is_cuda else 4)
+            HAS_SKIP=flag is not None, COMPACT=compact, num_warps=8 if p.is_cuda else 4)
 
 
 def _skip_flag(skip: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -102,3 +127,23 @@ def _skip_flag(skip: torch.Tensor, device: torch.device) -> torch.Tensor:
                          f"{tuple(skip.shape)}")
     skip = skip.to(device, non_blocking=True)
     return skip.view(torch.uint8) if skip.dtype == torch.bool else skip
+
+
+def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 master → (bf16 parameter, int16 low bits), as the kernel splits it (torch twin)."""
+    bits = master.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    hi = (bits + 0x8000) >> 16                                       # in [0, 2^16]
+    lo = bits - (hi << 16)                                           # in [-2^15, 2^15)
+    return _as_int16(hi & 0xFFFF).view(torch.bfloat16), lo.to(torch.int16)
+
+
+def join_master(param: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """(bf16 parameter, int16 low bits) → the exact fp32 master (torch twin of the rebuild)."""
+    hi = param.detach().contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((hi << 16) + lo.to(torch.int64)) & 0xFFFFFFFF
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+def _as_int16(u: torch.Tensor) -> torch.Tensor:
+    """Unsigned 16-bit values held in int64 → the int16 with the same bits."""
+    return torch.where(u >= 1 << 15, u - (1 << 16), u).to(torch.int16)

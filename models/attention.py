@@ -120,43 +120,47 @@ def merge_diagonal(out0: Tensor, lse0: Tensor, q: Tensor, diag_k: list[Tensor],
 
     out0 [nh,T,d], lse0 [nh,T]: attention over the step-0 keys; q [nh,T,d]; diag_k/diag_v: k
     tensors [nkv,T,d] (row t's own keys at steps 1..k). Returns out [nh,T,d] fp32.
-    `merge` replaces `merge_stacked` (its compiled twin).
+    `merge` replaces `merge_lists` (its compiled twin).
     """
     if not diag_k:
         return out0.float()
-    return (merge or merge_stacked)(out0, lse0, q, torch.stack(diag_k), torch.stack(diag_v),
-                                    scale)
+    return (merge or merge_lists)(out0, lse0, q, list(diag_k), list(diag_v), scale)
 
 
-def merge_stacked(out0: Tensor, lse0: Tensor, q: Tensor, ks: Tensor, vs: Tensor,
-                  scale: float) -> Tensor:
-    """`merge_diagonal` on stacked diagonal keys/values ks, vs [k, nkv, T, d] → [nh,T,d] fp32."""
-    k, nkv, T, d = ks.shape
+def merge_lists(out0: Tensor, lse0: Tensor, q: Tensor, ks: list[Tensor], vs: list[Tensor],
+                scale: float) -> Tensor:
+    """`merge_diagonal` on the diagonal keys/values ks, vs (k tensors [nkv,T,d]) → [nh,T,d] fp32.
+
+    Written as products and sums over d (no einsum): compiled, the whole merge is element-wise
+    work plus small reductions that fuse into a few kernels, and its backward keeps only the
+    bf16 inputs (already alive for the other steps), not stacked or fp32 copies of them."""
+    nkv, T, d = ks[0].shape
     g = q.shape[0] // nkv
     qf = q.float().view(nkv, g, T, d)
-    ks, vs = ks.float(), vs.float()                                      # [k, nkv, T, d]
-    s = torch.einsum("ngtd,jntd->jngt", qf, ks) * scale                   # [k, nkv, g, T]
-    l0 = lse0.float().view(1, nkv, g, T)
-    lse = torch.logsumexp(torch.cat([l0, s]), dim=0)                      # [nkv, g, T]
-    w0 = torch.exp(l0[0] - lse)                                           # [nkv, g, T]
-    w = torch.exp(s - lse)                                                # [k, nkv, g, T]
-    out = w0[..., None] * out0.float().view(nkv, g, T, d)
-    out = out + torch.einsum("jngt,jntd->ngtd", w, vs)                    # [nkv, g, T, d]
+    s = [(qf * k.float().view(nkv, 1, T, d)).sum(-1) * scale for k in ks]   # k × [nkv, g, T]
+    l0 = lse0.float().view(nkv, g, T)
+    lse = torch.logsumexp(torch.stack([l0] + s), dim=0)                      # [nkv, g, T]
+    out = torch.exp(l0 - lse)[..., None] * out0.float().view(nkv, g, T, d)
+    for sj, v in zip(s, vs):
+        out = out + torch.exp(sj - lse)[..., None] * v.float().view(nkv, 1, T, d)
     return out.reshape(nkv * g, T, d)
 
 
 _COMPILED_MERGE: Callable | None = None
 
 
-def _merge_and_cast(out0: Tensor, lse0: Tensor, q: Tensor, ks: Tensor, vs: Tensor,
+def _merge_and_cast(out0: Tensor, lse0: Tensor, q: Tensor, ks: list[Tensor], vs: list[Tensor],
                     scale: float) -> Tensor:
-    return merge_stacked(out0, lse0, q, ks, vs, scale).to(q.dtype)
+    return merge_lists(out0, lse0, q, ks, vs, scale).to(q.dtype)
 
 
 def compiled_merge() -> Callable:
-    """torch.compile of the merge (+ cast to q's dtype): one graph for k = 1, one for k >= 2."""
+    """torch.compile of the merge (+ cast to q's dtype): one graph per step k (list length)."""
     global _COMPILED_MERGE
     if _COMPILED_MERGE is None:
+        # K - 1 list lengths, each static and then symbolic in T: more than dynamo's default
+        # eight entries per function when K = 7 and batch lengths vary
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
         _COMPILED_MERGE = torch.compile(_merge_and_cast, dynamic=None)
     return _COMPILED_MERGE
 

@@ -31,6 +31,12 @@ class AttentionImpl(str, Enum):
     eager = "eager"
 
 
+class FP8Recipe(str, Enum):
+    off = "off"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
 class LossImpl(str, Enum):
     auto = "auto"
     triton = "triton"
@@ -96,6 +102,9 @@ class DrafterConfig(DrafterShape):
     """torch.compile the drafter layer on GPU (ignored on CPU)."""
     checkpoint_mlp: bool = False
     """Recompute the MLP in backward: ~2.3 GiB less at the Llama-8B shape, ~13% slower."""
+    fp8: FP8Recipe = FP8Recipe.off
+    """FP8 GEMMs for the drafter's linear layers (torchao float8 training, `models.fp8`):
+    off, tensorwise (fastest on H100/H200) or rowwise. Parameters and the export stay bf16."""
     init_lm_head_from_target: bool = True
     """Initialise draft lm_head row i from the target head row of token i + d2t[i]."""
     warm_start: Optional[str] = None
@@ -196,6 +205,9 @@ class OptimConfig:
     """Warmup length in optimizer steps (>= 0; 0 = none); overrides warmup_ratio."""
     clip_grad_norm: float = 0.5
     """Global gradient-norm clip (>= 0); 0 disables."""
+    compact_masters: bool = True
+    """Hold each fp32 master weight as its bf16 parameter + 16 low bits (the same fp32 values,
+    2 bytes per parameter less; Triton update on GPU, off DeepSpeed). false: full fp32 copies."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
 
@@ -379,6 +391,10 @@ def check(cfg: DictConfig | Any) -> None:
         fail("dist.zero_stage", cfg.dist.zero_stage, "0 with backend=ddp",
              f"dist=zero{cfg.dist.zero_stage} to use DeepSpeed ZeRO-{cfg.dist.zero_stage}, "
              f"or dist.zero_stage=0")
+    if cfg.drafter.fp8 != FP8Recipe.off and cfg.dist.backend == DistBackend.deepspeed \
+            and cfg.dist.zero_stage == 3:
+        fail("drafter.fp8", cfg.drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "
+             "bypass the float8 linears)", "dist=zero2 (or drafter.fp8=off)")
     if cfg.dist.backend == DistBackend.ddp and cfg.dist.deepspeed_config is not None:
         fail("dist.deepspeed_config", cfg.dist.deepspeed_config, "null with dist=ddp (DDP reads "
              "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")

@@ -8,7 +8,10 @@ config), so a plain torch AdamW is handed to it.
 On CUDA the update is one fused Triton pass per tensor (`kernels.adamw.master_adamw_`: reads
 the bf16 gradient directly, writes master, moments and the bf16 parameter) instead of an fp32
 copy of every gradient + torch's fused AdamW + a copy back; the optimizer state is the same
-torch AdamW state either way.
+torch AdamW state either way. With `compact` (`optim.compact_masters`, the Triton update on
+bf16 parameters) each master is held as the 16 bits its bf16 parameter lacks (int16): the
+same fp32 values at 2 bytes per parameter instead of 4 (kernels.adamw). Checkpoints hold
+fp32 masters in both modes, so they load into either.
 """
 
 from __future__ import annotations
@@ -37,18 +40,37 @@ class MasterAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, impl: str = "torch"):
+                 weight_decay: float = 0.0, impl: str = "torch", compact: bool = False):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         if impl not in ("triton", "torch"):
             raise ValueError(f"MasterAdamW impl must be triton or torch, got {impl!r}")
-        self.masters = [[p.detach().float().clone() for p in g["params"]]
-                        for g in self.param_groups]
-        fused = all(p.is_cuda for g in self.param_groups for p in g["params"])
+        if compact and (impl != "triton" or any(p.dtype != torch.bfloat16 for g in
+                                                self.param_groups for p in g["params"])):
+            raise ValueError("MasterAdamW(compact=True) needs impl='triton' and bf16 parameters "
+                             "(set optim.compact_masters=false)")
+        self.compact = bool(compact)
+        self.masters = [[self._new_master(p) for p in g["params"]] for g in self.param_groups]
+        fused = all(p.is_cuda for g in self.param_groups for p in g["params"]) and not compact
         groups = [dict(params=m, **{k: v for k, v in g.items() if k != "params"})
                   for g, m in zip(self.param_groups, self.masters)]
+        # compact: a state container only (keyed by the int16 masters; the kernel updates it)
         self.inner = torch.optim.AdamW(groups, fused=fused or None)
         self.impl = impl
+
+    def _new_master(self, p: torch.Tensor) -> torch.Tensor:
+        """fp32 copy of p, or (compact) its 16 missing bits: zero, as p is exactly bf16."""
+        if self.compact:
+            return torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+        return p.detach().float().clone()
+
+    def master_weights(self) -> list[list[torch.Tensor]]:
+        """The fp32 masters, per group (rebuilt from parameter + low bits when compact)."""
+        if not self.compact:
+            return self.masters
+        from eyas.kernels.adamw import join_master
+        return [[join_master(p, m) for p, m in zip(g["params"], ms)]
+                for g, ms in zip(self.param_groups, self.masters)]
 
     def _follow_parameters(self) -> None:
         """Keep masters and moments on their parameters' device.
@@ -98,8 +120,9 @@ class MasterAdamW(torch.optim.Optimizer):
                 st = self.inner.state[m]
                 if not st:                           # torch AdamW's own (fused) initial state
                     st["step"] = torch.zeros((), dtype=torch.float32, device=m.device)
-                    st["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                    st["exp_avg"] = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+                    st["exp_avg_sq"] = torch.zeros(m.shape, dtype=torch.float32,
+                                                   device=m.device)
                 elif st["step"].device != m.device or st["step"].dtype != torch.float32:
                     st["step"] = st["step"].to(m.device, torch.float32)   # e.g. a CPU checkpoint
             if group.get("amsgrad") or group.get("maximize"):
@@ -113,7 +136,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def state_dict(self):
         return {"inner": self.inner.state_dict(),
-                "masters": [[m.clone() for m in ms] for ms in self.masters],
+                "masters": [[m.clone() for m in ms] for ms in self.master_weights()],
                 "param_groups": [{k: v for k, v in g.items() if k != "params"}
                                  for g in self.param_groups]}
 
@@ -121,25 +144,34 @@ class MasterAdamW(torch.optim.Optimizer):
         self._follow_parameters()
         self.inner.load_state_dict(state["inner"])
         with torch.no_grad():
-            for ms, saved in zip(self.masters, state["masters"]):
-                for m, s in zip(ms, saved):
-                    m.copy_(s)
-            for group, masters in zip(self.param_groups, self.masters):
-                for p, m in zip(group["params"], masters):
-                    p.copy_(m)
+            if self.compact:
+                from eyas.kernels.adamw import split_master
+                for group, ms, saved in zip(self.param_groups, self.masters, state["masters"]):
+                    for p, m, s in zip(group["params"], ms, saved):
+                        hi, lo = split_master(s.to(p.device))
+                        p.copy_(hi)
+                        m.copy_(lo)
+            else:
+                for ms, saved in zip(self.masters, state["masters"]):
+                    for m, s in zip(ms, saved):
+                        m.copy_(s)
+                for group, masters in zip(self.param_groups, self.masters):
+                    for p, m in zip(group["params"], masters):
+                        p.copy_(m)
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
 
 
-def build_optimizer(params, optim_cfg, *, master_weights: bool,
-                    impl: str = "torch") -> torch.optim.Optimizer:
-    """AdamW of the `optim` group: `MasterAdamW` (update `impl`, as `train.resolve.resolve`
-    decides it) over bf16 parameters, else torch AdamW (fused when the parameters are on CUDA)."""
+def build_optimizer(params, optim_cfg, *, master_weights: bool, impl: str = "torch",
+                    compact: bool = False) -> torch.optim.Optimizer:
+    """AdamW of the `optim` group: `MasterAdamW` (update `impl` and `compact` masters, as
+    `train.resolve.resolve` decides them) over bf16 parameters, else torch AdamW (fused when
+    the parameters are on CUDA)."""
     params = [p for p in params if p.requires_grad]
     kw = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
               weight_decay=optim_cfg.weight_decay)
     if master_weights:
-        return MasterAdamW(params, impl=impl, **kw)
+        return MasterAdamW(params, impl=impl, compact=compact, **kw)
     fused = all(p.is_cuda for p in params) or None
     return torch.optim.AdamW(params, fused=fused, **kw)
 

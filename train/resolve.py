@@ -28,6 +28,9 @@ class Resolved:
     """fused loss: "triton" or "torch" (loss.impl)"""
     optim_impl: str
     """MasterAdamW update: "triton" (the fused kernel) or "torch" (torch AdamW on fp32 copies)"""
+    compact_masters: bool
+    """fp32 masters held as bf16 parameter + int16 low bits (optim.compact_masters; the triton
+    update on bf16 parameters only)"""
     param_dtype: torch.dtype
     """drafter parameters (train.param_dtype)"""
     target_dtype: torch.dtype
@@ -46,11 +49,15 @@ def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
         return (fast_path if fast else reference) if choice.value == "auto" else choice.value
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    optim_impl = "triton" if fast and triton_available() else "torch"
+    param_dtype = dtypes[pick(cfg.train.param_dtype, "bf16", "fp32")]
     return Resolved(
         attention=pick(cfg.drafter.attention, "flex", "eager"),
         compile=bool(cfg.drafter.compile) and fast,
         loss_impl=pick(cfg.loss.impl, "triton", "torch"),
-        optim_impl="triton" if fast and triton_available() else "torch",
-        param_dtype=dtypes[pick(cfg.train.param_dtype, "bf16", "fp32")],
+        optim_impl=optim_impl,
+        compact_masters=(bool(cfg.optim.compact_masters) and optim_impl == "triton"
+                         and param_dtype == torch.bfloat16),
+        param_dtype=param_dtype,
         target_dtype=target_dtype(cfg.target.dtype, device),
         pin_memory=fast)

@@ -50,9 +50,11 @@ class TrainingModule(nn.Module):
         self.chunk_size = loss_cfg.chunk_size
 
     def register_for_zero3(self) -> None:
-        """ZeRO-3: gather lm_head.weight during this module's forward (used outside lm_head)."""
+        """ZeRO-3: gather, during this module's forward, the weights used outside their own
+        module's forward (`Eagle3Drafter.direct_weights`: lm_head, down_proj)."""
         from deepspeed.runtime.zero import register_external_parameter
-        register_external_parameter(self, self.drafter.lm_head.weight)
+        for weight in self.drafter.direct_weights():
+            register_external_parameter(self, weight)
         # ZeRO-3 gathers partitioned parameters in module hooks, which compiled graphs bypass
         self.drafter.compile_layer = False
 

@@ -36,13 +36,14 @@ from eyas.data.read_checks import contract_mismatch
 from eyas.data.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
+from eyas.models.fp8 import convert_drafter_to_float8
 from eyas.models.context import context_scalars, context_table
 from eyas.models.metrics import summarize
 from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
 from eyas.train.trackers import init_trackers
 from eyas.train.config import (ConfigError, DataConfig, DistBackend, DrafterConfig, EyasConfig,
-                               ExportSelect, LossConfig, OptimConfig, TargetConfig)
+                               ExportSelect, FP8Recipe, LossConfig, OptimConfig, TargetConfig)
 from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
@@ -185,16 +186,17 @@ def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: Data
     else:
         drafter.set_vocab_map(d2t, t2d)
     drafter.to(resolved.param_dtype)
+    convert_drafter_to_float8(drafter, FP8Recipe(drafter_cfg.fp8).value)
     head_rows = head[torch.arange(d2t.numel()) + d2t].to(resolved.param_dtype).contiguous()
     module = TrainingModule(drafter, head_rows, loss_cfg, loss_impl=resolved.loss_impl)
     return Model(module, config, d2t, t2d)
 
 
 def build_optimizer(module: nn.Module, optim_cfg: OptimConfig, total_steps: int, *,
-                    master_weights: bool, impl: str):
+                    master_weights: bool, impl: str, compact: bool = False):
     """(optimizer, LR schedule): fp32 master weights over bf16 parameters off DeepSpeed."""
     optimizer = make_optimizer(module.parameters(), optim_cfg, master_weights=master_weights,
-                               impl=impl)
+                               impl=impl, compact=compact)
     return optimizer, build_scheduler(optimizer, optim_cfg, total_steps)
 
 
@@ -219,6 +221,7 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
     model.module.to(accelerator.device)   # the fp32 master copies live where the parameters do
     optimizer, scheduler = build_optimizer(
         model.module, cfg.optim, total, impl=resolved.optim_impl,
+        compact=resolved.compact_masters,
         master_weights=not deepspeed and resolved.param_dtype != torch.float32)
     module, optimizer = accelerator.prepare(model.module, optimizer)
     accelerator.register_for_checkpointing(scheduler)

@@ -167,3 +167,73 @@ def test_kernel_skip_must_be_a_scalar():
                       [torch.zeros_like(p, dtype=torch.float32) for p in params],
                       [torch.zeros((), device=DEV) for _ in params], lr=1e-2, beta1=0.9,
                       beta2=0.95, eps=1e-8, weight_decay=0.0, skip=torch.zeros(2, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------ compact (int16) masters
+def _awkward_fp32(n=4096, seed=0):
+    """fp32 values of every sign and scale, plus exact bf16 ties (low 16 bits = 0x8000)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g).float())
+    ties = (x[:64].view(torch.int32) & ~0xFFFF) | 0x8000
+    x[:64] = ties.view(torch.float32)
+    x[64:68] = torch.tensor([0.0, -0.0, 1.0, -3.5])
+    return x
+
+
+def test_split_and_join_are_exact_and_round_to_nearest():
+    from eyas.kernels.adamw import join_master, split_master
+    x = _awkward_fp32()
+    hi, lo = split_master(x)
+    assert hi.dtype == torch.bfloat16 and lo.dtype == torch.int16
+    assert torch.equal(join_master(hi, lo).view(torch.int32), x.view(torch.int32))
+    tie = (x.view(torch.int32) & 0xFFFF) == 0x8000
+    assert tie[:64].all() and not tie[64:].any()
+    assert torch.equal(hi[~tie], x[~tie].bfloat16())            # round to nearest off the ties
+    away = hi[tie].float().abs() > x[tie].abs()                 # ties: away from zero
+    assert away.all()
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_compact_masters_follow_the_fp32_trajectory_bitwise(wd):
+    from eyas.kernels.adamw import join_master
+    a, b = _params(), _params()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=wd, impl="triton")
+    full, compact = MasterAdamW(a, **kw), MasterAdamW(b, compact=True, **kw)
+    assert all(m.dtype == torch.int16 for m in compact.masters[0])
+    for step in range(4):
+        _set_grads(a, step)
+        _set_grads(b, step)
+        full.step()
+        compact.step()
+    for pa, pb, ma, lo, key in zip(a, b, full.masters[0], compact.masters[0], compact.masters[0]):
+        assert torch.equal(join_master(pb, lo).view(torch.int32), ma.view(torch.int32))
+        sa, sb = full.inner.state[ma], compact.inner.state[key]
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"])
+        assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]) and torch.equal(sa["step"], sb["step"])
+        # the parameter is the master rounded to nearest (ties away from zero)
+        diff = (pb.detach().float() - ma).abs() > (pa.detach().float() - ma).abs()
+        assert not diff.any()
+
+
+def test_compact_checkpoints_hold_fp32_masters_and_load_either_way():
+    a = _params()
+    opt = MasterAdamW(a, lr=1e-2, impl="triton", compact=True)
+    for step in range(2):
+        _set_grads(a, step)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    assert all(m.dtype == torch.float32 for m in saved["masters"][0])
+    b, c = _params(seed=5), _params(seed=6)
+    into_full = MasterAdamW(b, lr=1e-2, impl="triton")
+    into_compact = MasterAdamW(c, lr=1e-2, impl="triton", compact=True)
+    into_full.load_state_dict(copy.deepcopy(saved))
+    into_compact.load_state_dict(copy.deepcopy(saved))
+    for o, ps in ((opt, a), (into_full, b), (into_compact, c)):
+        _set_grads(ps, 7)
+        o.step()
+    for x, y, z in zip(opt.master_weights()[0], into_full.master_weights()[0],
+                       into_compact.master_weights()[0]):
+        assert torch.equal(x, y) and torch.equal(x, z)
+    assert all(torch.equal(p, q) for p, q in zip(a, c))
+    with pytest.raises(ValueError, match="compact=True.*optim.compact_masters=false"):
+        MasterAdamW(_params(), lr=1e-3, impl="torch", compact=True)

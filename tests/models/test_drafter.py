@@ -162,3 +162,25 @@ def test_vocab_map_and_lm_head_init():
     assert not drafter.embed_tokens.weight.requires_grad
     with pytest.raises(ValueError, match="vocab_size, hidden_size"):
         drafter.load_target_embedding(torch.randn(49152, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_swiglu_down_recomputes_the_product_with_the_same_values_and_gradients(dtype):
+    from eyas.models.drafter import MLP
+    torch.manual_seed(0)
+    mlp = MLP(16, 48).to(dtype)
+    x = torch.randn(10, 16, dtype=dtype, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        y = mlp(x)
+    # gate and up [10, 48] are kept for the backward, the product silu(gate)·up is not
+    assert sum(1 for s in saved if tuple(s) == (10, 48)) == 2
+    y_ref = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert torch.equal(y, y_ref)
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, [x, *mlp.parameters()], dy)
+    want = torch.autograd.grad(y_ref, [x, *mlp.parameters()], dy)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)

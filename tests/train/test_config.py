@@ -184,9 +184,13 @@ def test_resolve_decides_every_auto_by_one_device_rule():
     assert (cuda.attention, cuda.compile, cuda.loss_impl, cuda.param_dtype, cuda.target_dtype,
             cuda.pin_memory) == ("flex", True, "triton", torch.bfloat16, torch.bfloat16, True)
     assert cuda.optim_impl == ("triton" if triton_available() else "torch")
+    assert not cpu.compact_masters and cuda.compact_masters == (cuda.optim_impl == "triton")
+    assert not resolve(load(_compose(["optim.compact_masters=false", "output_dir=unused"])),
+                       "cuda").compact_masters
     explicit = load(_compose(["drafter.attention=eager", "loss.impl=torch", "drafter.compile=false",
                               "train.param_dtype=fp32", "target.dtype=float32", "output_dir=unused"]))
     pinned = resolve(explicit, "cuda")
+    assert not pinned.compact_masters                        # fp32 parameters have no bf16 half
     assert (pinned.attention, pinned.compile, pinned.loss_impl, pinned.param_dtype,
             pinned.target_dtype) == ("eager", False, "torch", torch.float32, torch.float32)
     assert resolve(load(_compose(["target.dtype=bf16", "output_dir=unused"])), "cpu").target_dtype == torch.bfloat16

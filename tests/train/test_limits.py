@@ -24,7 +24,7 @@ def _config(K):
 
 def _resolved(attention="eager", loss="torch"):
     return Resolved(attention=attention, compile=False, loss_impl=loss, optim_impl="torch",
-                    param_dtype=torch.float32, target_dtype=torch.float32, pin_memory=False)
+                    compact_masters=False, param_dtype=torch.float32, target_dtype=torch.float32, pin_memory=False)
 
 
 def test_estimate_is_linear_in_k_and_quadratic_with_eager_attention():

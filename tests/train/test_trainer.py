@@ -294,3 +294,24 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
         "eval.max_new_tokens=4")
     tau = _strict_json(r_dir / "summary.json")["speculative"]["tau"]
     assert _scalars(r_dir)["speculative/tau"] == [pytest.approx(tau)]
+
+
+@pytest.mark.parametrize("option", ["drafter.fp8=tensorwise"])
+def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_dataset, option):
+    if "fp8" in option:
+        pytest.importorskip("torchao.float8")
+    common = ["target=tiny_llama", "train.deterministic=true", "train.eval_every=0", option]
+    run(tmp_path / "a", tiny_llama_dataset, *common, "train.max_steps=6")
+    b = tmp_path / "b"
+    run(b, tiny_llama_dataset, *common, "train.max_steps=3", "train.save_every=1",
+        "export.enabled=false")
+    r = run(b, tiny_llama_dataset, *common, "train.max_steps=6", "train.save_every=1",
+            "train.resume=latest")
+    assert "resum" in (r.stdout + r.stderr).lower()
+    ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
+    assert ta.keys() == tb.keys() and len(ta) > 5
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), f"{name} differs after resume ({option})"
+    if "fp8" in option:   # the FP8 run really ran float8 linears, and exported plain weights
+        assert "FP8 training (tensorwise): fc, midlayer.self_attn.q_proj" in \
+            (tmp_path / "a" / "train.log").read_text()

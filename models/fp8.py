@@ -1,0 +1,66 @@
+"""FP8 training of the drafter's linear layers through torchao's float8 training.
+
+    convert_drafter_to_float8(drafter, "tensorwise")
+
+swaps fc, the q/k/v/o projections and the gate/up/down projections for torchao's
+`Float8Linear`: the forward GEMM runs in e4m3 and the two backward GEMMs in e4m3/e5m2 with
+dynamic scales (one per tensor for "tensorwise", one per row for "rowwise"). Parameters stay
+in their dtype (bf16) under their own names, so checkpoints, the optimizer and the export are
+unchanged; only the GEMM inputs are cast, inside the step's compiled graphs when
+`drafter.compile` is on. The lm_head stays as it is: the fused loss applies it (its GEMMs run
+in bf16 with fp32 accumulation, the fused-loss tolerance).
+
+torchao is the library choice here (`pip install 'eyas[fp8]'`): its casts fuse into the
+compiled graphs around cuBLAS' FP8 GEMMs, and its recipes are the ones large trainings use.
+On the H200 "tensorwise" is the fast recipe at the drafter's shapes; "rowwise" keeps more
+precision per row at a cost there. On a CPU the same code runs through torch's FP8 emulation
+(tests only: it is not faster there).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+RECIPES = ("off", "tensorwise", "rowwise")
+#: the drafter's linear layers that train in FP8 (module names in `Eagle3Drafter`)
+FP8_LAYERS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_layer(name: str) -> bool:
+    """Whether the module at dotted path `name` trains in FP8 (everything but the lm_head)."""
+    return name.rsplit(".", 1)[-1] in FP8_LAYERS
+
+
+def convert_drafter_to_float8(drafter: nn.Module, recipe: str) -> list[str]:
+    """Swap the drafter's linear layers (`FP8_LAYERS`) for float8 training linears in place.
+
+    recipe: "tensorwise" or "rowwise" (torchao's recipe names; "off" does nothing). Returns the
+    converted module names. Every converted layer needs both dimensions divisible by 16 (the
+    FP8 GEMM's alignment); the error names the layer and its shape otherwise."""
+    if recipe not in RECIPES:
+        raise ValueError(f"drafter.fp8={recipe!r}; choose one of {RECIPES}")
+    if recipe == "off":
+        return []
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise ImportError(f"drafter.fp8={recipe} needs torchao (pip install 'eyas[fp8]' or "
+                          f"pip install torchao); or train with drafter.fp8=off") from e
+    names = []
+    for name, module in drafter.named_modules():
+        if isinstance(module, nn.Linear) and fp8_layer(name):
+            out_f, in_f = module.weight.shape
+            if in_f % 16 or out_f % 16:
+                raise ValueError(f"drafter.fp8={recipe}: layer {name} has weight [{out_f}, "
+                                 f"{in_f}]; FP8 GEMMs need both dimensions divisible by 16 "
+                                 f"(change the drafter shape or set drafter.fp8=off)")
+            names.append(name)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(drafter, config=config,
+                               module_filter_fn=lambda module, name: fp8_layer(name))
+    log.info("FP8 training (%s): %s", recipe, ", ".join(names))
+    return names
