@@ -105,23 +105,35 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if type(self.down_proj) is nn.Linear:        # plain bf16/fp32 weights
-            return SwiGLUDown.apply(gate, up, self.down_proj.weight)
-        return self.down_proj(F.silu(gate) * up)     # e.g. a float8 training linear
+        if type(self.down_proj) is not nn.Linear:    # e.g. a float8 training linear
+            return self.down_proj(F.silu(gate) * up)
+        if torch.compiler.is_compiling():
+            # compiled, a checkpointed region is recomputed in the backward only as far as the
+            # backward needs it: silu(gate)·up, not the GEMM. (SwiGLUDown's own recompute would
+            # be merged with the forward's product, which would then be kept.)
+            return torch.utils.checkpoint.checkpoint(swiglu_down, gate, up,
+                                                     self.down_proj.weight, use_reentrant=False)
+        return SwiGLUDown.apply(gate, up, self.down_proj.weight)
+
+
+def swiglu_down(gate: Tensor, up: Tensor, weight: Tensor) -> Tensor:
+    """down(silu(gate) · up) with the down projection's weight [H, I]."""
+    return F.linear(F.silu(gate) * up, weight)
 
 
 class SwiGLUDown(torch.autograd.Function):
-    """down(silu(gate) · up) that keeps gate and up for the backward, not the product too.
+    """down(silu(gate) · up) that keeps gate and up for the backward, not the product too
+    (the eager path; compiled steps get the same from a checkpointed region, `MLP.forward`).
 
-    The product a = silu(gate)·up [T, I] is the down projection's input; autograd (compiled or
-    not) would keep it beside gate and up for the weight gradient. Here the backward recomputes
-    it from gate and up (element-wise, fused into the gradient kernel when compiled): one [T, I]
-    tensor less per TTT step, at no GEMM cost. Same values as the unfused expression."""
+    The product a = silu(gate)·up [T, I] is the down projection's input; autograd would keep
+    it beside gate and up for the weight gradient. Here the backward recomputes it from gate
+    and up (element-wise): one [T, I] tensor less per TTT step, at no GEMM cost. Same values
+    as the unfused expression."""
 
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor, weight: Tensor) -> Tensor:
         ctx.save_for_backward(gate, up, weight)
-        return F.linear(F.silu(gate) * up, weight)
+        return swiglu_down(gate, up, weight)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
