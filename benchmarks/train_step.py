@@ -61,7 +61,8 @@ from eyas.models.objective import metric_rows
 from eyas.data.targets import load_target_config, text_config
 from eyas.train.config import LossConfig, OptimConfig, Schedule
 from eyas.train.optim import MasterAdamW, build_scheduler
-from eyas.train.step import TrainingModule, batch_inputs
+from eyas.models.ttt import embedding_ids
+from eyas.train.step import TrainingModule, batch_inputs, send
 from eyas.train.tracking import flops_per_token
 from eyas.train.update import poisoned
 
@@ -77,6 +78,7 @@ class Case(NamedTuple):
     norm_sync: bool = True      # float(grad norm) on the host; False: a device skip flag
     fp8: str = "off"            # drafter.fp8 (models.fp8): torchao float8 linears
     compact: bool = False       # optim.compact_masters: masters as bf16 param + int16 low bits
+    host_embed: bool = False    # drafter.host_embedding: rows looked up on the host per step
 
 
 CASES = {
@@ -88,11 +90,12 @@ CASES = {
     "rows": Case(True, "triton", True, False, True),
     "rows+ckpt": Case(True, "triton", True, True, True),
     "async-fp32m": Case(True, "triton", False, False, True, norm_sync=False),
-    "async": Case(True, "triton", False, False, True, norm_sync=False, compact=True),
+    "async": Case(True, "triton", False, False, True, norm_sync=False, compact=True,
+                  host_embed=True),
     "fp8": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
-                compact=True),
+                compact=True, host_embed=True),
     "fp8-rowwise": Case(True, "triton", False, False, True, norm_sync=False, fp8="rowwise",
-                        compact=True),
+                        compact=True, host_embed=True),
 }
 
 
@@ -145,8 +148,9 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd].sort().values
     drafter.set_vocab_map(ids - torch.arange(Vd))
     head_rows = (torch.randn(Vd, tH, device=device) * 4 * tH ** -0.5).to(dtype)
-    module = TrainingModule(drafter, head_rows, LossConfig(),   # 0.8 step weight, valid rows
-                            loss_impl="triton" if on_cuda else "torch", ttt_steps=K)
+    module = TrainingModule(drafter.cpu() if c.host_embed else drafter, head_rows, LossConfig(),
+                            loss_impl="triton" if on_cuda else "torch", ttt_steps=K,
+                            host_embedding=c.host_embed).to(device)   # 0.8 step weight, valid rows
     params = [p for p in module.parameters() if p.requires_grad]
     opt = MasterAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                       impl=c.impl if on_cuda else "torch", compact=c.compact and on_cuda)
@@ -156,12 +160,19 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
 
 # ------------------------------------------------------------------------------ the step
 def train_step(module, opt, sched, batch: Batch, case: Case, events=None,
-               rows=None) -> float | torch.Tensor:
+               rows=None, host_ids=None) -> float | torch.Tensor:
     """One optimizer step as train/trainer.py runs it (grad_accum 1, DDP path), with the host
-    syncs `case` asks for. Returns the gradient norm (a device tensor without norm_sync)."""
+    syncs `case` asks for; with `host_ids` (the batch's ids on the host) the embedding rows are
+    looked up in the module's host table and sent, as train.step.to_device does. Returns the
+    gradient norm (a device tensor without norm_sync)."""
     rec = (lambda i: events[i].record()) if events else (lambda i: None)
     rec(0)
-    res = module(**batch_inputs(batch, rows))
+    embeds = None
+    if host_ids is not None:
+        table = module.host_embedding
+        embeds = send(table.index_select(0, embedding_ids(host_ids, module.ttt_steps)),
+                      batch.input_ids.device)
+    res = module(**batch_inputs(batch, rows, embeds))
     loss = res.loss
     if case.nan_sync and (~torch.isfinite(loss)).item():   # the old per-micro-batch check
         raise RuntimeError("non-finite loss in the benchmark")
@@ -210,9 +221,11 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
             else None for b in batches]
     on_cuda = device.type == "cuda"
 
+    host_ids = [b.input_ids.cpu() if CASES[case].host_embed else None for b in batches]
+
     def step(i, events=None):
         return train_step(module, opt, sched, batches[i % 2], CASES[case], events,
-                          rows=rows[i % 2])
+                          rows=rows[i % 2], host_ids=host_ids[i % 2])
 
     t0 = time.perf_counter()
     first = None

@@ -47,7 +47,7 @@ from eyas.data.vocab_map import VocabMap
 from eyas.models.attention import ATTENTION_KINDS, TTTAttention
 from eyas.models.config import Eagle3Config
 from eyas.models.rope import apply_rope, rope_inv_freq, rope_parameters  # noqa: F401 (re-export)
-from eyas.models.ttt import step_positions, step_tokens, structural_valid
+from eyas.models.ttt import embedding_ids, step_positions, structural_valid
 
 log = logging.getLogger(__name__)
 
@@ -268,13 +268,16 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ TTT unroll
     def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,
-                ttt_steps: int | None = None, *, return_prenorm: bool = False) -> DrafterOutput:
+                ttt_steps: int | None = None, *, return_prenorm: bool = False,
+                embeds: Tensor | None = None) -> DrafterOutput:
         """Run K = ttt_steps (default config.ttt_steps) draft steps over a packed batch.
 
         input_ids [T] int64, aux [T, 3·tH], doc_ids [T] int (-1 = padding), positions [T] int64.
         Row t at step k uses aux[t] (step 0) or the step k-1 pre-norm output (k >= 1), token
         input_ids[t+1+k] and position positions[t]+k (models.ttt). Returns hidden [K, T, H]
-        (normed), optionally prenorm [K, T, H], and valid [K, T].
+        (normed), optionally prenorm [K, T, H], and valid [K, T]. embeds [T+K, H] (optional):
+        the embedding rows of `models.ttt.embedding_ids(input_ids, K)`, looked up by the caller
+        (e.g. on the host, `train.step.TrainingModule`); by default `embed_tokens` looks them up.
         """
         K = int(ttt_steps if ttt_steps is not None else self.config.ttt_steps)
         T = input_ids.shape[0]
@@ -296,11 +299,16 @@ class Eagle3Drafter(nn.Module):
         pre = compiled(attention_inputs) if fused else attention_inputs
         post = compiled(layer_output) if fused else layer_output
         g = self.fc(self._fc_input(aux).to(self.fc.weight.dtype))          # [T, H]
+        # one lookup for all steps: step k reads rows 1+k .. k+T (its tokens input_ids[t+1+k])
+        table = (self._embed(embedding_ids(input_ids, K)) if embeds is None else embeds)
+        if table.shape != (T + K, self.config.hidden_size):
+            raise ValueError(f"embeds has shape {tuple(table.shape)}, expected ({T + K}, "
+                             f"{self.config.hidden_size}) = [T + ttt_steps, hidden_size]")
+        table = table.to(g.dtype)
         hidden, prenorm = [], []
         for k in range(K):
-            embeds = self.embed_tokens(step_tokens(input_ids, k)).to(g.dtype)   # [T, H]
-            q, kk, v = pre(self.midlayer, embeds, g, step_positions(positions, k), inv_freq,
-                           rope_factor)
+            q, kk, v = pre(self.midlayer, table[1 + k:1 + k + T], g, step_positions(positions, k),
+                           inv_freq, rope_factor)
             out = attn(q, kk, v)                                            # [nh, T, d]
             if self.checkpoint_mlp and torch.is_grad_enabled():
                 p, normed = self._checkpointed_output(out, g, fused)
@@ -312,6 +320,12 @@ class Eagle3Drafter(nn.Module):
         return DrafterOutput(hidden=torch.stack(hidden),
                              prenorm=torch.stack(prenorm) if return_prenorm else None,
                              valid=valid)
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        if self.embed_tokens is None:
+            raise ValueError("this drafter's embedding is held outside it (TrainingModule's "
+                             "host_embedding): pass its rows as forward(..., embeds=...)")
+        return self.embed_tokens(ids)
 
     def _fc_input(self, aux: Tensor) -> Tensor:
         """aux [T, 3·tH] through the EAGLE-3.1 norms that are on (input_norm over the whole row,

@@ -17,6 +17,7 @@ from torch.profiler import record_function
 from eyas import kernels
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.objective import metric_mask, metric_rows, row_weights
+from eyas.models.ttt import embedding_ids
 from eyas.train.config import Normalisation
 
 
@@ -33,12 +34,20 @@ class TrainingModule(nn.Module):
 
     loss_cfg: the `loss` group (`train.config.LossConfig`); loss_impl: "triton" or "torch" (as
     `train.resolve.resolve` decides it); ttt_steps: the unroll depth, by default the drafter's
-    own (`Eagle3Config.ttt_steps`, its one holder in training).
+    own (`Eagle3Config.ttt_steps`, its one holder in training). host_embedding
+    (`drafter.host_embedding`): take the frozen embedding table out of the drafter and keep it
+    where it is now (host memory): `to_device` looks up each batch's rows there and sends them
+    with the batch. The table is then no parameter or buffer, so moving the module, DDP,
+    DeepSpeed and checkpoints leave it alone (~1 GiB of GPU memory at Llama-8B, 2.2 at Kimi).
     """
 
     def __init__(self, drafter: Eagle3Drafter, target_head_rows: Tensor, loss_cfg, *,
-                 loss_impl: str, ttt_steps: int | None = None):
+                 loss_impl: str, ttt_steps: int | None = None, host_embedding: bool = False):
         super().__init__()
+        self.host_embedding: Tensor | None = None
+        if host_embedding:
+            self.host_embedding = drafter.embed_tokens.weight.detach()
+            drafter.embed_tokens = None
         self.drafter = drafter
         # [Vd, tH] target lm_head rows i + d2t[i]: the teacher over the draft vocabulary.
         self.register_buffer("target_head_rows", target_head_rows, persistent=False)
@@ -80,13 +89,15 @@ class TrainingModule(nn.Module):
     def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,
                 loss_mask: Tensor, target_argmax: Tensor, last: Tensor | None = None,
                 topk_ids: Tensor | None = None, topk_logits: Tensor | None = None,
-                rows: Tensor | None = None) -> StepOutput:
+                rows: Tensor | None = None, embeds: Tensor | None = None) -> StepOutput:
         """One TTT unroll and its loss. ``rows`` (`models.objective.metric_rows`, optional):
-        the only rows whose lm_head GEMMs run; draft_argmax is −1 on the others."""
+        the only rows whose lm_head GEMMs run; draft_argmax is −1 on the others. ``embeds``:
+        the batch's embedding rows (`to_device`; required with host_embedding)."""
         d = self.drafter
         # (the record_function names group GPU kernels in a profile: benchmarks/train_step.py)
         with record_function("eyas.drafter"):
-            out = d(input_ids, aux, doc_ids, positions, self.ttt_steps)      # hidden [K, T, H]
+            out = d(input_ids, aux, doc_ids, positions, self.ttt_steps,
+                    embeds=embeds)                                            # hidden [K, T, H]
         w = row_weights(out.valid, loss_mask, target_argmax, d.t2d,
                         step_weight=self.step_weight, normalisation=self.normalisation,
                         position_mask=self.position_mask)                     # [K, T] fp32
@@ -98,26 +109,34 @@ class TrainingModule(nn.Module):
                           metric_mask=metric_mask(out.valid, loss_mask))
 
 
-def batch_inputs(batch, rows: Tensor | None = None) -> dict:
+def batch_inputs(batch, rows: Tensor | None = None, embeds: Tensor | None = None) -> dict:
     """The keyword arguments of TrainingModule.forward from a data.loader.Batch."""
     return dict(input_ids=batch.input_ids, aux=batch.aux, doc_ids=batch.doc_ids,
                 positions=batch.positions, loss_mask=batch.loss_mask,
                 target_argmax=batch.target_argmax, last=batch.last, topk_ids=batch.topk_ids,
-                topk_logits=batch.topk_logits, rows=rows)
+                topk_logits=batch.topk_logits, rows=rows, embeds=embeds)
 
 
-def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool) -> tuple[Any, dict]:
+def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool,
+              host_embedding: Tensor | None = None) -> tuple[Any, dict]:
     """(batch on ``device``, TrainingModule.forward kwargs) for a host batch. With
     ``skip_masked_rows`` the loss rows are listed here, on the host, so the loss skips masked
-    rows without a device sync."""
-    rows = None
+    rows without a device sync; with ``host_embedding`` (TrainingModule.host_embedding) the
+    batch's embedding rows are looked up here and travel with it."""
+    rows = embeds = None
     if skip_masked_rows:
-        rows = metric_rows(batch.doc_ids, batch.loss_mask, ttt_steps)
-        if torch.device(device).type == "cuda":
-            # a copy from pageable memory would block the host until the GPU drains the stream
-            rows = rows.pin_memory().to(device, non_blocking=True)
-        else:
-            rows = rows.to(device)
+        rows = send(metric_rows(batch.doc_ids, batch.loss_mask, ttt_steps), device)
+    if host_embedding is not None:
+        ids = embedding_ids(batch.input_ids, ttt_steps).to(host_embedding.device)
+        embeds = send(host_embedding.index_select(0, ids), device)
     batch = batch.to(device)
-    return batch, batch_inputs(batch, rows)
+    return batch, batch_inputs(batch, rows, embeds)
+
+
+def send(x: Tensor, device) -> Tensor:
+    """A host tensor on ``device`` without blocking the host."""
+    if torch.device(device).type == "cuda":
+        # a copy from pageable memory would block the host until the GPU drains the stream
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 

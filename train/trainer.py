@@ -188,7 +188,8 @@ def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: Data
     drafter.to(resolved.param_dtype)
     convert_drafter_to_float8(drafter, FP8Recipe(drafter_cfg.fp8).value)
     head_rows = head[torch.arange(d2t.numel()) + d2t].to(resolved.param_dtype).contiguous()
-    module = TrainingModule(drafter, head_rows, loss_cfg, loss_impl=resolved.loss_impl)
+    module = TrainingModule(drafter, head_rows, loss_cfg, loss_impl=resolved.loss_impl,
+                            host_embedding=bool(drafter_cfg.host_embedding))
     return Model(module, config, d2t, t2d)
 
 
@@ -309,7 +310,8 @@ def train_step(t: Trainer, batches: Iterator[Batch], window: MetricsWindow,
         t_wait = time.perf_counter()
         batch = next(batches)
         window.wait += time.perf_counter() - t_wait
-        batch, inputs = to_device(batch, acc.device, K, skip_rows)
+        batch, inputs = to_device(batch, acc.device, K, skip_rows,
+                                  t.model.module.host_embedding)
         with acc.accumulate(t.module):
             res = t.module(**inputs)
             # off DeepSpeed a NaN/inf micro-batch drops its whole optimizer step (train.update)
@@ -351,7 +353,8 @@ def evaluate(t: Trainer) -> dict[str, Any]:
     losses: list[Tensor] = []
 
     def forward(batch):
-        batch, inputs = to_device(batch, t.accelerator.device, K, skip_rows)
+        batch, inputs = to_device(batch, t.accelerator.device, K, skip_rows,
+                                  t.model.module.host_embedding)
         res = t.module(**inputs)
         losses.append(res.loss.detach().float())
         return batch, res.draft_argmax, res.metric_mask
