@@ -27,8 +27,10 @@ step before compile/fusion), compile (torch.compile of each step's element-wise 
 host as the trainer does with loss.skip_masked_rows: masked rows skip the lm_head GEMMs),
 rows+ckpt (both), async (rows with no host sync inside the step: the norm stays on the device
 and a skip flag goes to the optimizer, as train.update.micro_step does, and compact masters:
-the trainer's default), async-fp32m (async with full fp32 master copies), fp8 / fp8-rowwise
-(async with drafter.fp8=tensorwise / rowwise: torchao float8 linears).
+the trainer's default), async-fp32m (async with full fp32 master copies), async-host (async
+with drafter.host_embedding: the embedding rows gathered on the host and sent each step),
+fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears),
+fp8-host (fp8 with the host embedding).
 
 The real trainer end to end (accelerate + DeepSpeed ZeRO-2 on shards on disk): see
 benchmarks/train_e2e.py (`python benchmarks/train_step.py --trainer ...` forwards to it).
@@ -90,12 +92,15 @@ CASES = {
     "rows": Case(True, "triton", True, False, True),
     "rows+ckpt": Case(True, "triton", True, True, True),
     "async-fp32m": Case(True, "triton", False, False, True, norm_sync=False),
-    "async": Case(True, "triton", False, False, True, norm_sync=False, compact=True,
-                  host_embed=True),
+    "async": Case(True, "triton", False, False, True, norm_sync=False, compact=True),
+    "async-host": Case(True, "triton", False, False, True, norm_sync=False, compact=True,
+                       host_embed=True),
     "fp8": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
-                compact=True, host_embed=True),
+                compact=True),
+    "fp8-host": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
+                     compact=True, host_embed=True),
     "fp8-rowwise": Case(True, "triton", False, False, True, norm_sync=False, fp8="rowwise",
-                        compact=True, host_embed=True),
+                        compact=True),
 }
 
 

@@ -102,9 +102,11 @@ class DrafterConfig(DrafterShape):
     """torch.compile the drafter layer on GPU (ignored on CPU)."""
     checkpoint_mlp: bool = False
     """Recompute the MLP in backward: ~2.3 GiB less at the Llama-8B shape, ~13% slower."""
-    host_embedding: bool = True
+    host_embedding: bool = False
     """Keep the frozen target embedding in host memory and send each batch's rows with the
-    batch (train.step.TrainingModule): ~1 GiB less GPU memory at Llama-8B, 2.2 GiB at Kimi."""
+    batch (train.step.TrainingModule): ~1 GiB less GPU memory at Llama-8B, 2.2 GiB at Kimi;
+    the rows are gathered on the training process's host thread (~4% of a Llama-8B step on
+    the H200, benchmarks/README.md)."""
     fp8: FP8Recipe = FP8Recipe.off
     """FP8 GEMMs for the drafter's linear layers (torchao float8 training, `models.fp8`):
     off, tensorwise (fastest on H100/H200) or rowwise. Parameters and the export stay bf16."""

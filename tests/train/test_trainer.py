@@ -296,7 +296,7 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
     assert _scalars(r_dir)["speculative/tau"] == [pytest.approx(tau)]
 
 
-@pytest.mark.parametrize("option", ["drafter.fp8=tensorwise"])
+@pytest.mark.parametrize("option", ["drafter.fp8=tensorwise", "drafter.host_embedding=true"])
 def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_dataset, option):
     if "fp8" in option:
         pytest.importorskip("torchao.float8")
