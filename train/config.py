@@ -10,7 +10,6 @@ for the device (`Resolved`); components take their own group (`cfg.optim`, `cfg.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -22,65 +21,10 @@ from eyas.data.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSetti
 from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
 from eyas.models.config import DrafterShape
 from eyas.models.context import DEFAULT_EDGES, check_edges
+from eyas.train.choices import (TRACKER_PACKAGES, AttentionImpl, DistBackend,  # noqa: F401
+                                ExportSelect, FP8Recipe, LossImpl, Normalisation, ParamDtype,
+                                Schedule, WandbMode)
 from eyas.train.limits import check_data, check_loop, check_optim, check_ttt
-
-
-class AttentionImpl(str, Enum):
-    auto = "auto"
-    flex = "flex"
-    eager = "eager"
-
-
-class FP8Recipe(str, Enum):
-    off = "off"
-    tensorwise = "tensorwise"
-    rowwise = "rowwise"
-
-
-class LossImpl(str, Enum):
-    auto = "auto"
-    triton = "triton"
-    torch = "torch"
-
-
-class Normalisation(str, Enum):
-    valid = "valid"
-    specforge = "specforge"
-
-
-class Schedule(str, Enum):
-    cosine = "cosine"
-    linear = "linear"
-    constant = "constant"
-
-
-class DistBackend(str, Enum):
-    ddp = "ddp"
-    deepspeed = "deepspeed"
-
-
-class ExportSelect(str, Enum):
-    best = "best"
-    last = "last"
-
-
-class ParamDtype(str, Enum):
-    auto = "auto"
-    bf16 = "bf16"
-    fp32 = "fp32"
-
-
-#: accelerate's trackers (`accelerate.utils.LoggerType`) -> the distributions that provide them
-TRACKER_PACKAGES = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX"),
-                    "mlflow": ("mlflow", "mlflow-skinny"), "aim": ("aim",),
-                    "comet_ml": ("comet-ml", "comet_ml"), "clearml": ("clearml",),
-                    "dvclive": ("dvclive",), "swanlab": ("swanlab",), "trackio": ("trackio",)}
-
-
-class WandbMode(str, Enum):
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"
 
 
 @dataclass
