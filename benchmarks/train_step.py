@@ -28,7 +28,8 @@ host as the trainer does with loss.skip_masked_rows: masked rows skip the lm_hea
 rows+ckpt (both), async (rows with no host sync inside the step: the norm stays on the device
 and a skip flag goes to the optimizer, as train.update.micro_step does, and compact masters:
 the trainer's default), async-fp32m (async with full fp32 master copies), async-host (async
-with drafter.host_embedding: the embedding rows gathered on the host and sent each step),
+with drafter.host_embedding: the embedding rows, pinned on the host as the loader's threads
+leave them, sent with each step),
 fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears),
 fp8-host (fp8 with the host embedding).
 
@@ -165,18 +166,14 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
 
 # ------------------------------------------------------------------------------ the step
 def train_step(module, opt, sched, batch: Batch, case: Case, events=None,
-               rows=None, host_ids=None) -> float | torch.Tensor:
+               rows=None, host_embeds=None) -> float | torch.Tensor:
     """One optimizer step as train/trainer.py runs it (grad_accum 1, DDP path), with the host
-    syncs `case` asks for; with `host_ids` (the batch's ids on the host) the embedding rows are
-    looked up in the module's host table and sent, as train.step.to_device does. Returns the
-    gradient norm (a device tensor without norm_sync)."""
+    syncs `case` asks for; `host_embeds` (pinned host rows, as the loader's threads fill them
+    with drafter.host_embedding) are sent with the step, as train.step.to_device does.
+    Returns the gradient norm (a device tensor without norm_sync)."""
     rec = (lambda i: events[i].record()) if events else (lambda i: None)
     rec(0)
-    embeds = None
-    if host_ids is not None:
-        table = module.host_embedding
-        embeds = send(table.index_select(0, embedding_ids(host_ids, module.ttt_steps)),
-                      batch.input_ids.device)
+    embeds = None if host_embeds is None else send(host_embeds, batch.input_ids.device)
     res = module(**batch_inputs(batch, rows, embeds))
     loss = res.loss
     if case.nan_sync and (~torch.isfinite(loss)).item():   # the old per-micro-batch check
@@ -226,11 +223,14 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
             else None for b in batches]
     on_cuda = device.type == "cuda"
 
-    host_ids = [b.input_ids.cpu() if CASES[case].host_embed else None for b in batches]
+    table, host = module.host_embedding, []
+    for b in batches:   # the rows as the loader's threads leave them: pinned host memory
+        e = None if table is None else table.index_select(0, embedding_ids(b.input_ids.cpu(), K))
+        host.append(e.pin_memory() if e is not None and on_cuda else e)
 
     def step(i, events=None):
         return train_step(module, opt, sched, batches[i % 2], CASES[case], events,
-                          rows=rows[i % 2], host_ids=host_ids[i % 2])
+                          rows=rows[i % 2], host_embeds=host[i % 2])
 
     t0 = time.perf_counter()
     first = None

@@ -102,6 +102,7 @@ class Batch:
     topk_ids: torch.Tensor | None = None      # [T, k] int64 compact teacher
     topk_logits: torch.Tensor | None = None   # [T, k] float32
     target_argmax: torch.Tensor | None = None  # [T] int64 (pad: 0)
+    embeds: torch.Tensor | None = None        # [T+K, H] embedding rows (`attach_embedding`)
     num_tokens: int = 0                       # real (non-padding) tokens
 
     def _map(self, fn) -> Batch:
@@ -182,6 +183,16 @@ class PackedLoader:
         self._epoch, self._cursor = 0, 0
         self._plan_cache: tuple[int, list[list[int]], PlanStats] | None = None
         self._warned_epochs: set[int] = set()
+        self._embedding: tuple[torch.Tensor, int] | None = None
+
+    def attach_embedding(self, table: torch.Tensor, ttt_steps: int) -> None:
+        """Also fill `Batch.embeds` [T+K, H]: the rows of `table` (a host [V, H] embedding) for
+        `models.ttt.embedding_ids(input_ids, ttt_steps)`, looked up in the worker threads
+        while the GPU trains (`drafter.host_embedding`)."""
+        if table.device.type != "cpu" or table.dim() != 2:
+            raise ValueError(f"attach_embedding needs a [V, H] host tensor, got "
+                             f"{tuple(table.shape)} on {table.device}")
+        self._embedding = (table, int(ttt_steps))
 
     # ---- plan --------------------------------------------------------------------------
     def global_plan(self, epoch: int | None = None) -> tuple[list[list[int]], PlanStats]:
@@ -250,6 +261,9 @@ class PackedLoader:
             dtype = {"topk_logits": torch.float32, "aux": torch.bfloat16,
                      "last": torch.bfloat16}.get(f, torch.int64)
             specs[f] = (shape, dtype)
+        if self._embedding is not None:
+            table, K = self._embedding
+            specs["embeds"] = ((T + K, table.shape[1]), table.dtype)
         return specs
 
     def build_batch(self, docs: Sequence[int]) -> Batch:
@@ -298,6 +312,11 @@ class PackedLoader:
             getattr(b, name)[pos:end].zero_()
         b.doc_ids[pos:] = -1
         b.num_tokens = pos
+        if self._embedding is not None:
+            table, K = self._embedding
+            # the ids followed by K padding ids: models.ttt.embedding_ids, which the drafter slices
+            ids = torch.cat([b.input_ids, b.input_ids.new_zeros(K)])
+            torch.index_select(table, 0, ids, out=b.embeds)
         return b
 
     def __iter__(self) -> Iterator[Batch]:

@@ -48,9 +48,8 @@ class DrafterConfig(DrafterShape):
     """Recompute the MLP in backward: ~1.6 GiB less at the Llama-8B shape, ~20% slower."""
     host_embedding: bool = False
     """Keep the frozen target embedding in host memory and send each batch's rows with the
-    batch (train.step.TrainingModule): ~1 GiB less GPU memory at Llama-8B, 2.2 GiB at Kimi;
-    the rows are gathered on the training process's host thread (~4% of a Llama-8B step on
-    the H200, benchmarks/README.md)."""
+    batch (train.step.TrainingModule; the loader's threads gather them): ~1 GiB less GPU
+    memory at Llama-8B, 2.2 GiB at Kimi (benchmarks/README.md for its measured cost)."""
     fp8: FP8Recipe = FP8Recipe.off
     """FP8 GEMMs for the drafter's linear layers (torchao float8 training, `models.fp8`):
     off, tensorwise (fastest on H100/H200) or rowwise. Parameters and the export stay bf16."""

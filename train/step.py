@@ -7,7 +7,7 @@ lm_head weight is registered as an external parameter of this module for that re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -121,16 +121,17 @@ def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool,
               host_embedding: Tensor | None = None) -> tuple[Any, dict]:
     """(batch on ``device``, TrainingModule.forward kwargs) for a host batch. With
     ``skip_masked_rows`` the loss rows are listed here, on the host, so the loss skips masked
-    rows without a device sync; with ``host_embedding`` (TrainingModule.host_embedding) the
-    batch's embedding rows are looked up here and travel with it."""
-    rows = embeds = None
+    rows without a device sync. The batch's embedding rows travel with it: ``batch.embeds``
+    when its loader filled them (`PackedLoader.attach_embedding`, in the worker threads),
+    else looked up here in ``host_embedding`` (TrainingModule.host_embedding) if given."""
+    rows = None
     if skip_masked_rows:
         rows = send(metric_rows(batch.doc_ids, batch.loss_mask, ttt_steps), device)
-    if host_embedding is not None:
+    if batch.embeds is None and host_embedding is not None:
         ids = embedding_ids(batch.input_ids, ttt_steps).to(host_embedding.device)
-        embeds = send(host_embedding.index_select(0, ids), device)
+        batch = replace(batch, embeds=host_embedding.index_select(0, ids))
     batch = batch.to(device)
-    return batch, batch_inputs(batch, rows, embeds)
+    return batch, batch_inputs(batch, rows, batch.embeds)
 
 
 def send(x: Tensor, device) -> Tensor:

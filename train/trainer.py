@@ -211,6 +211,10 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
                       pin_memory=resolved.pin_memory)
     model = build_model(cfg.drafter, cfg.loss, cfg.data, cfg.target, data, resolved,
                         accelerator, out)
+    if model.module.host_embedding is not None:    # the loaders' threads look the rows up
+        for loader in (data.train, data.eval):
+            if loader is not None:
+                loader.attach_embedding(model.module.host_embedding, model.config.ttt_steps)
     if (why := ttt_memory_error(model.config, cfg.data.token_budget, resolved,
                                 accelerator.device)) is not None:
         raise ConfigError(why)          # before the first step runs out of memory

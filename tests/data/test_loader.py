@@ -268,3 +268,19 @@ def test_buffer_reuse_never_overwrites_held_batches(tmp_path):
             first_slice, ref = b.aux[:5], b.aux[:5].clone()
     assert len(ptrs) <= 4 < len(loader.plan(0))   # a few slabs cycle, not one per batch
     assert torch.equal(first_slice, ref)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_attached_embedding_fills_each_batchs_rows(tmp_path, workers):
+    from eyas.models.ttt import embedding_ids
+    ds, _ = make_dataset(tmp_path / "ds", [[5, 9, 3], [7, 11]])
+    table = torch.randn(1000, 8).bfloat16()                     # ids are drawn below 1000
+    loader = PackedLoader(ds, 16, 0, 1, seed=0, num_workers=workers)
+    loader.attach_embedding(table, ttt_steps=3)
+    batches = list(loader)
+    assert batches
+    for b in batches:
+        assert b.embeds.shape == (16 + 3, 8) and b.embeds.dtype == torch.bfloat16
+        assert torch.equal(b.embeds, table[embedding_ids(b.input_ids, 3)])
+    with pytest.raises(ValueError, match=r"attach_embedding needs a \[V, H\] host tensor"):
+        loader.attach_embedding(torch.zeros(4), 3)
