@@ -315,3 +315,5 @@ def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_
     if "fp8" in option:   # the FP8 run really ran float8 linears, and exported plain weights
         assert "FP8 training (tensorwise): fc, midlayer.self_attn.q_proj" in \
             (tmp_path / "a" / "train.log").read_text()
+        from eyas.models.serving.validate import validate
+        assert validate(tmp_path / "a" / "export", "tiny-llama") == []
