@@ -7,7 +7,7 @@ lm_head weight is registered as an external parameter of this module for that re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +17,6 @@ from torch.profiler import record_function
 from eyas import kernels
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.objective import metric_mask, metric_rows, row_weights
-from eyas.models.ttt import embedding_ids
 from eyas.train.config import Normalisation
 
 
@@ -36,9 +35,10 @@ class TrainingModule(nn.Module):
     `train.resolve.resolve` decides it); ttt_steps: the unroll depth, by default the drafter's
     own (`Eagle3Config.ttt_steps`, its one holder in training). host_embedding
     (`drafter.host_embedding`): take the frozen embedding table out of the drafter and keep it
-    where it is now (host memory): `to_device` looks up each batch's rows there and sends them
-    with the batch. The table is then no parameter or buffer, so moving the module, DDP,
-    DeepSpeed and checkpoints leave it alone (~1 GiB of GPU memory at Llama-8B, 2.2 at Kimi).
+    where it is now (host memory): the loaders look up each batch's rows there
+    (`PackedLoader.attach_embedding`) and `to_device` sends them with the batch. The table is
+    then no parameter or buffer, so moving the module, DDP, DeepSpeed and checkpoints leave it
+    alone (~1 GiB of GPU memory at Llama-8B, 2.2 at Kimi).
     """
 
     def __init__(self, drafter: Eagle3Drafter, target_head_rows: Tensor, loss_cfg, *,
@@ -117,19 +117,14 @@ def batch_inputs(batch, rows: Tensor | None = None, embeds: Tensor | None = None
                 topk_logits=batch.topk_logits, rows=rows, embeds=embeds)
 
 
-def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool,
-              host_embedding: Tensor | None = None) -> tuple[Any, dict]:
+def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool) -> tuple[Any, dict]:
     """(batch on ``device``, TrainingModule.forward kwargs) for a host batch. With
     ``skip_masked_rows`` the loss rows are listed here, on the host, so the loss skips masked
-    rows without a device sync. The batch's embedding rows travel with it: ``batch.embeds``
-    when its loader filled them (`PackedLoader.attach_embedding`, in the worker threads),
-    else looked up here in ``host_embedding`` (TrainingModule.host_embedding) if given."""
+    rows without a device sync. The batch's embedding rows (``batch.embeds``, filled by its
+    loader's threads with `PackedLoader.attach_embedding`) travel with it."""
     rows = None
     if skip_masked_rows:
         rows = send(metric_rows(batch.doc_ids, batch.loss_mask, ttt_steps), device)
-    if batch.embeds is None and host_embedding is not None:
-        ids = embedding_ids(batch.input_ids, ttt_steps).to(host_embedding.device)
-        batch = replace(batch, embeds=host_embedding.index_select(0, ids))
     batch = batch.to(device)
     return batch, batch_inputs(batch, rows, batch.embeds)
 

@@ -314,8 +314,7 @@ def train_step(t: Trainer, batches: Iterator[Batch], window: MetricsWindow,
         t_wait = time.perf_counter()
         batch = next(batches)
         window.wait += time.perf_counter() - t_wait
-        batch, inputs = to_device(batch, acc.device, K, skip_rows,
-                                  t.model.module.host_embedding)
+        batch, inputs = to_device(batch, acc.device, K, skip_rows)
         with acc.accumulate(t.module):
             res = t.module(**inputs)
             # off DeepSpeed a NaN/inf micro-batch drops its whole optimizer step (train.update)
@@ -357,8 +356,7 @@ def evaluate(t: Trainer) -> dict[str, Any]:
     losses: list[Tensor] = []
 
     def forward(batch):
-        batch, inputs = to_device(batch, t.accelerator.device, K, skip_rows,
-                                  t.model.module.host_embedding)
+        batch, inputs = to_device(batch, t.accelerator.device, K, skip_rows)
         res = t.module(**inputs)
         losses.append(res.loss.detach().float())
         return batch, res.draft_argmax, res.metric_mask

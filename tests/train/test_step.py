@@ -1,6 +1,8 @@
 """train.step: the host-held embedding gives the training forward exactly what the drafter's own
 lookup gives, and stays out of the module's parameters, buffers and checkpoints."""
 
+from dataclasses import replace
+
 import torch
 
 from eyas.data.loader import Batch
@@ -51,8 +53,8 @@ def test_host_embedding_trains_the_same_and_is_not_module_state():
     host.to(torch.float32)
     batch = _batch(cfg)
     _, a_in = to_device(batch, "cpu", 3, skip_masked_rows=True)
-    _, b_in = to_device(batch, "cpu", 3, skip_masked_rows=True,
-                        host_embedding=host.host_embedding)
+    rows = host.host_embedding.index_select(0, embedding_ids(batch.input_ids, 3))
+    _, b_in = to_device(replace(batch, embeds=rows), "cpu", 3, skip_masked_rows=True)
     assert a_in["embeds"] is None and b_in["embeds"].shape == (24 + 3, cfg.hidden_size)
     a, b = plain(**a_in), host(**b_in)
     assert torch.equal(a.loss, b.loss) and torch.equal(a.draft_argmax, b.draft_argmax)
