@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--trainer" in argv:
         argv.remove("--trainer")
-        from benchmarks.train_e2e import main as e2e
+        sys.path.insert(0, str(Path(__file__).resolve().parent))   # run as a script or -m
+        from train_e2e import main as e2e
         return e2e(argv)
     ap = argparse.ArgumentParser(prog="train_step", description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="llama-3.1-8b",

@@ -46,10 +46,11 @@ class DrafterConfig(DrafterShape):
     """torch.compile the drafter layer on GPU (ignored on CPU)."""
     checkpoint_mlp: bool = False
     """Recompute the MLP in backward: ~1.6 GiB less at the Llama-8B shape, ~20% slower."""
-    host_embedding: bool = False
+    host_embedding: Optional[bool] = None
     """Keep the frozen target embedding in host memory and send each batch's rows with the
     batch (train.step.TrainingModule; the loader's threads gather them): ~1 GiB less GPU
-    memory at Llama-8B, 2.2 GiB at Kimi (benchmarks/README.md for its measured cost)."""
+    memory at Llama-8B, 2.2 GiB at Kimi, and no slower (benchmarks/README.md). null = on with
+    CUDA, off elsewhere (the table is in host memory there anyway)."""
     fp8: FP8Recipe = FP8Recipe.off
     """FP8 GEMMs for the drafter's linear layers (torchao float8 training, `models.fp8`):
     off, tensorwise (fastest on H100/H200) or rowwise. Parameters and the export stay bf16."""

@@ -37,6 +37,9 @@ class Resolved:
     """the target in generation and extraction (target.dtype)"""
     pin_memory: bool
     """pinned host batches (copies to the device overlap compute)"""
+    host_embedding: bool = False
+    """the frozen embedding table in host memory, rows sent with each batch
+    (drafter.host_embedding)"""
 
 
 def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
@@ -60,4 +63,6 @@ def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
                          and param_dtype == torch.bfloat16),
         param_dtype=param_dtype,
         target_dtype=target_dtype(cfg.target.dtype, device),
-        pin_memory=fast)
+        pin_memory=fast,
+        host_embedding=(fast if cfg.drafter.host_embedding is None
+                        else bool(cfg.drafter.host_embedding)))

@@ -189,7 +189,7 @@ def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: Data
     convert_drafter_to_float8(drafter, FP8Recipe(drafter_cfg.fp8).value)
     head_rows = head[torch.arange(d2t.numel()) + d2t].to(resolved.param_dtype).contiguous()
     module = TrainingModule(drafter, head_rows, loss_cfg, loss_impl=resolved.loss_impl,
-                            host_embedding=bool(drafter_cfg.host_embedding))
+                            host_embedding=resolved.host_embedding)
     return Model(module, config, d2t, t2d)
 
 

@@ -194,6 +194,11 @@ def test_resolve_decides_every_auto_by_one_device_rule():
     assert (pinned.attention, pinned.compile, pinned.loss_impl, pinned.param_dtype,
             pinned.target_dtype) == ("eager", False, "torch", torch.float32, torch.float32)
     assert resolve(load(_compose(["target.dtype=bf16", "output_dir=unused"])), "cpu").target_dtype == torch.bfloat16
+    # the embedding table leaves the GPU by default; on a CPU it stays in the drafter
+    assert (cpu.host_embedding, cuda.host_embedding) == (False, True)
+    for value, want in (("true", True), ("false", False)):
+        forced = load(_compose([f"drafter.host_embedding={value}", "output_dir=unused"]))
+        assert resolve(forced, "cpu").host_embedding is resolve(forced, "cuda").host_embedding is want
 
 
 def test_tracker_checks_fail_before_any_data(monkeypatch, tmp_path):
