@@ -13,9 +13,11 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -93,17 +95,33 @@ def _train(cfg, resolved, accelerator) -> dict:
         return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
                                        target_dtype=resolved.target_dtype)
 
-    if accelerator.is_main_process:
-        datasets = dataset()
-    accelerator.wait_for_everyone()
-    if not accelerator.is_main_process:
-        datasets = dataset()  # cached by now: only resolves paths
+    stages: dict[str, float] = {}
+    with _timed(stages, "dataset"):
+        if accelerator.is_main_process:
+            datasets = dataset()
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            datasets = dataset()  # cached by now: only resolves paths
     found = {"dataset": str(datasets.train)}
-    found.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
+    with _timed(stages, "train"):
+        found.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
     if accelerator.is_main_process and found.get("export"):
-        found.update(_checks(cfg, found["export"]))
+        found.update(_checks(cfg, found["export"], stages))
         _record_checks(found["export"], found)
+    found["stage_seconds"] = stages
+    log.info("stages: %s", ", ".join(f"{k} {v:.0f} s" for k, v in stages.items()))
     return found
+
+
+@contextlib.contextmanager
+def _timed(stages: dict, name: str):
+    """Adds the wall-clock seconds of the block to stages[name] (summary.json's
+    `stage_seconds`: what each stage of the job cost)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        stages[name] = round(stages.get(name, 0.0) + time.perf_counter() - start, 3)
 
 
 def _record_checks(export: str, found: dict) -> None:
@@ -120,15 +138,17 @@ def _record_checks(export: str, found: dict) -> None:
         record_checks(export, **checks)
 
 
-def _checks(cfg, export: str) -> dict:
+def _checks(cfg, export: str, stages: dict) -> dict:
     """Real speculative decoding, the engines' loaders and (eval.heldout_offline) the offline
     walk on the held-out answers, on the export (rank 0)."""
     from eyas.train import pipeline
     found: dict = {}
-    spec = pipeline.run_speculative_check(cfg.eval, cfg.target.name, export,
-                                          k=cfg.drafter.ttt_steps)
+    with _timed(stages, "speculative"):
+        spec = pipeline.run_speculative_check(cfg.eval, cfg.target.name, export,
+                                              k=cfg.drafter.ttt_steps)
     try:
-        engines = pipeline.run_engine_check(cfg.eval, cfg.target.name, export)
+        with _timed(stages, "engines"):
+            engines = pipeline.run_engine_check(cfg.eval, cfg.target.name, export)
         if engines:
             found["engines"] = engines
     except Exception as e:  # the engines are a check, not part of training
@@ -138,8 +158,9 @@ def _checks(cfg, export: str) -> dict:
         log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
                  "for %d tokens, identical to greedy: %s", spec["tau"],
                  spec["target_forwards"], spec["tokens_generated"], spec["tokens_identical"])
-    off = pipeline.run_heldout_offline(cfg.eval, cfg.data, cfg.target, export,
-                                       k=cfg.drafter.ttt_steps)
+    with _timed(stages, "heldout_offline"):
+        off = pipeline.run_heldout_offline(cfg.eval, cfg.data, cfg.target, export,
+                                           k=cfg.drafter.ttt_steps)
     if off:
         found["heldout_offline"] = off
         log.info("offline decoder walk on the held-out answers: tau %.3f over %d chain starts",

@@ -32,6 +32,22 @@ def test_the_experiment_composes_the_quality_recipe():
         (64, 128, True)
 
 
+def test_the_gpu_default_composes_its_recipe():
+    """What `./launch.sh` with no arguments runs on a GPU machine."""
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        composed = compose(config_name="config", overrides=["+experiment=gpu_default"])
+    composed.output_dir = "unused"
+    cfg = load(composed)
+    assert cfg.target.name == "smollm2"
+    assert (cfg.data.synthetic_prompts, cfg.data.synthetic_opener_words,
+            cfg.data.max_new_tokens, cfg.data.token_budget) == (8000, 2, 192, 16384)
+    assert (cfg.drafter.draft_vocab_size, cfg.drafter.intermediate_size) == (32000, 3072)
+    assert (cfg.optim.lr, cfg.train.epochs) == (3e-3, 10)
+    assert (cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.heldout_offline,
+            cfg.eval.speculative) == (64, 128, True, True)
+
+
 def _job(tmp_path, *extra):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     env.pop("TRITON_INTERPRET", None)
@@ -59,6 +75,10 @@ def test_the_experiment_runs_every_stage_and_continues(tmp_path):
     assert f"held-out offline: tau {off['tau_trajectory']:.3f} " \
         f"(decoder walk on the held-out prompts' own answers)" in lines
     assert spec["num_prompts"] == 2 and spec["tokens_identical"] is True
+    stages = summary["stage_seconds"]   # what each stage cost, also logged on one line
+    assert set(stages) == {"dataset", "train", "speculative", "engines", "heldout_offline"}
+    assert all(stages[k] > 0 for k in ("dataset", "train", "speculative", "heldout_offline"))
+    assert stages["engines"] >= 0 and "stages: dataset " in log
     # 6 shipped + 2 synthetic prompts answered; the held-out answers cached apart
     (conv,) = (tmp_path / "cache" / "datasets").glob("*/conversations.jsonl")
     assert len(conv.read_text().splitlines()) == 8
