@@ -45,7 +45,7 @@ def test_the_gpu_default_composes_its_recipe():
     assert (cfg.drafter.draft_vocab_size, cfg.drafter.intermediate_size) == (32000, 3072)
     assert (cfg.optim.lr, cfg.train.epochs) == (3e-3, 10)
     assert (cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.heldout_offline,
-            cfg.eval.speculative) == (64, 128, True, True)
+            cfg.eval.speculative) == (16, 128, True, True)
 
 
 def _job(tmp_path, *extra):
