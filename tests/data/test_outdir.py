@@ -12,6 +12,8 @@ from eyas.data.prepare import prepare
 from eyas.data.shards import write_manifest, write_shard
 from eyas.train.cli import main
 
+from tests.ports import free_port
+
 
 def _tokens(out, n=3):
     samples = [{"input_ids": torch.arange(4 + i, dtype=torch.int32),
@@ -131,7 +133,7 @@ def test_a_two_rank_extract_is_one_writer(tmp_path, lock_holder):
     env.pop("TRITON_INTERPRET", None)
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu",
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", "29533", "-m", "eyas.data.extract",
+           "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "eyas.data.extract",
            "--tokens", str(tokens), "--target", "tiny-llama", "--out", str(out),
            "--device", "cpu", "--shard-tokens", "8"]
     holder = lock_holder(out)

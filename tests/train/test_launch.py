@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 MAIN = str(ROOT / "train" / "main.py")
@@ -31,7 +33,7 @@ def launch(cwd: Path, port: int, *overrides: str, nproc: int = 2):
 
 def test_two_process_ddp_composes_on_both_ranks(tmp_path):
     run_dir = tmp_path / "run"
-    r = launch(tmp_path, 29517, f"hydra.run.dir={run_dir}")
+    r = launch(tmp_path, free_port(), f"hydra.run.dir={run_dir}")
     assert r.returncode == 0, r.stderr[-4000:]
     records = [json.loads((run_dir / "ranks" / f"rank{i}.json").read_text()) for i in (0, 1)]
     assert [rec["rank"] for rec in records] == [0, 1]
@@ -45,7 +47,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 def test_two_process_launch_agrees_on_rank_0s_run_dir(tmp_path):
     # names to the microsecond: the two ranks compose different ones; rank 0's is the run's
-    r = launch(tmp_path, 29518, "run_name=${now:%Y%m%d-%H%M%S-%f}")
+    r = launch(tmp_path, free_port(), "run_name=${now:%Y%m%d-%H%M%S-%f}")
     assert r.returncode == 0, r.stderr[-4000:]
     dirs = list((tmp_path / "runs").iterdir())
     assert len(dirs) == 1, dirs  # the other rank's empty directory is gone
@@ -55,10 +57,10 @@ def test_two_process_launch_agrees_on_rank_0s_run_dir(tmp_path):
 
 
 def test_two_process_launch_refuses_a_used_run_dir_on_every_rank(tmp_path):
-    assert launch(tmp_path, 29519, "run_name=r").returncode == 0
+    assert launch(tmp_path, free_port(), "run_name=r").returncode == 0
     run_dir = tmp_path / "runs" / "r"
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    r = launch(tmp_path, 29519, "run_name=r")
+    r = launch(tmp_path, free_port(), "run_name=r")
     assert r.returncode != 0
     # every rank refuses (rank 0's verdict, broadcast); rank 0 says so, once
     assert r.stderr.count(f"the run directory {run_dir} is not empty") == 1, r.stderr

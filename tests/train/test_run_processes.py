@@ -14,6 +14,8 @@ import pytest
 
 from eyas.data.lock import lock_path
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "train" / "main.py")
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
@@ -121,7 +123,7 @@ def test_a_reused_run_id_is_refused_and_overwrite_clears_the_old_run(tmp_path,
 def test_kill_9_of_the_launchers_group_leaves_no_rank(tmp_path, tiny_llama_dataset):
     run_dir = tmp_path / "run"
     cmd = [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
            MAIN, *TINY, f"data.dataset={tiny_llama_dataset}", f"hydra.run.dir={run_dir}",
            "train.max_steps=100000", "export.enabled=false"]
     launcher = _start(cmd, tmp_path, _env(CUDA_VISIBLE_DEVICES=""))

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 MAIN = str(ROOT / "train" / "main.py")
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
@@ -36,8 +38,9 @@ def _cmd(nproc: int, port: int):
             str(port), MAIN]
 
 
-def run(run_dir: Path, dataset: Path, *overrides, nproc=1, port=29531, timeout=600, check=True):
-    args = [*_cmd(nproc, port), *SMALL, f"data.dataset={dataset}", f"hydra.run.dir={run_dir}",
+def run(run_dir: Path, dataset: Path, *overrides, nproc=1, port=None, timeout=600,
+        check=True):
+    args = [*_cmd(nproc, port or free_port()), *SMALL, f"data.dataset={dataset}", f"hydra.run.dir={run_dir}",
             *overrides]
     r = subprocess.run(args, cwd=run_dir.parent, env=_env(), capture_output=True, text=True,
                        timeout=timeout)
@@ -73,7 +76,7 @@ def test_single_process_trains_exports_and_prints(tmp_path, smollm2_dataset):
 
 
 def test_two_process_ddp_world_size_and_learning(tmp_path, smollm2_dataset):
-    run(tmp_path / "r", smollm2_dataset, "train.max_steps=12", nproc=2, port=29532)
+    run(tmp_path / "r", smollm2_dataset, "train.max_steps=12", nproc=2)
     rs = ranks(tmp_path / "r")
     assert [x["world_size"] for x in rs] == [2, 2]
     assert {x["distributed_type"] for x in rs} == {"MULTI_CPU"}
@@ -81,7 +84,7 @@ def test_two_process_ddp_world_size_and_learning(tmp_path, smollm2_dataset):
 
 
 def test_two_process_deepspeed_zero2(tmp_path, smollm2_dataset):
-    run(tmp_path / "r", smollm2_dataset, "dist=zero2", "train.max_steps=12", nproc=2, port=29533,
+    run(tmp_path / "r", smollm2_dataset, "dist=zero2", "train.max_steps=12", nproc=2,
         timeout=900)
     rs = ranks(tmp_path / "r")
     assert [x["world_size"] for x in rs] == [2, 2]

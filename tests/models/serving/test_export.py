@@ -23,6 +23,8 @@ from eyas.models.serving.contract import CORE_TENSORS, TensorDir
 from eyas.models.serving.validate import validate
 from eyas.train.cli import main
 
+from tests.ports import free_port
+
 VD = 512
 ROOT = Path(__file__).resolve().parents[3]
 LAYOUT_A = set(CORE_TENSORS) | {"d2t", "t2d"}
@@ -199,7 +201,7 @@ def test_deepspeed_zero3_two_process_checkpoint(tcfg, tmp_path):
     r = subprocess.run(
         [str(Path(sys.executable).parent / "accelerate"), "launch", "--use_deepspeed",
          "--zero_stage", "3", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
          str(ROOT / "tests" / "models" / "serving" / "deepspeed_save_drafter.py"), str(tmp_path), "3"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
