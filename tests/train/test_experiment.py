@@ -16,12 +16,17 @@ from eyas.train.config import load, register
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_experiment_composes_the_quality_recipe():
+def _experiment(name: str):
+    """The checked config of `+experiment=<name>`."""
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        composed = compose(config_name="config", overrides=["+experiment=smollm2_quality"])
+        composed = compose(config_name="config", overrides=[f"+experiment={name}"])
     composed.output_dir = "unused"
-    cfg = load(composed)
+    return load(composed)
+
+
+def test_the_experiment_composes_the_quality_recipe():
+    cfg = _experiment("smollm2_quality")
     assert cfg.target.name == "smollm2" and cfg.run_name == "smollm2-quality"
     assert (cfg.data.synthetic_prompts, cfg.data.max_new_tokens, cfg.data.token_budget) == \
         (30000, 256, 16384)
@@ -34,11 +39,7 @@ def test_the_experiment_composes_the_quality_recipe():
 
 def test_the_gpu_default_composes_its_recipe():
     """What `./launch.sh` with no arguments runs on a GPU machine."""
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        composed = compose(config_name="config", overrides=["+experiment=gpu_default"])
-    composed.output_dir = "unused"
-    cfg = load(composed)
+    cfg = _experiment("gpu_default")
     assert cfg.target.name == "smollm2"
     assert (cfg.data.synthetic_prompts, cfg.data.synthetic_opener_words,
             cfg.data.max_new_tokens, cfg.data.token_budget) == (8000, 2, 192, 16384)
