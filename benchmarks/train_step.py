@@ -26,10 +26,10 @@ step before compile/fusion), compile (torch.compile of each step's element-wise 
 (fused + the MLP of each step recomputed in backward), rows (fused, the loss rows listed on the
 host as the trainer does with loss.skip_masked_rows: masked rows skip the lm_head GEMMs),
 rows+ckpt (both), async (rows with no host sync inside the step: the norm stays on the device
-and a skip flag goes to the optimizer, as train.update.micro_step does, and compact masters:
-the trainer's default), async-fp32m (async with full fp32 master copies), async-host (async
-with drafter.host_embedding: the embedding rows, pinned on the host as the loader's threads
-leave them, sent with each step),
+and a skip flag goes to the optimizer, as train.update.micro_step does, and compact masters;
+the embedding table on the GPU), async-fp32m (async with full fp32 master copies), async-host
+(async with drafter.host_embedding: the embedding rows, pinned on the host as the loader's
+threads leave them, sent with each step: the trainer's default with CUDA),
 fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears),
 fp8-host (fp8 with the host embedding).
 
