@@ -10,13 +10,14 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.ports import free_port
 
 PROMPTS = [
     {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
@@ -43,17 +44,11 @@ def _serve_problem() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A `transformers serve` process for the SmolLM2 directory on 127.0.0.1:port."""
 
     def __init__(self, model_dir: Path, log: Path, port: int | None = None) -> None:
-        self.model_dir, self.log, self.port = model_dir, log, port or _free_port()
+        self.model_dir, self.log, self.port = model_dir, log, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.proc = None
 

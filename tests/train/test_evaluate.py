@@ -214,18 +214,17 @@ print(json.dumps(res["counts"]))
 def test_counts_are_all_reduced_across_processes(tiny_drafter, tiny_llama_dataset, tmp_path):
     """Rank 0 here, rank 1 in a subprocess (gloo): both report the single-process counts."""
     import os
-    import socket
     import subprocess
     import sys
 
     import torch.distributed as dist
+
+    from tests.ports import free_port
     drafter = tiny_drafter(load_target_config("tiny-llama"), seed=2)
     out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
                          tmp_path / "export", target_config=load_target_config("tiny-llama"))
     single = offline_eval(out, tiny_llama_dataset, k=K, token_budget=256)["counts"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     child = subprocess.Popen([sys.executable, "-c", _RANK1, str(port), str(out),
                               str(tiny_llama_dataset)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=dict(os.environ))
