@@ -11,7 +11,8 @@ What it does, in a work directory (default: a temporary one):
      data.dataset=data/ ...` (DeepSpeed ZeRO-2; `--dist ddp` for the DDP path) for `--steps`
      optimizer steps, logging every `--log-every`
   4. reads run/metrics.jsonl: per logged window tokens/s (real tokens, padding excluded),
-     MFU (train.tracking.flops_per_token at the train.peak_tflops peak), data-wait fraction
+     step ms (padding included: the figure to hold against train_step.py's step), packing
+     fill, MFU (train.tracking.flops_per_token at the train.peak_tflops peak), data-wait fraction
      and peak memory; the summary averages the windows after the first (compile warm-up).
 
 Usage (GPU machine, repository root):
@@ -137,7 +138,8 @@ def summarise(run_dir: Path) -> dict:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return {"windows": []}
-    keys = ("tokens_per_s", "mfu", "data_wait", "peak_mem_gib", "loss", "grad_norm")
+    keys = ("tokens_per_s", "step_ms", "fill", "mfu", "data_wait", "peak_mem_gib", "loss",
+            "grad_norm")
     windows = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)

@@ -40,6 +40,8 @@ class Resolved:
     host_embedding: bool = False
     """the frozen embedding table in host memory, rows sent with each batch
     (drafter.host_embedding)"""
+    device_prefetch: bool = False
+    """the next batch copied to the device on a side stream (data.device_prefetch)"""
 
 
 def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
@@ -65,4 +67,6 @@ def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
         target_dtype=target_dtype(cfg.target.dtype, device),
         pin_memory=fast,
         host_embedding=(fast if cfg.drafter.host_embedding is None
-                        else bool(cfg.drafter.host_embedding)))
+                        else bool(cfg.drafter.host_embedding)),
+        device_prefetch=(fast if cfg.data.device_prefetch is None
+                         else bool(cfg.data.device_prefetch)))

@@ -47,7 +47,9 @@ def default_peak_flops(device) -> float | None:
 
 
 class MetricsWindow:
-    """Loss, counts, tokens and timings accumulated between two log lines."""
+    """Loss, counts, tokens and timings accumulated between two log lines. `steps` (optimizer
+    steps, counted by the trainer) and `slots` (batch rows, padding included) give `step_ms`
+    and the packing `fill`: tokens/s counts real tokens only."""
 
     def __init__(self):
         self.reset()
@@ -55,6 +57,7 @@ class MetricsWindow:
     def reset(self):
         self.loss, self.step_loss, self.n = 0.0, 0.0, 0   # device tensors after the first add
         self.tokens, self.counts, self.wait = 0, None, 0.0
+        self.slots, self.steps = 0, 0       # batch rows incl. padding; optimizer steps
         self.gnorm, self.t0 = None, time.perf_counter()
 
     def add(self, res, batch, d2t):
@@ -66,6 +69,7 @@ class MetricsWindow:
         self.step_loss = self.step_loss + torch.where(ok, res.step_loss.detach().float(), 0.0)
         self.n = self.n + ok.to(torch.int64)
         self.tokens += batch.num_tokens
+        self.slots += batch.input_ids.shape[0]
         counts = accept_counts(res.draft_argmax.detach(), d2t, batch.target_argmax,
                                res.metric_mask)
         self.counts = add_counts(self.counts, {k: v * ok for k, v in counts.items()})
@@ -81,6 +85,9 @@ class MetricsWindow:
         tokens = accelerator.reduce(torch.tensor(float(self.tokens), device=dev), "sum")
         rec = {"loss": float(loss / n), "lr": lr,        # NaN if no micro-batch was finite
                "tokens_per_s": float(tokens) / dt, "data_wait": self.wait / dt,
+               # the step itself, padding included: compare with benchmarks/train_step.py
+               "step_ms": 1e3 * dt / max(self.steps, 1),
+               "fill": float(tokens) / max(self.slots * accelerator.num_processes, 1),
                "grad_norm": float(self.gnorm) if self.gnorm is not None else float("nan")}
         if self.counts is not None:
             per_step = accelerator.reduce(self.step_loss, "sum") / n             # [K]

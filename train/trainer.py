@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -30,7 +29,7 @@ from torch import Tensor, nn
 
 from eyas.data.dataset import open_dataset
 from eyas.data.format import DatasetError
-from eyas.data.loader import Batch, PackedLoader
+from eyas.data.loader import PackedLoader
 from eyas.data.packing import split_indices
 from eyas.data.read_checks import contract_mismatch
 from eyas.data.vocab import build_vocab, load_vocab, save_vocab
@@ -44,6 +43,7 @@ from eyas.train import checkpoint as ckpt
 from eyas.train.trackers import init_trackers
 from eyas.train.config import (ConfigError, DataConfig, DistBackend, DrafterConfig, EyasConfig,
                                ExportSelect, FP8Recipe, LossConfig, OptimConfig, TargetConfig)
+from eyas.train.batches import DeviceBatches
 from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
@@ -92,6 +92,7 @@ class Trainer:
     total_steps: int
     flops_per_token: float
     out: Path
+    device_prefetch: bool = False   # data.device_prefetch as resolved (train.batches)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,7 +238,8 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
              "%d micro-batches/epoch/rank, %d optimizer steps",
              model.module.drafter.num_trainable_parameters() / 1e6, c.draft_vocab_size,
              c.vocab_size, c.aux_layer_ids, c.ttt_steps, len(data.train), total)
-    return Trainer(cfg, accelerator, module, optimizer, scheduler, data, model, total, fpt, out)
+    return Trainer(cfg, accelerator, module, optimizer, scheduler, data, model, total, fpt, out,
+                   device_prefetch=resolved.device_prefetch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,10 +264,12 @@ def fit(t: Trainer) -> dict[str, Any]:
             else default_peak_flops(acc.device))
     bar = Progress(t.total_steps, step, acc.is_main_process)
     window, last_eval = MetricsWindow(), {}
-    batches = micro_batches(t.data.train)
+    batches = DeviceBatches(t.data.train, acc.device, t.model.config.ttt_steps,
+                            bool(cfg.loss.skip_masked_rows), prefetch=t.device_prefetch)
     t.module.train()
     while step < t.total_steps:
         window.gnorm = train_step(t, batches, window, skipped, step)
+        window.steps += 1
         step += 1
         bar.update(1)
         done = step >= t.total_steps
@@ -285,7 +289,8 @@ def fit(t: Trainer) -> dict[str, Any]:
         # a new best decoder-walk τ is checkpointed, so export.select=best can export it
         new_best = best.offer(walk, step) and cfg.export.select == ExportSelect.best
         if _every(step, cfg.train.save_every) or done or new_best:
-            _save(t, step, objective, skipped, last_eval, best, walk=walk, evaluated=is_eval)
+            _save(t, step, objective, skipped, last_eval, best, walk=walk, evaluated=is_eval,
+                  loader_state=batches.state_dict())
         if is_eval and acc.is_main_process:
             write_run_plots(t.out, selected_step=best.step)
         if _every(step, cfg.export.every) and not done:
@@ -301,20 +306,17 @@ def fit(t: Trainer) -> dict[str, Any]:
     return {**summary, **export_selected(t, step, last_eval)}
 
 
-def train_step(t: Trainer, batches: Iterator[Batch], window: MetricsWindow,
+def train_step(t: Trainer, batches: DeviceBatches, window: MetricsWindow,
                skipped: SkippedSteps, step: int) -> Tensor | float | None:
     """One optimizer step: optim.grad_accum micro-batches (forward, backward, metrics window,
     then clip + update at the last), then the LR schedule. Returns the gradient norm (a device
     tensor off DeepSpeed: no host sync here)."""
-    acc, K = t.accelerator, t.model.config.ttt_steps
-    skip_rows, d2t = bool(t.cfg.loss.skip_masked_rows), t.model.module.drafter.d2t
+    acc, d2t = t.accelerator, t.model.module.drafter.d2t
     deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
     update = host_checked_micro_step if deepspeed else micro_step
     while True:
-        t_wait = time.perf_counter()
-        batch = next(batches)
-        window.wait += time.perf_counter() - t_wait
-        batch, inputs = to_device(batch, acc.device, K, skip_rows)
+        batch, inputs = next(batches)
+        window.wait += batches.take_wait()
         with acc.accumulate(t.module):
             res = t.module(**inputs)
             # off DeepSpeed a NaN/inf micro-batch drops its whole optimizer step (train.update)
@@ -323,21 +325,6 @@ def train_step(t: Trainer, batches: Iterator[Batch], window: MetricsWindow,
         if acc.sync_gradients:
             t.scheduler.step()
             return gnorm
-
-
-def micro_batches(loader: PackedLoader) -> Iterator[Batch]:
-    """The training batches, one epoch after another (an optimizer step may span two)."""
-    while True:
-        yield from one_pass(loader)
-
-
-def one_pass(loader: PackedLoader) -> Iterator[Batch]:
-    """The rest of the loader's current epoch. The loader alone owns the epoch: it moves to the
-    next one when a pass ends, so the trainer only iterates (and resume state stays exact)."""
-    if len(loader.plan(loader.epoch)) == 0:
-        raise ValueError("the training loader has no batches: the dataset is empty or smaller "
-                         "than one rank's share")
-    yield from loader
 
 
 def _every(step: int, n: int) -> bool:
@@ -386,11 +373,11 @@ def _resume(t: Trainer, objective: dict) -> tuple[int, int, BestWalk]:
 
 def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
           last_eval: dict[str, float], best: BestWalk, walk: float | None,
-          evaluated: bool = False) -> None:
+          evaluated: bool = False, loader_state: dict | None = None) -> None:
     """Checkpoint `step` (the eval decoder-walk τ of this step, when finite, competes for
     `best`; `train.selection`); its provenance holds the eval record when `evaluated`."""
     state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
-             "loader": t.data.train.state_dict(),
+             "loader": loader_state or t.data.train.state_dict(),
              "eval": {k: v for k, v in last_eval.items()
                       if isinstance(v, (int, float)) and math.isfinite(v)},
              "best": {"tau_trajectory": best.value, "step": best.step}}

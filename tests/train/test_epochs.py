@@ -4,7 +4,7 @@ import torch
 
 from eyas.data.loader import PackedLoader
 from eyas.data.shards import open_dataset, write_manifest, write_shard
-from eyas.train.trainer import one_pass
+from eyas.train.batches import one_pass
 
 
 def _dataset(root, n=24):

@@ -299,11 +299,13 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
     assert _scalars(r_dir)["speculative/tau"] == [pytest.approx(tau)]
 
 
-@pytest.mark.parametrize("option", ["drafter.fp8=tensorwise", "drafter.host_embedding=true"])
+@pytest.mark.parametrize("option", ["drafter.fp8=tensorwise",
+                                    "drafter.host_embedding=true data.device_prefetch=true"])
 def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_dataset, option):
     if "fp8" in option:
         pytest.importorskip("torchao.float8")
-    common = ["target=tiny_llama", "train.deterministic=true", "train.eval_every=0", option]
+    common = ["target=tiny_llama", "train.deterministic=true", "train.eval_every=0",
+              *option.split()]
     run(tmp_path / "a", tiny_llama_dataset, *common, "train.max_steps=6")
     b = tmp_path / "b"
     run(b, tiny_llama_dataset, *common, "train.max_steps=3", "train.save_every=1",

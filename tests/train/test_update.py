@@ -47,9 +47,10 @@ def setup(request):
     GradientState._reset_state()
 
 
-def _batch(device):
-    return SimpleNamespace(num_tokens=T, target_argmax=torch.zeros(T, dtype=torch.int64,
-                                                                   device=device))
+def _batch(device, tokens=T):
+    """A micro-batch of T rows, `tokens` of them real (the rest padding)."""
+    return SimpleNamespace(num_tokens=tokens, input_ids=torch.zeros(T, dtype=torch.int64),
+                           target_argmax=torch.zeros(T, dtype=torch.int64, device=device))
 
 
 def _step(acc, s, skipped, window, adds):
@@ -114,6 +115,19 @@ def test_a_nonfinite_micro_batch_drops_its_whole_optimizer_step(setup, bad):
     assert torch.isfinite(norm)
     assert not torch.equal(_weights(s)[0], before[0])
     assert skipped.read(step=2) == 1
+
+
+def test_the_window_reports_step_time_and_the_packing_fill(setup):
+    acc, s, _ = setup
+    window = MetricsWindow()
+    for tokens in (T, T - 2, 1):                  # three micro-batches, 9 of 18 rows padding
+        res = s.module(torch.randn(3, 8, dtype=torch.bfloat16).to(acc.device))
+        window.add(res, _batch(acc.device, tokens), s.module.drafter.d2t)
+    window.steps = 2
+    rec = window.flush(acc, 1.0, None, 0.1)
+    assert rec["fill"] == (2 * T - 1) / (3 * T)
+    assert rec["tokens_per_s"] * rec["step_ms"] * 2 / 1e3 == pytest.approx(2 * T - 1)
+    assert window.steps == 0 and window.slots == 0         # the next window starts afresh
 
 
 def test_the_skip_limit_is_checked_when_the_count_is_read(caplog):

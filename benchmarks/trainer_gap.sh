@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The real trainer next to the in-process step, in ONE device call: how far
+# `accelerate launch train/main.py` (benchmarks/train_e2e.py, one GPU) is from
+# `benchmarks/train_step.py`'s step, and which setting accounts for the difference.
+#
+# Runs (each e2e run: --steps optimizer steps, windows of 8, the first window left out):
+#   step       train_step.py --cases async-host (the trainer's defaults, in process, + profile)
+#   default    the trainer as it ships (data.device_prefetch on with CUDA)
+#   inline     data.device_prefetch=false: each batch copied on the compute stream
+#   noverify   data.verify=false: no crc32/NaN read checks in the loader threads
+#   gpuembed   drafter.host_embedding=false: the embedding table on the GPU
+#   zero2      dist=zero2 (DeepSpeed) with the defaults
+# Device machine (carry .whl), ~9 minutes:  bash benchmarks/trainer_gap.sh
+# Prints a table (step ms of each run against the in-process step) and leaves JSON in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; T=${T:-4096}; TARGET=${TARGET:-llama-3.1-8b}; STEPS=${STEPS:-40}
+RUNS=${RUNS:-default,inline,noverify,gpuembed,zero2}
+mkdir -p "$OUT" /tmp/eyas-path/eyas
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+for d in data models kernels train conf; do ln -sfn "$PWD/$d" /tmp/eyas-path/eyas/$d; done
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/site:/tmp/eyas-path:$PWD
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+echo "== in-process step ($TARGET, T=$T)"
+timeout 200 python3 benchmarks/train_step.py --target "$TARGET" --tokens "$T" --cases async-host \
+    --iters 10 --warmup 3 --profile 3 --json "$OUT/step.json" 2>&1 | grep -E "^\||^profile"
+declare -A EXTRA=([default]="" [inline]="--override data.device_prefetch=false"
+                  [noverify]="--override data.verify=false"
+                  [gpuembed]="--override drafter.host_embedding=false" [zero2]="--dist zero2")
+for run in ${RUNS//,/ }; do
+  echo "== trainer: $run"
+  # shellcheck disable=SC2086
+  timeout 170 python3 benchmarks/train_e2e.py --target "$TARGET" --tokens "$T" --steps "$STEPS" \
+      --log-every 8 --dist ddp --workdir /tmp/e2e --tag "-$run" --timeout 150 \
+      --json "$OUT/e2e_$run.json" ${EXTRA[$run]} > "$OUT/e2e_$run.log" 2>&1
+  echo "   rc $?"
+done
+python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+step = json.loads((out / "step.json").read_text())["results"][0]
+print(f"in-process step: {step['step_ms']:.1f} ms, {step['tokens_per_s']:.0f} tok/s, "
+      f"peak {step['peak_gib']:.2f} GiB")
+print("| run | step ms | vs in-process | tokens/s (real) | fill | data wait | peak GiB |")
+print("|---|---|---|---|---|---|---|")
+for f in sorted(out.glob("e2e_*.json")):
+    r = json.loads(f.read_text())
+    if "step_ms" not in r:
+        print(f"| {f.stem[4:]} | failed (rc {r.get('returncode')}) |")
+        continue
+    print(f"| {f.stem[4:]} | {r['step_ms']:.1f} | {step['step_ms'] / r['step_ms']:.3f} | "
+          f"{r['tokens_per_s']:.0f} | {r['fill']:.3f} | {100 * r['data_wait']:.1f} % | "
+          f"{r['peak_mem_gib']:.2f} |")
+EOF
