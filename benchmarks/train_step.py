@@ -30,6 +30,8 @@ and a skip flag goes to the optimizer, as train.update.micro_step does, and comp
 the embedding table on the GPU), async-fp32m (async with full fp32 master copies), async-host
 (async with drafter.host_embedding: the embedding rows, pinned on the host as the loader's
 threads leave them, sent with each step: the trainer's default with CUDA),
+async-host-qkv-per-step (async-host with drafter.embedding_qkv_once=false: the embedding half
+of q/k/v projected in every step, the step before that option),
 fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears),
 fp8-host (fp8 with the host embedding).
 
@@ -82,6 +84,7 @@ class Case(NamedTuple):
     fp8: str = "off"            # drafter.fp8 (models.fp8): torchao float8 linears
     compact: bool = False       # optim.compact_masters: masters as bf16 param + int16 low bits
     host_embed: bool = False    # drafter.host_embedding: rows looked up on the host per step
+    qkv_once: bool = True       # drafter.embedding_qkv_once
 
 
 CASES = {
@@ -96,6 +99,8 @@ CASES = {
     "async": Case(True, "triton", False, False, True, norm_sync=False, compact=True),
     "async-host": Case(True, "triton", False, False, True, norm_sync=False, compact=True,
                        host_embed=True),
+    "async-host-qkv-per-step": Case(True, "triton", False, False, True, norm_sync=False,
+                                    compact=True, host_embed=True, qkv_once=False),
     "fp8": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
                 compact=True),
     "fp8-host": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
@@ -145,7 +150,7 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
     with torch.device(device):
         drafter = Eagle3Drafter(cfg, attention="flex" if on_cuda else "eager",
                                 compile_flex=on_cuda, compile_layer=c.compile_layer and on_cuda,
-                                checkpoint_mlp=c.ckpt)
+                                checkpoint_mlp=c.ckpt, embedding_qkv_once=c.qkv_once)
     dtype = torch.bfloat16 if on_cuda else torch.float32
     drafter.to(dtype)
     convert_drafter_to_float8(drafter, c.fp8 if on_cuda else "off")

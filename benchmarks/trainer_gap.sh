@@ -30,7 +30,7 @@ for run in ${RUNS//,/ }; do
   echo "== trainer: $run"
   # shellcheck disable=SC2086
   timeout 170 python3 benchmarks/train_e2e.py --target "$TARGET" --tokens "$T" --steps "$STEPS" \
-      --log-every 8 --dist ddp --workdir /tmp/e2e --tag "-$run" --timeout 150 \
+      --log-every 8 --dist ddp --workdir /tmp/e2e --tag="-$run" --timeout 150 \
       --json "$OUT/e2e_$run.json" ${EXTRA[$run]} > "$OUT/e2e_$run.log" 2>&1
   echo "   rc $?"
 done

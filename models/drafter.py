@@ -176,10 +176,37 @@ def attention_inputs(layer: Midlayer, embeds: Tensor, g: Tensor, positions: Tens
     """q [nh,T,d], k [nkv,T,d] (RoPE applied, cos/sin × rope_factor) and v [nkv,T,d] of one step."""
     x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(g)], dim=-1)     # [T, 2H]
     a = layer.self_attn
-    T = x.shape[0]
-    q = a.q_proj(x).view(T, a.nh, a.hd).transpose(0, 1)
-    k = a.k_proj(x).view(T, a.nkv, a.hd).transpose(0, 1)
-    v = a.v_proj(x).view(T, a.nkv, a.hd).transpose(0, 1)
+    return _heads(a, a.q_proj(x), a.k_proj(x), a.v_proj(x), positions, inv_freq, rope_factor)
+
+
+def embedding_qkv(layer: Midlayer, table: Tensor, weights: tuple[Tensor, ...]
+                  ) -> tuple[Tensor, ...]:
+    """The embedding half of q, k and v for every row of the unroll's table [T+K, H]:
+    input_layernorm(table) @ W[:, :H]ᵀ for W = q/k/v_proj.weight (`weights`: those halves).
+    Step k uses rows 1+k .. k+T, so one GEMM per projection serves all K steps."""
+    x = layer.input_layernorm(table)
+    return tuple(F.linear(x, w) for w in weights)
+
+
+def attention_inputs_split(layer: Midlayer, embed_qkv: tuple[Tensor, ...], g: Tensor,
+                           weights: tuple[Tensor, ...], positions: Tensor, inv_freq: Tensor,
+                           rope_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """`attention_inputs` with the embedding half given (`embedding_qkv`, this step's rows):
+    q = embed_q + hidden_norm(g) @ Wq[:, H:]ᵀ (`weights`: the hidden halves), likewise k, v.
+    The same function as the concatenated input; in bf16 the two halves are rounded before
+    their sum."""
+    x = layer.hidden_norm(g)
+    q, k, v = (e + F.linear(x, w) for e, w in zip(embed_qkv, weights))
+    return _heads(layer.self_attn, q, k, v, positions, inv_freq, rope_factor)
+
+
+def _heads(a: Attention, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, inv_freq: Tensor,
+           rope_factor: float) -> tuple[Tensor, Tensor, Tensor]:
+    """[T, n·d] projections → q [nh,T,d], k [nkv,T,d] with RoPE, v [nkv,T,d]."""
+    T = q.shape[0]
+    q = q.view(T, a.nh, a.hd).transpose(0, 1)
+    k = k.view(T, a.nkv, a.hd).transpose(0, 1)
+    v = v.view(T, a.nkv, a.hd).transpose(0, 1)
     return (apply_rope(q, positions, inv_freq, rope_factor),
             apply_rope(k, positions, inv_freq, rope_factor), v)
 
@@ -227,11 +254,13 @@ class Eagle3Drafter(nn.Module):
     fp32 reference; CPU training) or "lse-eager" (see models.attention).
     compile_layer: torch.compile the element-wise work of each step on CUDA (default: follows
     `compile_flex`). checkpoint_mlp: recompute each step's MLP in the backward (less memory).
+    embedding_qkv_once: project the embedding half of q/k/v once for the whole unroll
+    (`embedding_qkv`; step k reads rows shifted by k) instead of once per step.
     """
 
     def __init__(self, config: Eagle3Config, *, attention: str = "flex", compile_flex: bool = True,
                  flex_block_size: int = 128, compile_layer: bool | None = None,
-                 checkpoint_mlp: bool = False):
+                 checkpoint_mlp: bool = False, embedding_qkv_once: bool = True):
         super().__init__()
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention={attention!r}; choose one of {ATTENTION_KINDS} "
@@ -240,6 +269,7 @@ class Eagle3Drafter(nn.Module):
         self.compile_flex, self.flex_block_size = compile_flex, flex_block_size
         self.compile_layer = compile_flex if compile_layer is None else bool(compile_layer)
         self.checkpoint_mlp = bool(checkpoint_mlp)
+        self.embedding_qkv_once = bool(embedding_qkv_once)
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
@@ -305,10 +335,19 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"embeds has shape {tuple(table.shape)}, expected ({T + K}, "
                              f"{self.config.hidden_size}) = [T + ttt_steps, hidden_size]")
         table = table.to(g.dtype)
+        split = self._qkv_halves()
+        if split is not None:
+            once = compiled(embedding_qkv) if fused else embedding_qkv
+            pre = compiled(attention_inputs_split) if fused else attention_inputs_split
+            embed_qkv = once(self.midlayer, table, split[0])                # [T+K, n·d] each
         hidden, prenorm = [], []
         for k in range(K):
-            q, kk, v = pre(self.midlayer, table[1 + k:1 + k + T], g, step_positions(positions, k),
-                           inv_freq, rope_factor)
+            if split is None:
+                q, kk, v = pre(self.midlayer, table[1 + k:1 + k + T], g,
+                               step_positions(positions, k), inv_freq, rope_factor)
+            else:
+                q, kk, v = pre(self.midlayer, tuple(e[1 + k:1 + k + T] for e in embed_qkv), g,
+                               split[1], step_positions(positions, k), inv_freq, rope_factor)
             out = attn(q, kk, v)                                            # [nh, T, d]
             if self.checkpoint_mlp and torch.is_grad_enabled():
                 p, normed = self._checkpointed_output(out, g, fused)
@@ -320,6 +359,19 @@ class Eagle3Drafter(nn.Module):
         return DrafterOutput(hidden=torch.stack(hidden),
                              prenorm=torch.stack(prenorm) if return_prenorm else None,
                              valid=valid)
+
+    def _qkv_halves(self) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
+        """(embedding halves, hidden halves) of the q/k/v weights [n·d, 2H] with
+        `embedding_qkv_once`, else None (also for projections that are not plain nn.Linear,
+        e.g. float8 training linears, which must run their own forward). Taken once per
+        unroll: the K steps' weight gradients add up in the halves before reaching the weight."""
+        a = self.midlayer.self_attn
+        projections = (a.q_proj, a.k_proj, a.v_proj)
+        if not self.embedding_qkv_once or any(type(p) is not nn.Linear for p in projections):
+            return None
+        H = self.config.hidden_size
+        return (tuple(p.weight[:, :H] for p in projections),
+                tuple(p.weight[:, H:] for p in projections))
 
     def _embed(self, ids: Tensor) -> Tensor:
         if self.embed_tokens is None:
@@ -396,9 +448,12 @@ class Eagle3Drafter(nn.Module):
             self.lm_head.weight.copy_(target_head_weight[ids.to(target_head_weight.device)])
 
     def direct_weights(self) -> list[nn.Parameter]:
-        """Weights read outside their own module's forward: the lm_head (applied by the loss)
-        and the down projection (`SwiGLUDown`). ZeRO-3 must gather them for the whole step."""
-        return [self.lm_head.weight, self.midlayer.mlp.down_proj.weight]
+        """Weights read outside their own module's forward: the lm_head (applied by the loss),
+        the down projection (`SwiGLUDown`) and q/k/v (`embedding_qkv_once` slices them). ZeRO-3
+        must gather them for the whole step."""
+        a = self.midlayer.self_attn
+        return [self.lm_head.weight, self.midlayer.mlp.down_proj.weight,
+                a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
 
     def num_trainable_parameters(self) -> int:
         """Number of parameters the optimiser updates (everything but the frozen embedding)."""
