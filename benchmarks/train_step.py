@@ -220,7 +220,7 @@ def stream_ms(step, iters: int, device) -> float:
 
 
 def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
-             profile_steps: int) -> dict:
+             profile_steps: int, diagnose_steps: int = 0) -> dict:
     module, opt, sched, vocab_ids = build(cfg, case, device, K)
     batches = [make_batch(cfg, T, vocab_ids, device, seed=s) for s in (0, 1)]
     # the trainer lists rows from the host copy of the batch (train.step.to_device)
@@ -273,6 +273,9 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
     if profile_steps and on_cuda:
         from benchmarks.profile_breakdown import profile_steps as prof
         out["profile"] = prof(step, profile_steps)
+    if diagnose_steps and on_cuda:
+        from benchmarks.host_overhead import diagnose
+        out["host"] = diagnose(step, diagnose_steps)
     del module, opt, sched, batches
     if on_cuda:
         torch.cuda.empty_cache()
@@ -314,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many extra steps (GPU time breakdown) of --profile-cases")
     ap.add_argument("--profile-cases", default=None, help="comma list (default: the last case)")
+    ap.add_argument("--host", type=int, default=0, help="also profile this many steps' host "
+                    "side and list the synchronising calls of one (benchmarks/host_overhead.py)")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="write the results here")
@@ -333,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             try:
                 r = run_case(cfg, case, T, args.ttt, args.iters, args.warmup, device,
-                             args.profile if case in profiled else 0)
+                             args.profile if case in profiled else 0,
+                             args.host if case in profiled else 0)
             except torch.OutOfMemoryError as e:
                 r = dict(case=case, tokens=T, ttt_steps=args.ttt, error=f"OOM: {e}"[:300])
                 torch.cuda.empty_cache()
@@ -348,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                          us_per_token=1e6 / r["tokens_per_s"])
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items()
-                              if k not in ("doc_lengths", "step_ms_all", "profile")}),
+                              if k not in ("doc_lengths", "step_ms_all", "profile", "host")}),
                   file=sys.stderr, flush=True)
             if args.json:   # after every case: a later OOM or time-out keeps what was measured
                 Path(args.json).write_text(json.dumps(dict(
@@ -377,6 +383,9 @@ def format_table(target: str, cfg: Eagle3Config, rows: list[dict]) -> str:
                      f"{100 * r['mfu_sf']:.1f}% | {100 * r['mfu_eyas']:.1f}% | "
                      f"{r['peak_gib']:.2f} | {r['static_gib']:.2f} |")
     for r in rows:
+        if r.get("host"):
+            from benchmarks.host_overhead import format_diagnosis
+            lines.append(format_diagnosis(f"T={r['tokens']} {r['case']}", r["host"]))
         if r.get("profile"):
             p = r["profile"]
             lines.append(f"profile T={r['tokens']} {r['case']}: " + ", ".join(
