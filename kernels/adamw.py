@@ -98,7 +98,10 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
         if len(ts) != len(params):
             raise ValueError(f"master_adamw_: {len(params)} params but {len(ts)} {name}")
     flag = None if skip is None else _skip_flag(skip, params[0].device)
-    torch._foreach_add_(steps, 1.0 if flag is None else (flag == 0).float())
+    if flag is None:
+        torch._foreach_add_(steps, 1.0)
+    else:       # a list of device tensors: the 0-dim tensor overload reads it on the host
+        torch._foreach_add_(steps, [(flag == 0).float()] * len(steps))
     block = BLOCK if params[0].is_cuda else 1024
     for p, g, w, m, v, s in zip(params, grads, masters, exp_avgs, exp_avg_sqs, steps):
         if not (p.is_contiguous() and w.is_contiguous() and m.is_contiguous()

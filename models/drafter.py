@@ -270,6 +270,7 @@ class Eagle3Drafter(nn.Module):
         self.compile_layer = compile_flex if compile_layer is None else bool(compile_layer)
         self.checkpoint_mlp = bool(checkpoint_mlp)
         self.embedding_qkv_once = bool(embedding_qkv_once)
+        self._rope_cache: dict[tuple, tuple[Tensor, float]] = {}
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
@@ -323,9 +324,7 @@ class Eagle3Drafter(nn.Module):
                             compile_flex=self.compile_flex, block_size=self.flex_block_size,
                             compile_merge=fused)
         c = self.config
-        inv_freq, rope_factor = rope_parameters(c.head_dim, c.rope_theta, c.rope_scaling,
-                                                c.max_position_embeddings)
-        inv_freq = inv_freq.to(input_ids.device)
+        inv_freq, rope_factor = self._rope_on(input_ids.device)
         pre = compiled(attention_inputs) if fused else attention_inputs
         post = compiled(layer_output) if fused else layer_output
         g = self.fc(self._fc_input(aux).to(self.fc.weight.dtype))          # [T, H]
@@ -359,6 +358,18 @@ class Eagle3Drafter(nn.Module):
         return DrafterOutput(hidden=torch.stack(hidden),
                              prenorm=torch.stack(prenorm) if return_prenorm else None,
                              valid=valid)
+
+    def _rope_on(self, device: torch.device) -> tuple[Tensor, float]:
+        """(RoPE inverse frequencies on `device`, attention factor), copied there once: a copy
+        from pageable host memory in every forward would make the host wait for the GPU."""
+        c = self.config
+        key = (str(device), c.head_dim, c.rope_theta, repr(c.rope_scaling),
+               c.max_position_embeddings)
+        if key not in self._rope_cache:
+            inv_freq, factor = rope_parameters(c.head_dim, c.rope_theta, c.rope_scaling,
+                                               c.max_position_embeddings)
+            self._rope_cache[key] = (inv_freq.to(device), factor)
+        return self._rope_cache[key]
 
     def _qkv_halves(self) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
         """(embedding halves, hidden halves) of the q/k/v weights [n·d, 2H] with

@@ -3,6 +3,7 @@ lookup gives, and stays out of the module's parameters, buffers and checkpoints.
 
 from dataclasses import replace
 
+import pytest
 import torch
 
 from eyas.data.loader import Batch
@@ -70,3 +71,48 @@ def test_host_embedding_trains_the_same_and_is_not_module_state():
         assert "embedding is held outside it" in str(e) and "embeds=" in str(e)
     else:
         raise AssertionError("a forward without embeds must fail on a host-embedding module")
+
+
+@pytest.mark.gpu
+def test_a_training_step_on_cuda_never_waits_for_the_gpu():
+    """The trainer's step on CUDA (pinned batch sent with its loss rows, compiled flex
+    attention, Triton loss, clip, fused MasterAdamW with a device skip flag) makes no
+    synchronising call once its first step has compiled: the host can queue the next step."""
+    from eyas.train.optim import MasterAdamW
+    from eyas.train.update import poisoned
+    cfg = Eagle3Config.from_target(load_target_config("tiny-llama"), draft_vocab_size=256,
+                                   aux_layer_ids=[2, 4, 5], ttt_steps=3)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg, attention="flex", compile_flex=True).to("cuda", torch.bfloat16)
+    head = torch.randn(256, cfg.target_hidden_size, device="cuda").bfloat16()
+    module = TrainingModule(d, head, LossConfig(), loss_impl="triton")
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = MasterAdamW(params, lr=1e-4, impl="triton", compact=True)
+    lens = [100, 120, 36]
+    g = torch.Generator().manual_seed(3)
+    T, tH = sum(lens), cfg.target_hidden_size
+    batch = Batch(input_ids=torch.randint(0, cfg.vocab_size, (T,), generator=g),
+                  loss_mask=torch.ones(T, dtype=torch.bool),
+                  doc_ids=torch.cat([torch.full((n,), i, dtype=torch.int32)
+                                     for i, n in enumerate(lens)]),
+                  positions=torch.cat([torch.arange(n) for n in lens]),
+                  aux=torch.randn(T, 3 * tH, generator=g).bfloat16(),
+                  last=torch.randn(T, tH, generator=g).bfloat16(),
+                  target_argmax=torch.randint(0, 256, (T,), generator=g),
+                  num_tokens=T).pin_memory()       # as the loader leaves batches on CUDA
+
+    def step():
+        _, inputs = to_device(batch, "cuda", 3, skip_masked_rows=True)
+        poisoned(module(**inputs).loss).backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step(skip=~torch.isfinite(norm))
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
