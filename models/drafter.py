@@ -189,12 +189,15 @@ class Eagle3Drafter(nn.Module):
 
     def _qkv_halves(self) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
         """(embedding halves, hidden halves) of the q/k/v weights [n·d, 2H] with
-        `embedding_qkv_once`, else None (also for projections that are not plain nn.Linear,
-        e.g. float8 training linears, which must run their own forward). Taken once per
-        unroll: the K steps' weight gradients add up in the halves before reaching the weight."""
+        `embedding_qkv_once`, else None; also None for projections that must run their own
+        forward: float8 training linears, and weights partitioned by DeepSpeed ZeRO-3 (`ds_id`),
+        which are gathered only inside it. Taken once per unroll: the K steps' weight
+        gradients add up in the halves before reaching the weight."""
         a = self.midlayer.self_attn
         projections = (a.q_proj, a.k_proj, a.v_proj)
-        if not self.embedding_qkv_once or any(type(p) is not nn.Linear for p in projections):
+        if not self.embedding_qkv_once or any(type(p) is not nn.Linear
+                                               or hasattr(p.weight, "ds_id")
+                                               for p in projections):
             return None
         H = self.config.hidden_size
         return (tuple(p.weight[:, :H] for p in projections),

@@ -10,11 +10,13 @@ to the GPU is ~170 MB at the Llama-8B shape and T = 4096 (aux, teacher state, em
 Copied in line, that transfer sits on the compute stream between two steps. With `prefetch`
 (`data.device_prefetch`, on with CUDA) batch n+1 is copied on a side stream while step n
 computes, and the compute stream waits for that copy only where it uses the batch; the cost is
-one batch more on the device.
+one batch more on the device (the side stream's allocations form a pool of their own: with
+gradient accumulation, two or three batches of reserved memory).
 
 Prefetching means the loader has handed out one batch more than the trainer has used, so
 `state_dict` returns the loader's position minus the batch held here: a checkpoint resumes at
-the first batch the trainer has not trained on, as without prefetching.
+the first batch the trainer has not trained on, as without prefetching. A sample that fails its
+read checks (`data.verify`) stops the run one micro-batch earlier than without prefetching.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ class DrafterConfig(DrafterShape):
     embedding_qkv_once: bool = True
     """Project the embedding half of q/k/v once per TTT unroll for all K steps (step k reads
     rows shifted by k) instead of once per step: ~9 % fewer GEMM FLOPs at the Llama-8B shape,
-    the same function up to bf16 rounding of the two halves' sum (models.drafter)."""
+    the same function up to bf16 rounding of the two halves' sum (`models.layer`). Off under
+    ZeRO-3, whose partitioning it would defeat."""
     host_embedding: Optional[bool] = None
     """Keep the frozen target embedding in host memory and send each batch's rows with the
     batch (train.step.TrainingModule; the loader's threads gather them): ~1 GiB less GPU

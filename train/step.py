@@ -60,12 +60,15 @@ class TrainingModule(nn.Module):
 
     def register_for_zero3(self) -> None:
         """ZeRO-3: gather, during this module's forward, the weights used outside their own
-        module's forward (`Eagle3Drafter.direct_weights`: lm_head, down_proj)."""
+        module's forward (`Eagle3Drafter.direct_weights`: lm_head, down_proj, q/k/v)."""
         from deepspeed.runtime.zero import register_external_parameter
         for weight in self.drafter.direct_weights():
             register_external_parameter(self, weight)
         # ZeRO-3 gathers partitioned parameters in module hooks, which compiled graphs bypass
         self.drafter.compile_layer = False
+        # views of q/k/v (`embedding_qkv_once`) saved for the backward would keep the gathered
+        # weights alive from the forward to the backward, against ZeRO-3's partitioning
+        self.drafter.embedding_qkv_once = False
 
     def teacher(self, last: Tensor | None, topk_ids: Tensor | None,
                 topk_logits: Tensor | None) -> Tensor:

@@ -85,7 +85,8 @@ class MetricsWindow:
         tokens = accelerator.reduce(torch.tensor(float(self.tokens), device=dev), "sum")
         rec = {"loss": float(loss / n), "lr": lr,        # NaN if no micro-batch was finite
                "tokens_per_s": float(tokens) / dt, "data_wait": self.wait / dt,
-               # the step itself, padding included: compare with benchmarks/train_step.py
+               # wall time per optimizer step, padding included (and any eval, checkpoint
+               # or export of the previous log step): compare with benchmarks/train_step.py
                "step_ms": 1e3 * dt / max(self.steps, 1),
                "fill": float(tokens) / max(self.slots * accelerator.num_processes, 1),
                "grad_norm": float(self.gnorm) if self.gnorm is not None else float("nan")}

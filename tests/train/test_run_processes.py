@@ -1,6 +1,7 @@
 """Run directories against real training processes: a live run is never joined by a second
 training (resumed or not), a reused run id is refused and `train.overwrite=true` clears the
-old run, and `kill -9` of a launcher's process group leaves no rank running."""
+old run, `kill -9` of a launcher's process group leaves no rank running, and `kill -9` of one
+rank ends the job, which a resume then finishes as an uninterrupted run would."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from eyas.data.lock import lock_path
 
@@ -143,3 +145,57 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank(tmp_path, tiny_llama_datas
                "train.resume=latest", "train.dry_run=true")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "taking over the stale lock of pid" in r.stderr
+
+
+def _launch(run_dir: Path, port: int, *overrides) -> list[str]:
+    return [ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+            str(port), MAIN, *TINY, f"hydra.run.dir={run_dir}", *overrides]
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_stops_the_job_and_a_resume_ends_as_an_unbroken_run(
+        tmp_path, tiny_llama_dataset):
+    """Two ranks over gloo; SIGKILL of rank 1 in the middle of the run: the launcher ends
+    rank 0 and exits non-zero within the bound, naming the killed rank's signal; the same
+    command with train.resume=latest then ends with the weights of a run never interrupted."""
+    common = [f"data.dataset={tiny_llama_dataset}", "train.deterministic=true",
+              "train.eval_every=0", "train.max_steps=40", "train.save_every=1",
+              "train.keep_last=2"]
+    env = _env(CUDA_VISIBLE_DEVICES="")
+    whole = subprocess.run(_launch(tmp_path / "a", free_port(), *common), cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run_dir = tmp_path / "b"
+    log = tmp_path / "b.log"
+    with open(log, "w") as fh:
+        launcher = subprocess.Popen(_launch(run_dir, free_port(), *common), cwd=tmp_path,
+                                    env=env, start_new_session=True,
+                                    stdout=subprocess.DEVNULL, stderr=fh)
+    pids = []
+    try:
+        pids = _ranks(run_dir, 2)
+        latest = run_dir / "checkpoints" / "latest"
+        _wait_for("the checkpoint of step 3", lambda: latest.is_file()
+                  and latest.read_text().strip() >= "step-000003")
+        os.kill(pids[1], signal.SIGKILL)
+        launcher.wait(timeout=BOUND)
+        _wait_for(f"rank 0 (pid {pids[0]}) to exit", lambda: not _alive(pids[0]))
+    finally:
+        _kill_group(launcher)
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert f"Signal 9 (SIGKILL) received by PID {pids[1]}" in log.read_text()
+    killed_at = latest.read_text().strip()
+    assert "step-000003" <= killed_at < "step-000040" and not (run_dir / "export").exists()
+    resumed = subprocess.run(_launch(run_dir, free_port(), *common, "train.resume=latest"),
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    from safetensors.torch import load_file
+    want = load_file(str(tmp_path / "a" / "export" / "model.safetensors"))
+    got = load_file(str(run_dir / "export" / "model.safetensors"))
+    assert want.keys() == got.keys() and len(want) > 5
+    for name in want:
+        assert torch.equal(want[name], got[name]), f"{name} differs after resume ({killed_at})"
