@@ -30,7 +30,8 @@ Launcher options (processes and nodes only; everything else is a Hydra override)
                     one process unless --cpu N)
   --cpu N           N CPU processes over gloo, GPUs hidden (default on machines without a
                     GPU: 1)
-  --nodes N         number of nodes (env NNODES)                      [multi-node]
+  --nodes N         number of nodes (env NNODES); each node runs the processes
+                    that --gpus / --cpu give                          [multi-node]
   --node-rank R     this node's rank (env NODE_RANK)                  [multi-node]
   --master-addr A   address of node 0 (env MASTER_ADDR)               [multi-node]
   --master-port P   port on node 0 (env MASTER_PORT, default 29500)   [multi-node]
@@ -180,16 +181,23 @@ if [[ ${#args[@]} -eq 0 && -z "$cpus" ]]; then
 fi
 acc=(accelerate launch --mixed_precision no --dynamo_backend no)
 multi=1   # more than one process (0: the branches with --quiet)
-if [[ -n "$cpus" ]]; then
+[[ "$nodes" -ge 1 && "$node_rank" -lt "$nodes" ]] \
+  || die 2 "--node-rank $node_rank needs 0 <= rank < --nodes $nodes"
+# several nodes: this one's rank, node 0's address, and the processes of all nodes
+machines=(--num_machines "$nodes" --machine_rank "$node_rank" --main_process_ip "$master_addr"
+          --main_process_port "$master_port")
+if [[ -n "$cpus" && "$nodes" -gt 1 ]]; then   # CPU processes on each node, over gloo
+  acc+=(--config_file conf/accelerate/cpu.yaml "${machines[@]}"
+        --num_processes $((nodes * cpus)))
+elif [[ -n "$cpus" ]]; then
   if [[ "$cpus" == 1 ]]; then
     acc+=(--config_file conf/accelerate/gpu1.yaml --quiet); multi=0
   else
     acc+=(--config_file conf/accelerate/cpu.yaml --num_processes "$cpus")
   fi
 elif [[ "$nodes" -gt 1 ]]; then
-  acc+=(--config_file conf/accelerate/multinode.yaml --num_machines "$nodes"
-        --machine_rank "$node_rank" --main_process_ip "$master_addr"
-        --main_process_port "$master_port" --num_processes $((nodes * gpus)))
+  acc+=(--config_file conf/accelerate/multinode.yaml "${machines[@]}"
+        --num_processes $((nodes * gpus)))
 elif [[ "$gpus" == 1 ]]; then
   acc+=(--config_file conf/accelerate/gpu1.yaml --quiet); multi=0
 else

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,11 +85,20 @@ def test_launch_sh_help_explains_itself():
         assert word in r.stdout
 
 
-def _launch(*args, cwd, timeout=300):
+def _launch(*args, cwd, timeout=300, **env_vars):
+    return subprocess.run(_launch_sh(*args), cwd=cwd, env=_sh_env(**env_vars),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _launch_sh(*args) -> list[str]:
+    return ["bash", str(ROOT / "launch.sh"), "--no-venv", *args]
+
+
+def _sh_env(**env_vars) -> dict:
     env = _env()
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    return subprocess.run(["bash", str(ROOT / "launch.sh"), "--no-venv", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    env.update(env_vars)
+    return env
 
 
 def test_launch_sh_gpus_0_runs_on_the_cpu(tmp_path):
@@ -110,7 +121,8 @@ def test_launch_sh_passes_the_trainers_exit_status_through(tmp_path):
                 cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-4000:]
     # launch.sh's own options
-    for bad in (["--gpus", "x"], ["--gpus"], ["--cpu", "0"]):
+    for bad in (["--gpus", "x"], ["--gpus"], ["--cpu", "0"],
+                ["--cpu", "1", "--nodes", "2", "--node-rank", "2"]):
         r = _launch(*bad, cwd=tmp_path, timeout=30)
         assert r.returncode == 2 and r.stderr.startswith("launch.sh: "), (bad, r.stderr)
 
@@ -136,3 +148,32 @@ def test_config_check_composes_like_the_job(tmp_path, monkeypatch, capsys):
     assert "no_such_field" in capsys.readouterr().err
     assert precheck(["drafter.ttt_steps=0"]) == 2
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_two_nodes_of_one_cpu_process_train_as_one_node_of_two(tmp_path, tiny_llama_dataset):
+    """launch.sh --nodes 2 --node-rank 0/1 (one CPU process each, node 0 at 127.0.0.1), as two
+    hosts would start it: one world of two ranks, trained to the very weights of --cpu 2 on
+    one node."""
+    from safetensors.torch import load_file
+    from tests.train.test_trainer import SMALL
+    common = ["target=tiny_llama", *SMALL, f"data.dataset={tiny_llama_dataset}",
+              "train.max_steps=4", "train.deterministic=true", "train.eval_every=0"]
+    one = _launch("--cpu", "2", "--master-port", str(free_port()), *common,
+                  f"hydra.run.dir={tmp_path}/one", cwd=tmp_path, EYAS_RUN_ID="one")
+    assert one.returncode == 0, one.stderr[-4000:]
+    port, env = free_port(), _sh_env(EYAS_RUN_ID="two")
+    nodes = [subprocess.Popen(_launch_sh("--cpu", "1", "--nodes", "2", "--node-rank", str(r),
+                                         "--master-addr", "127.0.0.1", "--master-port",
+                                         str(port), *common, f"hydra.run.dir={tmp_path}/two"),
+                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    errs = [p.communicate(timeout=300)[1] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], errs[0][-3000:] + errs[1][-3000:]
+    assert "--num_machines 2 --machine_rank 1" in errs[1]
+    records = _records(tmp_path / "two")
+    assert [(r["rank"], r["world_size"]) for r in records] == [(0, 2), (1, 2)]
+    want = load_file(str(tmp_path / "one" / "export" / "model.safetensors"))
+    got = load_file(str(tmp_path / "two" / "export" / "model.safetensors"))
+    assert want.keys() == got.keys() and len(want) > 5
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
