@@ -290,8 +290,8 @@ def fit(t: Trainer) -> dict[str, Any]:
         # a new best decoder-walk τ is checkpointed, so export.select=best can export it
         new_best = best.offer(walk, step) and cfg.export.select == ExportSelect.best
         if _every(step, cfg.train.save_every) or done or new_best:
-            _save(t, step, objective, skipped, last_eval, best, walk=walk, evaluated=is_eval,
-                  loader_state=batches.state_dict())
+            _save(t, step, batches.state_dict(), objective, skipped, last_eval, best,
+                  walk=walk, evaluated=is_eval)
         if is_eval and acc.is_main_process:
             write_run_plots(t.out, selected_step=best.step)
         if _every(step, cfg.export.every) and not done:
@@ -372,13 +372,14 @@ def _resume(t: Trainer, objective: dict) -> tuple[int, int, BestWalk]:
             BestWalk(best.get("tau_trajectory"), best.get("step")))
 
 
-def _save(t: Trainer, step: int, objective: dict, skipped: SkippedSteps,
+def _save(t: Trainer, step: int, loader_state: dict, objective: dict, skipped: SkippedSteps,
           last_eval: dict[str, float], best: BestWalk, walk: float | None,
-          evaluated: bool = False, loader_state: dict | None = None) -> None:
+          evaluated: bool = False) -> None:
     """Checkpoint `step` (the eval decoder-walk τ of this step, when finite, competes for
-    `best`; `train.selection`); its provenance holds the eval record when `evaluated`."""
+    `best`; `train.selection`); its provenance holds the eval record when `evaluated`.
+    loader_state: where the training batches resume (`DeviceBatches.state_dict`)."""
     state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
-             "loader": loader_state or t.data.train.state_dict(),
+             "loader": loader_state,
              "eval": {k: v for k, v in last_eval.items()
                       if isinstance(v, (int, float)) and math.isfinite(v)},
              "best": {"tau_trajectory": best.value, "step": best.step}}
