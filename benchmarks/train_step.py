@@ -85,6 +85,7 @@ class Case(NamedTuple):
     compact: bool = False       # optim.compact_masters: masters as bf16 param + int16 low bits
     host_embed: bool = False    # drafter.host_embedding: rows looked up on the host per step
     qkv_once: bool = True       # drafter.embedding_qkv_once
+    moments: str = "fp32"       # optim.moments: AdamW moments in fp32 or bf16
 
 
 CASES = {
@@ -101,6 +102,10 @@ CASES = {
                        host_embed=True),
     "async-host-qkv-per-step": Case(True, "triton", False, False, True, norm_sync=False,
                                     compact=True, host_embed=True, qkv_once=False),
+    "async-host-bf16m": Case(True, "triton", False, False, True, norm_sync=False, compact=True,
+                             host_embed=True, moments="bf16"),
+    "async-host-bf16m-ckpt": Case(True, "triton", False, True, True, norm_sync=False,
+                                  compact=True, host_embed=True, moments="bf16"),
     "fp8": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
                 compact=True),
     "fp8-host": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
@@ -164,7 +169,8 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
                             host_embedding=c.host_embed).to(device)   # 0.8 step weight, valid rows
     params = [p for p in module.parameters() if p.requires_grad]
     opt = MasterAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                      impl=c.impl if on_cuda else "torch", compact=c.compact and on_cuda)
+                      impl=c.impl if on_cuda else "torch", compact=c.compact and on_cuda,
+                      moments=c.moments)
     optim_cfg = OptimConfig(warmup_steps=0, warmup_ratio=0.0, schedule=Schedule.constant)
     return module, opt, build_scheduler(opt, optim_cfg, 1000), ids.to(device)
 

@@ -29,6 +29,11 @@ class Normalisation(str, Enum):
     specforge = "specforge"
 
 
+class Moments(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
 class Schedule(str, Enum):
     cosine = "cosine"
     linear = "linear"

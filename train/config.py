@@ -23,7 +23,7 @@ from eyas.models.config import DrafterShape
 from eyas.models.context import DEFAULT_EDGES, check_edges
 from eyas.train.choices import (TRACKER_PACKAGES, AttentionImpl, DistBackend,  # noqa: F401
                                 ExportSelect, FP8Recipe, LossImpl, Normalisation, ParamDtype,
-                                Schedule, WandbMode)
+                                Moments, Schedule, WandbMode)
 from eyas.train.limits import check_data, check_loop, check_optim, check_ttt
 
 
@@ -167,6 +167,10 @@ class OptimConfig:
     compact_masters: bool = True
     """Hold each fp32 master weight as its bf16 parameter + 16 low bits (the same fp32 values,
     2 bytes per parameter less; Triton update on GPU, off DeepSpeed). false: full fp32 copies."""
+    moments: Moments = Moments.fp32
+    """AdamW's exp_avg / exp_avg_sq storage: fp32, or bf16 with stochastic rounding (4 bytes of
+    optimizer state per parameter less; DDP with bf16 parameters: the fused kernel on GPU, its
+    torch twin on CPU)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
 
@@ -350,6 +354,13 @@ def check(cfg: DictConfig | Any) -> None:
         fail("dist.zero_stage", cfg.dist.zero_stage, "0 with backend=ddp",
              f"dist=zero{cfg.dist.zero_stage} to use DeepSpeed ZeRO-{cfg.dist.zero_stage}, "
              f"or dist.zero_stage=0")
+    if cfg.optim.moments != Moments.fp32 and cfg.dist.backend == DistBackend.deepspeed:
+        fail("optim.moments", cfg.optim.moments.value, "fp32 under DeepSpeed (its engine keeps "
+             "its own fp32 optimizer state)", "optim.moments=fp32, or dist=ddp")
+    if cfg.optim.moments != Moments.fp32 and cfg.train.param_dtype == ParamDtype.fp32:
+        fail("optim.moments", cfg.optim.moments.value, "fp32 with train.param_dtype=fp32 (bf16 "
+             "moments belong to the master-weight update of bf16 parameters)",
+             "optim.moments=fp32, or train.param_dtype=auto")
     if cfg.drafter.fp8 != FP8Recipe.off and cfg.dist.backend == DistBackend.deepspeed \
             and cfg.dist.zero_stage == 3:
         fail("drafter.fp8", cfg.drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "

@@ -11,7 +11,10 @@ copy of every gradient + torch's fused AdamW + a copy back; the optimizer state 
 torch AdamW state either way. With `compact` (`optim.compact_masters`, the Triton update on
 bf16 parameters) each master is held as the 16 bits its bf16 parameter lacks (int16): the
 same fp32 values at 2 bytes per parameter instead of 4 (kernels.adamw). Checkpoints hold
-fp32 masters in both modes, so they load into either.
+fp32 masters in both modes, so they load into either. With `moments="bf16"` (`optim.moments`)
+exp_avg and exp_avg_sq are stored in bf16, stochastically rounded (kernels.adamw): 4 bytes per
+parameter less; the CPU runs the kernel's torch twin. A checkpoint of either moment dtype
+loads into either mode (converted at the first step; exact only within one mode).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class MasterAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, impl: str = "torch", compact: bool = False):
+                 weight_decay: float = 0.0, impl: str = "torch", compact: bool = False,
+                 moments: str = "fp32"):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
         if impl not in ("triton", "torch"):
@@ -49,7 +53,10 @@ class MasterAdamW(torch.optim.Optimizer):
                                                 self.param_groups for p in g["params"])):
             raise ValueError("MasterAdamW(compact=True) needs impl='triton' and bf16 parameters "
                              "(set optim.compact_masters=false)")
+        if moments not in ("fp32", "bf16"):
+            raise ValueError(f"MasterAdamW moments must be fp32 or bf16, got {moments!r}")
         self.compact = bool(compact)
+        self.moment_dtype = torch.bfloat16 if moments == "bf16" else torch.float32
         self.masters = [[self._new_master(p) for p in g["params"]] for g in self.param_groups]
         fused = all(p.is_cuda for g in self.param_groups for p in g["params"]) and not compact
         groups = [dict(params=m, **{k: v for k, v in g.items() if k != "params"})
@@ -92,7 +99,7 @@ class MasterAdamW(torch.optim.Optimizer):
     def step(self, closure=None, *, skip: torch.Tensor | None = None):
         """One AdamW update; with a nonzero 0-dim tensor `skip`, none (class docstring)."""
         self._follow_parameters()
-        if self.impl == "triton":
+        if self.impl == "triton" or self.moment_dtype != torch.float32:
             return self._fused_step(skip)
         if skip is not None and bool(skip):
             return
@@ -109,8 +116,11 @@ class MasterAdamW(torch.optim.Optimizer):
                 m.grad = None
 
     def _fused_step(self, skip: torch.Tensor | None):
-        """The same update through kernels.adamw (state kept in torch AdamW's layout)."""
-        from eyas.kernels.adamw import master_adamw_
+        """The same update through kernels.adamw (state kept in torch AdamW's layout): the
+        Triton kernel, or its torch twin for bf16 moments off Triton."""
+        from eyas.kernels.adamw import master_adamw_, master_adamw_reference_
+        update = master_adamw_ if self.impl == "triton" else master_adamw_reference_
+        mdt = self.moment_dtype
         for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
                                                self.masters):
             for key in ("lr", "betas", "eps", "weight_decay"):
@@ -120,19 +130,22 @@ class MasterAdamW(torch.optim.Optimizer):
                 st = self.inner.state[m]
                 if not st:                           # torch AdamW's own (fused) initial state
                     st["step"] = torch.zeros((), dtype=torch.float32, device=m.device)
-                    st["exp_avg"] = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
-                    st["exp_avg_sq"] = torch.zeros(m.shape, dtype=torch.float32,
-                                                   device=m.device)
-                elif st["step"].device != m.device or st["step"].dtype != torch.float32:
+                    st["exp_avg"] = torch.zeros(m.shape, dtype=mdt, device=m.device)
+                    st["exp_avg_sq"] = torch.zeros(m.shape, dtype=mdt, device=m.device)
+                    continue
+                if st["step"].device != m.device or st["step"].dtype != torch.float32:
                     st["step"] = st["step"].to(m.device, torch.float32)   # e.g. a CPU checkpoint
+                for key in ("exp_avg", "exp_avg_sq"):        # a checkpoint of the other mode
+                    if st[key].dtype != mdt:
+                        st[key] = st[key].to(mdt).contiguous()
             if group.get("amsgrad") or group.get("maximize"):
                 raise NotImplementedError("MasterAdamW(impl='triton') has no amsgrad/maximize")
             states = [self.inner.state[m] for _, m in todo]
             b1, b2 = group["betas"]
-            master_adamw_([p for p, _ in todo], [p.grad for p, _ in todo], [m for _, m in todo],
-                          [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                          [s["step"] for s in states], lr=group["lr"], beta1=b1, beta2=b2,
-                          eps=group["eps"], weight_decay=group["weight_decay"], skip=skip)
+            update([p for p, _ in todo], [p.grad for p, _ in todo], [m for _, m in todo],
+                   [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                   [s["step"] for s in states], lr=group["lr"], beta1=b1, beta2=b2,
+                   eps=group["eps"], weight_decay=group["weight_decay"], skip=skip)
 
     def state_dict(self):
         return {"inner": self.inner.state_dict(),
@@ -163,7 +176,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(params, optim_cfg, *, master_weights: bool, impl: str = "torch",
-                    compact: bool = False) -> torch.optim.Optimizer:
+                    compact: bool = False, moments: str = "fp32") -> torch.optim.Optimizer:
     """AdamW of the `optim` group: `MasterAdamW` (update `impl` and `compact` masters, as
     `train.resolve.resolve` decides them) over bf16 parameters, else torch AdamW (fused when
     the parameters are on CUDA)."""
@@ -171,7 +184,10 @@ def build_optimizer(params, optim_cfg, *, master_weights: bool, impl: str = "tor
     kw = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
               weight_decay=optim_cfg.weight_decay)
     if master_weights:
-        return MasterAdamW(params, impl=impl, compact=compact, **kw)
+        return MasterAdamW(params, impl=impl, compact=compact, moments=moments, **kw)
+    if moments != "fp32":
+        raise ValueError(f"optim.moments={moments} needs the master-weight update (DDP with "
+                         f"bf16 parameters); set optim.moments=fp32")
     fused = all(p.is_cuda for p in params) or None
     return torch.optim.AdamW(params, fused=fused, **kw)
 

@@ -14,7 +14,7 @@ import torch
 
 from eyas.data.targets import fast_device, target_dtype
 from eyas.kernels import triton_available
-from eyas.train.config import EyasConfig
+from eyas.train.config import ConfigError, EyasConfig
 
 @dataclass(frozen=True)
 class Resolved:
@@ -42,6 +42,8 @@ class Resolved:
     (drafter.host_embedding)"""
     device_prefetch: bool = False
     """the next batch copied to the device on a side stream (data.device_prefetch)"""
+    moments: str = "fp32"
+    """AdamW moment storage, "fp32" or "bf16" (optim.moments)"""
 
 
 def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
@@ -56,6 +58,10 @@ def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     optim_impl = "triton" if fast and triton_available() else "torch"
     param_dtype = dtypes[pick(cfg.train.param_dtype, "bf16", "fp32")]
+    if cfg.optim.moments.value == "bf16" and param_dtype != torch.bfloat16:
+        raise ConfigError(f"optim.moments=bf16 needs bf16 parameters, but train.param_dtype="
+                          f"{cfg.train.param_dtype.value} is fp32 on {device}: set "
+                          f"train.param_dtype=bf16, or optim.moments=fp32")
     return Resolved(
         attention=pick(cfg.drafter.attention, "flex", "eager"),
         compile=bool(cfg.drafter.compile) and fast,
@@ -64,6 +70,7 @@ def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
         compact_masters=(bool(cfg.optim.compact_masters) and optim_impl == "triton"
                          and param_dtype == torch.bfloat16),
         param_dtype=param_dtype,
+        moments=cfg.optim.moments.value,
         target_dtype=target_dtype(cfg.target.dtype, device),
         pin_memory=fast,
         host_embedding=(fast if cfg.drafter.host_embedding is None

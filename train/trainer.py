@@ -196,10 +196,11 @@ def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: Data
 
 
 def build_optimizer(module: nn.Module, optim_cfg: OptimConfig, total_steps: int, *,
-                    master_weights: bool, impl: str, compact: bool = False):
+                    master_weights: bool, impl: str, compact: bool = False,
+                    moments: str = "fp32"):
     """(optimizer, LR schedule): fp32 master weights over bf16 parameters off DeepSpeed."""
     optimizer = make_optimizer(module.parameters(), optim_cfg, master_weights=master_weights,
-                               impl=impl, compact=compact)
+                               impl=impl, compact=compact, moments=moments)
     return optimizer, build_scheduler(optimizer, optim_cfg, total_steps)
 
 
@@ -228,7 +229,7 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
     model.module.to(accelerator.device)   # the fp32 master copies live where the parameters do
     optimizer, scheduler = build_optimizer(
         model.module, cfg.optim, total, impl=resolved.optim_impl,
-        compact=resolved.compact_masters,
+        compact=resolved.compact_masters, moments=resolved.moments,
         master_weights=not deepspeed and resolved.param_dtype != torch.float32)
     module, optimizer = accelerator.prepare(model.module, optimizer)
     accelerator.register_for_checkpointing(scheduler)

@@ -86,6 +86,22 @@ def test_cross_field_errors_name_the_fix(override, fix):
     assert fix in str(e.value) and override.split("=")[0] in str(e.value)
 
 
+def test_bf16_moments_are_refused_where_no_master_weight_update_runs():
+    from eyas.train.config import load
+    from eyas.train.resolve import resolve
+    for overrides, fix in ((["optim.moments=bf16", "dist=zero2"],
+                            "optim.moments=fp32, or dist=ddp"),
+                           (["optim.moments=bf16", "train.param_dtype=fp32"],
+                            "or train.param_dtype=auto")):
+        with pytest.raises(ConfigError, match="optim.moments") as e:
+            check(_compose(overrides))
+        assert fix in str(e.value)
+    cfg = load(_compose(["optim.moments=bf16", "output_dir=unused"]))
+    assert resolve(cfg, "cuda").moments == "bf16"
+    with pytest.raises(ConfigError, match="train.param_dtype=bf16, or optim.moments=fp32"):
+        resolve(cfg, "cpu")                          # auto parameters are fp32 on a CPU
+
+
 @pytest.mark.parametrize("path,suffix", [("train/config.py", "Config"),
                                          ("data/settings.py", "Settings")])
 def test_every_field_is_documented(path, suffix):

@@ -300,7 +300,8 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
 
 
 @pytest.mark.parametrize("option", ["drafter.fp8=tensorwise",
-                                    "drafter.host_embedding=true data.device_prefetch=true"])
+                                    "drafter.host_embedding=true data.device_prefetch=true",
+                                    "optim.moments=bf16 train.param_dtype=bf16"])
 def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_dataset, option):
     if "fp8" in option:
         pytest.importorskip("torchao.float8")
@@ -317,6 +318,9 @@ def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_
     assert ta.keys() == tb.keys() and len(ta) > 5
     for name in ta:
         assert torch.equal(ta[name], tb[name]), f"{name} differs after resume ({option})"
+    if "moments" in option:     # the checkpoints really hold bf16 moments
+        state = torch.load(next((b / "checkpoints").rglob("optimizer.bin")), weights_only=False)
+        assert {t["exp_avg"].dtype for t in state["inner"]["state"].values()} == {torch.bfloat16}
     if "fp8" in option:   # the FP8 run really ran float8 linears, and exported plain weights
         assert "FP8 training (tensorwise): fc, midlayer.self_attn.q_proj" in \
             (tmp_path / "a" / "train.log").read_text()
