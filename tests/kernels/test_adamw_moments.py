@@ -27,6 +27,17 @@ def _grads(step, seed=1):
     return [(torch.randn(s, generator=g) * 0.1).to(DEV, torch.bfloat16) for s in SHAPES]
 
 
+def _assert_masters_close(got, want, steps):
+    """Masters of the kernel against the twin. Where an fp32 rounding difference (fused
+    multiply-adds on a GPU) flipped one stochastic rounding, the moment differs by a bf16 ulp and
+    that element's later updates by up to lr · 2^-7 a step; everywhere else they agree to fp32
+    rounding."""
+    for x, y in zip(got, want):
+        err = (x - y).abs()
+        assert (err <= 1e-7 + 1e-6 * y.abs()).float().mean() > 0.99
+        assert err.max() <= steps * KW["lr"] * 2 ** -7
+
+
 def _state(params, moment_dtype):
     zeros = [torch.zeros(p.shape, dtype=moment_dtype, device=DEV) for p in params]
     return ([p.detach().float().clone() for p in params], zeros,
@@ -47,8 +58,7 @@ def test_kernel_and_torch_twin_store_the_same_bf16_moments(wd):
         # the same fp32 moments and the same random bits: the same stored bits, but for the
         # rare element where an fp32 rounding difference crosses a rounding boundary
         assert (x.view(torch.int16) != y.view(torch.int16)).float().mean() < 1e-3
-    for x, y in zip(wa, wb):
-        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    _assert_masters_close(wa, wb, steps=4)
     assert [float(s) for s in sa] == [float(s) for s in sb] == [4.0] * 3
 
 
@@ -124,8 +134,7 @@ def test_compact_masters_with_bf16_moments_follow_the_twin():
         low.step()
         master_adamw_reference_([p.data for p in b], _grads(step), w, m, v, s, weight_decay=0.0,
                                 **KW)
-    for p, lo, ref in zip(a, low.masters[0], w):
-        torch.testing.assert_close(join_master(p, lo), ref, rtol=1e-6, atol=1e-7)
+    _assert_masters_close([join_master(p, lo) for p, lo in zip(a, low.masters[0])], w, steps=3)
 
 
 def test_bf16_moments_need_the_master_weight_update():
