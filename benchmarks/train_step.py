@@ -53,11 +53,13 @@ import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
+from unittest import mock
 
 import torch
 
 
 from eyas.data.loader import Batch
+from eyas.models import attention
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.fp8 import convert_drafter_to_float8
@@ -86,6 +88,7 @@ class Case(NamedTuple):
     host_embed: bool = False    # drafter.host_embedding: rows looked up on the host per step
     qkv_once: bool = True       # drafter.embedding_qkv_once
     moments: str = "fp32"       # optim.moments: AdamW moments in fp32 or bf16
+    vmap_mask: bool = False     # the step-0 BlockMask through create_block_mask (the T² vmap)
 
 
 CASES = {
@@ -102,6 +105,8 @@ CASES = {
                        host_embed=True),
     "async-host-qkv-per-step": Case(True, "triton", False, False, True, norm_sync=False,
                                     compact=True, host_embed=True, qkv_once=False),
+    "async-host-vmap-mask": Case(True, "triton", False, False, True, norm_sync=False,
+                                 compact=True, host_embed=True, vmap_mask=True),
     "async-host-bf16m": Case(True, "triton", False, False, True, norm_sync=False, compact=True,
                              host_embed=True, moments="bf16"),
     "async-host-bf16m-ckpt": Case(True, "triton", False, True, True, norm_sync=False,
@@ -227,6 +232,15 @@ def stream_ms(step, iters: int, device) -> float:
 
 def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
              profile_steps: int, diagnose_steps: int = 0) -> dict:
+    if CASES[case].vmap_mask:              # the attention module looks the builder up per batch
+        with mock.patch.object(attention, "step0_block_mask", attention.reference_block_mask):
+            return _run_case(cfg, case, T, K, iters, warmup, device, profile_steps,
+                             diagnose_steps)
+    return _run_case(cfg, case, T, K, iters, warmup, device, profile_steps, diagnose_steps)
+
+
+def _run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
+              profile_steps: int, diagnose_steps: int = 0) -> dict:
     module, opt, sched, vocab_ids = build(cfg, case, device, K)
     batches = [make_batch(cfg, T, vocab_ids, device, seed=s) for s in (0, 1)]
     # the trainer lists rows from the host copy of the batch (train.step.to_device)
