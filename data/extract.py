@@ -18,8 +18,8 @@ live in ``data/capture.py``, the shard plan, the forward groups and one forward'
 
 Batching: the samples of one output shard are sorted by length and run up to `batch_tokens`
 tokens per forward. By default a forward holds only samples of EQUAL length (no padding), which
-makes every stored value bitwise equal to a plain forward of the sample alone (padding changes
-the attention kernels' rounding can change with it); ``pad_batches=True`` pads different lengths together (right
+makes every stored value bitwise equal to a plain forward of the sample alone (padding can
+change the kernels' rounding); ``pad_batches=True`` pads different lengths together (right
 padding + attention mask) for throughput on many short samples.
 
 Resumable: output shard i always covers the same sample range (the plan, fixed by the token
