@@ -71,6 +71,14 @@ class MasterAdamW(torch.optim.Optimizer):
             return torch.zeros(p.shape, dtype=torch.int16, device=p.device)
         return p.detach().float().clone()
 
+    def describe(self) -> str:
+        """One line for the log: the update, the masters and the moments."""
+        update = "fused Triton" if self.impl == "triton" else (
+            "torch twin" if self.moment_dtype != torch.float32 else "torch AdamW")
+        masters = "compact fp32 masters" if self.compact else "fp32 masters"
+        moments = "bf16" if self.moment_dtype == torch.bfloat16 else "fp32"
+        return f"MasterAdamW ({update} update, {masters}, {moments} moments)"
+
     def master_weights(self) -> list[list[torch.Tensor]]:
         """The fp32 masters, per group (rebuilt from parameter + low bits when compact)."""
         if not self.compact:

@@ -318,7 +318,9 @@ def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_
     assert ta.keys() == tb.keys() and len(ta) > 5
     for name in ta:
         assert torch.equal(ta[name], tb[name]), f"{name} differs after resume ({option})"
-    if "moments" in option:     # the checkpoints really hold bf16 moments
+    if "moments" in option:     # the log says so, and the checkpoints really hold bf16 moments
+        assert "optimizer: MasterAdamW (torch twin update, fp32 masters, bf16 moments)" in \
+            (tmp_path / "a" / "train.log").read_text()
         state = torch.load(next((b / "checkpoints").rglob("optimizer.bin")), weights_only=False)
         assert {t["exp_avg"].dtype for t in state["inner"]["state"].values()} == {torch.bfloat16}
     if "fp8" in option:   # the FP8 run really ran float8 linears, and exported plain weights
