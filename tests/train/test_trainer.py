@@ -301,7 +301,8 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
 
 @pytest.mark.parametrize("option", ["drafter.fp8=tensorwise",
                                     "drafter.host_embedding=true data.device_prefetch=true",
-                                    "optim.moments=bf16 train.param_dtype=bf16"])
+                                    "optim.moments=bf16 train.param_dtype=bf16 "
+                                    "drafter.checkpoint_mlp=true"])
 def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_dataset, option):
     if "fp8" in option:
         pytest.importorskip("torchao.float8")
