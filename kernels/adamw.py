@@ -58,6 +58,14 @@ def _hash32(x):
 
 
 @triton.jit
+def _round_bf16(x, r):
+    """fp32 → bf16 bits (int16), `r` (in [0, 2^16)) added below the kept half; NaN stays NaN
+    (0x7FC0) instead of carrying into an infinity or wrapping. `stochastic_bf16` is the twin."""
+    rounded = ((x.to(tl.int32, bitcast=True) + r) >> 16).to(tl.int16)
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
 def _master_adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, step_ptr, skip_ptr, n,
                          seed, lr, beta1, beta2, eps, weight_decay, BLOCK: tl.constexpr,
                          HAS_SKIP: tl.constexpr, COMPACT: tl.constexpr,
@@ -90,12 +98,10 @@ def _master_adamw_kernel(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, step_ptr
     v = beta2 * v + (1.0 - beta2) * g * g
     w = w - (lr / bc1) * m / (tl.sqrt(v) / bc2_sqrt + eps)
     if BF16_MOMENTS:        # stochastic rounding: add 16 random bits, keep the high half
-        key = _hash32(step.to(tl.uint32) * 4096 + seed)
+        key = _hash32(_hash32(step.to(tl.uint32)) ^ seed)
         h = _hash32(offs.to(tl.uint32) ^ key)
-        tl.store(m_ptr + offs, ((m.to(tl.int32, bitcast=True) + (h & 0xFFFF).to(tl.int32))
-                                >> 16).to(tl.int16), mask=mask)
-        tl.store(v_ptr + offs, ((v.to(tl.int32, bitcast=True) + (h >> 16).to(tl.int32))
-                                >> 16).to(tl.int16), mask=mask)
+        tl.store(m_ptr + offs, _round_bf16(m, (h & 0xFFFF).to(tl.int32)), mask=mask)
+        tl.store(v_ptr + offs, _round_bf16(v, (h >> 16).to(tl.int32)), mask=mask)
     else:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
@@ -114,16 +120,17 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
                   masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                   exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float,
                   beta1: float, beta2: float, eps: float, weight_decay: float,
-                  skip: torch.Tensor | None = None) -> None:
+                  skip: torch.Tensor | None = None, first_seed: int = 0) -> None:
     """One AdamW step in place (see the module docstring); all lists are parallel.
 
     params: tensors of any float dtype (bf16 usually), contiguous; grads: same shapes, any float
     dtype; masters: fp32, or int16 low halves of bf16 params (compact, module docstring);
     exp_avgs, exp_avg_sqs: fp32, or both bf16 (stochastically rounded, module docstring),
     contiguous; steps: 0-dim fp32 counters on the
-    same device (incremented by one here); skip: None, or a 0-dim tensor of any dtype (moved to
-    the parameters' device): when nonzero, params, masters, moments and steps stay bitwise
-    unchanged.
+    same device (incremented by one here); first_seed: the random bits of tensor i come from
+    stream first_seed + i (a caller with several lists gives each its own range); skip: None,
+    or a 0-dim tensor of any dtype (moved to the parameters' device): when nonzero, params,
+    masters, moments and steps stay bitwise unchanged.
     """
     if not params:
         return
@@ -138,10 +145,10 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
         torch._foreach_add_(steps, [(flag == 0).float()] * len(steps))
     block = BLOCK if params[0].is_cuda else 1024
     for seed, (p, g, w, m, v, s) in enumerate(zip(params, grads, masters, exp_avgs,
-                                                  exp_avg_sqs, steps)):
+                                                  exp_avg_sqs, steps), start=first_seed):
         if not (p.is_contiguous() and w.is_contiguous() and m.is_contiguous()
                 and v.is_contiguous()):
-            raise ValueError("master_adamw_: parameters and fp32 state must be contiguous")
+            raise ValueError("master_adamw_: parameters and optimizer state must be contiguous")
         compact = w.dtype == torch.int16
         if compact and p.dtype != torch.bfloat16:
             raise ValueError(f"master_adamw_: int16 (compact) masters need bf16 parameters, "
@@ -173,14 +180,16 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 def stochastic_bf16(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
     """fp32 → bf16, rounded up in magnitude when the dropped 16 bits + `random16` (in
     [0, 2^16)) carry into the kept half: probability (dropped bits) / 2^16 (torch twin)."""
-    bits = x.float().contiguous().view(torch.int32).to(torch.int64) + random16
-    return _as_int16(((bits & 0xFFFFFFFF) >> 16) & 0xFFFF).view(torch.bfloat16)
+    x = x.float().contiguous()
+    bits = x.view(torch.int32).to(torch.int64) + random16
+    out = _as_int16(((bits & 0xFFFFFFFF) >> 16) & 0xFFFF)
+    return torch.where(x.isnan(), 0x7FC0, out).to(torch.int16).view(torch.bfloat16)
 
 
 @torch.no_grad()
 def master_adamw_reference_(params, grads, masters, exp_avgs, exp_avg_sqs, steps, *, lr: float,
                             beta1: float, beta2: float, eps: float, weight_decay: float,
-                            skip: torch.Tensor | None = None) -> None:
+                            skip: torch.Tensor | None = None, first_seed: int = 0) -> None:
     """Torch twin of `master_adamw_` with fp32 masters: the same fp32 update, the same
     stochastic rounding of bf16 moments. Equal to the kernel up to the fp32 rounding of
     exp2/log2/fused multiply-adds; the CPU path of bf16 moments."""
@@ -188,7 +197,7 @@ def master_adamw_reference_(params, grads, masters, exp_avgs, exp_avg_sqs, steps
         return
     f32 = torch.float32
     for seed, (p, g, w, m, v, s) in enumerate(zip(params, grads, masters, exp_avgs,
-                                                  exp_avg_sqs, steps)):
+                                                  exp_avg_sqs, steps), start=first_seed):
         s.add_(1.0)
         step = s.to(f32)
         bc1 = 1.0 - torch.exp2(step * torch.log2(torch.tensor(beta1, dtype=f32)))
@@ -199,8 +208,8 @@ def master_adamw_reference_(params, grads, masters, exp_avgs, exp_avg_sqs, steps
         new_v = beta2 * v.to(f32) + (1.0 - beta2) * g32 * g32
         new_w = new_w - (lr / bc1) * new_m / (torch.sqrt(new_v) / bc2_sqrt + eps)
         if m.dtype == torch.bfloat16:
-            key = hash32(torch.tensor(int(step) * 4096 + seed, dtype=torch.int64) & 0xFFFFFFFF)
-            index = torch.arange(m.numel(), dtype=torch.int64, device=m.device)
+            key = hash32(hash32(torch.tensor(int(step), dtype=torch.int64)) ^ seed)
+            index = torch.arange(m.numel(), dtype=torch.int64, device=m.device) & 0xFFFFFFFF
             h = hash32(index ^ key.to(m.device)).view(m.shape)
             m.copy_(stochastic_bf16(new_m, h & 0xFFFF))
             v.copy_(stochastic_bf16(new_v, h >> 16))

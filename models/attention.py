@@ -67,14 +67,18 @@ def step0_block_mask(doc_ids: Tensor, block_size: int = 128):
     j <= i) is *full* when every row of both blocks is in one document, *partial* (the mask is
     evaluated inside it) when their document-id ranges overlap, and skipped otherwise. Any key
     a query may see lies in an overlapping block, so the result is exact for any doc_ids; for
-    packed documents (each id one contiguous run) it lists the same blocks as
-    `create_block_mask` (`reference_block_mask`)."""
+    packed documents (each id one contiguous run, padding at the end) it lists the same blocks
+    as `create_block_mask` (`reference_block_mask`) when T is a multiple of the block size
+    (otherwise the last row block may be listed as full where that one lists it partial)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     doc = doc_ids
     T = doc.shape[0]
     nb = -(-T // block_size)
-    padded = torch.cat([doc, doc[-1:].expand(nb * block_size - T)]).view(nb, block_size)
+    # padding rows (-1) sort last, as at the end of a packed row, so their block's range does
+    # not reach back over every earlier document (a renaming: exactness is unchanged)
+    ranked = torch.where(doc < 0, torch.iinfo(doc.dtype).max, doc)
+    padded = torch.cat([ranked, ranked[-1:].expand(nb * block_size - T)]).view(nb, block_size)
     lo, hi = padded.amin(dim=1), padded.amax(dim=1)
     idx = torch.arange(nb, device=doc.device)
     below = idx[None, :] <= idx[:, None]                                   # kv block j <= q block i

@@ -337,15 +337,8 @@ def check(cfg: DictConfig | Any) -> None:
         fail("target.dtype", cfg.target.dtype, f"one of {list(DTYPE_CHOICES)}",
              "target.dtype=auto")
     check_data(cfg.data, fail)
-    if cfg.optim.lr <= 0:
-        fail("optim.lr", cfg.optim.lr, "> 0", "optim.lr=1e-4")
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        fail("optim.betas", list(cfg.optim.betas), "two values in [0, 1)", "optim.betas=[0.9,0.95]")
-    if cfg.optim.grad_accum < 1:
-        fail("optim.grad_accum", cfg.optim.grad_accum, ">= 1", "optim.grad_accum=1")
-    if not 0.0 <= cfg.optim.warmup_ratio < 1.0:
-        fail("optim.warmup_ratio", cfg.optim.warmup_ratio, "in [0, 1)", "optim.warmup_ratio=0.015")
-    check_optim(cfg.optim, fail)
+    check_optim(cfg.optim, fail, deepspeed=cfg.dist.backend == DistBackend.deepspeed,
+                fp32_params=cfg.train.param_dtype == ParamDtype.fp32)
     check_loop(cfg.train, cfg.export, fail)
     if cfg.dist.backend == DistBackend.deepspeed and cfg.dist.zero_stage not in (1, 2, 3):
         fail("dist.zero_stage", cfg.dist.zero_stage, "1, 2 or 3 with backend=deepspeed",
@@ -354,13 +347,6 @@ def check(cfg: DictConfig | Any) -> None:
         fail("dist.zero_stage", cfg.dist.zero_stage, "0 with backend=ddp",
              f"dist=zero{cfg.dist.zero_stage} to use DeepSpeed ZeRO-{cfg.dist.zero_stage}, "
              f"or dist.zero_stage=0")
-    if cfg.optim.moments != Moments.fp32 and cfg.dist.backend == DistBackend.deepspeed:
-        fail("optim.moments", cfg.optim.moments.value, "fp32 under DeepSpeed (its engine keeps "
-             "its own fp32 optimizer state)", "optim.moments=fp32, or dist=ddp")
-    if cfg.optim.moments != Moments.fp32 and cfg.train.param_dtype == ParamDtype.fp32:
-        fail("optim.moments", cfg.optim.moments.value, "fp32 with train.param_dtype=fp32 (bf16 "
-             "moments belong to the master-weight update of bf16 parameters)",
-             "optim.moments=fp32, or train.param_dtype=auto")
     if cfg.drafter.fp8 != FP8Recipe.off and cfg.dist.backend == DistBackend.deepspeed \
             and cfg.dist.zero_stage == 3:
         fail("drafter.fp8", cfg.drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "

@@ -81,8 +81,25 @@ def check_loop(train, export, fail: Fail) -> None:
              "abort at the first skipped step)", "train.max_nonfinite_steps=20")
 
 
-def check_optim(optim, fail: Fail) -> None:
-    """Optimizer values whose sign would change their meaning."""
+def check_optim(optim, fail: Fail, *, deepspeed: bool = False, fp32_params: bool = False
+                ) -> None:
+    """Optimizer values out of range, and bf16 moments where no master-weight update runs."""
+    if optim.lr <= 0:
+        fail("optim.lr", optim.lr, "> 0", "optim.lr=1e-4")
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        fail("optim.betas", list(optim.betas), "two values in [0, 1)", "optim.betas=[0.9,0.95]")
+    if optim.grad_accum < 1:
+        fail("optim.grad_accum", optim.grad_accum, ">= 1", "optim.grad_accum=1")
+    if not 0.0 <= optim.warmup_ratio < 1.0:
+        fail("optim.warmup_ratio", optim.warmup_ratio, "in [0, 1)", "optim.warmup_ratio=0.015")
+    moments = getattr(optim.moments, "value", optim.moments)
+    if moments != "fp32" and deepspeed:
+        fail("optim.moments", moments, "fp32 under DeepSpeed (its engine keeps its own fp32 "
+             "optimizer state)", "optim.moments=fp32, or dist=ddp")
+    if moments != "fp32" and fp32_params:
+        fail("optim.moments", moments, "fp32 with train.param_dtype=fp32 (bf16 moments belong "
+             "to the master-weight update of bf16 parameters)",
+             "optim.moments=fp32, or train.param_dtype=bf16")
     if optim.clip_grad_norm < 0:
         fail("optim.clip_grad_norm", optim.clip_grad_norm, ">= 0 (0 = no clipping)",
              "optim.clip_grad_norm=0.5 (or 0 to disable clipping)")

@@ -129,6 +129,7 @@ class MasterAdamW(torch.optim.Optimizer):
         from eyas.kernels.adamw import master_adamw_, master_adamw_reference_
         update = master_adamw_ if self.impl == "triton" else master_adamw_reference_
         mdt = self.moment_dtype
+        first_seed = 0                     # each tensor its own random-bit stream
         for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
                                                self.masters):
             for key in ("lr", "betas", "eps", "weight_decay"):
@@ -153,7 +154,9 @@ class MasterAdamW(torch.optim.Optimizer):
             update([p for p, _ in todo], [p.grad for p, _ in todo], [m for _, m in todo],
                    [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                    [s["step"] for s in states], lr=group["lr"], beta1=b1, beta2=b2,
-                   eps=group["eps"], weight_decay=group["weight_decay"], skip=skip)
+                   eps=group["eps"], weight_decay=group["weight_decay"], skip=skip,
+                   first_seed=first_seed)
+            first_seed += len(group["params"])
 
     def state_dict(self):
         return {"inner": self.inner.state_dict(),
@@ -164,6 +167,10 @@ class MasterAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state):
         self._follow_parameters()
         self.inner.load_state_dict(state["inner"])
+        for st in self.inner.state.values():     # torch casts moments to the master's dtype
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st and st[key].dtype != self.moment_dtype:
+                    st[key] = st[key].to(self.moment_dtype).contiguous()
         with torch.no_grad():
             if self.compact:
                 from eyas.kernels.adamw import split_master

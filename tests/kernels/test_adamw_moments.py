@@ -78,6 +78,19 @@ def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased():
         assert abs(y.mean().item() - value) < 4 * stderr + 1e-12 * abs(value)
     exact = torch.tensor([0.0, 1.0, -2.5, 3.0e38]).bfloat16().float()
     assert torch.equal(stochastic_bf16(exact, torch.full((4,), 0xFFFF)).float(), exact)
+    # NaNs with their payload in the dropped bits stay NaN (no carry into an infinity, no wrap)
+    nans = torch.tensor([0x7F800001, -0x7FFF, -1], dtype=torch.int32).view(torch.float32)
+    assert stochastic_bf16(nans, torch.full((3,), 0xFFFF)).isnan().all()
+
+
+def test_a_nan_gradient_leaves_nan_moments_in_both_implementations():
+    for update in (master_adamw_, master_adamw_reference_):
+        p = _params()
+        w, m, v, s = _state(p, torch.bfloat16)
+        g = _grads(0)
+        g[1][5] = float("nan")
+        update([x.data for x in p], g, w, m, v, s, weight_decay=0.0, **KW)
+        assert m[1][5].isnan() and v[1][5].isnan() and not m[1][4].isnan()
 
 
 def test_bf16_moments_track_the_fp32_moment_trajectory():
@@ -112,6 +125,9 @@ def test_bf16_moment_checkpoints_resume_exactly_and_load_into_fp32_mode():
     other = MasterAdamW(c, **{**kw, "moments": "fp32"})
     same.load_state_dict(copy.deepcopy(saved))
     other.load_state_dict(copy.deepcopy(saved))
+    for o, dtype in ((same, torch.bfloat16), (other, torch.float32)):   # as loaded, before a step
+        assert {o.inner.state[m][k].dtype for m in o.masters[0]
+                for k in ("exp_avg", "exp_avg_sq")} == {dtype}
     for o, ps in ((opt, a), (same, b), (other, c)):
         for p, g in zip(ps, _grads(7)):
             p.grad = g

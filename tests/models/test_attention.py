@@ -87,11 +87,15 @@ def _elements_of(block_mask, doc):
     return on
 
 
-@pytest.mark.parametrize("lengths", [[7, 12, 3, 3], [16, 16], [40], [5] * 6 + [1], [9, 30, 2]])
+@pytest.mark.parametrize("lengths", [[7, 12, 3, 2], [16, 16], [40], [5] * 6 + [2], [9, 30, 1],
+                                     [7, 12, 3, -10], [9, 20, -3]])
 @pytest.mark.parametrize("block", [4, 8])
 def test_block_mask_lists_the_tiles_of_create_block_mask(lengths, block):
+    """Packed rows of T = 24, 32 or 40 tokens (multiples of the block); a negative length is
+    that many padding rows (-1)."""
     from eyas.models.attention import reference_block_mask
-    doc = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+    doc = torch.cat([torch.full((abs(n),), i if n > 0 else -1, dtype=torch.int32)
+                     for i, n in enumerate(lengths)])
     ours, ref = step0_block_mask(doc, block), reference_block_mask(doc, block)
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
@@ -100,10 +104,12 @@ def test_block_mask_lists_the_tiles_of_create_block_mask(lengths, block):
 
 
 @pytest.mark.parametrize("doc", [PACKED, torch.tensor([0, 0, 1, 1, 0, 0, 2, -1, 1, 1, -1, 2]),
-                                 torch.tensor([3, 3, 3, 1, 1, 1, 1, 2, 2, 0, 0, 0, 0, 0])])
+                                 torch.tensor([3, 3, 3, 1, 1, 1, 1, 2, 2, 0, 0, 0, 0, 0]),
+                                 torch.tensor([0] * 20), torch.tensor([0] * 9 + [1] * 9 + [-1])])
 def test_block_mask_is_exact_for_any_document_ids(doc):
-    """Padding rows, ids out of order and documents split in two runs: tiles may be listed that
-    a finer test would skip, but every element computes exactly the step-0 mask."""
+    """Padding rows, ids out of order, documents split in two runs, T not a multiple of the
+    block: tiles may be listed that a finer test would skip, but every element computes
+    exactly the step-0 mask."""
     for block in (2, 4, 8):
         assert torch.equal(_elements_of(step0_block_mask(doc, block), doc), step0_mask(doc))
 

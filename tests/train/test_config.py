@@ -92,7 +92,7 @@ def test_bf16_moments_are_refused_where_no_master_weight_update_runs():
     for overrides, fix in ((["optim.moments=bf16", "dist=zero2"],
                             "optim.moments=fp32, or dist=ddp"),
                            (["optim.moments=bf16", "train.param_dtype=fp32"],
-                            "or train.param_dtype=auto")):
+                            "or train.param_dtype=bf16")):
         with pytest.raises(ConfigError, match="optim.moments") as e:
             check(_compose(overrides))
         assert fix in str(e.value)
