@@ -93,25 +93,24 @@ def step0_block_mask(doc_ids: Tensor, block_size: int = 128):
         order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
         return num, order.to(torch.int32)[None, None]
 
-    def causal_document(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
-
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=block_size,
-                                    mask_mod=causal_document, seq_lengths=(T, T))
+                                    mask_mod=_causal_document(doc), seq_lengths=(T, T))
 
 
 def reference_block_mask(doc_ids: Tensor, block_size: int = 128):
     """`step0_block_mask` through flex attention's own `create_block_mask` (the T² evaluation)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    doc = doc_ids
+    T = doc_ids.shape[0]
+    return create_block_mask(_causal_document(doc_ids), None, None, T, T, device=doc_ids.device,
+                             BLOCK_SIZE=block_size)
 
+
+def _causal_document(doc: Tensor) -> Callable:
+    """flex mask_mod of `step0_mask`: the key is not after the query, in the same document."""
     def causal_document(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (doc[q_idx] == doc[kv_idx])
-
-    T = doc_ids.shape[0]
-    return create_block_mask(causal_document, None, None, T, T, device=doc_ids.device,
-                             BLOCK_SIZE=block_size)
+    return causal_document
 
 
 # ---------------------------------------------------------------------- step-0 kernels: (out, lse)

@@ -14,7 +14,7 @@ same fp32 values at 2 bytes per parameter instead of 4 (kernels.adamw). Checkpoi
 fp32 masters in both modes, so they load into either. With `moments="bf16"` (`optim.moments`)
 exp_avg and exp_avg_sq are stored in bf16, stochastically rounded (kernels.adamw): 4 bytes per
 parameter less; the CPU runs the kernel's torch twin. A checkpoint of either moment dtype
-loads into either mode (converted at the first step; exact only within one mode).
+loads into either mode (converted at load; exact only within one mode).
 """
 
 from __future__ import annotations
@@ -141,12 +141,8 @@ class MasterAdamW(torch.optim.Optimizer):
                     st["step"] = torch.zeros((), dtype=torch.float32, device=m.device)
                     st["exp_avg"] = torch.zeros(m.shape, dtype=mdt, device=m.device)
                     st["exp_avg_sq"] = torch.zeros(m.shape, dtype=mdt, device=m.device)
-                    continue
-                if st["step"].device != m.device or st["step"].dtype != torch.float32:
+                elif st["step"].device != m.device or st["step"].dtype != torch.float32:
                     st["step"] = st["step"].to(m.device, torch.float32)   # e.g. a CPU checkpoint
-                for key in ("exp_avg", "exp_avg_sq"):        # a checkpoint of the other mode
-                    if st[key].dtype != mdt:
-                        st[key] = st[key].to(mdt).contiguous()
             if group.get("amsgrad") or group.get("maximize"):
                 raise NotImplementedError("MasterAdamW(impl='triton') has no amsgrad/maximize")
             states = [self.inner.state[m] for _, m in todo]
@@ -167,7 +163,8 @@ class MasterAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state):
         self._follow_parameters()
         self.inner.load_state_dict(state["inner"])
-        for st in self.inner.state.values():     # torch casts moments to the master's dtype
+        # torch casts moments to the master's dtype; a checkpoint of the other mode converts here
+        for st in self.inner.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in st and st[key].dtype != self.moment_dtype:
                     st[key] = st[key].to(self.moment_dtype).contiguous()

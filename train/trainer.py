@@ -201,9 +201,8 @@ def build_optimizer(module: nn.Module, optim_cfg: OptimConfig, total_steps: int,
     """(optimizer, LR schedule): fp32 master weights over bf16 parameters off DeepSpeed."""
     optimizer = make_optimizer(module.parameters(), optim_cfg, master_weights=master_weights,
                                impl=impl, compact=compact, moments=moments)
-    log.info("optimizer: %s", optimizer.describe() if hasattr(optimizer, "describe")
-             else f"torch AdamW on {next(iter(optimizer.param_groups))['params'][0].dtype} "
-                  f"parameters (fp32 moments)")
+    log.info("optimizer: %s", optimizer.describe() if hasattr(optimizer, "describe") else
+             f"torch AdamW on {optimizer.param_groups[0]['params'][0].dtype} parameters")
     return optimizer, build_scheduler(optimizer, optim_cfg, total_steps)
 
 
