@@ -255,7 +255,7 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
     Batch size 1; the target runs on `device` (when it is loaded here), the drafter on the
-    CPU. context_buckets: edges of the `by_context`
+    target's device (the engine-math reference, `EngineDrafter`). context_buckets: edges of the `by_context`
     buckets (the verified position of each round, `models.context`). temperature > 0: the
     engines' rejection sampling (`models.serving.sampling`; draft "argmax" or "sample"),
     prompt i seeded seed + i.
@@ -273,8 +273,9 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
                          f"dtype={dtype!r}: pass the matching dtype (or let it load the target)")
     prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
     tcfg = model.config.get_text_config()
-    embed = model.get_input_embeddings().weight.detach().cpu()        # the drafter runs on CPU
-    engine, cfg = load_engine_drafter(drafter_dir, embed, dtype=TARGET_DTYPES[dtype])
+    embed = model.get_input_embeddings().weight.detach()       # the drafter runs beside the target
+    engine, cfg = load_engine_drafter(drafter_dir, embed, dtype=TARGET_DTYPES[dtype],
+                                      device=embed.device)
     if int(cfg.get("target_hidden_size") or -1) != int(tcfg.hidden_size):
         raise ValueError(f"{drafter_dir}/config.json target_hidden_size="
                          f"{cfg.get('target_hidden_size')} but target {target} has hidden size "

@@ -156,8 +156,9 @@ class EngineRope:
         return freqs.cos() * factor, freqs.sin() * factor
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """NeoX-style rotary embedding of x [n, heads, d] at positions [n]: x·cos + rotate_half(x)·sin."""
-        cos, sin = self.cos_sin(positions)
+        """NeoX-style rotary embedding of x [n, heads, d] at positions [n]: x·cos + rotate_half(x)·sin.
+        The tables are computed on the CPU (fp32), then moved to x's device."""
+        cos, sin = (t.to(x.device) for t in self.cos_sin(positions.cpu()))
         cos = torch.cat([cos, cos], -1)[:, None, :]                     # [n, 1, d]
         sin = torch.cat([sin, sin], -1)[:, None, :]
         xf = x.float()

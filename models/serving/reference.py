@@ -57,8 +57,8 @@ class EngineDrafter:
     """A layout-A drafter decoded the engines' way, one sequence at a time (see module docstring)."""
 
     def __init__(self, cfg: dict, tensors: dict[str, Tensor], embedding: Tensor,
-                 dtype: torch.dtype, engine: str = "vllm"):
-        self.dtype = dtype
+                 dtype: torch.dtype, engine: str = "vllm", device: str | torch.device = "cpu"):
+        self.dtype, self.device = dtype, torch.device(device)
         self.H = int(cfg["hidden_size"])
         self.nh, self.nkv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
         self.hd = int(cfg.get("head_dim") or self.H // self.nh)
@@ -69,24 +69,28 @@ class EngineDrafter:
         # (fp32 accumulation) and avoids slow bf16 GEMMs on CPU
         self.norm_before_fc, self.fc_norm, self.norm_output = _eagle31(cfg)
         keep = set(REQUIRED_TENSORS) | {NORM_BEFORE_FC_TENSOR, *FC_NORM_TENSORS}
-        self.w = {k: v.to(dtype).float() for k, v in tensors.items() if k in keep}
+        self.w = {k: v.to(dtype).float().to(self.device) for k, v in tensors.items() if k in keep}
         self.Vd = self.w["lm_head.weight"].shape[0]
         d2t = tensors.get("d2t")
-        self.target_ids = torch.arange(self.Vd) + (d2t.to(torch.long) if d2t is not None else 0)
-        self.embedding = embedding.to(dtype)
+        self.target_ids = (torch.arange(self.Vd) + (d2t.to(torch.long) if d2t is not None else 0)
+                           ).to(self.device)
+        self.embedding = embedding.to(device=self.device, dtype=dtype)
         self.rope = EngineRope(cfg, self.hd, engine)   # engine: whose RoPE where they differ
         self.reset()
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_tensors(cls, config_dict: dict, tensors: dict[str, Tensor], target_embedding: Tensor,
-                     *, dtype: torch.dtype | None = None, engine: str = "vllm") -> EngineDrafter:
+                     *, dtype: torch.dtype | None = None, engine: str = "vllm",
+                     device: str | torch.device = "cpu") -> EngineDrafter:
         """Load like the engines: layout-A names, d2t offsets, the target's embedding.
 
         config_dict: the drafter's config.json; tensors: its safetensors by name (no `model.`
         prefix, `midlayer.` layer); target_embedding: the target's input embedding [V, H].
         dtype: compute dtype (default: that of fc.weight; engines serve bf16). engine: "vllm" or
         "sglang", whose RoPE to compute for the types where they differ (models/serving/engine_rope.py).
+        device: where the weights, the KV cache and the math live (inputs are moved there;
+        draft ids come back on the CPU).
         Raises ValueError naming the tensor/key for anything the engines would reject or
         silently mis-serve (unknown or missing names, wrong shapes, missing d2t with Vd < V).
         """
@@ -136,13 +140,14 @@ class EngineDrafter:
                     or int(ids.min()) < 0 or int(ids.max()) >= V:
                 raise ValueError("d2t must be [draft_vocab_size] OFFSETS with i + d2t[i] strictly "
                                  "increasing within [0, vocab_size)")
-        return cls(cfg, tensors, target_embedding, dtype or tensors["fc.weight"].dtype, engine)
+        return cls(cfg, tensors, target_embedding, dtype or tensors["fc.weight"].dtype, engine,
+                   device)
 
     # ------------------------------------------------------------------ cache
     def reset(self) -> None:
         """Empty the KV cache (a new sequence)."""
-        self.k_cache = torch.zeros(0, self.nkv, self.hd, dtype=self.dtype)
-        self.v_cache = torch.zeros(0, self.nkv, self.hd, dtype=self.dtype)
+        self.k_cache = torch.zeros(0, self.nkv, self.hd, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(0, self.nkv, self.hd, dtype=self.dtype, device=self.device)
 
     @property
     def cache_len(self) -> int:
@@ -163,7 +168,7 @@ class EngineDrafter:
 
     def _scatter(self, draft_logits: Tensor) -> Tensor:
         """vLLM's mapping: [n, Vd] → [n, V], draft logit i at target id i + d2t[i], -inf elsewhere."""
-        logits = torch.full((draft_logits.shape[0], self.V), float("-inf"))
+        logits = torch.full((draft_logits.shape[0], self.V), float("-inf"), device=self.device)
         logits[:, self.target_ids] = draft_logits
         return logits
 
@@ -183,7 +188,8 @@ class EngineDrafter:
         keys = self.k_cache.repeat_interleave(rep, dim=1).float()         # [L+n, nh, hd]
         vals = self.v_cache.repeat_interleave(rep, dim=1).float()
         scores = q.float().transpose(0, 1) @ keys.permute(1, 2, 0) / math.sqrt(self.hd)  # [nh, n, L+n]
-        allowed = torch.arange(self.cache_len)[None, :] <= (start + torch.arange(n))[:, None]
+        allowed = (torch.arange(self.cache_len, device=self.device)[None, :]
+                   <= (start + torch.arange(n, device=self.device))[:, None])
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         attn = (probs @ vals.transpose(0, 1)).transpose(0, 1).reshape(n, self.nh * self.hd)
         h = g + self._lin(attn.to(self.dtype), "midlayer.self_attn.o_proj.weight")
@@ -203,27 +209,28 @@ class EngineDrafter:
         aux [n, 3·tH] (the target's [h_a|h_b|h_c] at those positions), next_tokens [n] (the token
         at position i+1 for each i), positions [n]. Returns (prenorm [n, H], logits [n, V] fp32).
         """
-        x = aux.to(self.dtype)
+        x = aux.to(device=self.device, dtype=self.dtype)
         if self.norm_before_fc:                          # vLLM's / SGLang's order: whole row,
             x = self._norm(x, NORM_BEFORE_FC_TENSOR)
         if self.fc_norm:                                 # then each aux state
             x = torch.cat([self._norm(c, n) for c, n in zip(x.chunk(3, dim=-1), FC_NORM_TENSORS)],
                           dim=-1)
-        p, draft = self._layer(self._lin(x, "fc.weight"), next_tokens.long(), positions.long())
+        p, draft = self._layer(self._lin(x, "fc.weight"), next_tokens.to(self.device).long(),
+                               positions.long())
         return p, self._scatter(draft)
 
     @torch.no_grad()
     def step(self, prev_prenorm: Tensor, token: int | Tensor, position: int | Tensor
              ) -> tuple[Tensor, Tensor]:
         """One draft step: prev_prenorm [H], token (a TARGET id), position → (prenorm [H], logits [V])."""
-        p, draft = self._layer(prev_prenorm.to(self.dtype).view(1, self.H),
-                               torch.as_tensor(token).long().view(1),
+        p, draft = self._layer(prev_prenorm.to(self.device, self.dtype).view(1, self.H),
+                               torch.as_tensor(token, device=self.device).long().view(1),
                                torch.as_tensor(position).long().view(1))
         return p[0], self._scatter(draft)[0]
 
     def to_draft_vocab(self, logits: Tensor) -> Tensor:
         """Target-vocabulary logits [..., V] → the draft vocabulary's [..., Vd] (row i = id i+d2t[i])."""
-        return logits[..., self.target_ids]
+        return logits[..., self.target_ids.to(logits.device)]
 
     def greedy_chain(self, prenorm: Tensor, logits: Tensor, position: int, num_steps: int,
                      *, keep_cache: bool = False) -> Tensor:

@@ -122,7 +122,7 @@ def draft_chain(drafter, prenorm: Tensor, logits: Tensor, position: int, num_ste
         return drafter.greedy_chain(prenorm, logits, position, num_steps).tolist(), None
     start, out, qs = drafter.cache_len, [], []
     for i in range(num_steps):
-        q = probs(logits, temperature)
+        q = probs(logits.cpu(), temperature)           # the generator is a CPU one
         tok = int(sample(q, generator))
         out.append(tok)
         qs.append(q)

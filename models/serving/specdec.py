@@ -109,10 +109,12 @@ def drafter_aux_layer_ids(cfg: dict, num_target_layers: int) -> list[int]:
 
 
 def load_engine_drafter(drafter_dir: str | Path, target_embedding: Tensor,
-                        dtype: torch.dtype = torch.bfloat16) -> tuple[EngineDrafter, dict]:
+                        dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+                        ) -> tuple[EngineDrafter, dict]:
     """(EngineDrafter, config.json dict) of an exported drafter directory, loaded like vLLM.
 
-    target_embedding: the target's input embedding [V, H]. Errors name the directory.
+    target_embedding: the target's input embedding [V, H]; device: where the drafter computes.
+    Errors name the directory.
     """
     from eyas.models.serving.contract import TensorDir, read_config
     path = Path(drafter_dir)
@@ -122,7 +124,8 @@ def load_engine_drafter(drafter_dir: str | Path, target_embedding: Tensor,
         raise FileNotFoundError(f"{path}: no *.safetensors files (an exported drafter holds "
                                 f"model.safetensors or shards)")
     try:
-        engine = EngineDrafter.from_tensors(cfg, tdir.load_all(), target_embedding, dtype=dtype)
+        engine = EngineDrafter.from_tensors(cfg, tdir.load_all(), target_embedding, dtype=dtype,
+                                            device=device)
     except ValueError as e:
         raise ValueError(f"{path}: the engines would not load this drafter: {e}") from None
     return engine, cfg
@@ -289,7 +292,7 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
         n = aux.shape[0]
         pos = torch.arange(row0, row0 + n)
         nxt = torch.tensor(seq[row0 + 1:row0 + n + 1])
-        prenorm, logits = drafter.prefill(aux.to(drafter.dtype).cpu(), nxt, pos)
+        prenorm, logits = drafter.prefill(aux, nxt, pos)        # moved to the drafter's device
         if sampled:
             drafts, q = sampling.draft_chain(drafter, prenorm[-1], logits[-1], row0 + n - 1, k,
                                              temperature=temperature, draft=draft,

@@ -258,3 +258,36 @@ def test_mla_moe_target_is_token_identical(tmp_path):
                       stop_ids=stop_token_ids(model, tok), progress=False)
     assert res["tokens_identical"], res["mismatches"]
     assert res["target_forwards"] == res["decode_rounds"] + 2
+
+
+@pytest.mark.gpu
+def test_drafter_on_the_gpu_matches_the_cpu_and_decodes_token_identically(tiny, random_export):
+    """The engine reference on CUDA: the same step-0 logits and greedy chains as on the CPU
+    (fp32 math, float noise only), and real decoding with target and drafter on the GPU
+    stays token-identical to target-only greedy."""
+    model, tok, prompts = tiny
+    emb = model.get_input_embeddings().weight.detach()
+    cpu, cfg = load_engine_drafter(random_export, emb, dtype=torch.float32)
+    gpu, _ = load_engine_drafter(random_export, emb.cuda(), dtype=torch.float32, device="cuda")
+    assert gpu.w["fc.weight"].is_cuda and gpu.k_cache.is_cuda
+    torch.manual_seed(1)
+    n, width = 9, 3 * model.config.hidden_size
+    aux, nxt, pos = torch.randn(n, width), torch.randint(0, cfg["vocab_size"], (n,)), torch.arange(n)
+    (p_c, l_c), (p_g, l_g) = cpu.prefill(aux, nxt, pos), gpu.prefill(aux, nxt, pos)
+    assert l_g.is_cuda
+    torch.testing.assert_close(p_g.cpu(), p_c, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(l_g.cpu(), l_c, rtol=1e-4, atol=1e-4)
+    chain_c = cpu.greedy_chain(p_c[-1], l_c[-1], n - 1, K)
+    chain_g = gpu.greedy_chain(p_g[-1], l_g[-1], n - 1, K)
+    assert chain_g.device.type == "cpu" and chain_g.tolist() == chain_c.tolist()
+    assert gpu.cache_len == n                                   # draft entries rolled back
+    model = model.cuda()
+    try:
+        engine, cfg = load_engine_drafter(random_export, model.get_input_embeddings().weight.detach(),
+                                          dtype=torch.float32, device="cuda")
+        res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=12,
+                          stop_ids=stop_token_ids(model, tok))
+    finally:
+        model.cpu()
+    assert res["tokens_identical"], res["mismatches"]
+    assert res["drafter_forwards"] == K * res["decode_rounds"]
