@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
                    "held-out split (train.seed; the drafter's recorded seed unless given)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where --data's drafter "
-                   "and --prompts' target run (the engine-reference drafter of real decoding "
-                   "stays on the CPU)")
+                   "and --prompts' target run (real decoding's engine-reference drafter runs "
+                   "beside the target)")
     p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
                    "(default: ~/.cache/eyas)")
     p.add_argument("--context-buckets", type=_edges_arg, default=list(DEFAULT_EDGES),
