@@ -124,6 +124,90 @@ def _written(done: tuple[int, int], rank: int, tokens: int, t0: float, bar) -> N
     log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, *done, rate)
 
 
+def _check_settings(teacher: str, topk: int, vocab_chunk: int, rank: int,
+                    world_size: int) -> None:
+    """Refuse an unknown teacher, a top-k outside [1, vocab_chunk] or a rank outside the world."""
+    if teacher not in TEACHERS:
+        raise ExtractError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
+    if teacher != "last" and not 1 <= topk <= vocab_chunk:
+        raise ExtractError(f"topk must be in [1, vocab_chunk={vocab_chunk}], got {topk}")
+    if not 0 <= rank < world_size:
+        raise ExtractError(f"rank {rank} is not in [0, world_size={world_size})")
+
+
+def _plan(tokens, tokens_dir, target, model: nn.Module, n: int, lengths: list[int],
+          shard_tokens: int, *, aux_ids: list[int], teacher: str, topk: int, aux_format: str,
+          hidden: int, vocab: int, num_layers: int) -> dict[str, Any]:
+    """The extraction plan (`extract_plan.json`): the settings a resume must match, the shard
+    ranges and the manifest the finished dataset gets."""
+    src = tokens.manifest
+    target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {
+        "format": "eyas-extract-plan", "tokens_dir": str(tokens_dir), "target": str(target),
+        "target_dtype": target_dtype,
+        "tokens_checksum": json.dumps([s.get("checksum") for s in src.get("shards", [])]),
+        "aux_layer_ids": aux_ids, "teacher": teacher, "topk": topk, "aux_format": aux_format,
+        "shards": plan_shards(lengths, shard_tokens),
+        "manifest": {
+            "kind": "hidden", "target": str(target),
+            "target_config": json.loads(model.config.to_json_string()),
+            "target_fingerprint": target_fingerprint(model),
+            "aux_layer_ids": aux_ids, "convention": "hf_hidden_states",
+            "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
+            "target_dtype": target_dtype,
+            "teacher": {"kind": teacher, "last": "post_norm" if teacher != "topk" else None,
+                        "topk": topk or None, "target_argmax": True},
+            "tokenizer": src.get("tokenizer"), "prepare": src.get("prepare"),
+            "tokens_dataset": {"path": str(tokens_dir), "n_samples": n}},
+    }
+
+
+def _run_shards(model: nn.Module, tokens, tokens_dir, out: Path, shards: list[list[int]],
+                todo: list[int], lengths: list[int], *, aux_ids: list[int], rank: int,
+                teacher: str, topk: int, aux_format: str, batch_tokens: int,
+                pad_batches: bool, row_chunk: int, vocab_chunk: int) -> int:
+    """Compute and write shards `todo` of the plan; returns the tokens processed. Shard j is
+    written on a thread while the target computes shard j + 1 (at most one shard in flight,
+    so host memory holds two shards' features at most)."""
+    from eyas.data.utils import progress
+    text, dec_layers, norm, head = find_text_model(model)
+    vocab = int(head.weight.shape[0])
+    logit_tf = logit_transform(model.config)
+    capture = Capture(dec_layers, aux_ids, norm)
+    total = sum(sum(lengths[a:b]) for a, b in (shards[j] for j in todo))
+    bar = progress(None, total=total, unit="tok", unit_scale=True, desc=f"extract[{rank}]")
+    done_tokens, t0 = 0, time.perf_counter()
+    writer, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer"), None
+    try:
+        for j in todo:
+            a, b = shards[j]
+            results: dict[int, dict] = {}
+            for idx in length_groups(lengths, list(range(a, b)), batch_tokens, pad_batches):
+                batch = [tokens.sample(i, fields=("input_ids", "loss_mask")) for i in idx]
+                top = max(int(s["input_ids"].max()) for s in batch)
+                if top >= vocab:
+                    raise ExtractError(f"{tokens_dir}: token id {top} in samples {idx} is outside "
+                                       f"the target's vocabulary ({vocab}); was the dataset "
+                                       f"prepared with another tokenizer?")
+                outs = run_batch(text, capture, head, batch, teacher=teacher, topk=topk,
+                                 row_chunk=row_chunk, vocab_chunk=vocab_chunk, logit_tf=logit_tf)
+                results.update(zip(idx, outs))
+                ntok = sum(lengths[i] for i in idx)
+                done_tokens += ntok
+                bar.update(ntok)
+            if pending is not None:
+                _written(pending.result(), rank, done_tokens, t0, bar)
+            pending = writer.submit(_write, out, j, [results[i] for i in range(a, b)],
+                                    aux_format)
+        if pending is not None:
+            _written(pending.result(), rank, done_tokens, t0, bar)
+    finally:
+        writer.shutdown(wait=True)
+        capture.remove()
+        bar.close()
+    return done_tokens
+
+
 @writes_directory("out_dir", what="hidden-state dataset",
                   when=lambda a: a["world_size"] == 1)  # several ranks: cli_main's rank 0
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
@@ -168,14 +252,8 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     Returns a summary dict (shards computed/resumed, tokens, tokens/s).
     """
     from eyas.data.shards import open_dataset
-    from eyas.data.utils import progress
 
-    if teacher not in TEACHERS:
-        raise ExtractError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
-    if teacher != "last" and not 1 <= topk <= vocab_chunk:
-        raise ExtractError(f"topk must be in [1, vocab_chunk={vocab_chunk}], got {topk}")
-    if not 0 <= rank < world_size:
-        raise ExtractError(f"rank {rank} is not in [0, world_size={world_size})")
+    _check_settings(teacher, topk, vocab_chunk, rank, world_size)
     check_extract_out(out_dir, tokens_dir)
     tokens = open_dataset(tokens_dir)
     for f in ("input_ids", "loss_mask"):
@@ -194,66 +272,20 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     if shard_tokens is None:
         shard_tokens = default_shard_tokens(hidden, aux_format, teacher, topk, shard_bytes)
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
-    src = tokens.manifest
-    target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    plan = {
-        "format": "eyas-extract-plan", "tokens_dir": str(tokens_dir), "target": str(target),
-        "target_dtype": target_dtype,
-        "tokens_checksum": json.dumps([s.get("checksum") for s in src.get("shards", [])]),
-        "aux_layer_ids": aux_ids, "teacher": teacher, "topk": topk, "aux_format": aux_format,
-        "shards": plan_shards(lengths, shard_tokens),
-        "manifest": {
-            "kind": "hidden", "target": str(target),
-            "target_config": json.loads(model.config.to_json_string()),
-            "target_fingerprint": target_fingerprint(model),
-            "aux_layer_ids": aux_ids, "convention": "hf_hidden_states",
-            "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
-            "target_dtype": target_dtype,
-            "teacher": {"kind": teacher, "last": "post_norm" if teacher != "topk" else None,
-                        "topk": topk or None, "target_argmax": True},
-            "tokenizer": src.get("tokenizer"), "prepare": src.get("prepare"),
-            "tokens_dataset": {"path": str(tokens_dir), "n_samples": n}},
-    }
+    plan = _plan(tokens, tokens_dir, target, model, n, lengths, shard_tokens, aux_ids=aux_ids,
+                 teacher=teacher, topk=topk, aux_format=aux_format, hidden=hidden, vocab=vocab,
+                 num_layers=num_layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_plan(out, plan)
 
     todo, resumed = _pending_shards(out, plan["shards"], rank, world_size)
-    logit_tf = logit_transform(model.config)
-    capture = Capture(dec_layers, aux_ids, norm)
-    total = sum(sum(lengths[a:b]) for a, b in (plan["shards"][j] for j in todo))
-    bar = progress(None, total=total, unit="tok", unit_scale=True, desc=f"extract[{rank}]")
-    done_tokens, t0 = 0, time.perf_counter()
-    # shard j is written on a thread while the target computes shard j + 1 (at most one shard
-    # in flight, so host memory holds two shards' features at most)
-    writer, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer"), None
-    try:
-        for j in todo:
-            a, b = plan["shards"][j]
-            results: dict[int, dict] = {}
-            for idx in length_groups(lengths, list(range(a, b)), batch_tokens, pad_batches):
-                batch = [tokens.sample(i, fields=("input_ids", "loss_mask")) for i in idx]
-                top = max(int(s["input_ids"].max()) for s in batch)
-                if top >= vocab:
-                    raise ExtractError(f"{tokens_dir}: token id {top} in samples {idx} is outside "
-                                       f"the target's vocabulary ({vocab}); was the dataset "
-                                       f"prepared with another tokenizer?")
-                outs = run_batch(text, capture, head, batch, teacher=teacher, topk=topk,
-                                 row_chunk=row_chunk, vocab_chunk=vocab_chunk, logit_tf=logit_tf)
-                results.update(zip(idx, outs))
-                ntok = sum(lengths[i] for i in idx)
-                done_tokens += ntok
-                bar.update(ntok)
-            if pending is not None:
-                _written(pending.result(), rank, done_tokens, t0, bar)
-            pending = writer.submit(_write, out, j, [results[i] for i in range(a, b)],
-                                    aux_format)
-        if pending is not None:
-            _written(pending.result(), rank, done_tokens, t0, bar)
-    finally:
-        writer.shutdown(wait=True)
-        capture.remove()
-        bar.close()
+    t0 = time.perf_counter()
+    done_tokens = _run_shards(model, tokens, tokens_dir, out, plan["shards"], todo, lengths,
+                              aux_ids=aux_ids, rank=rank, teacher=teacher, topk=topk,
+                              aux_format=aux_format, batch_tokens=batch_tokens,
+                              pad_batches=pad_batches, row_chunk=row_chunk,
+                              vocab_chunk=vocab_chunk)
     dt = time.perf_counter() - t0
     summary = {"out_dir": str(out), "shards": len(plan["shards"]), "computed": todo,
                "resumed": resumed, "tokens": done_tokens, "seconds": round(dt, 3),

@@ -168,6 +168,90 @@ def _save_tensors(tensors: dict[str, torch.Tensor], d: Path, max_shard_bytes: in
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
+def _vocab_map(sd: dict[str, torch.Tensor], d2t: torch.Tensor | None,
+               t2d: torch.Tensor | None, V: int, Vd: int
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(d2t, t2d) to ship: explicit arguments win but must agree with the state dict's buffers
+    (popped from `sd`); both None when the draft vocabulary is the target's."""
+    for name, given in (("d2t", d2t), ("t2d", t2d)):
+        buf = sd.pop(name, None)
+        if buf is not None and given is not None and not torch.equal(buf.long(), given.long()):
+            raise ExportError(f"the checkpoint's {name} buffer differs from the {name} passed "
+                              f"in: keep the mapping the drafter was trained with")
+        if name == "d2t":
+            d2t = given if given is not None else buf
+        else:
+            t2d = given if given is not None else buf
+    if Vd >= V:
+        if d2t is not None and bool(d2t.any()):
+            raise ExportError("draft_vocab_size == vocab_size but d2t is not all zero")
+        return None, None  # contract: shipped iff Vd < V
+    if d2t is None:
+        raise ExportError(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t was given or "
+                          f"found in the checkpoint: pass the training vocab map")
+    try:
+        d2t = d2t.to(torch.int64).contiguous()
+        vm = VocabMap(d2t, t2d.bool()) if t2d is not None else VocabMap.from_d2t(d2t, V)
+        t2d = vm.validate(target_vocab_size=V, draft_vocab_size=Vd).t2d.contiguous()
+    except ValueError as e:
+        raise ExportError(f"vocab map: {e}") from None
+    return d2t, t2d
+
+
+def _layout_a_tensors(sd: dict[str, torch.Tensor], cfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The layout-A weights of `sd` in bf16, each its own contiguous storage; refuses unknown,
+    missing, mis-shaped or non-finite tensors."""
+    shapes = expected_shapes(cfg)
+    dropped = [n for n in sd if n in NOT_EXPORTED]
+    if dropped:
+        log.info("not exported (the engines use the target's): %s", dropped)
+    unknown = sorted(n for n in sd if n not in shapes and n not in NOT_EXPORTED)
+    if unknown:
+        raise ExportError(f"checkpoint tensors outside layout A: {unknown}. Layout A has "
+                          f"{list(CORE_TENSORS)}; biases, fused or extra layers cannot be served")
+    wanted = layout_tensors(cfg)
+    missing = [n for n in wanted if n not in sd]
+    if missing:
+        raise ExportError(f"checkpoint lacks {missing}: not a complete EAGLE-3 drafter")
+    tensors: dict[str, torch.Tensor] = {}
+    for n in wanted:
+        t = sd[n]
+        if shapes[n] is not None and tuple(t.shape) != shapes[n]:
+            raise ExportError(f"{n} has shape {list(t.shape)} but the config implies "
+                              f"{list(shapes[n])}: config and weights are from different drafters")
+        out_t = t.detach().to("cpu", torch.bfloat16).contiguous()
+        if out_t.untyped_storage().nbytes() != out_t.numel() * out_t.element_size():
+            out_t = out_t.clone()  # a view into a larger storage (a flat buffer): own copy
+        if not all_finite(out_t):
+            raise ExportError(f"{n} holds NaN/inf values: export a checkpoint from before the "
+                              f"loss diverged")
+        tensors[n] = out_t
+    return tensors
+
+
+def _write_files(tmp: Path, cfg: dict[str, Any], tcfg: dict | None,
+                 tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
+                 max_shard_bytes: int | None, check: bool,
+                 provenance: Mapping[str, Any] | None) -> None:
+    """Fill the not-yet-published directory `tmp`: config, weights, metadata, the static check
+    (raises on an error finding), the model card and SHA256SUMS."""
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    _save_tensors(tensors, tmp, max_shard_bytes)
+    (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
+    findings = None
+    if check:
+        # values were checked in memory; the files are checked for layout only
+        findings = check_config(cfg, tcfg) + check_tensors(TensorDir(tmp), cfg, tcfg,
+                                                           check_values=False)
+        for f in findings:
+            log.warning("export check: %s", f)
+        if any(f.severity == ERROR for f in findings):
+            raise ExportError("the export breaks the serving contract:\n"
+                              + format_findings([f for f in findings if f.severity == ERROR]))
+    write_card(tmp, build_provenance(provenance, cfg, meta, findings, where=tmp))
+    write_checksums(tmp)   # SHA256SUMS, checked by `eyas validate`
+
+
 @writes_directory("out_dir", what="export", sibling=True)  # models/serving/export_dir.py
 def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | Path,
                    config: Any, d2t: torch.Tensor | None, t2d: torch.Tensor | None,
@@ -211,56 +295,8 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     if not isinstance(V, int) or not isinstance(Vd, int):
         raise ExportError(f"config needs int vocab_size and draft_vocab_size, got {V!r}, {Vd!r}")
 
-    # vocabulary mapping: explicit arguments win, but must agree with the state dict's buffers
-    for name, given in (("d2t", d2t), ("t2d", t2d)):
-        buf = sd.pop(name, None)
-        if buf is not None and given is not None and not torch.equal(buf.long(), given.long()):
-            raise ExportError(f"the checkpoint's {name} buffer differs from the {name} passed "
-                              f"in: keep the mapping the drafter was trained with")
-        if name == "d2t":
-            d2t = given if given is not None else buf
-        else:
-            t2d = given if given is not None else buf
-    if Vd < V:
-        if d2t is None:
-            raise ExportError(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t was given or "
-                              f"found in the checkpoint: pass the training vocab map")
-        try:
-            d2t = d2t.to(torch.int64).contiguous()
-            vm = VocabMap(d2t, t2d.bool()) if t2d is not None else VocabMap.from_d2t(d2t, V)
-            t2d = vm.validate(target_vocab_size=V, draft_vocab_size=Vd).t2d.contiguous()
-        except ValueError as e:
-            raise ExportError(f"vocab map: {e}") from None
-    else:
-        if d2t is not None and bool(d2t.any()):
-            raise ExportError("draft_vocab_size == vocab_size but d2t is not all zero")
-        d2t = t2d = None  # contract: shipped iff Vd < V
-
-    shapes = expected_shapes(cfg)
-    dropped = [n for n in sd if n in NOT_EXPORTED]
-    if dropped:
-        log.info("not exported (the engines use the target's): %s", dropped)
-    unknown = sorted(n for n in sd if n not in shapes and n not in NOT_EXPORTED)
-    if unknown:
-        raise ExportError(f"checkpoint tensors outside layout A: {unknown}. Layout A has "
-                          f"{list(CORE_TENSORS)}; biases, fused or extra layers cannot be served")
-    wanted = layout_tensors(cfg)
-    missing = [n for n in wanted if n not in sd]
-    if missing:
-        raise ExportError(f"checkpoint lacks {missing}: not a complete EAGLE-3 drafter")
-    tensors: dict[str, torch.Tensor] = {}
-    for n in wanted:
-        t = sd[n]
-        if shapes[n] is not None and tuple(t.shape) != shapes[n]:
-            raise ExportError(f"{n} has shape {list(t.shape)} but the config implies "
-                              f"{list(shapes[n])}: config and weights are from different drafters")
-        out_t = t.detach().to("cpu", torch.bfloat16).contiguous()
-        if out_t.untyped_storage().nbytes() != out_t.numel() * out_t.element_size():
-            out_t = out_t.clone()  # a view into a larger storage (a flat buffer): own copy
-        if not all_finite(out_t):
-            raise ExportError(f"{n} holds NaN/inf values: export a checkpoint from before the "
-                              f"loss diverged")
-        tensors[n] = out_t
+    d2t, t2d = _vocab_map(sd, d2t, t2d, V, Vd)
+    tensors = _layout_a_tensors(sd, cfg)
     if d2t is not None:
         tensors["d2t"], tensors["t2d"] = d2t.clone(), t2d.clone()
 
@@ -270,21 +306,8 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "training": training or {}}
 
     def build(tmp: Path) -> None:
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        _save_tensors(tensors, tmp, max_shard_bytes)
-        (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2) + "\n")
-        findings = None
-        if check:
-            # values were checked in memory above; the files are checked for layout only
-            findings = check_config(cfg, tcfg) + check_tensors(TensorDir(tmp), cfg, tcfg,
-                                                               check_values=False)
-            for f in findings:
-                log.warning("export check: %s", f)
-            if any(f.severity == ERROR for f in findings):
-                raise ExportError("the export breaks the serving contract:\n"
-                                  + format_findings([f for f in findings if f.severity == ERROR]))
-        write_card(tmp, build_provenance(provenance, cfg, meta, findings, where=tmp))
-        write_checksums(tmp)   # SHA256SUMS, checked by `eyas validate`
+        _write_files(tmp, cfg, tcfg, tensors, meta, max_shard_bytes=max_shard_bytes,
+                     check=check, provenance=provenance)
 
     out = atomic_write_dir(Path(out_dir), build, if_exists="replace" if overwrite else "error",
                            exists_hint=OVERWRITE_HINT)
