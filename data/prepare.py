@@ -86,6 +86,107 @@ def _clear_stale_shards(out: Path) -> None:
             p.unlink()
 
 
+def _encode(rec, default_id: str, renderer: TemplateRenderer, max_length: int
+            ) -> tuple[Any, list[tuple[list[int], list[bool], bool]]]:
+    """(conversation, [(ids, loss mask, straddles a boundary)]) of one record; RecordError for
+    a malformed record, a sample over max_length or one without assistant tokens."""
+    if isinstance(rec, RecordError):
+        raise rec
+    conv = normalise_record(rec, default_id=default_id)
+    encoded = [renderer.tokenize(text, spans) for text, spans in renderer.samples(conv)]
+    for ids, mask, _ in encoded:
+        if len(ids) > max_length:
+            raise RecordError("too_long", f"{len(ids)} tokens > max_length={max_length}; "
+                              f"raise max_length or drop the record")
+        if not any(mask):
+            raise RecordError("no_assistant", "no token falls inside an assistant span")
+    return conv, encoded
+
+
+def _count(rec, conv, encoded, stats: Counter, sampling: Counter) -> None:
+    """Add one usable record to the counts (and its answers' sampling settings, if recorded)."""
+    stats["conversations"] += 1
+    gen = rec.get("generation") if isinstance(rec, dict) else None
+    if isinstance(gen, dict) and "temperature" in gen:
+        sampling[(gen["temperature"], gen.get("top_p"))] += 1
+    stats["untrained_turns"] += sum(m["role"] == "assistant" and m.get("weight") == 0
+                                    for m in conv.messages)
+    stats["split_records"] += len(encoded) > 1
+    for ids, mask, straddle in encoded:
+        stats["samples"] += 1
+        stats["tokens"] += len(ids)
+        stats["loss_tokens"] += sum(mask)
+        stats["boundary_splits"] += straddle
+
+
+def _write_samples(source: Path, out: Path, renderer: TemplateRenderer, *, max_length: int,
+                   on_error: str, shard_samples: int
+                   ) -> tuple[list[dict], Counter, Counter, Counter]:
+    """Tokenise every record of `source` into shards of `shard_samples` samples under `out`.
+    Returns (shard metas, counts, skipped records by reason, answers by (temperature, top_p))."""
+    from eyas.data.shards import write_shard
+    from eyas.data.utils import progress
+    skipped: Counter[str] = Counter()
+    stats: Counter[str] = Counter()
+    sampling: Counter[tuple] = Counter()
+    metas: list[dict] = []
+    pending: list[dict] = []
+
+    def flush():
+        metas.append(write_shard(out, len(metas), pending))
+        pending.clear()
+
+    for lineno, rec in progress(iter_jsonl(source), desc="prepare", unit="rec"):
+        stats["records"] += 1
+        try:
+            conv, encoded = _encode(rec, f"{source.name}:{lineno}", renderer, max_length)
+        except RecordError as e:
+            if on_error == "raise":
+                raise PrepareError(f"{source}:{lineno}: {e}. (on_error='skip' counts such "
+                                   f"records instead of stopping)") from None
+            skipped[e.reason] += 1
+            continue
+        _count(rec, conv, encoded, stats, sampling)
+        for ids, mask, _ in encoded:
+            pending.append({"input_ids": torch.tensor(ids, dtype=torch.int32),
+                            "loss_mask": torch.tensor(mask, dtype=torch.bool)})
+            if len(pending) >= shard_samples:
+                flush()
+    if pending:
+        flush()
+    return metas, stats, skipped, sampling
+
+
+def _summary(source: Path, stats: Counter, skipped: Counter, sampling: Counter,
+             renderer: TemplateRenderer, max_length: int, shards: int, out: Path
+             ) -> dict[str, Any]:
+    """The run's summary, stored in the manifest under "prepare"."""
+    return {"input": str(source), "input_sha256": file_sha256(source),
+            **{k: int(stats[k]) for k in ("records", "conversations", "samples", "tokens",
+                                           "loss_tokens", "split_records",
+                                           "boundary_splits", "untrained_turns")},
+            "reasoning_not_rendered": renderer.reasoning_dropped,
+            "skipped": dict(sorted(skipped.items())), "max_length": max_length,
+            "shards": shards, "out_dir": str(out),
+            # how the answers were sampled, where the records say (the offline estimate of
+            # acceptance at temperature T needs answers sampled at T)
+            "answer_sampling": [{"temperature": t, "top_p": tp, "records": n}
+                                for (t, tp), n in sorted(sampling.items(), key=str)]}
+
+
+def _attach_card(summary: dict[str, Any], card: dict[str, Any] | None, source: Path) -> None:
+    """`eyas generate` wrote the input: its data card travels along, marked whether the input
+    is still what the card describes."""
+    if card is None:
+        return
+    summary["generation_card"] = dict(card, matches_input=card["sha256"] ==
+                                      summary["input_sha256"])
+    if not summary["generation_card"]["matches_input"]:
+        log.warning("%s changed after `eyas generate` wrote it (its sha256 is not the data "
+                    "card's); the card is kept in the manifest with matches_input=false",
+                    source)
+
+
 @writes_directory("out_dir", what="token dataset")
 def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
             max_length: int = TokenizeSettings.max_length, on_error: str = "raise",
@@ -114,8 +215,7 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
 
     Returns a summary dict (also stored in the manifest under "prepare").
     """
-    from eyas.data.shards import write_manifest, write_shard
-    from eyas.data.utils import progress
+    from eyas.data.shards import write_manifest
 
     if on_error not in ERROR_MODES:
         raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
@@ -140,77 +240,17 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
     renderer = TemplateRenderer(tokenizer, template, dict(template_kwargs or {}),
                                 tuple(eot_strings) if eot_strings else EOT_STRINGS, on_nonprefix)
 
-    skipped: Counter[str] = Counter()
-    stats = Counter()
-    sampling: Counter[tuple] = Counter()     # (temperature, top_p) of generated answers
-    metas, pending = [], []
-
-    def flush():
-        metas.append(write_shard(out, len(metas), pending))
-        pending.clear()
-
-    for lineno, rec in progress(iter_jsonl(source), desc="prepare", unit="rec"):
-        stats["records"] += 1
-        try:
-            if isinstance(rec, RecordError):
-                raise rec
-            conv = normalise_record(rec, default_id=f"{source.name}:{lineno}")
-            texts = renderer.samples(conv)
-            encoded = [renderer.tokenize(text, spans) for text, spans in texts]
-            for ids, mask, _ in encoded:
-                if len(ids) > max_length:
-                    raise RecordError("too_long", f"{len(ids)} tokens > max_length={max_length}; "
-                                      f"raise max_length or drop the record")
-                if not any(mask):
-                    raise RecordError("no_assistant", "no token falls inside an assistant span")
-        except RecordError as e:
-            if on_error == "raise":
-                raise PrepareError(f"{source}:{lineno}: {e}. (on_error='skip' counts such "
-                                   f"records instead of stopping)") from None
-            skipped[e.reason] += 1
-            continue
-        stats["conversations"] += 1
-        gen = rec.get("generation") if isinstance(rec, dict) else None
-        if isinstance(gen, dict) and "temperature" in gen:
-            sampling[(gen["temperature"], gen.get("top_p"))] += 1
-        stats["untrained_turns"] += sum(m["role"] == "assistant" and m.get("weight") == 0
-                                        for m in conv.messages)
-        stats["split_records"] += len(encoded) > 1
-        for ids, mask, straddle in encoded:
-            pending.append({"input_ids": torch.tensor(ids, dtype=torch.int32),
-                            "loss_mask": torch.tensor(mask, dtype=torch.bool)})
-            stats["samples"] += 1
-            stats["tokens"] += len(ids)
-            stats["loss_tokens"] += sum(mask)
-            stats["boundary_splits"] += straddle
-            if len(pending) >= shard_samples:
-                flush()
-    if pending:
-        flush()
+    metas, stats, skipped, sampling = _write_samples(source, out, renderer, max_length=max_length,
+                                                     on_error=on_error,
+                                                     shard_samples=shard_samples)
     if skipped:
         log.warning("skipped %d of %d records of %s: %s", sum(skipped.values()),
                     stats["records"], source, dict(sorted(skipped.items())))
     if not metas:
         raise PrepareError(f"no usable conversation in {source} ({stats['records']} records; "
                            f"skipped: {dict(skipped)})")
-    summary = {"input": str(source), "input_sha256": file_sha256(source),
-               **{k: int(stats[k]) for k in ("records", "conversations", "samples", "tokens",
-                                              "loss_tokens", "split_records",
-                                              "boundary_splits", "untrained_turns")},
-               "reasoning_not_rendered": renderer.reasoning_dropped,
-               "skipped": dict(sorted(skipped.items())), "max_length": max_length,
-               "shards": len(metas), "out_dir": str(out),
-               # how the answers were sampled, where the records say (the offline estimate of
-               # acceptance at temperature T needs answers sampled at T)
-               "answer_sampling": [{"temperature": t, "top_p": tp, "records": n}
-                                   for (t, tp), n in sorted(sampling.items(), key=str)]}
-    if card is not None:   # `eyas generate` wrote the input: its data card travels along
-        summary["generation_card"] = dict(card, matches_input=card["sha256"] ==
-                                          summary["input_sha256"])
-        if not summary["generation_card"]["matches_input"]:
-            log.warning("%s changed after `eyas generate` wrote it (its sha256 is not the data "
-                        "card's); the card is kept in the manifest with matches_input=false",
-                        source)
+    summary = _summary(source, stats, skipped, sampling, renderer, max_length, len(metas), out)
+    _attach_card(summary, card, source)
     write_manifest(out, {
         "kind": "tokens", "target": str(target),
         "tokenizer": tokenizer_identity(tokenizer, renderer.template_text, template_name),
