@@ -180,78 +180,107 @@ def interpret(rec: dict[str, Any], engine: str, trained_aux: list[int] | None = 
     err = rec.get("error")
     rep.loaded = err is None or err.get("stage") == "smoke"
     rep.error = err
+    _load_findings(rep, err, name)
+    rep.dropped = [n for n, ps in rec.get("reached", {}).items()
+                   if not ps and n not in rec.get("consumed", {})]
+    _weight_findings(rep, name)
+    _smoke_findings(rep, err, name)
+    _aux_findings(rep, name, trained_aux)
+    return rep
+
+
+def _load_findings(rep: EngineReport, err: dict | None, name: str) -> None:
+    """The engine crashed, or raised while reading the config or loading the weights."""
     if err and err["stage"] == "crash":
-        add(finding("ENGINE_CRASH", ERROR, f"{name} crashed the process ({err['type']}) while "
-                    f"loading the export", f"log tail:\n{err['message'][-1500:]}", _FIX))
+        rep.findings.append(finding(
+            "ENGINE_CRASH", ERROR, f"{name} crashed the process ({err['type']}) while loading "
+            f"the export", f"log tail:\n{err['message'][-1500:]}", _FIX))
     elif err and err["stage"] in ("config", "load"):
         where = f" at {err['where'][-1]}" if err.get("where") else ""
-        add(finding("ENGINE_LOAD_ERROR", ERROR,
-                    f"{name} raised {err['type']} while "
-                    f"{'reading the config' if err['stage'] == 'config' else 'loading'}"
-                    f"{where}: {err['message']}",
-                    f"{name} would refuse to start with this drafter", _FIX))
-    consumed = rec.get("consumed", {})
-    reached = rec.get("reached", {})
-    rep.dropped = [n for n, ps in reached.items() if not ps and n not in consumed]
+        rep.findings.append(finding(
+            "ENGINE_LOAD_ERROR", ERROR,
+            f"{name} raised {err['type']} while "
+            f"{'reading the config' if err['stage'] == 'config' else 'loading'}"
+            f"{where}: {err['message']}",
+            f"{name} would refuse to start with this drafter", _FIX))
+
+
+def _weight_findings(rep: EngineReport, name: str) -> None:
+    """Tensors the loader dropped or never wrote, a head taken from the target, NaN/inf."""
+    add = rep.findings.append
     if rep.dropped and rep.loaded:
         add(finding("ENGINE_DROPPED", ERROR,
                     f"{name} silently dropped checkpoint tensors: {rep.dropped}",
                     f"{name}'s EAGLE-3 load_weights skips names it cannot place, without a "
                     "message: the served drafter differs from the exported one", _FIX))
-    if rep.loaded:
-        lost = {p: f for p, f in rep.unwritten.items() if p not in rep.from_target}
-        if lost:
-            add(finding("ENGINE_UNWRITTEN", ERROR,
-                        f"{name} never wrote parameters "
-                        + ", ".join(f"{p} ({f:.0%} unwritten)" for p, f in lost.items()),
-                        f"{name} does not check for missing tensors: these keep uninitialised "
-                        "memory and every draft is garbage", _FIX))
-        if "lm_head.weight" in rep.from_target:
-            add(finding("ENGINE_LM_HEAD_FROM_TARGET", ERROR,
-                        f"{name} serves {rep.from_target['lm_head.weight']}",
-                        "the drafter's trained head is not used: wrong draft logits", _FIX))
-        if rep.nonfinite:
-            add(finding("ENGINE_NONFINITE", ERROR, f"NaN/inf in {rep.nonfinite} after {name} "
-                        "loaded the export", "every draft is garbage; no engine complains",
-                        "export from a checkpoint before the loss diverged"))
+    if not rep.loaded:
+        return
+    lost = {p: f for p, f in rep.unwritten.items() if p not in rep.from_target}
+    if lost:
+        add(finding("ENGINE_UNWRITTEN", ERROR,
+                    f"{name} never wrote parameters "
+                    + ", ".join(f"{p} ({f:.0%} unwritten)" for p, f in lost.items()),
+                    f"{name} does not check for missing tensors: these keep uninitialised "
+                    "memory and every draft is garbage", _FIX))
+    if "lm_head.weight" in rep.from_target:
+        add(finding("ENGINE_LM_HEAD_FROM_TARGET", ERROR,
+                    f"{name} serves {rep.from_target['lm_head.weight']}",
+                    "the drafter's trained head is not used: wrong draft logits", _FIX))
+    if rep.nonfinite:
+        add(finding("ENGINE_NONFINITE", ERROR, f"NaN/inf in {rep.nonfinite} after {name} "
+                    "loaded the export", "every draft is garbage; no engine complains",
+                    "export from a checkpoint before the loss diverged"))
+
+
+def _smoke_findings(rep: EngineReport, err: dict | None, name: str) -> None:
+    """The engine's first draft step: raised, or gave non-finite, mis-shaped or unmapped logits."""
     if err and err["stage"] == "smoke":
-        add(finding("ENGINE_SMOKE", ERROR, f"{name}'s logits computation raised {err['type']}: "
-                    f"{err['message']}", "the first draft step fails at serving time", _FIX))
-    elif rep.smoke:
-        s, bad = rep.smoke, []
-        if not s.get("logits_finite", True):
-            bad.append("non-finite draft logits")
-        if not s.get("width_ok", True):
-            bad.append(f"logits of shape {s.get('logits_shape')}")
-        Vd, V = rep.resolved.get("draft_vocab_size"), rep.resolved.get("target_vocab_size")
-        if s.get("has_mapping") is False and Vd and V and Vd < V:
-            bad.append(f"no draft->target id mapping although draft_vocab_size {Vd} < {V}: "
-                       f"draft id i is served as target id i")
-        if s.get("mapped_in_range") is False:
-            bad.append(f"draft ids mapped to [{s['mapped_min']}, {s['mapped_max']}], outside "
-                       f"[0, {rep.resolved.get('target_vocab_size')})")
-        if bad:
-            add(finding("ENGINE_SMOKE", ERROR, f"{name} smoke check: " + "; ".join(bad),
-                        "index errors or garbage at the first draft step", _FIX))
+        rep.findings.append(finding(
+            "ENGINE_SMOKE", ERROR, f"{name}'s logits computation raised {err['type']}: "
+            f"{err['message']}", "the first draft step fails at serving time", _FIX))
+        return
+    if not rep.smoke:
+        return
+    s, bad = rep.smoke, []
+    if not s.get("logits_finite", True):
+        bad.append("non-finite draft logits")
+    if not s.get("width_ok", True):
+        bad.append(f"logits of shape {s.get('logits_shape')}")
+    Vd, V = rep.resolved.get("draft_vocab_size"), rep.resolved.get("target_vocab_size")
+    if s.get("has_mapping") is False and Vd and V and Vd < V:
+        bad.append(f"no draft->target id mapping although draft_vocab_size {Vd} < {V}: "
+                   f"draft id i is served as target id i")
+    if s.get("mapped_in_range") is False:
+        bad.append(f"draft ids mapped to [{s['mapped_min']}, {s['mapped_max']}], outside "
+                   f"[0, {rep.resolved.get('target_vocab_size')})")
+    if bad:
+        rep.findings.append(finding("ENGINE_SMOKE", ERROR, f"{name} smoke check: "
+                                    + "; ".join(bad),
+                                    "index errors or garbage at the first draft step", _FIX))
+
+
+def _aux_findings(rep: EngineReport, name: str, trained_aux: list[int] | None) -> None:
+    """The aux layers the engine feeds: none, past the target's depth, or not the trained ones."""
     aux = rep.resolved.get("aux_layer_ids")
     n_layers = rep.resolved.get("target_num_layers")
-    if rep.loaded and aux is not None:
-        if not aux:
-            add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} feeds no aux layers "
-                        "(use_aux_hidden_state is false): fc is skipped",
-                        "the drafter was trained on fc([h_a|h_b|h_c]); it now gets the last "
-                        "hidden state only", _FIX))
-        elif n_layers and any(i < 0 or i >= n_layers for i in aux):
-            add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} captures hidden_states{aux} of a "
-                        f"{n_layers}-layer target: ids >= {n_layers} are never captured",
-                        "fc then receives fewer than three states: a shape error at the first "
-                        "draft step", _FIX))
-        elif trained_aux and aux != sorted(set(trained_aux)):
-            add(finding("ENGINE_AUX_LAYERS", ERROR,
-                        f"{name} feeds the target's hidden_states{aux}; the drafter was "
-                        f"trained on hidden_states{sorted(trained_aux)} (eyas_export.json)",
-                        "loads fine, acceptance collapses silently", _FIX))
-    return rep
+    if not rep.loaded or aux is None:
+        return
+    add = rep.findings.append
+    if not aux:
+        add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} feeds no aux layers "
+                    "(use_aux_hidden_state is false): fc is skipped",
+                    "the drafter was trained on fc([h_a|h_b|h_c]); it now gets the last "
+                    "hidden state only", _FIX))
+    elif n_layers and any(i < 0 or i >= n_layers for i in aux):
+        add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} captures hidden_states{aux} of a "
+                    f"{n_layers}-layer target: ids >= {n_layers} are never captured",
+                    "fc then receives fewer than three states: a shape error at the first "
+                    "draft step", _FIX))
+    elif trained_aux and aux != sorted(set(trained_aux)):
+        add(finding("ENGINE_AUX_LAYERS", ERROR,
+                    f"{name} feeds the target's hidden_states{aux}; the drafter was "
+                    f"trained on hidden_states{sorted(trained_aux)} (eyas_export.json)",
+                    "loads fine, acceptance collapses silently", _FIX))
 
 
 def cross_check(reports: dict[str, EngineReport], trained_aux: list[int] | None) -> None:
