@@ -30,6 +30,8 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,148 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
     return results
 
 
+def _check_args(on_error: str, max_new_tokens: int, batch_size: int) -> None:
+    """Raise ValueError for an unknown `on_error` or a token or batch count below one."""
+    if on_error not in ERROR_MODES:
+        raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be >= 1; got {max_new_tokens}, "
+                         f"{batch_size}")
+
+
+def _read_prompts(prompts_path: Path, done: set[str],
+                  on_error: str) -> tuple[list[Conversation], set[str]]:
+    """(valid prompt records whose id is not in `done`, the ids of all valid records)."""
+    todo: list[Conversation] = []
+    skipped: Counter[str] = Counter()
+    seen: set[str] = set()
+    for lineno, rec in iter_jsonl(prompts_path):
+        try:
+            if isinstance(rec, RecordError):
+                raise rec
+            conv = normalise_record(rec, default_id=f"{prompts_path.name}:{lineno}")
+            if conv.id in seen:
+                raise RecordError("duplicate_id", f"id {conv.id!r} occurs twice; ids must be "
+                                  f"unique for resuming")
+            seen.add(conv.id)
+            if not pending_turns(conv.messages):
+                raise RecordError("nothing_to_generate", "no user turn without an answer")
+        except RecordError as e:
+            if on_error == "raise":
+                raise PrepareError(f"{prompts_path}:{lineno}: {e}") from None
+            skipped[e.reason] += 1
+            continue
+        if conv.id not in done:
+            todo.append(conv)
+    if skipped:
+        log.warning("skipped %d prompt records of %s: %s", sum(skipped.values()), prompts_path,
+                    dict(sorted(skipped.items())))
+    return todo, seen
+
+
+def _records_to_answer(prompts_path: Path, out_path: Path, on_error: str) -> list[Conversation]:
+    """Prompt records not yet in `out_path` (created if missing, a partial last line cut off)."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = scan_done(out_path)
+    todo, seen = _read_prompts(prompts_path, done, on_error)
+    log.info("%d prompts to answer (%d already in %s)", len(todo), len(done & seen), out_path)
+    return todo
+
+
+def _setup_target(target: str | Path, device: str | torch.device | None, dtype: str,
+                  chat_template: str | None, model,
+                  tokenizer) -> tuple[Any, Any, str | None, list[int]]:
+    """(model, tokenizer, chat template, stop ids); loads `target` unless both are given."""
+    if model is None or tokenizer is None:
+        from eyas.data.targets import default_device, load_target, target_dtype
+        device = device or default_device()
+        model, tokenizer = load_target(target, dtype=target_dtype(dtype, device), device=device)
+    template, _ = resolve_template(chat_template)
+    if template is None and not tokenizer.chat_template:
+        raise ValueError("the tokenizer has no chat template; pass chat_template=")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, template, _stop_ids(model, tokenizer)
+
+
+def _render(tokenizer, template: str | None, template_kwargs: dict[str, Any] | None,
+            cv: Conversation, msgs: list[dict]) -> str:
+    """`msgs` of `cv` as prompt text for the target, ending in the assistant's turn opening."""
+    return tokenizer.apply_chat_template(for_template(msgs), tools=cv.tools, chat_template=template,
+                                         tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
+
+
+def _add_answer(s: dict, text: str, reason: str, n: int, counts: Counter[str]) -> None:
+    """Append one generated turn to a record's state; an empty answer marks the record failed."""
+    reasoning, content = _split_reasoning(text)
+    msg = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if not (content.strip() or reasoning):
+        s["failed"] = True
+    s["msgs"].append(msg)
+    s["finish"].append(reason)
+    s["pending"].pop(0)
+    counts[reason] += 1
+    counts["new_tokens"] += n
+
+
+def _answer_chunk(chunk: list[Conversation], c: int, *, tokenizer, render: Callable,
+                  generate: Callable, batch_size: int, seed: int,
+                  counts: Counter[str]) -> list[dict]:
+    """Per record state of chunk `c` after answering its pending turns, one turn a round."""
+    # per record: messages so far, the remaining pending indices, finish reasons
+    state = [{"conv": cv, "msgs": [], "next": 0, "pending": pending_turns(cv.messages),
+              "finish": [], "failed": False} for cv in chunk]
+    rnd = 0
+    while True:
+        active = [s for s in state if s["pending"] and not s["failed"]]
+        if not active:
+            break
+        for s in active:   # copy the record up to (and including) its next pending turn
+            p = s["pending"][0]
+            s["msgs"] += s["conv"].messages[s["next"]:p + 1]
+            s["next"] = p + 1
+        texts = [render(s["conv"], s["msgs"]) for s in active]
+        lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        order = sorted(range(len(active)), key=lambda j: lengths[j])
+        torch.manual_seed(seed + 1_000_003 * c + rnd)
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            for j, (text, reason, n) in zip(idx, generate([texts[j] for j in idx])):
+                _add_answer(active[j], text, reason, n, counts)
+        rnd += 1
+    return state
+
+
+def _write_chunk(fout, state: list[dict], settings: dict[str, Any], counts: Counter[str]) -> None:
+    """Append the chunk's answered records to `fout` (flushed, fsync'ed); count the failed ones."""
+    for s in state:
+        cv = s["conv"]
+        if s["failed"]:
+            counts["empty_generation"] += 1
+            continue
+        rec = {"id": cv.id, "messages": s["msgs"] + cv.messages[s["next"]:], **cv.extra,
+               "generation": dict(settings, finish_reason=s["finish"])}
+        if cv.tools:
+            rec["tools"] = cv.tools
+        fout.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    fout.flush()
+    os.fsync(fout.fileno())
+
+
+def _log_summary(counts: Counter[str], dt: float, out_path: Path) -> None:
+    """Log the records left out for an empty answer, then the turns, tokens and speed."""
+    if counts["empty_generation"]:
+        log.warning("%d records got an empty answer and were not written (a later run retries "
+                    "them)", counts["empty_generation"])
+    log.info("generated %d turns (%d stopped, %d hit max_new_tokens), %d tokens in %.1f s "
+             "(%.0f tokens/s) into %s", counts["stop"] + counts["length"], counts["stop"],
+             counts["length"], counts["new_tokens"], dt, counts["new_tokens"] / max(dt, 1e-9),
+             out_path)
+
+
 def generate_conversations(prompts_path: str | Path, target: str | Path, out_path: str | Path, *,
                            max_new_tokens: int = GenerationSettings.max_new_tokens,
                            batch_size: int = GenerationSettings.generation_batch_size,
@@ -124,121 +268,28 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
     """
     from eyas.data.utils import progress
 
-    if on_error not in ERROR_MODES:
-        raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
-    if max_new_tokens < 1 or batch_size < 1:
-        raise ValueError(f"max_new_tokens and batch_size must be >= 1; got {max_new_tokens}, "
-                         f"{batch_size}")
+    _check_args(on_error, max_new_tokens, batch_size)
     prompts_path, out_path = Path(prompts_path), Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = scan_done(out_path)
-
-    todo: list[Conversation] = []
-    skipped: Counter[str] = Counter()
-    seen: set[str] = set()
-    for lineno, rec in iter_jsonl(prompts_path):
-        try:
-            if isinstance(rec, RecordError):
-                raise rec
-            conv = normalise_record(rec, default_id=f"{prompts_path.name}:{lineno}")
-            if conv.id in seen:
-                raise RecordError("duplicate_id", f"id {conv.id!r} occurs twice; ids must be "
-                                  f"unique for resuming")
-            seen.add(conv.id)
-            if not pending_turns(conv.messages):
-                raise RecordError("nothing_to_generate", "no user turn without an answer")
-        except RecordError as e:
-            if on_error == "raise":
-                raise PrepareError(f"{prompts_path}:{lineno}: {e}") from None
-            skipped[e.reason] += 1
-            continue
-        if conv.id not in done:
-            todo.append(conv)
-    if skipped:
-        log.warning("skipped %d prompt records of %s: %s", sum(skipped.values()), prompts_path,
-                    dict(sorted(skipped.items())))
-    log.info("%d prompts to answer (%d already in %s)", len(todo), len(done & seen), out_path)
+    todo = _records_to_answer(prompts_path, out_path, on_error)
     if not todo:
         return out_path
 
-    if model is None or tokenizer is None:
-        from eyas.data.targets import default_device, load_target, target_dtype
-        device = device or default_device()
-        model, tokenizer = load_target(target, dtype=target_dtype(dtype, device), device=device)
-    template, _ = resolve_template(chat_template)
-    if template is None and not tokenizer.chat_template:
-        raise ValueError("the tokenizer has no chat template; pass chat_template=")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    stop = _stop_ids(model, tokenizer)
+    model, tokenizer, template, stop = _setup_target(target, device, dtype, chat_template, model,
+                                                     tokenizer)
     settings = dict(target=str(target), max_new_tokens=max_new_tokens, temperature=temperature,
                     top_p=top_p, seed=seed)
     chunk_records = chunk_records or 4 * batch_size
     counts: Counter[str] = Counter()
     t0 = time.perf_counter()
-
-    def render(cv: Conversation, msgs: list[dict]) -> str:
-        return tokenizer.apply_chat_template(for_template(msgs), tools=cv.tools, chat_template=template,
-                                             tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
-
+    render = partial(_render, tokenizer, template, template_kwargs)
+    generate = partial(_generate_batch, model, tokenizer, stop=stop, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p)
     bar = progress(range(0, len(todo), chunk_records), desc="generate", unit="chunk")
     with open(out_path, "a", encoding="utf-8") as fout:
         for c, start in enumerate(bar):
-            chunk = todo[start:start + chunk_records]
-            # per record: messages so far, the remaining pending indices, finish reasons
-            state = [{"conv": cv, "msgs": [], "next": 0, "pending": pending_turns(cv.messages),
-                      "finish": [], "failed": False} for cv in chunk]
-            rnd = 0
-            while True:
-                active = [s for s in state if s["pending"] and not s["failed"]]
-                if not active:
-                    break
-                for s in active:   # copy the record up to (and including) its next pending turn
-                    p = s["pending"][0]
-                    s["msgs"] += s["conv"].messages[s["next"]:p + 1]
-                    s["next"] = p + 1
-                texts = [render(s["conv"], s["msgs"]) for s in active]
-                lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-                order = sorted(range(len(active)), key=lambda j: lengths[j])
-                torch.manual_seed(seed + 1_000_003 * c + rnd)
-                for b in range(0, len(order), batch_size):
-                    idx = order[b:b + batch_size]
-                    outs = _generate_batch(model, tokenizer, [texts[j] for j in idx], stop,
-                                           max_new_tokens=max_new_tokens,
-                                           temperature=temperature, top_p=top_p)
-                    for j, (text, reason, n) in zip(idx, outs):
-                        s = active[j]
-                        reasoning, content = _split_reasoning(text)
-                        msg = {"role": "assistant", "content": content}
-                        if reasoning is not None:
-                            msg["reasoning_content"] = reasoning
-                        if not (content.strip() or reasoning):
-                            s["failed"] = True
-                        s["msgs"].append(msg)
-                        s["finish"].append(reason)
-                        s["pending"].pop(0)
-                        counts[reason] += 1
-                        counts["new_tokens"] += n
-                rnd += 1
-            for s in state:
-                cv = s["conv"]
-                if s["failed"]:
-                    counts["empty_generation"] += 1
-                    continue
-                rec = {"id": cv.id, "messages": s["msgs"] + cv.messages[s["next"]:], **cv.extra,
-                       "generation": dict(settings, finish_reason=s["finish"])}
-                if cv.tools:
-                    rec["tools"] = cv.tools
-                fout.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            fout.flush()
-            os.fsync(fout.fileno())
-    dt = time.perf_counter() - t0
-    if counts["empty_generation"]:
-        log.warning("%d records got an empty answer and were not written (a later run retries "
-                    "them)", counts["empty_generation"])
-    log.info("generated %d turns (%d stopped, %d hit max_new_tokens), %d tokens in %.1f s "
-             "(%.0f tokens/s) into %s", counts["stop"] + counts["length"], counts["stop"],
-             counts["length"], counts["new_tokens"], dt, counts["new_tokens"] / max(dt, 1e-9),
-             out_path)
+            state = _answer_chunk(todo[start:start + chunk_records], c, tokenizer=tokenizer,
+                                  render=render, generate=generate, batch_size=batch_size,
+                                  seed=seed, counts=counts)
+            _write_chunk(fout, state, settings, counts)
+    _log_summary(counts, time.perf_counter() - t0, out_path)
     return out_path
