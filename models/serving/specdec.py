@@ -258,6 +258,52 @@ def _next(arg: Tensor, logits: Tensor, temperature: float, generator) -> int:
     return int(sampling.sample(sampling.probs(logits.cpu(), temperature), generator))
 
 
+def _round(target: TargetRunner, drafter: EngineDrafter, res: Decoded, seq: list[int],
+           aux: Tensor, row0: int, *, k: int, max_new_tokens: int, stop_ids: set[int],
+           temperature: float, draft: str, generator) -> tuple[bool, Tensor, int]:
+    """One speculation round: the drafter takes in the newly verified rows (aux from row0) and
+    proposes K tokens, the target verifies them in one forward, the accepted tokens and one of
+    the target's are appended to `seq` and `res`. Returns (finished, aux of the rows now
+    verified, their first position)."""
+    sampled = temperature > 0
+    # drafter step 0 over the newly verified rows: (aux[i], x_{i+1}, position i)
+    n = aux.shape[0]
+    pos = torch.arange(row0, row0 + n)
+    nxt = torch.tensor(seq[row0 + 1:row0 + n + 1])
+    prenorm, logits = drafter.prefill(aux, nxt, pos)        # moved to the drafter's device
+    if sampled:
+        drafts, q = sampling.draft_chain(drafter, prenorm[-1], logits[-1], row0 + n - 1, k,
+                                         temperature=temperature, draft=draft,
+                                         generator=generator)
+    else:
+        drafts = drafter.greedy_chain(prenorm[-1], logits[-1], row0 + n - 1, k).tolist()
+    res.drafter_forwards += k
+    # verify: the last committed token and the K drafts, at positions L..L+K
+    L = len(seq) - 1
+    if target.length != L:
+        raise RuntimeError(f"target KV cache holds {target.length} positions, expected {L}")
+    y, aux_v, v_logits = target.forward([seq[-1]] + drafts, all_logits=sampled)  # y [K+1]
+    res.rounds += 1
+    if sampled:
+        acc, emitted = sampling.verify(drafts, q, sampling.probs(v_logits, temperature),
+                                       generator)
+    else:
+        acc = 0
+        while acc < k and drafts[acc] == int(y[acc]):
+            acc += 1
+        emitted = drafts[:acc] + [int(y[acc])]
+    for j in range(min(acc + 1, k)):
+        res.reached[j] += 1
+        res.accepted[j] += j < acc
+    res.histogram[acc] += 1
+    target.crop(k - acc)
+    n_new, done = _finish(res.tokens, emitted, max_new_tokens, stop_ids)
+    res.decode_tokens += n_new
+    res.round_log.append((L, acc, n_new))
+    seq += emitted[:n_new]
+    return done, aux_v[:acc + 1], L                                  # rows L..L+acc verified
+
+
 def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: list[int], *, k: int,
                        max_new_tokens: int, stop_ids: set[int], temperature: float = 0.0,
                        draft: str = "argmax", generator: torch.Generator | None = None
@@ -288,42 +334,9 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
     seq += res.tokens
     row0 = 0                                  # first position whose aux the drafter has not seen
     while not done:
-        # drafter step 0 over the newly verified rows: (aux[i], x_{i+1}, position i)
-        n = aux.shape[0]
-        pos = torch.arange(row0, row0 + n)
-        nxt = torch.tensor(seq[row0 + 1:row0 + n + 1])
-        prenorm, logits = drafter.prefill(aux, nxt, pos)        # moved to the drafter's device
-        if sampled:
-            drafts, q = sampling.draft_chain(drafter, prenorm[-1], logits[-1], row0 + n - 1, k,
-                                             temperature=temperature, draft=draft,
-                                             generator=generator)
-        else:
-            drafts = drafter.greedy_chain(prenorm[-1], logits[-1], row0 + n - 1, k).tolist()
-        res.drafter_forwards += k
-        # verify: the last committed token and the K drafts, at positions L..L+K
-        L = len(seq) - 1
-        if target.length != L:
-            raise RuntimeError(f"target KV cache holds {target.length} positions, expected {L}")
-        y, aux_v, v_logits = target.forward([seq[-1]] + drafts, all_logits=sampled)  # y [K+1]
-        res.rounds += 1
-        if sampled:
-            acc, emitted = sampling.verify(drafts, q, sampling.probs(v_logits, temperature),
-                                           generator)
-        else:
-            acc = 0
-            while acc < k and drafts[acc] == int(y[acc]):
-                acc += 1
-            emitted = drafts[:acc] + [int(y[acc])]
-        for j in range(min(acc + 1, k)):
-            res.reached[j] += 1
-            res.accepted[j] += j < acc
-        res.histogram[acc] += 1
-        target.crop(k - acc)
-        n_new, done = _finish(res.tokens, emitted, max_new_tokens, stop_ids)
-        res.decode_tokens += n_new
-        res.round_log.append((L, acc, n_new))
-        seq += emitted[:n_new]
-        aux, row0 = aux_v[:acc + 1], L                                   # rows L..L+acc verified
+        done, aux, row0 = _round(target, drafter, res, seq, aux, row0, k=k,
+                                 max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                 temperature=temperature, draft=draft, generator=generator)
     res.seconds, res.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     res.target_forwards = target.forwards - start
     return res
