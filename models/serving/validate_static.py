@@ -10,7 +10,7 @@ documentation and tests can enumerate them.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 from eyas.models.serving.contract import (ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
                                           WARNING, Finding, TensorDir, all_finite, config_dims,
@@ -51,11 +51,17 @@ CODES = {
 
 _REEXPORT = "re-export with `eyas export` (it writes this field/tensor correctly)"
 
+#: the `add(code, msg, why, fix, severity=None)` callback each rule group emits its findings to
+_Add = Callable[..., None]
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
+
 def _short(names: list[str], n: int = 6) -> str:
     return ", ".join(names[:n]) + (f" … (+{len(names) - n})" if len(names) > n else "")
+
 
 # ---------------------------------------------------------------------------------------------
 # config.json
@@ -68,6 +74,35 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
     def add(code: str, msg: str, why: str, fix: str, severity: str | None = None) -> None:
         out.append(finding(code, severity or CODES[code], msg, why, fix))
 
+    _config_architecture(cfg, add)
+    _config_dims(cfg, tcfg, add)
+    _config_sizes(cfg, tcfg, add)
+    _config_flags(cfg, add)
+    _check_aux_ids(cfg, tcfg, add)
+    bad = [k for k in FORBIDDEN_KEYS if k in cfg]
+    if bad:
+        add("FORBIDDEN_KEY", f"config.json carries {bad}",
+            "SGLang cannot parse speculators-format keys; use_aux_norm turns fc_norm on in "
+            "SGLang only, so the engines compute different functions",
+            "remove them (fc_norm: write \"fc_norm\": true; a speculators config goes in a "
+            "separate vLLM-only export)")
+    out += _check_eagle31(cfg)
+    dt = cfg.get("torch_dtype", cfg.get("dtype"))
+    if dt != "bfloat16":
+        add("TORCH_DTYPE", f"torch_dtype = {dt!r}; expected 'bfloat16'",
+            "engines may serve the drafter in this dtype; the DeepSeek fp16 path rescales "
+            "hidden states", 'set "torch_dtype": "bfloat16"')
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" not in cfg:
+        add("ROPE_LEGACY", "rope_parameters written without the legacy rope_theta/rope_scaling",
+            "engines built on transformers 4 read rope_theta (default 10000) and rope_scaling",
+            f"also write rope_theta = {rp.get('rope_theta')!r} (and rope_scaling)",
+            severity=ERROR if rp.get("rope_theta", 10000.0) != 10000.0 else WARNING)
+    return out + check_rope(cfg, tcfg)
+
+
+def _config_architecture(cfg: dict[str, Any], add: _Add) -> None:
+    """ARCH_NOT_EAGLE / ARCH_NOT_LAYOUT_A, MODEL_TYPE and NUM_LAYERS."""
     arch = cfg.get("architectures")
     if not (isinstance(arch, list) and arch and any("Eagle" in str(a) for a in arch)):
         add("ARCH_NOT_EAGLE", f"architectures = {arch!r}; expected [{LAYOUT_A_ARCH!r}]",
@@ -87,6 +122,9 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
             "LlamaConfig defaults to 32 when it is omitted; older SGLang raises unless it is 1",
             'set "num_hidden_layers": 1')
 
+
+def _config_dims(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) -> None:
+    """DIMS_MISSING, HEADS_INDIVISIBLE, the TARGET_HIDDEN_* and HIDDEN_* widths, HIDDEN_ACT."""
     d = config_dims(cfg)
     H = d["H"]
     for key, sev in (("hidden_size", ERROR), ("num_attention_heads", ERROR),
@@ -101,7 +139,6 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
         add("HEADS_INDIVISIBLE", f"num_attention_heads={d['nh']} is not a multiple of "
             f"num_key_value_heads={d['nkv']}", "grouped-query attention cannot be built",
             "fix the head counts to the trained ones")
-
     th_raw = cfg.get("target_hidden_size", "absent")
     th = th_raw if _is_int(th_raw) else (H if th_raw == "absent" else None)
     if th_raw == "absent":
@@ -126,7 +163,6 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
             "the drafter runs on the target's embedding table (never shipped): its width must "
             "equal the drafter width, or both engines fail on the embedding shape",
             f"train the drafter with hidden_size = {t_hidden}")
-
     act = cfg.get("hidden_act")
     if act != "silu":
         add("HIDDEN_ACT", f"hidden_act = {act!r}; expected 'silu'",
@@ -134,6 +170,9 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
             'set "hidden_act": "silu" (and train with it)',
             severity=WARNING if act is None else ERROR)
 
+
+def _config_sizes(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) -> None:
+    """MAX_POS_SHORT, VOCAB_SIZE and DRAFT_VOCAB_MISSING / DRAFT_VOCAB_RANGE."""
     mpe = cfg.get("max_position_embeddings")
     t_ctx = tcfg.get("max_position_embeddings") if tcfg else None
     if not _is_int(mpe) or (t_ctx and mpe < t_ctx):
@@ -141,7 +180,6 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
             f"{t_ctx if t_ctx else 'its context length'}",
             "LlamaConfig defaults to 2048; vLLM before 0.33 hits a device-side assert on longer "
             "prompts", f"set max_position_embeddings >= {t_ctx or 'the target context'}")
-
     V, Vd = cfg.get("vocab_size"), cfg.get("draft_vocab_size")
     t_vocab = tcfg.get("vocab_size") if tcfg else None
     if not _is_int(V) or (t_vocab is not None and V != t_vocab):
@@ -156,6 +194,9 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
         add("DRAFT_VOCAB_RANGE", f"draft_vocab_size = {Vd} outside [1, vocab_size={V}]",
             "the draft vocabulary is a subset of the target's", "write the lm_head row count")
 
+
+def _config_flags(cfg: dict[str, Any], add: _Add) -> None:
+    """TIE_EMBEDDINGS, BIAS_CONFIG and NORM_BEFORE_RESIDUAL."""
     if cfg.get("tie_word_embeddings", False) is not False:
         add("TIE_EMBEDDINGS", f"tie_word_embeddings = {cfg.get('tie_word_embeddings')!r}",
             "a tied head would reuse the (target) embedding instead of the shipped lm_head",
@@ -174,36 +215,10 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
         add("NORM_BEFORE_RESIDUAL", f"norm_before_residual = {nbr!r}",
             "vLLM applies it, SGLang ignores it: the two engines compute different functions, "
             "and eyas trains the un-normed residual", 'set "norm_before_residual": false')
-    out += _check_aux_ids(cfg, tcfg)
 
-    bad = [k for k in FORBIDDEN_KEYS if k in cfg]
-    if bad:
-        add("FORBIDDEN_KEY", f"config.json carries {bad}",
-            "SGLang cannot parse speculators-format keys; use_aux_norm turns fc_norm on in "
-            "SGLang only, so the engines compute different functions",
-            "remove them (fc_norm: write \"fc_norm\": true; a speculators config goes in a "
-            "separate vLLM-only export)")
-    out += _check_eagle31(cfg)
-    dt = cfg.get("torch_dtype", cfg.get("dtype"))
-    if dt != "bfloat16":
-        add("TORCH_DTYPE", f"torch_dtype = {dt!r}; expected 'bfloat16'",
-            "engines may serve the drafter in this dtype; the DeepSeek fp16 path rescales "
-            "hidden states", 'set "torch_dtype": "bfloat16"')
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and "rope_theta" not in cfg:
-        add("ROPE_LEGACY", "rope_parameters written without the legacy rope_theta/rope_scaling",
-            "engines built on transformers 4 read rope_theta (default 10000) and rope_scaling",
-            f"also write rope_theta = {rp.get('rope_theta')!r} (and rope_scaling)",
-            severity=ERROR if rp.get("rope_theta", 10000.0) != 10000.0 else WARNING)
-    return out + check_rope(cfg, tcfg)
 
-def _check_aux_ids(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Finding]:
+def _check_aux_ids(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) -> None:
     """Both spellings present, consistent (vLLM = SGLang + 1), ascending, within the target."""
-    out: list[Finding] = []
-
-    def add(code, msg, why, fix):
-        out.append(finding(code, CODES[code], msg, why, fix))
-
     ec = cfg.get("eagle_config")
     sg = ec.get("eagle_aux_hidden_state_layer_ids") if isinstance(ec, dict) else None
     vl = cfg.get("eagle_aux_hidden_state_layer_ids")
@@ -253,7 +268,7 @@ def _check_aux_ids(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Fin
                 "ids below the range are usually the other engine's spelling; ids past the "
                 "target's depth do not exist; SGLang's DeepSeek path adds 1 only when its first "
                 "id is 1", fix)
-    return out
+
 
 # ---------------------------------------------------------------------------------------------
 # model.safetensors
@@ -272,11 +287,30 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
             "both engines load the drafter's weights from safetensors", _REEXPORT)
         return out
     shapes = expected_shapes(cfg)
+    canon, groups, embed = _group_names(tdir.names, shapes)
+    _name_findings(groups, add)
+    V = (tcfg or {}).get("vocab_size") or config_dims(cfg)["V"]
+    _shape_findings(tdir, cfg, tcfg, V, canon, shapes, embed, add)
+    _dtype_findings(tdir, canon, add)
+    out += check_vocab_map(tdir, canon, cfg, V)
+    if check_values:
+        bad = _nonfinite(tdir, [n for n in tdir.names if tdir.dtype(n) in FLOAT_DTYPES])
+        if bad:
+            add("NONFINITE", f"NaN/inf values in {_short(bad)}",
+                "both engines load them without complaint; every draft is garbage",
+                "export from a checkpoint before the loss diverged")
+        out += magnitude_findings(tdir, canon)
+    return out
+
+
+def _group_names(names: list[str], shapes: dict[str, Any]
+                 ) -> tuple[dict[str, str], dict[str, list[str]], str | None]:
+    """(layout-A name -> name in the file, the off-layout names by kind, the embedding's name)."""
     canon: dict[str, str] = {}  # layout-A name -> name in the file
     groups: dict[str, list[str]] = {k: [] for k in
                                     ("prefix", "layers0", "layer_n", "fused", "bias", "extra")}
     embed = None
-    for name in tdir.names:
+    for name in names:
         c = name
         if c.startswith("model."):
             groups["prefix"].append(name)
@@ -298,8 +332,11 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
             canon[c] = name
         else:
             groups["extra"].append(name)
+    return canon, groups, embed
 
-    g = groups
+
+def _name_findings(g: dict[str, list[str]], add: _Add) -> None:
+    """NAME_MODEL_PREFIX, NAME_LAYERS0, EXTRA_LAYER, NAME_FUSED, BIAS_TENSOR and EXTRA_TENSOR."""
     if g["prefix"]:
         add("NAME_MODEL_PREFIX", f"names carry a 'model.' prefix: {_short(g['prefix'])}",
             "vLLM adds 'model.' itself and raises 'There is no module or parameter named …'",
@@ -326,8 +363,12 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
             "vLLM raises on unknown names; SGLang silently drops them",
             "ship only the layout-A tensors (" + _REEXPORT + ")")
 
+
+def _shape_findings(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | None,
+                    V: int | None, canon: dict[str, str], shapes: dict[str, Any],
+                    embed: str | None, add: _Add) -> None:
+    """EMBED_WIDTH / EMBED_SHIPPED, LM_HEAD_MISSING / MISSING_TENSOR and SHAPE."""
     t_hidden = tcfg.get("hidden_size") if tcfg else None
-    V = (tcfg or {}).get("vocab_size") or config_dims(cfg)["V"]
     if embed is not None:
         shp, want_w = tdir.shape(embed), t_hidden or config_dims(cfg)["H"]
         if len(shp) != 2 or (want_w and shp[1] != want_w) or (V and shp[0] != V):
@@ -339,7 +380,6 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
                 "vLLM uses a shipped embedding instead of the target's while SGLang always "
                 "uses the target's: the engines agree only if it is the target's exact table",
                 "do not ship embed_tokens (eyas trains with the target's, frozen)")
-
     for c in layout_tensors(cfg):
         if c not in canon:
             if c == "lm_head.weight":
@@ -359,6 +399,9 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
                 "fan-in, lm_head rows, q_proj input 2H); the config and the weights disagree",
                 "export config and weights from the same checkpoint")
 
+
+def _dtype_findings(tdir: TensorDir, canon: dict[str, str], add: _Add) -> None:
+    """DTYPE_MIXED and DTYPE_NOT_BF16."""
     floats = sorted({tdir.dtype(n) for n in tdir.names if tdir.dtype(n) in FLOAT_DTYPES})
     if len(floats) > 1:
         add("DTYPE_MIXED", f"weights mix float dtypes {floats}",
@@ -374,15 +417,6 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
         add("DTYPE_MIXED", f"non-float weights: {_short(non_float)}",
             "quantised or integer weights are not part of layout A", "export in bf16")
 
-    out += check_vocab_map(tdir, canon, cfg, V)
-    if check_values:
-        bad = _nonfinite(tdir, [n for n in tdir.names if tdir.dtype(n) in FLOAT_DTYPES])
-        if bad:
-            add("NONFINITE", f"NaN/inf values in {_short(bad)}",
-                "both engines load them without complaint; every draft is garbage",
-                "export from a checkpoint before the loss diverged")
-        out += magnitude_findings(tdir, canon)
-    return out
 
 def _nonfinite(tdir: TensorDir, names: list[str]) -> list[str]:
     bad = []
