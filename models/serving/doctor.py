@@ -99,8 +99,8 @@ def _check_ttt(report: Report, meta: dict[str, Any] | None, k: int | None) -> No
         report.checked.append(f"{k} speculative tokens <= {ttt} TTT steps trained")
 
 
-def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any],
-                    tcfg: dict[str, Any] | None, target_dir: Path | None) -> None:
+def _check_aux_ids(report: Report, manifest: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """The aux layers the features came from vs the ids the export tells the engines."""
     ids = manifest.get("aux_layer_ids")
     vl = cfg.get("eagle_aux_hidden_state_layer_ids")
     sg = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -123,6 +123,10 @@ def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any
     else:
         report.checked.append(f"dataset aux layers {list(ids)} = the export's vLLM ids")
 
+
+def _check_data_target(report: Report, manifest: dict[str, Any],
+                       tcfg: dict[str, Any] | None) -> None:
+    """The shape of the target the features were extracted from vs the served target's."""
     mt = manifest.get("target_config") or {}
     mt = mt.get("text_config") or mt
     if tcfg is not None:
@@ -141,7 +145,10 @@ def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any
             report.checked.append(f"dataset target shape matches (manifest target "
                                   f"{manifest.get('target')!r})")
 
-    tok = manifest.get("tokenizer") or {}
+
+def _check_tokenizer(report: Report, tok: dict[str, Any], tcfg: dict[str, Any] | None,
+                     target_dir: Path | None) -> None:
+    """The tokenizer and chat template the conversations were rendered with vs the target's."""
     if not tok:
         report.not_checked.append("tokenizer/chat template: the manifest records no tokenizer "
                                   "identity")
@@ -174,6 +181,14 @@ def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any
                    "chat_template=…), or serve with the dataset's template")
     else:
         report.checked.append("dataset chat template = the target's")
+
+
+def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any],
+                    tcfg: dict[str, Any] | None, target_dir: Path | None) -> None:
+    """The dataset manifest vs the export and the target: aux layers, target, tokenizer."""
+    _check_aux_ids(report, manifest, cfg)
+    _check_data_target(report, manifest, tcfg)
+    _check_tokenizer(report, manifest.get("tokenizer") or {}, tcfg, target_dir)
 
 
 def vocab_coverage(dataset: Any, t2d: torch.Tensor, max_samples: int = 2000) -> dict[str, Any]:

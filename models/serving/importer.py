@@ -245,17 +245,9 @@ def _layout_a_from(src: dict[str, Any], layer: dict[str, Any], aux: list[int],
     return Eagle3Config.from_config_dict(d).to_config_dict()
 
 
-def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None = None
-                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], torch.Tensor | None,
-                                torch.Tensor | None, str]:
-    """(layout-A config dict, layout-A state dict, d2t, t2d, source format) of an exported dir."""
-    path = Path(path)
-    src = read_config(path)
-    tcfg = resolve_target_config(target_config)
-    where = str(path / "config.json")
-    raw = _load_dir_tensors(path)
-    speculators = "speculators_model_type" in src or "transformer_layer_config" in src
-    if speculators:
+def _source_layer(src: dict[str, Any], where: str) -> tuple[dict[str, Any], str]:
+    """The source's layer fields and format, refusing drafters layout A cannot hold."""
+    if "speculators_model_type" in src or "transformer_layer_config" in src:
         if src.get("speculators_model_type") != "eagle3":
             raise ValueError(f"{where}: speculators_model_type "
                              f"{src.get('speculators_model_type')!r} is not an EAGLE-3 drafter")
@@ -283,8 +275,12 @@ def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None =
     if layer.get("tie_word_embeddings"):
         raise ValueError(f"{where}: tie_word_embeddings = true: an EAGLE-3 drafter ships its own "
                          f"lm_head over the draft vocabulary")
+    return layer, fmt
 
-    wanted = layout_tensors(layer) if fmt == "layout-a" else CORE_TENSORS
+
+def _layout_a_state_dict(raw: dict[str, torch.Tensor], wanted: tuple[str, ...], path: Path
+                         ) -> dict[str, torch.Tensor]:
+    """The source tensors under layout-A names (d2t/t2d kept), foreign ones dropped."""
     sd: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         n = name[len("model."):] if name.startswith("model.") else name
@@ -300,6 +296,12 @@ def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None =
     missing = [n for n in wanted if n not in sd]
     if missing:
         raise ValueError(f"{path}: the drafter lacks {missing}")
+    return sd
+
+
+def _vocab_mapping(src: dict[str, Any], layer: dict[str, Any], sd: dict[str, torch.Tensor],
+                   path: Path, where: str) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(d2t int64, t2d bool, draft vocab size) popped from `sd`; a missing t2d comes from d2t."""
     d2t, t2d = sd.pop("d2t", None), sd.pop("t2d", None)
     V = layer.get("vocab_size")
     Vd = src.get("draft_vocab_size") or layer.get("draft_vocab_size") \
@@ -319,7 +321,23 @@ def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None =
             t2d = VocabMap.from_d2t(d2t, V).t2d
         elif t2d.dtype != torch.bool:
             t2d = t2d.bool()
-    aux = _aux_ids(src, tcfg, where, speculators)
+    return d2t, t2d, Vd
+
+
+def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None = None
+                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], torch.Tensor | None,
+                                torch.Tensor | None, str]:
+    """(layout-A config dict, layout-A state dict, d2t, t2d, source format) of an exported dir."""
+    path = Path(path)
+    src = read_config(path)
+    tcfg = resolve_target_config(target_config)
+    where = str(path / "config.json")
+    raw = _load_dir_tensors(path)
+    layer, fmt = _source_layer(src, where)
+    wanted = layout_tensors(layer) if fmt == "layout-a" else CORE_TENSORS
+    sd = _layout_a_state_dict(raw, wanted, path)
+    d2t, t2d, Vd = _vocab_mapping(src, layer, sd, path, where)
+    aux = _aux_ids(src, tcfg, where, fmt == "speculators")
     cfg = _layout_a_from(src, layer, aux, int(Vd))
     return cfg, sd, d2t, t2d, fmt
 
