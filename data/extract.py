@@ -264,7 +264,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     if model is None:
         from eyas.data.targets import default_device
         model = load_model(target, device or default_device(), device_map, dtype, max_memory)
-    text, dec_layers, norm, head = find_text_model(model)
+    text, dec_layers, _, head = find_text_model(model)
     num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
     aux_ids = check_aux_layers(layers, num_layers)
     hidden, vocab = int(head.weight.shape[1]), int(head.weight.shape[0])

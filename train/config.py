@@ -283,7 +283,7 @@ class EvalConfig:
     target_device: str = "auto"
     """Where the evaluation's target runs (real decoding, eval.heldout_offline): auto (the GPU
     when there is one, else the CPU), cpu or cuda[:i]. The engine-reference drafter of real
-    decoding runs on the CPU either way."""
+    decoding runs beside the target."""
     heldout_offline: bool = False
     """Also answer the held-out prompts greedily in float32 (the first num_prompts, at most
     max_new_tokens tokens; cached under data.cache_dir/heldout/<key>), extract them and report

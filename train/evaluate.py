@@ -254,9 +254,10 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     `model` + `tokenizer`. dtype: "fp32" (default: token identity is exact, and on CPUs without
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).
-    Batch size 1; the target runs on `device` (when it is loaded here), the drafter on the
-    target's device (the engine-math reference, `EngineDrafter`). context_buckets: edges of the `by_context`
-    buckets (the verified position of each round, `models.context`). temperature > 0: the
+    Batch size 1; the target runs on `device` (when it is loaded here), the drafter (the
+    engine-math reference, `EngineDrafter`) on the target's device. context_buckets: edges of
+    the `by_context` buckets (the verified position of each round, `models.context`).
+    temperature > 0: the
     engines' rejection sampling (`models.serving.sampling`; draft "argmax" or "sample"),
     prompt i seeded seed + i.
     Returns models.serving.specdec_summary.summarize's dict plus the run settings.

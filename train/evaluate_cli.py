@@ -135,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas evaluate",
         description="Measure a drafter before serving it. With --prompts: real greedy "
-        "speculative decoding with the target (CPU, batch 1; the exported drafter is run the "
-        "way vLLM runs it), checked token for token against target-only greedy decoding. With "
+        "speculative decoding with the target (batch 1, on --device; the exported drafter is run "
+        "the way vLLM runs it), checked token for token against target-only greedy decoding. With "
         "--data: exact offline chain acceptance on a hidden-state dataset (every K' <= K).")
     p.add_argument("--drafter", required=True, help="exported drafter directory (layout A)")
     p.add_argument("--target", default=None, help="target: directory, hub id (org/name[@revision]) "

@@ -155,12 +155,20 @@ class EngineRope:
         freqs = t[:, None] * inv[None, :]
         return freqs.cos() * factor, freqs.sin() * factor
 
-    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """NeoX-style rotary embedding of x [n, heads, d] at positions [n]: x·cos + rotate_half(x)·sin.
-        The tables are computed on the CPU (fp32), then moved to x's device."""
-        cos, sin = (t.to(x.device) for t in self.cos_sin(positions.cpu()))
-        cos = torch.cat([cos, cos], -1)[:, None, :]                     # [n, 1, d]
+    def tables(self, positions: Tensor, device: torch.device | str = "cpu"
+               ) -> tuple[Tensor, Tensor]:
+        """cos, sin [n, 1, d] at positions [n] for `rotate`, computed on the CPU (fp32) and
+        moved to `device` once (q and k share them)."""
+        cos, sin = self.cos_sin(positions.cpu())
+        cos = torch.cat([cos, cos], -1)[:, None, :]
         sin = torch.cat([sin, sin], -1)[:, None, :]
+        return cos.to(device), sin.to(device)
+
+    def rotate(self, x: Tensor, positions: Tensor,
+               tables: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """NeoX-style rotary embedding of x [n, heads, d] at positions [n]:
+        x·cos + rotate_half(x)·sin (`tables`: `self.tables(positions, x.device)`, if built)."""
+        cos, sin = tables if tables is not None else self.tables(positions, x.device)
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)

@@ -69,7 +69,7 @@ class EngineDrafter:
         # (fp32 accumulation) and avoids slow bf16 GEMMs on CPU
         self.norm_before_fc, self.fc_norm, self.norm_output = _eagle31(cfg)
         keep = set(REQUIRED_TENSORS) | {NORM_BEFORE_FC_TENSOR, *FC_NORM_TENSORS}
-        self.w = {k: v.to(dtype).float().to(self.device) for k, v in tensors.items() if k in keep}
+        self.w = {k: v.to(self.device).to(dtype).float() for k, v in tensors.items() if k in keep}
         self.Vd = self.w["lm_head.weight"].shape[0]
         d2t = tensors.get("d2t")
         self.target_ids = (torch.arange(self.Vd) + (d2t.to(torch.long) if d2t is not None else 0)
@@ -180,7 +180,8 @@ class EngineDrafter:
         q = self._lin(x, "midlayer.self_attn.q_proj.weight").view(n, self.nh, self.hd)
         k = self._lin(x, "midlayer.self_attn.k_proj.weight").view(n, self.nkv, self.hd)
         v = self._lin(x, "midlayer.self_attn.v_proj.weight").view(n, self.nkv, self.hd)
-        q, k = self.rope.rotate(q, positions), self.rope.rotate(k, positions)
+        tables = self.rope.tables(positions, self.device)
+        q, k = self.rope.rotate(q, positions, tables), self.rope.rotate(k, positions, tables)
         start = self.cache_len
         self.k_cache = torch.cat([self.k_cache, k])                       # [L+n, nkv, hd]
         self.v_cache = torch.cat([self.v_cache, v])
@@ -241,13 +242,13 @@ class EngineDrafter:
         """
         start, out = self.cache_len, []
         for i in range(num_steps):
-            tok = int(torch.argmax(logits))
+            tok = torch.argmax(logits)               # stays on the device: no wait per step
             out.append(tok)
             if i + 1 < num_steps:
                 prenorm, logits = self.step(prenorm, tok, position + 1 + i)
         if not keep_cache:
             self.truncate(start)
-        return torch.tensor(out, dtype=torch.long)
+        return torch.stack(out).to("cpu", torch.long)
 
     def draft_chain(self, aux: Tensor, next_tokens: Tensor, positions: Tensor,
                     num_steps: int) -> Tensor:

@@ -10,7 +10,8 @@ documentation and tests can enumerate them.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from eyas.models.serving.contract import (ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
                                           WARNING, Finding, TensorDir, all_finite, config_dims,

@@ -272,7 +272,8 @@ def test_drafter_on_the_gpu_matches_the_cpu_and_decodes_token_identically(tiny, 
     assert gpu.w["fc.weight"].is_cuda and gpu.k_cache.is_cuda
     torch.manual_seed(1)
     n, width = 9, 3 * model.config.hidden_size
-    aux, nxt, pos = torch.randn(n, width), torch.randint(0, cfg["vocab_size"], (n,)), torch.arange(n)
+    aux, nxt = torch.randn(n, width), torch.randint(0, cfg["vocab_size"], (n,))
+    pos = torch.arange(n)
     (p_c, l_c), (p_g, l_g) = cpu.prefill(aux, nxt, pos), gpu.prefill(aux, nxt, pos)
     assert l_g.is_cuda
     torch.testing.assert_close(p_g.cpu(), p_c, rtol=1e-4, atol=1e-4)
@@ -283,8 +284,8 @@ def test_drafter_on_the_gpu_matches_the_cpu_and_decodes_token_identically(tiny, 
     assert gpu.cache_len == n                                   # draft entries rolled back
     model = model.cuda()
     try:
-        engine, cfg = load_engine_drafter(random_export, model.get_input_embeddings().weight.detach(),
-                                          dtype=torch.float32, device="cuda")
+        emb = model.get_input_embeddings().weight.detach()
+        engine, cfg = load_engine_drafter(random_export, emb, dtype=torch.float32, device="cuda")
         res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=12,
                           stop_ids=stop_token_ids(model, tok))
     finally:
