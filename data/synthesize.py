@@ -90,6 +90,32 @@ def prompt_openers(texts: Iterable[str], words: int) -> list[str]:
     return out
 
 
+def _keep(starts: list[str], rows: list[tuple[str, str, int]], n: int, *, kept: list[str],
+          seen: set[str], counts: Counter[str]) -> None:
+    """Add a batch's candidates to `kept` (up to n): drop those cut off at the token limit,
+    empty ones and duplicates (of `seen`, folded), counting each reason."""
+    for start, (written, reason, ntok) in zip(starts, rows):
+        counts["tokens"] += ntok
+        text = (start + written).strip()
+        key = _fold(text)
+        why = ("length" if reason == "length" else "empty" if not written.strip()
+               else "duplicate" if key in seen else None)
+        if why:
+            counts[why] += 1
+            continue
+        seen.add(key)
+        if len(kept) < n:
+            kept.append(text)
+
+
+def _write_prompts(out_path: str | Path, kept: list[str], id_prefix: str) -> None:
+    """The prompts as user-turn records `<id_prefix>-<6 digits>`, one JSONL file written
+    atomically."""
+    lines = [json.dumps({"id": f"{id_prefix}-{i:06d}", "messages": [
+        {"role": "user", "content": t}]}, ensure_ascii=False) for i, t in enumerate(kept)]
+    atomic_write_bytes(out_path, "".join(x + "\n" for x in lines).encode("utf-8"))
+
+
 @torch.no_grad()
 def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
                        temperature: float = SynthesisSettings.synthetic_temperature,
@@ -137,18 +163,7 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         before = len(kept)
         rows = _generate_batch(model, tokenizer, [prefix + o for o in starts], stop,
                                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        for start, (written, reason, ntok) in zip(starts, rows):
-            counts["tokens"] += ntok
-            text = (start + written).strip()
-            key = _fold(text)
-            why = ("length" if reason == "length" else "empty" if not written.strip()
-                   else "duplicate" if key in seen else None)
-            if why:
-                counts[why] += 1
-                continue
-            seen.add(key)
-            if len(kept) < n:
-                kept.append(text)
+        _keep(starts, rows, n, kept=kept, seen=seen, counts=counts)
         bar.update(len(kept) - before)
         barren = 0 if len(kept) > before else barren + 1
         if barren >= max_rounds:
@@ -156,9 +171,7 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
                                f"({len(kept)} of {n} kept; dropped {dict(counts)}); raise "
                                f"temperature or max_new_tokens, or ask for fewer")
     bar.close()
-    lines = [json.dumps({"id": f"{id_prefix}-{i:06d}", "messages": [
-        {"role": "user", "content": t}]}, ensure_ascii=False) for i, t in enumerate(kept)]
-    atomic_write_bytes(out_path, "".join(x + "\n" for x in lines).encode("utf-8"))
+    _write_prompts(out_path, kept, id_prefix)
     dt = time.perf_counter() - t0
     log.info("synthesized %d prompts in %.1f s (%d batches, %d tokens sampled; dropped: %d cut "
              "off at %d tokens, %d empty, %d duplicates) into %s", n, dt, b, counts["tokens"],

@@ -18,6 +18,21 @@ def _tau(accepted: int, rounds: int) -> float:
     return 1 + accepted / rounds if rounds else float("nan")
 
 
+def _mismatches(pairs: list[tuple[str, Any, Any]]) -> list[dict]:
+    """Per prompt whose speculative output differs from target-only greedy: the first index
+    that differs, both tokens there and the target's top-2 logit gap at it."""
+    out = []
+    for name, b, s in pairs:
+        if b.tokens != s.tokens:
+            j = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y),
+                     min(len(b.tokens), len(s.tokens)))
+            out.append({"prompt": name, "index": j,
+                        "target_only": b.tokens[j] if j < len(b.tokens) else None,
+                        "speculative": s.tokens[j] if j < len(s.tokens) else None,
+                        "target_top2_logit_gap": b.top2_gap[j] if j < len(b.top2_gap) else None})
+    return out
+
+
 def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
               context_buckets=DEFAULT_EDGES, temperature: float = 0.0) -> dict:
     """Aggregate (name, target-only, speculative) results (`specdec.Decoded` each) into the
@@ -38,16 +53,7 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
     t_base = sum(b.seconds for _, b, _ in pairs)
     c_spec = sum(s.cpu_seconds for _, _, s in pairs)
     c_base = sum(b.cpu_seconds for _, b, _ in pairs)
-    mismatches = []
-    for name, b, s in pairs:
-        if b.tokens != s.tokens and temperature == 0:
-            j = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y),
-                     min(len(b.tokens), len(s.tokens)))
-            mismatches.append({"prompt": name, "index": j,
-                               "target_only": b.tokens[j] if j < len(b.tokens) else None,
-                               "speculative": s.tokens[j] if j < len(s.tokens) else None,
-                               "target_top2_logit_gap": b.top2_gap[j] if j < len(b.top2_gap)
-                               else None})
+    mismatches = _mismatches(pairs) if temperature == 0 else []
     nan = float("nan")
     spec_tps = gen / t_spec if t_spec > 0 else nan
     base_tps = base_gen / t_base if t_base > 0 else nan
