@@ -162,15 +162,16 @@ def _plan(tokens, tokens_dir, target, model: nn.Module, n: int, lengths: list[in
     }
 
 
-def _run_shards(model: nn.Module, tokens, tokens_dir, out: Path, shards: list[list[int]],
-                todo: list[int], lengths: list[int], *, aux_ids: list[int], rank: int,
+def _run_shards(model: nn.Module, found: tuple, tokens, tokens_dir, out: Path,
+                shards: list[list[int]], todo: list[int], lengths: list[int], *,
+                aux_ids: list[int], rank: int,
                 teacher: str, topk: int, aux_format: str, batch_tokens: int,
                 pad_batches: bool, row_chunk: int, vocab_chunk: int) -> int:
     """Compute and write shards `todo` of the plan; returns the tokens processed. Shard j is
     written on a thread while the target computes shard j + 1 (at most one shard in flight,
-    so host memory holds two shards' features at most)."""
+    so host memory holds two shards' features at most). found: `find_text_model(model)`."""
     from eyas.data.utils import progress
-    text, dec_layers, norm, head = find_text_model(model)
+    text, dec_layers, norm, head = found
     vocab = int(head.weight.shape[0])
     logit_tf = logit_transform(model.config)
     capture = Capture(dec_layers, aux_ids, norm)
@@ -264,7 +265,8 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     if model is None:
         from eyas.data.targets import default_device
         model = load_model(target, device or default_device(), device_map, dtype, max_memory)
-    text, dec_layers, _, head = find_text_model(model)
+    found = find_text_model(model)
+    text, dec_layers, _, head = found
     num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
     aux_ids = check_aux_layers(layers, num_layers)
     hidden, vocab = int(head.weight.shape[1]), int(head.weight.shape[0])
@@ -281,7 +283,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
 
     todo, resumed = _pending_shards(out, plan["shards"], rank, world_size)
     t0 = time.perf_counter()
-    done_tokens = _run_shards(model, tokens, tokens_dir, out, plan["shards"], todo, lengths,
+    done_tokens = _run_shards(model, found, tokens, tokens_dir, out, plan["shards"], todo, lengths,
                               aux_ids=aux_ids, rank=rank, teacher=teacher, topk=topk,
                               aux_format=aux_format, batch_tokens=batch_tokens,
                               pad_batches=pad_batches, row_chunk=row_chunk,

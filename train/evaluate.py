@@ -257,9 +257,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     Batch size 1; the target runs on `device` (when it is loaded here), the drafter (the
     engine-math reference, `EngineDrafter`) on the target's device. context_buckets: edges of
     the `by_context` buckets (the verified position of each round, `models.context`).
-    temperature > 0: the
-    engines' rejection sampling (`models.serving.sampling`; draft "argmax" or "sample"),
-    prompt i seeded seed + i.
+    temperature > 0: the engines' rejection sampling (`models.serving.sampling`; draft "argmax"
+    or "sample"), prompt i seeded seed + i.
     Returns models.serving.specdec_summary.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import load_engine_drafter, run_prompts, stop_token_ids

@@ -164,11 +164,11 @@ class EngineRope:
         sin = torch.cat([sin, sin], -1)[:, None, :]
         return cos.to(device), sin.to(device)
 
-    def rotate(self, x: Tensor, positions: Tensor,
-               tables: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """NeoX-style rotary embedding of x [n, heads, d] at positions [n]:
-        x·cos + rotate_half(x)·sin (`tables`: `self.tables(positions, x.device)`, if built)."""
-        cos, sin = tables if tables is not None else self.tables(positions, x.device)
+    @staticmethod
+    def rotate(x: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
+        """NeoX-style rotary embedding of x [n, heads, d]: x·cos + rotate_half(x)·sin, with
+        `tables` = `tables(positions, x.device)`."""
+        cos, sin = tables
         xf = x.float()
         half = xf.shape[-1] // 2
         rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)

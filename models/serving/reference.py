@@ -181,7 +181,7 @@ class EngineDrafter:
         k = self._lin(x, "midlayer.self_attn.k_proj.weight").view(n, self.nkv, self.hd)
         v = self._lin(x, "midlayer.self_attn.v_proj.weight").view(n, self.nkv, self.hd)
         tables = self.rope.tables(positions, self.device)
-        q, k = self.rope.rotate(q, positions, tables), self.rope.rotate(k, positions, tables)
+        q, k = self.rope.rotate(q, tables), self.rope.rotate(k, tables)
         start = self.cache_len
         self.k_cache = torch.cat([self.k_cache, k])                       # [L+n, nkv, hd]
         self.v_cache = torch.cat([self.v_cache, v])
