@@ -21,8 +21,8 @@ Launches `accelerate launch train/main.py <overrides>` inside eyas's virtual env
 With no overrides it runs the embedded default end to end: SmolLM2-135M-Instruct answers
 the shipped prompts, hidden states are extracted, a drafter is trained, exported and
 evaluated. On a CPU that is a few-minute demonstration (96 prompts, a small drafter); with a
-GPU it is +experiment=gpu_default (8000 target-written prompts, a full-size drafter, real
-decoding of 16 held-out prompts; under 10 minutes on one H200). The last lines are
+GPU it is +experiment=gpu_default (12000 target-written prompts, a full-size drafter, real
+decoding of 16 held-out prompts; ~8.5 minutes on one H200). The last lines are
 `export: <dir>` and `tau: <value>`.
 
 Launcher options (processes and nodes only; everything else is a Hydra override):
