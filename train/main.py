@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import time
@@ -265,7 +266,11 @@ def main(cfg: DictConfig) -> None:
             print(f"export: {summary['export']}")
         if summary.get("speculative"):
             spec = summary["speculative"]
-            print(f"speculative: tau {spec['tau']:.3f} on held-out prompts, identical to greedy: "
+            se = spec.get("tau_se_prompts")
+            print(f"speculative: tau {spec['tau']:.3f}"
+                  + (f" ± {se:.3f}" if isinstance(se, (int, float)) and math.isfinite(se)
+                     else "")
+                  + f" over {spec['num_prompts']} held-out prompts, identical to greedy: "
                   f"{spec['tokens_identical']}")
         if summary.get("heldout_offline"):
             print(f"held-out offline: tau {summary['heldout_offline']['tau_trajectory']:.3f} "

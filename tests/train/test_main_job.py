@@ -31,7 +31,9 @@ def test_embedded_default_pipeline_end_to_end(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=strict)
     assert summary["steps"] == 3
     # every result the job printed is in the summary, the real decoding included
-    assert spec[0].startswith(f"speculative: tau {summary['speculative']['tau']:.3f} ")
+    assert spec[0].startswith(f"speculative: tau {summary['speculative']['tau']:.3f} ± "
+                              f"{summary['speculative']['tau_se_prompts']:.3f} over 2 held-out "
+                              f"prompts, ")
     assert summary["speculative"]["tokens_identical"] is True
     assert lines[-1].startswith(f"tau: {summary['tau']:.3f}")
     # the dataset was built from SmolLM2's own answers and cached under data.cache_dir
