@@ -162,12 +162,15 @@ class Progress:
     """Training progress on rank 0: the tqdm bar on a terminal, and a log line per metrics
     window (`progress_line`) for everything else. The line is a progress record
     (data.log.PROGRESS): a terminal drops it (the bar shows the same), a redirected stderr
-    (nohup, slurm) and the run's train.log keep it."""
+    (nohup, slurm) and the run's train.log keep it. The eta counts from the first window's end
+    once there is one: that window holds the compile and the first batches' warm-up, which
+    the rest of the run does not repeat."""
 
     def __init__(self, total: int, initial: int, enabled: bool):
         from tqdm.auto import tqdm
         self.total, self.initial, self.enabled = total, initial, enabled
         self.t0 = time.perf_counter()
+        self.first: tuple[float, int] | None = None   # (time, step) at the first report
         self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                         disable=not (enabled and sys.stderr.isatty()))
 
@@ -181,10 +184,13 @@ class Progress:
         if not self.enabled:
             return
         from eyas.data.log import PROGRESS
-        elapsed = time.perf_counter() - self.t0
-        done = step - self.initial
-        eta = elapsed / done * (self.total - step) if done > 0 else None
-        log.info("%s", progress_line(step, self.total, rec, elapsed, eta),
+        now = time.perf_counter()
+        since, start = self.first or (self.t0, self.initial)
+        done = step - start
+        eta = (now - since) / done * (self.total - step) if done > 0 else None
+        if self.first is None:
+            self.first = (now, step)
+        log.info("%s", progress_line(step, self.total, rec, now - self.t0, eta),
                  extra={PROGRESS: True})
 
     def close(self) -> None:

@@ -35,3 +35,23 @@ def test_log_lines_every_log_every_steps_in_train_log(tmp_path, tiny_llama_datas
     assert any("run dir" in line for line in log)
     # stderr is not a terminal here: the same lines reach it (the bar does not draw)
     assert sum(bool(LINE.match(line)) for line in r.stderr.splitlines()) == 3, r.stderr[-3000:]
+
+
+def test_eta_counts_from_the_first_window_which_holds_the_compile(monkeypatch, caplog):
+    """A slow first window (compile, warm-up) must not inflate every later eta."""
+    import logging
+
+    from eyas.train import tracking
+    clock = iter([0.0, 50.0, 60.0, 70.0])       # start, then the time of each report
+    monkeypatch.setattr(tracking.time, "perf_counter", lambda: next(clock))
+    progress = tracking.Progress(total=100, initial=0, enabled=True)
+    rec = {"loss": 1.0, "tau": 1.5, "tokens_per_s": 1000.0, "lr": 1e-3}
+    with caplog.at_level(logging.INFO, logger="eyas.train.tracking"):
+        for step in (10, 20, 30):
+            progress.report(step, rec)
+    progress.close()
+    etas = [line.rsplit("| eta ", 1)[1] for line in caplog.messages]
+    # step 10: 50 s for 10 steps so far → 450 s for 90 more; from then on 10 s per 10 steps
+    assert etas == ["0:07:30", "0:01:20", "0:01:10"]
+    assert [line.split("| elapsed ")[1][:7] for line in caplog.messages] == \
+        ["0:00:50", "0:01:00", "0:01:10"]
