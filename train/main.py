@@ -266,10 +266,9 @@ def main(cfg: DictConfig) -> None:
             print(f"export: {summary['export']}")
         if summary.get("speculative"):
             spec = summary["speculative"]
-            se = spec.get("tau_se_prompts")
+            se = spec.get("tau_se_prompts", math.nan)      # NaN with a single prompt
             print(f"speculative: tau {spec['tau']:.3f}"
-                  + (f" ± {se:.3f}" if isinstance(se, (int, float)) and math.isfinite(se)
-                     else "")
+                  + (f" ± {se:.3f}" if math.isfinite(se) else "")
                   + f" over {spec['num_prompts']} held-out prompts, identical to greedy: "
                   f"{spec['tokens_identical']}")
         if summary.get("heldout_offline"):
