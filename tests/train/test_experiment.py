@@ -28,8 +28,8 @@ def _experiment(name: str):
 def test_the_experiment_composes_the_quality_recipe():
     cfg = _experiment("smollm2_quality")
     assert cfg.target.name == "smollm2" and cfg.run_name == "smollm2-quality"
-    assert (cfg.data.synthetic_prompts, cfg.data.max_new_tokens, cfg.data.token_budget) == \
-        (30000, 256, 16384)
+    assert (cfg.data.synthetic_prompts, cfg.data.synthetic_opener_words,
+            cfg.data.max_new_tokens, cfg.data.token_budget) == (30000, 2, 256, 16384)
     assert (cfg.drafter.ttt_steps, cfg.drafter.draft_vocab_size,
             cfg.drafter.intermediate_size) == (7, 32000, 3072)
     assert (cfg.optim.lr, cfg.train.epochs, cfg.train.resume) == (3e-3, 12, "latest")
