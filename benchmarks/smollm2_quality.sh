@@ -18,7 +18,7 @@
 #       --prompts data/prompts/heldout.jsonl --k 7 --max-new-tokens 128 --out real.json
 #
 # Usage: benchmarks/smollm2_quality.sh OUT_DIR [extra Hydra overrides for the training job]
-#   N_SYNTH (30000), OPENER_WORDS (0), MAX_NEW_TOKENS (256), GEN_BATCH (4096; lower it on a smaller GPU),
+#   N_SYNTH (30000), OPENER_WORDS (2; 0 = the chat template alone), MAX_NEW_TOKENS (256), GEN_BATCH (4096; lower it on a smaller GPU),
 #   SHIPPED=FILE.jsonl, HELDOUT=FILE.jsonl and HELDOUT_MAX_NEW_TOKENS (128) change the data.
 set -euo pipefail
 out=${1:?usage: benchmarks/smollm2_quality.sh OUT_DIR [hydra overrides]}
@@ -32,7 +32,7 @@ heldout=${HELDOUT:-$("$py" -c "from eyas.data.prompts import prompts_path; print
 
 if [ ! -f "$out/prompts.jsonl" ]; then
   openers=()
-  [ "${OPENER_WORDS:-0}" -gt 0 ] && openers=(--openers-from "$shipped" --opener-words "$OPENER_WORDS")
+  [ "${OPENER_WORDS:-2}" -gt 0 ] && openers=(--openers-from "$shipped" --opener-words "${OPENER_WORDS:-2}")
   eyas synthesize --target smollm2 --n "${N_SYNTH:-30000}" --out "$out/synthetic.jsonl" \
     --batch-size "${GEN_BATCH:-4096}" --exclude "$shipped" "${openers[@]}"
   cat "$shipped" "$out/synthetic.jsonl" > "$out/prompts.tmp" && mv "$out/prompts.tmp" "$out/prompts.jsonl"
