@@ -102,6 +102,10 @@ class SynthesisSettings:
     synthetic_opener_words: int = 0
     """0: synthetic prompts come from the chat template alone. N > 0: each starts with the first
     N words of a random given prompt and the target writes the rest, so they follow its style."""
+    synthetic_examples: int = 0
+    """0: off. N > 0: each synthetic prompt is written as the next item of a numbered list of N
+    random given prompts (plain text, no chat template; it ends at the line break), so it
+    follows their length and register, not only their first words."""
 
 
 @dataclass

@@ -7,16 +7,20 @@ and letting the model continue yields user requests from that distribution, as m
 needed and all different: the prompts a drafter's training set lacks when only a few hundred
 hand-written ones exist. Their answers are then generated as usual (data.generate).
 
-Openers (optional) steer the style: each candidate's user turn starts with the first few
-words of a random example prompt ("Why do", "Can you explain", "Write a"), and the model
-writes the rest. A few hundred hand-written prompts then seed tens of thousands in their style,
-where the template alone yields whatever the model's users asked most.
+Two optional ways steer the style towards a few hundred hand-written example prompts, where the
+template alone yields whatever the model's users asked most:
+- openers: each candidate's user turn starts with the first few words of a random example
+  ("Why do", "Can you explain", "Write a"), and the model writes the rest;
+- example lists: each candidate continues a numbered list of a few random examples, one per
+  line under a short header, as its next item (plain text, no chat template; the item ends at
+  the line break). The model then imitates the examples' length and register, not only their
+  first words. With openers too, the new item starts with an opener.
 
 Every candidate is kept or dropped for a counted, logged reason:
 - ``length``: the turn never ended within `max_new_tokens` (a cut-off request);
 - ``empty``: nothing but whitespace (or nothing after the opener);
-- ``duplicate``: the same text (case and spacing folded) as an earlier prompt or one in
-  `exclude` (e.g. the held-out evaluation prompts, which must stay unseen).
+- ``duplicate``: the same text (case and spacing folded) as an earlier prompt, an example of
+  the lists, or one in `exclude` (e.g. the held-out evaluation prompts, which must stay unseen).
 Sampling continues in batches until `n` prompts are kept or `max_rounds` batches in a row
 added nothing new.
 
@@ -90,6 +94,49 @@ def prompt_openers(texts: Iterable[str], words: int) -> list[str]:
     return out
 
 
+#: the line a list of example prompts starts with (`synthesize_prompts(examples=...)`)
+LIST_HEADER = "Questions and requests that people send to an AI assistant:\n\n"
+
+
+def example_list(examples: list[str], shots: int, rng: random.Random) -> str:
+    """`LIST_HEADER`, then `shots` distinct random examples numbered one per line (inner
+    whitespace folded to single spaces), then the number of the item the model writes next."""
+    picked = rng.sample(examples, shots)
+    items = "".join(f"{i}. {' '.join(t.split())}\n" for i, t in enumerate(picked, 1))
+    return f"{LIST_HEADER}{items}{shots + 1}."
+
+
+def line_break_ids(tokenizer) -> list[int]:
+    """Ids of the tokens that decode to whitespace holding a line break (where a list item
+    ends)."""
+    out = []
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        if "\n" in text and not text.strip():
+            out.append(i)
+    if not out:
+        raise ValueError("the tokenizer has no line-break token; list items could not end")
+    return out
+
+
+def _bos_text(tokenizer) -> str:
+    """The beginning-of-text token as text when the tokenizer's own encoding starts with it
+    (plain text then reads as the model saw documents), else ""."""
+    bos = tokenizer.bos_token_id
+    if bos is not None and tokenizer("a")["input_ids"][:1] == [bos]:
+        return tokenizer.bos_token
+    return ""
+
+
+def _end_of_line(rows: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """A list item's rows: the text up to the first line break, which counts as its end."""
+    out = []
+    for written, reason, ntok in rows:
+        line, brk, _ = written.partition("\n")
+        out.append((line, "stop" if brk else reason, ntok))
+    return out
+
+
 def _keep(starts: list[str], rows: list[tuple[str, str, int]], n: int, *, kept: list[str],
           seen: set[str], counts: Counter[str]) -> None:
     """Add a batch's candidates to `kept` (up to n): drop those cut off at the token limit,
@@ -116,13 +163,38 @@ def _write_prompts(out_path: str | Path, kept: list[str], id_prefix: str) -> Non
     atomic_write_bytes(out_path, "".join(x + "\n" for x in lines).encode("utf-8"))
 
 
+class _Candidates:
+    """The texts batch b of candidates starts from: the chat template up to a user turn, or
+    with `examples` a numbered list of `shots` of them; with `openers`, one opener each."""
+
+    def __init__(self, tokenizer, openers: Iterable[str], examples: Iterable[str], shots: int,
+                 chat_template: str | None):
+        self.openers, self.examples, self.shots = list(openers), list(examples), shots
+        if self.examples and not 1 <= shots <= len(self.examples):
+            raise ValueError(f"a list of {shots} examples needs 1 <= shots <= the number of "
+                             f"distinct example prompts ({len(self.examples)})")
+        self.prefix = _bos_text(tokenizer) if self.examples \
+            else user_turn_prefix(tokenizer, chat_template)
+        self.breaks = line_break_ids(tokenizer) if self.examples else []
+
+    def batch(self, b: int, size: int, seed: int) -> tuple[list[str], list[str]]:
+        """(the opener of each candidate, "" without openers; the full text each continues)."""
+        rng = random.Random(seed + b)
+        starts = rng.choices(self.openers, k=size) if self.openers else [""] * size
+        if not self.examples:
+            return starts, [self.prefix + o for o in starts]
+        return starts, [self.prefix + example_list(self.examples, self.shots, rng)
+                        + (" " + o if o else "") for o in starts]
+
+
 @torch.no_grad()
 def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
                        temperature: float = SynthesisSettings.synthetic_temperature,
                        top_p: float = 1.0, max_new_tokens: int = 128, batch_size: int = 256,
                        seed: int = SeedSettings.seed, exclude: Iterable[str] = (),
                        id_prefix: str = "synth", chat_template: str | None = None,
-                       max_rounds: int = 8, openers: Iterable[str] = ()) -> Path:
+                       max_rounds: int = 8, openers: Iterable[str] = (),
+                       examples: Iterable[str] = (), shots: int = 4) -> Path:
     """Sample `n` distinct user prompts from the target; write them to `out_path` (JSONL).
 
     Args:
@@ -137,6 +209,9 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         max_rounds: stop after this many consecutive batches that kept nothing.
         openers: if given, every candidate starts with one of them, drawn at random (seeded by
             `seed + b` too); see `prompt_openers`.
+        examples, shots: if examples are given, every candidate is the next item of a numbered
+            list of `shots` distinct random ones (`example_list`, seeded by `seed + b`) and
+            ends at its line break; no kept prompt equals an example.
 
     Raises RuntimeError when fewer than `n` distinct prompts could be sampled.
     """
@@ -147,23 +222,23 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         raise ValueError(f"temperature must be > 0 to sample prompts, got {temperature}")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    prefix = user_turn_prefix(tokenizer, chat_template)
-    stop = _stop_ids(model, tokenizer)
-    seen = {_fold(t) for t in exclude}
-    openers = list(openers)
+    examples = list(dict.fromkeys(examples))
+    source = _Candidates(tokenizer, openers, examples, shots, chat_template)
+    stop = _stop_ids(model, tokenizer) + source.breaks
+    seen = {_fold(t) for t in [*exclude, *examples]}
     kept: list[str] = []
     counts: Counter[str] = Counter()
     t0, b, barren = time.perf_counter(), 0, 0
     bar = progress(None, total=n, desc="synthesize", unit="prompt")
     while len(kept) < n:
-        starts = random.Random(seed + b).choices(openers, k=batch_size) if openers \
-            else [""] * batch_size
+        starts, texts = source.batch(b, batch_size, seed)
         torch.manual_seed(seed + b)
         b += 1
         before = len(kept)
-        rows = _generate_batch(model, tokenizer, [prefix + o for o in starts], stop,
-                               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
-        _keep(starts, rows, n, kept=kept, seen=seen, counts=counts)
+        rows = _generate_batch(model, tokenizer, texts, stop, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p)
+        _keep(starts, _end_of_line(rows) if examples else rows, n, kept=kept, seen=seen,
+              counts=counts)
         bar.update(len(kept) - before)
         barren = 0 if len(kept) > before else barren + 1
         if barren >= max_rounds:
@@ -208,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "style")
     p.add_argument("--opener-words", type=int, default=2,
                    help="words per opener with --openers-from (default 2)")
+    p.add_argument("--examples-from", action="append", default=[], metavar="PROMPTS.jsonl",
+                   help="write every prompt as the next item of a numbered list of --examples "
+                        "random user messages from these files (repeatable; plain text, no chat "
+                        "template), to write prompts of their length and register")
+    p.add_argument("--examples", type=int, default=4,
+                   metavar="N", help="examples per list with --examples-from (default 4)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", default=TargetSettings.dtype, choices=DTYPE_CHOICES,
                    help=field_help(TargetSettings, "dtype", "target.dtype"))
@@ -218,6 +299,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     starts = prompt_openers([t for f in args.openers_from for t in prompt_texts(f)],
                             args.opener_words) if args.openers_from else []
+    examples = [t for f in args.examples_from for t in prompt_texts(f)]
 
     from eyas.data.prompts import prompts_path
     from eyas.data.targets import default_device, load_target, target_dtype
@@ -230,5 +312,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     synthesize_prompts(model, tokenizer, args.n, args.out, temperature=args.temperature,
                        top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                        batch_size=args.batch_size, seed=args.seed, exclude=exclude,
-                       id_prefix=args.id_prefix, openers=starts)
+                       id_prefix=args.id_prefix, openers=starts, examples=examples,
+                       shots=args.examples)
     return 0

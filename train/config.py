@@ -70,7 +70,7 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
                  TokenizeSettings):
     """The data group: the settings it shares with `eyas prepare`, `eyas synthesize` and `eyas
     extract` (`data.settings`: max_length; max_new_tokens, generation_batch_size, temperature,
-    top_p; synthetic_temperature, synthetic_opener_words; extract_pad_batches, aux_format,
+    top_p; synthetic_temperature, synthetic_opener_words, synthetic_examples; extract_pad_batches, aux_format,
     teacher) plus the embedded default dataset and the loader. The embedded default answers with
     shorter turns than `eyas prepare --generate`, answer 0 greedy and the others sampled."""
 
@@ -101,7 +101,8 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
     synthetic_prompts: int = 0
     """Extra prompts the embedded default samples from the target itself (data.synthesize),
     answered like the shipped ones; the held-out prompts are never among them. With
-    synthetic_opener_words > 0 their openers come from the shipped prompts (data.prompts)."""
+    synthetic_opener_words or synthetic_examples > 0 their openers or example lists come from
+    the shipped prompts (data.prompts)."""
     cache_dir: str = "~/.cache/eyas"
     """Where targets and the embedded default dataset are cached."""
     token_budget: int = 2048

@@ -46,6 +46,9 @@ def check_data(data, fail: Fail) -> None:
     if data.synthetic_opener_words < 0:
         fail("data.synthetic_opener_words", data.synthetic_opener_words, "an integer >= 0",
              "data.synthetic_opener_words=2 (or 0: no openers)")
+    if data.synthetic_examples < 0:
+        fail("data.synthetic_examples", data.synthetic_examples, "an integer >= 0",
+             "data.synthetic_examples=4 (or 0: no example lists)")
     if data.synthetic_prompts > 0 and data.synthetic_temperature <= 0:
         fail("data.synthetic_temperature", data.synthetic_temperature,
              "> 0 (prompts are sampled)", "data.synthetic_temperature=1.0")

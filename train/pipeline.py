@@ -47,6 +47,8 @@ def _embedded_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
                    data.generation_batch_size]   # batch b of prompts is seeded by b
         if data.synthetic_opener_words > 0:
             fields += ["openers", data.synthetic_opener_words]
+        if data.synthetic_examples > 0:
+            fields += ["examples", data.synthetic_examples]
     if data.extract_pad_batches:
         fields += ["pad_batches"]
     if data.endpoint:                 # answers from a served target
@@ -84,10 +86,12 @@ def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer
     none repeats a shipped prompt or a held-out one."""
     from eyas.data.synthesize import prompt_openers, prompt_texts, synthesize_prompts
     path = root / "prompts.synthetic.jsonl"
-    words = data.synthetic_opener_words
+    words, shots = data.synthetic_opener_words, data.synthetic_examples
     if not path.is_file():
         openers = prompt_openers(prompt_texts(prompts), words) if words > 0 else []
+        examples = prompt_texts(prompts) if shots > 0 else []
         synthesize_prompts(model, tokenizer, data.synthetic_prompts, path, openers=openers,
+                           examples=examples, shots=max(shots, 1),
                            temperature=data.synthetic_temperature,
                            batch_size=data.generation_batch_size, seed=seed,
                            exclude=prompt_texts(prompts) + prompt_texts(prompts_path("heldout")))

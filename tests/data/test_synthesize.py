@@ -5,8 +5,11 @@ import json
 import pytest
 import torch
 
-from eyas.data.synthesize import (_fold, prompt_openers, prompt_texts, synthesize_prompts,
-                             user_turn_prefix)
+import random
+
+from eyas.data.synthesize import (LIST_HEADER, _end_of_line, _fold, example_list, line_break_ids,
+                                  prompt_openers, prompt_texts, synthesize_prompts,
+                                  user_turn_prefix)
 from eyas.data.targets import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,3 +86,55 @@ def test_prompt_texts_reads_user_messages(tmp_path):
                                           {"role": "user", "content": "q1"}]}) + "\n\n" +
                  json.dumps({"messages": [{"role": "user", "content": "q2"}]}) + "\n")
     assert prompt_texts(p) == ["q1", "q2"]
+
+
+EXAMPLES = ["Why do onions make people cry?", "Write a haiku about  rain.",
+            "What is the meaning of 'catalyst'?", "How is a comet different from an asteroid?",
+            "Explain the phases of the moon\nin simple terms.", "Is a four-day work week a good idea?"]
+
+
+def test_example_list_numbers_distinct_examples_one_per_line():
+    text = example_list(EXAMPLES, 3, random.Random(7))
+    assert text.startswith(LIST_HEADER) and text.endswith("\n4.")
+    items = text[len(LIST_HEADER):].split("\n")[:-1]
+    assert [x.split(". ", 1)[0] for x in items] == ["1", "2", "3"]
+    bodies = [x.split(". ", 1)[1] for x in items]
+    folded = {" ".join(e.split()) for e in EXAMPLES}       # inner line breaks folded away
+    assert len(set(bodies)) == 3 and set(bodies) <= folded
+    assert example_list(EXAMPLES, 3, random.Random(7)) == text
+
+
+def test_a_list_item_ends_at_its_line_break():
+    rows = [("abc\ndef", "length", 5), ("xyz", "length", 3), ("q", "stop", 2)]
+    assert _end_of_line(rows) == [("abc", "stop", 5), ("xyz", "length", 3), ("q", "stop", 2)]
+
+
+def test_line_break_ids_are_whitespace_with_a_newline(smollm2):
+    _, tok = smollm2
+    ids = line_break_ids(tok)
+    assert all("\n" in tok.decode([i]) and not tok.decode([i]).strip() for i in ids)
+    for text in ("\n", "\n\n", " \n"):     # every token of a bare line break is one of them
+        assert all(i in ids for i in tok(text, add_special_tokens=False)["input_ids"])
+    assert not set(tok("a b.", add_special_tokens=False)["input_ids"]) & set(ids)
+
+
+def test_listed_prompts_are_one_line_never_an_example_and_reproducible(tmp_path, smollm2):
+    model, tok = smollm2
+    kw = dict(max_new_tokens=40, batch_size=4, seed=11, examples=EXAMPLES, shots=3)
+    a = synthesize_prompts(model, tok, 4, tmp_path / "a.jsonl", **kw)
+    texts = _texts(a)
+    assert len({_fold(t) for t in texts}) == 4
+    assert all(t and "\n" not in t and t == t.strip() for t in texts)
+    assert not {_fold(t) for t in texts} & {_fold(e) for e in EXAMPLES}
+    assert synthesize_prompts(model, tok, 4, tmp_path / "b.jsonl", **kw).read_bytes() == \
+        a.read_bytes()
+    opened = _texts(synthesize_prompts(model, tok, 2, tmp_path / "c.jsonl", openers=["Why do"],
+                                       **kw))
+    assert all(t.startswith("Why do ") and "\n" not in t for t in opened)
+
+
+def test_more_shots_than_examples_is_an_error(tmp_path, smollm2):
+    model, tok = smollm2
+    with pytest.raises(ValueError, match="a list of 7 examples needs 1 <= shots"):
+        synthesize_prompts(model, tok, 1, tmp_path / "p.jsonl", examples=EXAMPLES, shots=7)
+    assert not (tmp_path / "p.jsonl").exists()

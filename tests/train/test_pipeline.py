@@ -116,6 +116,7 @@ def test_sampled_ids_without_record_ids_follow_generate(tmp_path):
     (["data.top_p=0"], "data.top_p=0.95"),
     (["data.top_p=1.5"], "data.top_p=0.95"),
     (["data.synthetic_opener_words=-1"], "data.synthetic_opener_words=2 (or 0: no openers)"),
+    (["data.synthetic_examples=-1"], "data.synthetic_examples=4 (or 0: no example lists)"),
 ])
 def test_bad_sampling_settings_name_the_fix(overrides, fix):
     with pytest.raises(ConfigError) as e:
@@ -137,6 +138,7 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
     check(cfg)
     assert _key(cfg) != _key(_cfg(*base[:-4], f"data.cache_dir={tmp_path}"))
     assert _key(cfg) != _key(_cfg(*base, "data.synthetic_opener_words=2"))
+    assert _key(cfg) != _key(_cfg(*base, "data.synthetic_examples=4"))
     paths = _build(cfg)
     recs = _records(paths.conversations)
     first = json.loads(prompts_path("default").read_text().splitlines()[0])["id"]
