@@ -163,6 +163,15 @@ def _write_prompts(out_path: str | Path, kept: list[str], id_prefix: str) -> Non
     atomic_write_bytes(out_path, "".join(x + "\n" for x in lines).encode("utf-8"))
 
 
+def _check_args(n: int, batch_size: int, max_new_tokens: int, temperature: float) -> None:
+    """Raise ValueError for a count below one or a temperature that would not sample."""
+    if n < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"n, batch_size and max_new_tokens must be >= 1; got {n}, {batch_size}, "
+                         f"{max_new_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to sample prompts, got {temperature}")
+
+
 class _Candidates:
     """The texts batch b of candidates starts from: the chat template up to a user turn, or
     with `examples` a numbered list of `shots` of them; with `openers`, one opener each."""
@@ -215,11 +224,7 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
 
     Raises RuntimeError when fewer than `n` distinct prompts could be sampled.
     """
-    if n < 1 or batch_size < 1 or max_new_tokens < 1:
-        raise ValueError(f"n, batch_size and max_new_tokens must be >= 1; got {n}, {batch_size}, "
-                         f"{max_new_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to sample prompts, got {temperature}")
+    _check_args(n, batch_size, max_new_tokens, temperature)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     examples = list(dict.fromkeys(examples))
