@@ -285,6 +285,11 @@ class EvalConfig:
     """Where the evaluation's target runs (real decoding, eval.heldout_offline): auto (the GPU
     when there is one, else the CPU), cpu or cuda[:i]. The engine-reference drafter of real
     decoding runs beside the target."""
+    processes: int = 1
+    """Real decoding in this many processes side by side, the prompts split into contiguous
+    parts (`train.evaluate.decode_in_processes`). Each loads its own copy of the target and the
+    drafter: for small targets, whose batch-1 decoding leaves the device mostly idle. Every
+    prompt decodes exactly as in one process."""
     heldout_offline: bool = False
     """Also answer the held-out prompts greedily in float32 (the first num_prompts, at most
     max_new_tokens tokens; cached under data.cache_dir/heldout/<key>), extract them and report
@@ -365,6 +370,8 @@ def check(cfg: DictConfig | Any) -> None:
     if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
         fail("eval.target_device", dev, "auto, cpu, cuda or cuda:<index>",
              "eval.target_device=auto")
+    if cfg.eval.processes < 1:
+        fail("eval.processes", cfg.eval.processes, "an integer >= 1", "eval.processes=1")
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.overwrite and cfg.train.resume == "latest":

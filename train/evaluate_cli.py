@@ -188,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest; "
                    "default: torch's own)")
+    p.add_argument("--processes", type=int, default=EvalConfig.processes, help="--prompts: "
+                   "decode the prompts in this many processes side by side, each with its own "
+                   "copy of the target and drafter (results identical to one process; the "
+                   "threads are shared out) (default: eval.processes, "
+                   f"{EvalConfig.processes})")
     return p
 
 
@@ -206,10 +211,13 @@ def cli_main(argv: list[str] | None = None) -> int:
     if args.prompts:
         if not args.target:
             p.error("--prompts needs --target")
+        if args.processes < 1:
+            p.error(f"--processes must be >= 1, got {args.processes}")
         from eyas.data.targets import load_target
         dtype = args.dtype or "fp32"
-        model, tok = load_target(args.target, dtype=TARGET_DTYPES[dtype], cache_dir=args.cache_dir,
-                                 device=args.device)
+        model, tok = (None, None) if args.processes > 1 else \
+            load_target(args.target, dtype=TARGET_DTYPES[dtype], cache_dir=args.cache_dir,
+                        device=args.device)
 
         def real_at(t: float) -> dict[str, Any]:
             return speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
@@ -217,7 +225,8 @@ def cli_main(argv: list[str] | None = None) -> int:
                                     max_new_tokens=args.max_new_tokens, cache_dir=args.cache_dir,
                                     dtype=dtype, context_buckets=args.context_buckets,
                                     temperature=t, draft=args.draft_sampling,
-                                    seed=args.sampling_seed)
+                                    seed=args.sampling_seed, device=args.device,
+                                    processes=args.processes)
     if args.data:
         from eyas.data.dataset import open_dataset
         n = len(open_dataset(args.data))

@@ -213,7 +213,8 @@ def run_speculative_check(eval_cfg: EvalConfig, target: str, export_dir: str | P
     return evaluate.speculative_eval(export_dir, target, prompts, k=k,
                                      num_prompts=eval_cfg.num_prompts,
                                      max_new_tokens=eval_cfg.max_new_tokens,
-                                     device=eval_device(eval_cfg))
+                                     device=eval_device(eval_cfg),
+                                     processes=eval_cfg.processes)
 
 
 def eval_device(eval_cfg: EvalConfig) -> str:

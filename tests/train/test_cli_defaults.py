@@ -56,6 +56,7 @@ SHARED = {
     ("evaluate", "token_budget"): "data.token_budget",
     ("evaluate", "seed"): "train.seed",
     ("evaluate", "context_buckets"): "eval.context_buckets",
+    ("evaluate", "processes"): "eval.processes",
 }
 
 # `eyas prepare --generate` answers like data.generate (`data.settings.GenerationSettings`); the

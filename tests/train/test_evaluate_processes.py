@@ -1,0 +1,80 @@
+"""Real decoding in several processes (`eval.processes`, `eyas evaluate --processes`): every
+prompt decodes exactly as in one process, in order, greedy and sampled (prompt i keeps seed + i
+whichever process decodes it). Target: the tiny random Llama preset in fp32; drafter: a
+random-weight export."""
+
+import json
+
+import pytest
+import torch
+
+from eyas.data.targets import default_aux_layer_ids, load_target
+from eyas.models.config import Eagle3Config
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.serving.export import export_drafter
+from eyas.models.serving.specdec import decode_prompts, load_engine_drafter, stop_token_ids
+from eyas.train.evaluate import decode_in_processes, json_safe, load_prompts, speculative_eval
+
+QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour.",
+             "Why is the sky blue?"]
+TIMES = {"seconds", "baseline_seconds", "cpu_seconds", "baseline_cpu_seconds", "tokens_per_s",
+         "baseline_tokens_per_s", "speedup", "speedup_cpu", "wall_seconds"}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    model, _ = load_target("tiny-llama", dtype=torch.float32)
+    cfg = Eagle3Config.from_target(model.config.to_dict(), draft_vocab_size=4096,
+                                   aux_layer_ids=default_aux_layer_ids(8))
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg, attention="eager")
+    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:4096]).values - torch.arange(4096)
+    d.set_vocab_map(d2t)
+    return export_drafter(d.state_dict(), cfg, d2t, None, tmp_path_factory.mktemp("x") / "rand",
+                          target_config=model.config.to_dict())
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{i}", "messages": [
+        {"role": "user", "content": q}]}) + "\n" for i, q in enumerate(QUESTIONS)))
+    return path
+
+
+def _outputs(pairs):
+    return [(name, b.tokens, s.tokens, s.accepted, s.rounds) for name, b, s in pairs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_parts_decode_each_prompt_as_one_process_does(export, prompts_file, temperature):
+    model, tok = load_target("tiny-llama", dtype=torch.float32)
+    prompts = load_prompts(prompts_file, tok)
+    engine, cfg = load_engine_drafter(export, model.get_input_embeddings().weight.detach(),
+                                      dtype=torch.float32)
+    kw = dict(k=3, max_new_tokens=10, temperature=temperature)
+    one = decode_prompts(model, engine, cfg, [p for _, p in prompts], names=[n for n, _ in prompts],
+                         stop_ids=stop_token_ids(model, tok), progress=False, seed=7, **kw)
+    job = dict(drafter_dir=str(export), target="tiny-llama", dtype="fp32", cache_dir=None,
+               device="cpu", draft="argmax", **kw)
+    three = decode_in_processes(job, prompts, 3, seed=7)
+    assert _outputs(three) == _outputs(one)
+    assert [n for n, _, _ in three] == [f"q{i}" for i in range(len(QUESTIONS))]
+    if temperature > 0:   # the seeds matter: another seed samples other tokens
+        other = decode_in_processes(job, prompts, 2, seed=8)
+        assert _outputs(other) != _outputs(one)
+
+
+def test_speculative_eval_in_processes_reports_what_one_process_does(export, prompts_file):
+    kw = dict(k=3, num_prompts=4, max_new_tokens=8, progress=False)
+    one = json_safe(speculative_eval(export, "tiny-llama", prompts_file, **kw))
+    two = json_safe(speculative_eval(export, "tiny-llama", prompts_file, processes=2, **kw))
+    assert one["tokens_identical"] is True and one["num_prompts"] == 4
+    assert {k: v for k, v in two.items() if k not in TIMES} == \
+        {k: v for k, v in one.items() if k not in TIMES}
+    with pytest.raises(ValueError, match="1 with a model passed in"):
+        speculative_eval(export, "tiny-llama", prompts_file, processes=2,
+                         model=load_target("tiny-llama", dtype=torch.float32)[0], tokenizer=1,
+                         **kw)
