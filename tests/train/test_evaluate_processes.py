@@ -1,17 +1,14 @@
 """Real decoding in several processes (`eval.processes`, `eyas evaluate --processes`): every
 prompt decodes exactly as in one process, in order, greedy and sampled (prompt i keeps seed + i
 whichever process decodes it). Target: the tiny random Llama preset in fp32; drafter: a
-random-weight export."""
+random-weight export over the whole vocabulary."""
 
 import json
 
 import pytest
 import torch
 
-from eyas.data.targets import default_aux_layer_ids, load_target
-from eyas.models.config import Eagle3Config
-from eyas.models.drafter import Eagle3Drafter
-from eyas.models.serving.export import export_drafter
+from eyas.data.targets import load_target
 from eyas.models.serving.specdec import decode_prompts, load_engine_drafter, stop_token_ids
 from eyas.train.evaluate import decode_in_processes, json_safe, load_prompts, speculative_eval
 
@@ -24,16 +21,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def export(tmp_path_factory):
+def export(tmp_path_factory, full_vocab_export):
     model, _ = load_target("tiny-llama", dtype=torch.float32)
-    cfg = Eagle3Config.from_target(model.config.to_dict(), draft_vocab_size=4096,
-                                   aux_layer_ids=default_aux_layer_ids(8))
-    torch.manual_seed(0)
-    d = Eagle3Drafter(cfg, attention="eager")
-    d2t = torch.sort(torch.randperm(cfg.vocab_size)[:4096]).values - torch.arange(4096)
-    d.set_vocab_map(d2t)
-    return export_drafter(d.state_dict(), cfg, d2t, None, tmp_path_factory.mktemp("x") / "rand",
-                          target_config=model.config.to_dict())
+    return full_vocab_export(model, tmp_path_factory.mktemp("x") / "rand")
 
 
 @pytest.fixture
