@@ -71,8 +71,10 @@ def _stop_ids(model, tokenizer) -> list[int]:
 
 @torch.no_grad()
 def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, max_new_tokens: int,
-                    temperature: float, top_p: float) -> list[tuple[str, str, int]]:
-    """[(text, finish_reason, n_new_tokens)] for prompts (already rendered, left padded here)."""
+                    temperature: float, top_p: float,
+                    keep: frozenset[int] = frozenset()) -> list[tuple[str, str, int]]:
+    """[(text, finish_reason, n_new_tokens)] for prompts (already rendered, left padded here).
+    A row's text ends before its stop token, or after it when that token is in `keep`."""
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
         enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
@@ -88,7 +90,7 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
     results = []
     for row in new:
         cut = next((j for j, t in enumerate(row) if t in stop), None)
-        toks = row if cut is None else row[:cut]
+        toks = row if cut is None else row[:cut + (row[cut] in keep)]
         results.append((tokenizer.decode(toks, skip_special_tokens=False),
                         "length" if cut is None else "stop", len(toks) + (cut is not None)))
     return results

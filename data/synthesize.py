@@ -107,12 +107,12 @@ def example_list(examples: list[str], shots: int, rng: random.Random) -> str:
 
 
 def line_break_ids(tokenizer) -> list[int]:
-    """Ids of the tokens that decode to whitespace holding a line break (where a list item
-    ends)."""
+    """Ids of the tokens whose text holds a line break (where a list item ends): bare line
+    breaks and, in tokenizers that merge them, tokens like "?\\n" (the text before the break
+    is kept, `_end_of_line`)."""
     out = []
     for i in range(len(tokenizer)):
-        text = tokenizer.decode([i])
-        if "\n" in text and not text.strip():
+        if "\n" in tokenizer.decode([i]):
             out.append(i)
     if not out:
         raise ValueError("the tokenizer has no line-break token; list items could not end")
@@ -241,7 +241,8 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         b += 1
         before = len(kept)
         rows = _generate_batch(model, tokenizer, texts, stop, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p)
+                               temperature=temperature, top_p=top_p,
+                               keep=frozenset(source.breaks))
         _keep(starts, _end_of_line(rows) if examples else rows, n, kept=kept, seen=seen,
               counts=counts)
         bar.update(len(kept) - before)
@@ -305,6 +306,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     starts = prompt_openers([t for f in args.openers_from for t in prompt_texts(f)],
                             args.opener_words) if args.openers_from else []
     examples = [t for f in args.examples_from for t in prompt_texts(f)]
+    if args.examples_from and not examples:
+        raise ValueError(f"--examples-from {' '.join(args.examples_from)}: no user message to "
+                         f"list as an example")
 
     from eyas.data.prompts import prompts_path
     from eyas.data.targets import default_device, load_target, target_dtype

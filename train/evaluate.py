@@ -261,7 +261,9 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     or "sample"), prompt i seeded seed + i.
     processes > 1 (when the target is loaded here): the prompts are split into that many
     contiguous parts, each decoded by its own process with its own copy of the target and the
-    drafter (`decode_in_processes`); every prompt is decoded exactly as in one process.
+    drafter (`decode_in_processes`): the same tokens and acceptance as in one process, while the
+    per-prompt timings (tokens/s, speedup) are measured with the processes sharing the machine
+    and `wall_seconds` includes their start.
     Returns models.serving.specdec_summary.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import decode_prompts, summarize
@@ -270,24 +272,25 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     if processes < 1 or (processes > 1 and model is not None):
         raise ValueError(f"processes must be >= 1 (got {processes}), and 1 with a model passed "
                          f"in (each process loads its own copy of the target)")
+    edges = check_edges(context_buckets)
     job = dict(drafter_dir=str(drafter_dir), target=str(target), dtype=dtype,
                cache_dir=cache_dir, device=str(device), k=k, max_new_tokens=max_new_tokens,
                temperature=temperature, draft=draft)
-    t0 = time.perf_counter()
     if processes > 1:
         from eyas.data.targets import load_tokenizer
         prompts = load_prompts(prompts_path, load_tokenizer(target, cache_dir),
                                num_prompts=num_prompts)
+        t0 = time.perf_counter()        # the processes' start and loading count here
         pairs = decode_in_processes(job, prompts, processes, seed=seed)
     else:
         model, tokenizer, engine, cfg = _load_pair(job, model, tokenizer)
         prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
+        t0 = time.perf_counter()
         pairs = decode_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
                                max_new_tokens=max_new_tokens, stop_ids=_stop_ids(model, tokenizer),
                                names=[n for n, _ in prompts], progress=progress,
                                temperature=temperature, draft=draft, seed=seed)
-    res = summarize(pairs, k, context_buckets=check_edges(context_buckets),
-                    temperature=temperature)
+    res = summarize(pairs, k, context_buckets=edges, temperature=temperature)
     if temperature > 0:
         res.update(draft=draft, seed=seed)
     res.update(drafter=str(drafter_dir), target=str(target), prompts=str(prompts_path),

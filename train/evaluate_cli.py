@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: torch's own)")
     p.add_argument("--processes", type=int, default=EvalConfig.processes, help="--prompts: "
                    "decode the prompts in this many processes side by side, each with its own "
-                   "copy of the target and drafter (results identical to one process; the "
-                   "threads are shared out) (default: eval.processes, "
+                   "copy of the target and drafter (the same tokens and acceptance as one "
+                   "process; the threads are shared out, and the timings are measured with the "
+                   "processes sharing the machine) (default: eval.processes, "
                    f"{EvalConfig.processes})")
     return p
 
