@@ -87,9 +87,9 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
     out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=stop,
                          pad_token_id=tokenizer.pad_token_id, **sampling)
     new = out[:, enc["input_ids"].shape[1]:].tolist()      # [B, <= max_new_tokens]
-    results = []
+    stops, results = set(stop), []
     for row in new:
-        cut = next((j for j, t in enumerate(row) if t in stop), None)
+        cut = next((j for j, t in enumerate(row) if t in stops), None)
         toks = row if cut is None else row[:cut + (row[cut] in keep)]
         results.append((tokenizer.decode(toks, skip_special_tokens=False),
                         "length" if cut is None else "stop", len(toks) + (cut is not None)))

@@ -184,7 +184,7 @@ class _Candidates:
                              f"distinct example prompts ({len(self.examples)})")
         self.prefix = _bos_text(tokenizer) if self.examples \
             else user_turn_prefix(tokenizer, chat_template)
-        self.breaks = line_break_ids(tokenizer) if self.examples else []
+        self.breaks = frozenset(line_break_ids(tokenizer) if self.examples else ())
 
     def batch(self, b: int, size: int, seed: int) -> tuple[list[str], list[str]]:
         """(the opener of each candidate, "" without openers; the full text each continues)."""
@@ -229,7 +229,7 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         tokenizer.pad_token = tokenizer.eos_token
     examples = list(dict.fromkeys(examples))
     source = _Candidates(tokenizer, openers, examples, shots, chat_template)
-    stop = _stop_ids(model, tokenizer) + source.breaks
+    stop = _stop_ids(model, tokenizer) + sorted(source.breaks)
     seen = {_fold(t) for t in [*exclude, *examples]}
     kept: list[str] = []
     counts: Counter[str] = Counter()
@@ -242,7 +242,7 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         before = len(kept)
         rows = _generate_batch(model, tokenizer, texts, stop, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p,
-                               keep=frozenset(source.breaks))
+                               keep=source.breaks)
         _keep(starts, _end_of_line(rows) if examples else rows, n, kept=kept, seen=seen,
               counts=counts)
         bar.update(len(kept) - before)

@@ -70,8 +70,8 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
                  TokenizeSettings):
     """The data group: the settings it shares with `eyas prepare`, `eyas synthesize` and `eyas
     extract` (`data.settings`: max_length; max_new_tokens, generation_batch_size, temperature,
-    top_p; synthetic_temperature, synthetic_opener_words, synthetic_examples; extract_pad_batches, aux_format,
-    teacher) plus the embedded default dataset and the loader. The embedded default answers with
+    top_p; synthetic_temperature, synthetic_opener_words, synthetic_examples;
+    extract_pad_batches, aux_format, teacher) plus the embedded default dataset and the loader. The embedded default answers with
     shorter turns than `eyas prepare --generate`, answer 0 greedy and the others sampled."""
 
     max_new_tokens: int = 96

@@ -266,7 +266,7 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     and `wall_seconds` includes their start.
     Returns models.serving.specdec_summary.summarize's dict plus the run settings.
     """
-    from eyas.models.serving.specdec import decode_prompts, summarize
+    from eyas.models.serving.specdec import decode_prompts, stop_token_ids, summarize
     if dtype not in SPECDEC_DTYPES:
         raise ValueError(f"dtype must be one of {list(SPECDEC_DTYPES)}, got {dtype!r}")
     if processes < 1 or (processes > 1 and model is not None):
@@ -287,7 +287,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
         prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
         t0 = time.perf_counter()
         pairs = decode_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
-                               max_new_tokens=max_new_tokens, stop_ids=_stop_ids(model, tokenizer),
+                               max_new_tokens=max_new_tokens,
+                               stop_ids=stop_token_ids(model, tokenizer),
                                names=[n for n, _ in prompts], progress=progress,
                                temperature=temperature, draft=draft, seed=seed)
     res = summarize(pairs, k, context_buckets=edges, temperature=temperature)
@@ -302,11 +303,6 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
                     "and multi-token forwards: use --dtype fp32 for an exact check"
                     if dtype == "bf16" else "")
     return res
-
-
-def _stop_ids(model, tokenizer) -> set[int]:
-    from eyas.models.serving.specdec import stop_token_ids
-    return stop_token_ids(model, tokenizer)
 
 
 def _load_pair(job: dict[str, Any], model=None, tokenizer=None):
@@ -334,12 +330,12 @@ def _load_pair(job: dict[str, Any], model=None, tokenizer=None):
 
 def _decode_part(job: dict[str, Any]) -> list:
     """One worker of `decode_in_processes`: load the target and the drafter, decode a part."""
-    from eyas.models.serving.specdec import decode_prompts
+    from eyas.models.serving.specdec import decode_prompts, stop_token_ids
     torch.set_num_threads(job["threads"])
     model, tokenizer, engine, cfg = _load_pair(job)
     return decode_prompts(model, engine, cfg, job["prompts"], k=job["k"],
                           max_new_tokens=job["max_new_tokens"],
-                          stop_ids=_stop_ids(model, tokenizer), names=job["names"],
+                          stop_ids=stop_token_ids(model, tokenizer), names=job["names"],
                           progress=False, temperature=job["temperature"], draft=job["draft"],
                           seed=job["seed"])
 

@@ -88,13 +88,13 @@ def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer
     path = root / "prompts.synthetic.jsonl"
     words, shots = data.synthetic_opener_words, data.synthetic_examples
     if not path.is_file():
-        openers = prompt_openers(prompt_texts(prompts), words) if words > 0 else []
-        examples = prompt_texts(prompts) if shots > 0 else []
-        synthesize_prompts(model, tokenizer, data.synthetic_prompts, path, openers=openers,
-                           examples=examples, shots=max(shots, 1),
+        shipped = prompt_texts(prompts)
+        synthesize_prompts(model, tokenizer, data.synthetic_prompts, path,
+                           openers=prompt_openers(shipped, words) if words > 0 else [],
+                           examples=shipped if shots > 0 else [], shots=max(shots, 1),
                            temperature=data.synthetic_temperature,
                            batch_size=data.generation_batch_size, seed=seed,
-                           exclude=prompt_texts(prompts) + prompt_texts(prompts_path("heldout")))
+                           exclude=shipped + prompt_texts(prompts_path("heldout")))
     return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
