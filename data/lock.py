@@ -4,7 +4,8 @@ A dataset (`eyas prepare`, `extract`, `import`), a run directory (rank 0 of the 
 for the run's life) and an export (`eyas export`, the trainer's final export) are each written
 by one process at a time. The writer holds ``fcntl.flock`` on a lock file and records in it who
 it is (pid, host, command line, start time, as JSON); a second writer fails at once with one
-line naming that holder. Readers never take the lock.
+line naming that holder, unless it asked to wait (a shared cache: the second process then
+reads what the first wrote). Readers never take the lock.
 
 The lock file of a directory is ``<dir>/.eyas.lock`` (`lock_path`); a directory that is
 replaced as a whole (an export, renamed into place) is locked beside it, ``<parent>/.<name>.lock``
@@ -112,13 +113,17 @@ class DirLock:
         """The lock file, however the directory was spelled (symlinks, relative paths)."""
         return os.path.join(os.path.realpath(self.path.parent), self.path.name)
 
-    def acquire(self) -> "DirLock":
-        """Take the lock or raise DirectoryLocked naming the holder."""
+    def acquire(self, wait: float = 0.0) -> "DirLock":
+        """Take the lock or raise DirectoryLocked naming the holder; `wait` > 0: first wait up
+        to that many seconds for the holder to finish (for a shared cache that another
+        process is filling, where the second one should read what the first writes)."""
         key = self._key()
         if key in _HELD:
             _HELD[key].depth += 1
             return _HELD[key]
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + wait
+        waiting = False
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
@@ -128,6 +133,13 @@ class DirLock:
                 os.close(fd)
                 if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                     raise
+                if time.monotonic() < deadline:
+                    if not waiting:
+                        log.info("%s is being written by %s: waiting up to %.0f s for it",
+                                 self.directory, describe_holder(holder), wait)
+                        waiting = True
+                    time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                    continue
                 raise DirectoryLocked(
                     f"{self.directory} is being written by another process: "
                     f"{describe_holder(holder)}; lock file {self.path}. Fix: wait for it to "
@@ -173,9 +185,10 @@ class DirLock:
 
 @contextlib.contextmanager
 def dir_lock(directory: str | os.PathLike, *, what: str = "directory",
-             path: str | os.PathLike | None = None) -> Iterator[DirLock]:
-    """Hold the lock of `directory` (`path`: another lock file, e.g. `sibling_lock_path`)."""
-    lock = DirLock(directory, what=what, path=path).acquire()
+             path: str | os.PathLike | None = None, wait: float = 0.0) -> Iterator[DirLock]:
+    """Hold the lock of `directory` (`path`: another lock file, e.g. `sibling_lock_path`;
+    `wait`: seconds to wait for another holder, `DirLock.acquire`)."""
+    lock = DirLock(directory, what=what, path=path).acquire(wait)
     try:
         yield lock
     finally:

@@ -233,46 +233,59 @@ def _heldout_key(eval_cfg: EvalConfig, target: TargetConfig, prompts: Path) -> s
     return h.hexdigest()[:16]
 
 
+#: how long a run waits for another run that is building the same held-out cache
+HELDOUT_WAIT_S = 3600.0
+
+
 def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
                         export_dir: str | Path, *, k: int) -> dict | None:
     """The export's offline acceptance on the held-out prompts' own greedy answers (rank 0):
     the first eval.num_prompts prompts answered by the target in float32 (the precision of real
     decoding), tokenised and extracted once, cached under data.cache_dir/heldout/<key> (each
-    step resumable: generation continues where it stopped), then `evaluate.offline_eval`."""
+    step resumable: generation continues where it stopped), then `evaluate.offline_eval`.
+    Runs that finish side by side share the cache: the second waits for the first to write
+    it (HELDOUT_WAIT_S), then reads it."""
     if not eval_cfg.heldout_offline:
         return None
-    import torch
-
-    from eyas.data import extract, generate, prepare
     from eyas.data.lock import dir_lock
-    from eyas.data.targets import load_target
     from eyas.train import evaluate
     prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
     root = Path(data.cache_dir).expanduser() / "heldout" / _heldout_key(eval_cfg, target, prompts)
     hidden = root / "hidden"
     device = eval_device(eval_cfg)
     if not (hidden / "manifest.json").is_file():
-        with dir_lock(root, what="held-out dataset cache"):
-            log.info("held-out offline check: answering %d prompts of %s (float32, cached in %s)",
-                     eval_cfg.num_prompts, prompts.name, root)
-            model, tokenizer = load_target(target.name, dtype=torch.float32, device=device)
-            subset = root / "prompts.jsonl"
-            lines = [x for x in prompts.read_text().splitlines() if x.strip()]
-            _write_lines(subset, lines[:eval_cfg.num_prompts])
-            conversations = generate.generate_conversations(
-                subset, target.name, root / "conversations.jsonl",
-                max_new_tokens=eval_cfg.max_new_tokens, batch_size=data.generation_batch_size,
-                temperature=0.0, model=model, tokenizer=tokenizer)
-            if not (root / "tokens" / "manifest.json").is_file():
-                prepare.prepare(conversations, target.name, root / "tokens",
-                                max_length=data.max_length, on_error="skip")
-            extract.extract(root / "tokens", target.name, hidden,
-                            layers=None if target.aux_layer_ids is None
-                            else list(target.aux_layer_ids), model=model, device=device)
+        with dir_lock(root, what="held-out dataset cache", wait=HELDOUT_WAIT_S):
+            if not (hidden / "manifest.json").is_file():   # not written while this one waited
+                _build_heldout(eval_cfg, data, target, prompts, root, device)
     res = evaluate.offline_eval(export_dir, hidden, k=k, token_budget=data.token_budget,
                                 device=device, target=target.name, cache_dir=data.cache_dir)
     keep = ("tau", "tau_trajectory", "chain_starts", "num_samples", "dataset")
     return {key: res[key] for key in keep if key in res}
+
+
+def _build_heldout(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
+                   prompts: Path, root: Path, device: str) -> None:
+    """Answer, tokenise and extract the held-out prompts into root (`run_heldout_offline`)."""
+    import torch
+
+    from eyas.data import extract, generate, prepare
+    from eyas.data.targets import load_target
+    log.info("held-out offline check: answering %d prompts of %s (float32, cached in %s)",
+             eval_cfg.num_prompts, prompts.name, root)
+    model, tokenizer = load_target(target.name, dtype=torch.float32, device=device)
+    subset = root / "prompts.jsonl"
+    lines = [x for x in prompts.read_text().splitlines() if x.strip()]
+    _write_lines(subset, lines[:eval_cfg.num_prompts])
+    conversations = generate.generate_conversations(
+        subset, target.name, root / "conversations.jsonl",
+        max_new_tokens=eval_cfg.max_new_tokens, batch_size=data.generation_batch_size,
+        temperature=0.0, model=model, tokenizer=tokenizer)
+    if not (root / "tokens" / "manifest.json").is_file():
+        prepare.prepare(conversations, target.name, root / "tokens",
+                        max_length=data.max_length, on_error="skip")
+    extract.extract(root / "tokens", target.name, root / "hidden",
+                    layers=None if target.aux_layer_ids is None
+                    else list(target.aux_layer_ids), model=model, device=device)
 
 
 def run_engine_check(eval_cfg: EvalConfig, target: str,

@@ -5,6 +5,8 @@ import json
 import os
 import signal
 import socket
+import threading
+import time
 
 import pytest
 
@@ -28,6 +30,22 @@ def test_a_second_writer_fails_at_once_naming_the_holder(tmp_path, lock_holder):
     with dir_lock(out):
         assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
     assert not lock_path(out).exists()
+
+
+def test_a_waiting_writer_takes_the_lock_when_the_holder_finishes(tmp_path, lock_holder,
+                                                                  caplog):
+    out = tmp_path / "cache"
+    holder = lock_holder(out)
+    t0 = time.monotonic()
+    with pytest.raises(DirectoryLocked):   # a short wait still ends in the refusal
+        DirLock(out).acquire(wait=0.5)
+    assert time.monotonic() - t0 >= 0.5
+    threading.Timer(1.0, holder.stdin.close).start()   # the holder finishes a second later
+    t0 = time.monotonic()
+    with caplog.at_level("INFO"), dir_lock(out, what="held-out dataset cache", wait=30):
+        assert json.loads(lock_path(out).read_text())["pid"] == os.getpid()
+        assert 1.0 <= time.monotonic() - t0 < 30
+    assert f"being written by pid {holder.pid}" in caplog.text and "waiting up to 30 s" in caplog.text
 
 
 def test_a_killed_holders_lock_is_stale_and_taken_over(tmp_path, lock_holder, caplog):

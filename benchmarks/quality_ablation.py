@@ -1,0 +1,172 @@
+"""Drafter-quality ablations side by side on one GPU: one training job per variant, all on the
+same embedded dataset, all scored on the same held-out prompts (the quality recipe's real
+decoding and held-out decoder walk).
+
+    python benchmarks/quality_ablation.py --out /tmp/abl \\
+        --common "+experiment=smollm2_quality data.synthetic_prompts=8000 eval.processes=4" \\
+        base= norm=drafter.norm_before_fc=true fp8=drafter.fp8=tensorwise
+
+The first variant builds the dataset (synthesise → generate → extract, cached under
+data.cache_dir); the others start once its trainer has logged the drafter (the dataset is then
+complete and only read), so they train and decode concurrently. A small drafter leaves most
+of an H200 idle, which is why several fit beside each other; three SmolLM2 trainings ran at
+~100 k tokens/s each there. Each variant runs as `run_name=<prefix>-<name>` in
+OUT/runs/<name> (the quality recipe's train.resume=latest continues an interrupted one), its
+log in OUT/<name>.log. At the end a table (eval-split walk, held-out walk, real τ with its
+standard error over prompts, identical-to-greedy, stage seconds) goes to stdout and
+OUT/ablation.json, with each row's ratio to the first variant's real τ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER = ("accelerate launch --mixed_precision no --dynamo_backend no "
+            "--config_file conf/accelerate/gpu1.yaml --quiet train/main.py")
+#: logged by the trainer once the dataset exists (train/trainer.py)
+DATASET_READY = "trainable parameters"
+
+
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """"NAME=OVERRIDES" → (NAME, [override, ...]); "base=" is the common settings alone."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise SystemExit(f"quality_ablation: variant {spec!r} is not NAME=OVERRIDES (NAME of "
+                         f"letters, digits, - and _; e.g. norm=drafter.norm_before_fc=true, "
+                         f"or base= for the common settings alone)")
+    return name, shlex.split(rest)
+
+
+def start(name: str, overrides: list[str], args, log_dir: Path) -> subprocess.Popen:
+    cmd = [*shlex.split(args.launcher), *shlex.split(args.common), *overrides,
+           f"run_name={args.prefix}-{name}", f"hydra.run.dir={run_dir(args, name)}"]
+    print(f"[{time.strftime('%H:%M:%S')}] start {name}: {shlex.join(overrides) or '(common)'}",
+          flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_dir / f"{name}.log", "ab") as log:   # the child keeps its own descriptor
+        log.write(f"$ {shlex.join(cmd)}\n".encode())
+        log.flush()
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+
+def wait_for_dataset(proc: subprocess.Popen, log: Path, deadline: float) -> bool:
+    """True once the first job's trainer logged the drafter; False if it ended or timed out."""
+    while time.monotonic() < deadline:
+        if DATASET_READY in log.read_text(errors="replace"):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(2)
+    return False
+
+
+def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -> dict:
+    """One table row from a run's summary.json (None: the run wrote none)."""
+    s = summary or {}
+    spec = s.get("speculative") or {}
+    off = s.get("heldout_offline") or {}
+    return {"name": name, "overrides": overrides, "exit": rc, "steps": s.get("steps"),
+            "eval_walk": s.get("tau_trajectory"), "heldout_walk": off.get("tau_trajectory"),
+            "real_tau": spec.get("tau"), "real_tau_se": spec.get("tau_se_prompts"),
+            "identical": spec.get("tokens_identical"), "stage_seconds": s.get("stage_seconds")}
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's real τ and held-out walk as a ratio to the first row's (None where absent)."""
+    ref = rows[0] if rows else {}
+    for r in rows:
+        for key in ("real_tau", "heldout_walk"):
+            a, b = r.get(key), ref.get(key)
+            r[f"{key}_ratio"] = round(a / b, 4) if a is not None and b else None
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    def f(x, spec=".3f"):
+        return "–" if x is None else format(x, spec)
+    head = ("| variant | exit | steps | eval-split walk | held-out walk | real τ ± s.e. | "
+            "× first | identical | train s |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        stages = r.get("stage_seconds") or {}
+        lines.append(f"| {r['name']} | {f(r['exit'], 'd')} | {f(r['steps'], 'd')} | "
+                     f"{f(r['eval_walk'])} | {f(r['heldout_walk'])} | {f(r['real_tau'])} ± "
+                     f"{f(r['real_tau_se'])} | {f(r['real_tau_ratio'], '.4f')} | "
+                     f"{r['identical']} | {f(stages.get('train'), '.0f')} |")
+    return "\n".join(lines)
+
+
+def run_dir(args, name: str) -> Path:
+    return Path(args.out).resolve() / "runs" / name
+
+
+def read_summary(args, name: str) -> dict | None:
+    path = run_dir(args, name) / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run(args) -> list[dict]:
+    variants = [parse_variant(v) for v in args.variants]
+    names = [n for n, _ in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"quality_ablation: variant names repeat: {names}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.timeout
+    (first, first_ov), rest = variants[0], variants[1:]
+    procs = {first: start(first, first_ov, args, out)}
+    if rest and not wait_for_dataset(procs[first], out / f"{first}.log", deadline):
+        print(f"quality_ablation: {first} ended or timed out before its dataset was ready; "
+              f"see {out / f'{first}.log'}", file=sys.stderr)
+    elif rest:
+        for name, ov in rest:
+            procs[name] = start(name, ov, args, out)
+            time.sleep(args.stagger)
+    codes = {}
+    for name, p in procs.items():
+        try:
+            codes[name] = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 15)
+            codes[name] = p.wait()
+            print(f"quality_ablation: {name} passed --timeout and was stopped", file=sys.stderr)
+    rows = with_ratios([row(n, ov, read_summary(args, n), codes.get(n))
+                        for n, ov in variants])
+    from eyas.data.utils import atomic_write_bytes
+    record = {"common": args.common, "launcher": args.launcher, "rows": rows}
+    atomic_write_bytes(out / "ablation.json", (json.dumps(record, indent=1) + "\n").encode())
+    print(table(rows))
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("variants", nargs="+", help="NAME=OVERRIDES, the first the reference "
+                   "(base= for the common settings alone)")
+    p.add_argument("--out", required=True, help="directory for the logs and ablation.json")
+    p.add_argument("--common", default="+experiment=smollm2_quality",
+                   help="Hydra overrides every variant gets (default: %(default)s)")
+    p.add_argument("--launcher", default=LAUNCHER, help="the training command before the "
+                   "overrides (default: %(default)s)")
+    p.add_argument("--prefix", default="ablation", help="run names are PREFIX-NAME")
+    p.add_argument("--stagger", type=float, default=10.0,
+                   help="seconds between starting the variants after the first")
+    p.add_argument("--timeout", type=float, default=3600.0,
+                   help="seconds for the whole ablation; running jobs are stopped then")
+    rows = run(p.parse_args(argv))
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""benchmarks/quality_ablation.py end to end on the shrunk embedded default: two variants share
+one dataset (the second reads the cache the first built), both are decoded for real and walked
+offline on the same held-out prompts, and the table and ablation.json carry each run's own
+figures."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import quality_ablation  # noqa: E402 (after the path insert)
+
+
+def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+    env.pop("TRITON_INTERPRET", None)
+    common = (f"data.cache_dir={tmp_path}/cache data.num_prompts=8 data.max_new_tokens=16 "
+              "data.token_budget=256 drafter.draft_vocab_size=2048 drafter.ttt_steps=3 "
+              "train.max_steps=2 eval.num_prompts=2 eval.max_new_tokens=8 eval.engines=false "
+              "eval.heldout_offline=true")
+    out = tmp_path / "abl"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality_ablation.py"),
+                        "--out", str(out), "--common", common, "--stagger", "0",
+                        "--launcher", f"{sys.executable} train/main.py",
+                        "base=", "norm=drafter.norm_before_fc=true"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:] + \
+        "".join(p.read_text()[-3000:] for p in out.glob("*.log"))
+    record = json.loads((out / "ablation.json").read_text())
+    rows = {row["name"]: row for row in record["rows"]}
+    assert list(rows) == ["base", "norm"]
+    for name, row in rows.items():
+        summary = json.loads((out / "runs" / name / "summary.json").read_text())
+        assert row["exit"] == 0 and row["steps"] == 2 == summary["steps"]
+        assert row["real_tau"] == summary["speculative"]["tau"]
+        assert row["identical"] is True
+        assert row["heldout_walk"] == summary["heldout_offline"]["tau_trajectory"]
+        assert row["eval_walk"] == summary["tau_trajectory"]
+    assert rows["base"]["real_tau_ratio"] == 1.0
+    assert rows["norm"]["real_tau_ratio"] == pytest.approx(
+        rows["norm"]["real_tau"] / rows["base"]["real_tau"], abs=1e-4)
+    # the variant's export carries the norm; the second run read the first one's dataset
+    cfg = json.loads((out / "runs" / "norm" / "export" / "config.json").read_text())
+    assert cfg.get("norm_before_fc") is True
+    assert "embedded dataset: cached at" in (out / "norm.log").read_text()
+    assert len(list((tmp_path / "cache" / "datasets").glob("*/hidden/manifest.json"))) == 1
+    assert f"| norm | 0 | 2 | {rows['norm']['eval_walk']:.3f} |" in r.stdout
+
+
+@pytest.mark.parametrize("spec", ["base", "=x=1", "a b=x=1"])
+def test_a_malformed_variant_is_refused_naming_it(spec):
+    with pytest.raises(SystemExit) as e:
+        quality_ablation.parse_variant(spec)
+    assert repr(spec) in str(e.value) and "NAME=OVERRIDES" in str(e.value)
