@@ -12,9 +12,11 @@ complete and only read), so they train and decode concurrently. A small drafter 
 of an H200 idle, which is why several fit beside each other; three SmolLM2 trainings ran at
 ~100 k tokens/s each there. Each variant runs as `run_name=<prefix>-<name>` in
 OUT/runs/<name> (the quality recipe's train.resume=latest continues an interrupted one), its
-log in OUT/<name>.log. At the end a table (eval-split walk, held-out walk, real τ with its
-standard error over prompts, identical-to-greedy, stage seconds) goes to stdout and
-OUT/ablation.json, with each row's ratio to the first variant's real τ.
+log in OUT/<name>.log. At the end a table (the training batches' τ at the last step every run
+logged, eval-split walk, held-out walk, real τ with its standard error over prompts,
+identical-to-greedy, training seconds) goes to stdout and OUT/ablation.json, with each row's
+ratio to the first variant's real τ. Runs stopped early (--timeout) keep their rows, with
+what they logged.
 """
 
 from __future__ import annotations
@@ -80,28 +82,50 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
             "identical": spec.get("tokens_identical"), "stage_seconds": s.get("stage_seconds")}
 
 
+def train_curve(metrics: Path) -> dict[int, float]:
+    """{step: τ of the training batches} from a run's metrics.jsonl (the logged windows)."""
+    curve = {}
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            if rec.get("train/tau") is not None:
+                curve[int(rec["step"])] = float(rec["train/tau"])
+    return curve
+
+
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Each row's real τ and held-out walk as a ratio to the first row's (None where absent)."""
+    """Each row's real τ and held-out walk as a ratio to the first row's (None where absent),
+    and `train_tau_common`: its training-batch τ at the last step every run logged (so runs
+    cut short are still compared at one step)."""
     ref = rows[0] if rows else {}
     for r in rows:
         for key in ("real_tau", "heldout_walk"):
             a, b = r.get(key), ref.get(key)
             r[f"{key}_ratio"] = round(a / b, 4) if a is not None and b else None
+    common = set.intersection(*(set(r.get("train_tau", {})) for r in rows)) if rows else set()
+    step = max(common, default=None)
+    for r in rows:
+        r["train_tau_common"] = None if step is None else {"step": step,
+                                                           "tau": r["train_tau"][step]}
     return rows
 
 
 def table(rows: list[dict]) -> str:
     def f(x, spec=".3f"):
         return "–" if x is None else format(x, spec)
-    head = ("| variant | exit | steps | eval-split walk | held-out walk | real τ ± s.e. | "
-            "× first | identical | train s |")
-    lines = [head, "|" + "---|" * 9]
+    common = next((r["train_tau_common"] for r in rows if r["train_tau_common"]), None)
+    at = f"train τ @{common['step']}" if common else "train τ"
+    head = ("| variant | exit | steps | " + at + " | eval-split walk | held-out walk | "
+            "real τ ± s.e. | × first | identical | train s |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         stages = r.get("stage_seconds") or {}
+        train = (r["train_tau_common"] or {}).get("tau")
         lines.append(f"| {r['name']} | {f(r['exit'], 'd')} | {f(r['steps'], 'd')} | "
-                     f"{f(r['eval_walk'])} | {f(r['heldout_walk'])} | {f(r['real_tau'])} ± "
-                     f"{f(r['real_tau_se'])} | {f(r['real_tau_ratio'], '.4f')} | "
-                     f"{r['identical']} | {f(stages.get('train'), '.0f')} |")
+                     f"{f(train)} | {f(r['eval_walk'])} | {f(r['heldout_walk'])} | "
+                     f"{f(r['real_tau'])} ± {f(r['real_tau_se'])} | "
+                     f"{f(r['real_tau_ratio'], '.4f')} | {r['identical']} | "
+                     f"{f(stages.get('train'), '.0f')} |")
     return "\n".join(lines)
 
 
@@ -139,8 +163,10 @@ def run(args) -> list[dict]:
             os.killpg(p.pid, 15)
             codes[name] = p.wait()
             print(f"quality_ablation: {name} passed --timeout and was stopped", file=sys.stderr)
-    rows = with_ratios([row(n, ov, read_summary(args, n), codes.get(n))
-                        for n, ov in variants])
+    rows = [row(n, ov, read_summary(args, n), codes.get(n)) for n, ov in variants]
+    for r in rows:
+        r["train_tau"] = train_curve(run_dir(args, r["name"]) / "metrics.jsonl")
+    rows = with_ratios(rows)
     from eyas.data.utils import atomic_write_bytes
     record = {"common": args.common, "launcher": args.launcher, "rows": rows}
     atomic_write_bytes(out / "ablation.json", (json.dumps(record, indent=1) + "\n").encode())

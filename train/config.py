@@ -286,10 +286,10 @@ class EvalConfig:
     when there is one, else the CPU), cpu or cuda[:i]. The engine-reference drafter of real
     decoding runs beside the target."""
     processes: int = 1
-    """Real decoding in this many processes side by side, the prompts split into contiguous
-    parts (`train.evaluate.decode_in_processes`). Each loads its own copy of the target and the
-    drafter: for small targets, whose batch-1 decoding leaves the device mostly idle. The tokens
-    and acceptance are those of one process; tokens/s and speedup are measured with the
+    """Real decoding in this many processes side by side, the prompts split into parts
+    (`train.decode_pool`). Each loads its own copy of the target and the drafter once: for
+    small targets, whose batch-1 decoding leaves the device mostly idle. The tokens and
+    acceptance are those of one process; tokens/s and speedup are measured with the
     processes sharing the machine."""
     heldout_offline: bool = False
     """Also answer the held-out prompts greedily in float32 (the first num_prompts, at most

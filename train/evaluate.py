@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eyas.data.targets import TARGET_DTYPES, fast_device, target_dtype
+from eyas.data.targets import fast_device, target_dtype
 from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
+from eyas.train.decode_pool import decode_in_processes, decode_job, load_pair
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,8 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
                      model=None, tokenizer=None, progress: bool = True,
                      context_buckets=DEFAULT_EDGES, temperature: float = 0.0,
                      draft: str = "argmax", seed: int = 0,
-                     device: str | torch.device = "cpu", processes: int = 1) -> dict[str, Any]:
+                     device: str | torch.device = "cpu", processes: int = 1,
+                     pool=None) -> dict[str, Any]:
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
     drafter_dir: the exported drafter (loaded like vLLM, `models.serving.reference.EngineDrafter`);
@@ -261,29 +263,31 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     or "sample"), prompt i seeded seed + i.
     processes > 1 (when the target is loaded here): the prompts are split into that many
     contiguous parts, each decoded by its own process with its own copy of the target and the
-    drafter (`decode_in_processes`): the same tokens and acceptance as in one process, while the
+    drafter (`train.decode_pool`): the same tokens and acceptance as in one process, while the
     per-prompt timings (tokens/s, speedup) are measured with the processes sharing the machine
-    and `wall_seconds` includes their start.
+    and `wall_seconds` includes their start. pool: a `DecodePool` already loaded with this
+    drafter, target and dtype, reused across calls (several temperatures); processes is then
+    the pool's.
     Returns models.serving.specdec_summary.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import decode_prompts, stop_token_ids, summarize
     if dtype not in SPECDEC_DTYPES:
         raise ValueError(f"dtype must be one of {list(SPECDEC_DTYPES)}, got {dtype!r}")
-    if processes < 1 or (processes > 1 and model is not None):
+    if processes < 1 or ((processes > 1 or pool is not None) and model is not None):
         raise ValueError(f"processes must be >= 1 (got {processes}), and 1 with a model passed "
                          f"in (each process loads its own copy of the target)")
     edges = check_edges(context_buckets)
-    job = dict(drafter_dir=str(drafter_dir), target=str(target), dtype=dtype,
-               cache_dir=cache_dir, device=str(device), k=k, max_new_tokens=max_new_tokens,
-               temperature=temperature, draft=draft)
-    if processes > 1:
+    job = decode_job(drafter_dir, target, dtype=dtype, cache_dir=cache_dir, device=device, k=k,
+                     max_new_tokens=max_new_tokens, temperature=temperature, draft=draft)
+    if processes > 1 or pool is not None:
         from eyas.data.targets import load_tokenizer
         prompts = load_prompts(prompts_path, load_tokenizer(target, cache_dir),
                                num_prompts=num_prompts)
         t0 = time.perf_counter()        # the processes' start and loading count here
-        pairs = decode_in_processes(job, prompts, processes, seed=seed)
+        pairs = decode_in_processes(job, prompts, processes, seed=seed) if pool is None else \
+            pool.decode(prompts, temperature=temperature, draft=draft, seed=seed)
     else:
-        model, tokenizer, engine, cfg = _load_pair(job, model, tokenizer)
+        model, tokenizer, engine, cfg = load_pair(job, model, tokenizer)
         prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
         t0 = time.perf_counter()
         pairs = decode_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
@@ -303,64 +307,6 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
                     "and multi-token forwards: use --dtype fp32 for an exact check"
                     if dtype == "bf16" else "")
     return res
-
-
-def _load_pair(job: dict[str, Any], model=None, tokenizer=None):
-    """(model, tokenizer, engine drafter, its config) for a `speculative_eval` job; the target
-    is loaded unless given, the drafter beside it, and their hidden sizes must agree."""
-    from eyas.models.serving.specdec import load_engine_drafter
-    dtype = TARGET_DTYPES[job["dtype"]]
-    if model is None or tokenizer is None:
-        from eyas.data.targets import load_target
-        model, tokenizer = load_target(job["target"], dtype=dtype, cache_dir=job["cache_dir"],
-                                       device=job["device"])
-    elif next(model.parameters()).dtype != dtype:
-        raise ValueError(f"the model passed in is {next(model.parameters()).dtype}, but "
-                         f"dtype={job['dtype']!r}: pass the matching dtype (or let it load the "
-                         f"target)")
-    tcfg = model.config.get_text_config()
-    embed = model.get_input_embeddings().weight.detach()       # the drafter runs beside the target
-    engine, cfg = load_engine_drafter(job["drafter_dir"], embed, dtype=dtype, device=embed.device)
-    if int(cfg.get("target_hidden_size") or -1) != int(tcfg.hidden_size):
-        raise ValueError(f"{job['drafter_dir']}/config.json target_hidden_size="
-                         f"{cfg.get('target_hidden_size')} but target {job['target']} has hidden "
-                         f"size {tcfg.hidden_size}: this drafter was trained for another target")
-    return model, tokenizer, engine, cfg
-
-
-def _decode_part(job: dict[str, Any]) -> list:
-    """One worker of `decode_in_processes`: load the target and the drafter, decode a part."""
-    from eyas.models.serving.specdec import decode_prompts, stop_token_ids
-    torch.set_num_threads(job["threads"])
-    model, tokenizer, engine, cfg = _load_pair(job)
-    return decode_prompts(model, engine, cfg, job["prompts"], k=job["k"],
-                          max_new_tokens=job["max_new_tokens"],
-                          stop_ids=stop_token_ids(model, tokenizer), names=job["names"],
-                          progress=False, temperature=job["temperature"], draft=job["draft"],
-                          seed=job["seed"])
-
-
-def decode_in_processes(job: dict[str, Any], prompts: list[tuple[str, list[int]]],
-                        processes: int, *, seed: int) -> list:
-    """`decode_prompts`' (name, target-only, speculative) pairs of `prompts`, in order, decoded
-    by `processes` spawned processes over contiguous parts. Part j starting at prompt s decodes
-    with seed + s, so prompt i still draws from seed + i; each process takes an equal share of
-    this one's torch threads."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    n = len(prompts)
-    bounds = [round(n * j / processes) for j in range(processes + 1)]
-    threads = max(1, torch.get_num_threads() // processes)
-    jobs = [dict(job, prompts=[p for _, p in prompts[a:b]], names=[m for m, _ in prompts[a:b]],
-                 seed=seed + a, threads=threads) for a, b in zip(bounds, bounds[1:]) if b > a]
-    parts: list[list] = [[] for _ in jobs]
-    with cf.ProcessPoolExecutor(len(jobs), mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_decode_part, j): i for i, j in enumerate(jobs)}
-        for done, fut in enumerate(cf.as_completed(futures), 1):
-            parts[futures[fut]] = fut.result()
-            log.info("specdec: %d/%d parts decoded (%d prompts)", done, len(jobs),
-                     sum(len(x) for x in parts))
-    return [pair for part in parts for pair in part]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ The evaluations themselves are `train.evaluate` (`offline_eval`, `speculative_ev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from eyas.data.log import HelpFormatter
 from eyas.data.targets import TARGET_DTYPES
 from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
+from eyas.train.decode_pool import decode_job
 from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, offline_eval, speculative_eval
 from eyas.train.evaluate_sampling import (add_sampling_args, evaluate_temperatures,
                                           format_by_temperature, format_sampled,
@@ -197,6 +199,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack):
+    """`real_at(temperature)` of --prompts: the target loaded here, or with --processes N one
+    `DecodePool` whose workers serve every temperature (closed with `stack`)."""
+    if not args.target:
+        p.error("--prompts needs --target")
+    if args.processes < 1:
+        p.error(f"--processes must be >= 1, got {args.processes}")
+    dtype = args.dtype or "fp32"
+    model = tok = pool = None
+    if args.processes > 1:
+        from eyas.train.decode_pool import DecodePool
+        pool = stack.enter_context(DecodePool(decode_job(
+            args.drafter, args.target, dtype=dtype, cache_dir=args.cache_dir,
+            device=args.device, k=args.k, max_new_tokens=args.max_new_tokens), args.processes))
+    else:
+        from eyas.data.targets import load_target
+        model, tok = load_target(args.target, dtype=TARGET_DTYPES[dtype],
+                                 cache_dir=args.cache_dir, device=args.device)
+
+    def real_at(t: float) -> dict[str, Any]:
+        return speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
+                                num_prompts=args.num_prompts, model=model, tokenizer=tok,
+                                max_new_tokens=args.max_new_tokens, cache_dir=args.cache_dir,
+                                dtype=dtype, context_buckets=args.context_buckets,
+                                temperature=t, draft=args.draft_sampling,
+                                seed=args.sampling_seed, device=args.device,
+                                processes=args.processes, pool=pool)
+    return real_at
+
+
+def _offline_acceptance(args):
+    """`offline_at(temperature)` of --data, over the samples `scored_samples` picks."""
+    from eyas.data.dataset import open_dataset
+    n = len(open_dataset(args.data))
+    indices, how = scored_samples(args, n, training_record(args.drafter))
+    print(f"scoring {n if indices is None else len(indices)} of {n} samples of {args.data}: "
+          f"{how}")
+
+    def offline_at(t: float) -> dict[str, Any]:
+        if t > 0:
+            return offline_at_temperature(args, indices, t)
+        return offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
+                            indices=indices, device=args.device, target=args.target,
+                            cache_dir=args.cache_dir,
+                            dtype=TARGET_DTYPES[args.dtype] if args.dtype else None,
+                            context_buckets=args.context_buckets)
+    return offline_at
+
+
 def cli_main(argv: list[str] | None = None) -> int:
     """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
     p = build_parser()
@@ -208,43 +259,11 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("one of the arguments --prompts --data is required")
     if args.threads:
         torch.set_num_threads(args.threads)
-    real_at = offline_at = None
-    if args.prompts:
-        if not args.target:
-            p.error("--prompts needs --target")
-        if args.processes < 1:
-            p.error(f"--processes must be >= 1, got {args.processes}")
-        from eyas.data.targets import load_target
-        dtype = args.dtype or "fp32"
-        model, tok = (None, None) if args.processes > 1 else \
-            load_target(args.target, dtype=TARGET_DTYPES[dtype], cache_dir=args.cache_dir,
-                        device=args.device)
-
-        def real_at(t: float) -> dict[str, Any]:
-            return speculative_eval(args.drafter, args.target, args.prompts, k=args.k,
-                                    num_prompts=args.num_prompts, model=model, tokenizer=tok,
-                                    max_new_tokens=args.max_new_tokens, cache_dir=args.cache_dir,
-                                    dtype=dtype, context_buckets=args.context_buckets,
-                                    temperature=t, draft=args.draft_sampling,
-                                    seed=args.sampling_seed, device=args.device,
-                                    processes=args.processes)
-    if args.data:
-        from eyas.data.dataset import open_dataset
-        n = len(open_dataset(args.data))
-        indices, how = scored_samples(args, n, training_record(args.drafter))
-        print(f"scoring {n if indices is None else len(indices)} of {n} samples of {args.data}: "
-              f"{how}")
-
-        def offline_at(t: float) -> dict[str, Any]:
-            if t > 0:
-                return offline_at_temperature(args, indices, t)
-            return offline_eval(args.drafter, args.data, k=args.k, token_budget=args.token_budget,
-                                indices=indices, device=args.device, target=args.target,
-                                cache_dir=args.cache_dir,
-                                dtype=TARGET_DTYPES[args.dtype] if args.dtype else None,
-                                context_buckets=args.context_buckets)
-    res = evaluate_temperatures(args.temperatures or [args.temperature], real_at, offline_at,
-                                table=bool(args.temperatures))
+    with contextlib.ExitStack() as stack:
+        real_at = _real_decoding(args, p, stack) if args.prompts else None
+        offline_at = _offline_acceptance(args) if args.data else None
+        res = evaluate_temperatures(args.temperatures or [args.temperature], real_at,
+                                    offline_at, table=bool(args.temperatures))
     from eyas.data.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))

@@ -10,7 +10,8 @@ import torch
 
 from eyas.data.targets import load_target
 from eyas.models.serving.specdec import decode_prompts, load_engine_drafter, stop_token_ids
-from eyas.train.evaluate import decode_in_processes, json_safe, load_prompts, speculative_eval
+from eyas.train.decode_pool import DecodePool, decode_in_processes, decode_job
+from eyas.train.evaluate import json_safe, load_prompts, speculative_eval
 
 QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour.",
              "Why is the sky blue?"]
@@ -47,8 +48,7 @@ def test_parts_decode_each_prompt_as_one_process_does(export, prompts_file, temp
     kw = dict(k=3, max_new_tokens=10, temperature=temperature)
     one = decode_prompts(model, engine, cfg, [p for _, p in prompts], names=[n for n, _ in prompts],
                          stop_ids=stop_token_ids(model, tok), progress=False, seed=7, **kw)
-    job = dict(drafter_dir=str(export), target="tiny-llama", dtype="fp32", cache_dir=None,
-               device="cpu", draft="argmax", **kw)
+    job = decode_job(export, "tiny-llama", dtype="fp32", cache_dir=None, device="cpu", **kw)
     three = decode_in_processes(job, prompts, 3, seed=7)
     assert _outputs(three) == _outputs(one)
     assert [n for n, _, _ in three] == [f"q{i}" for i in range(len(QUESTIONS))]
@@ -68,3 +68,42 @@ def test_speculative_eval_in_processes_reports_what_one_process_does(export, pro
         speculative_eval(export, "tiny-llama", prompts_file, processes=2,
                          model=load_target("tiny-llama", dtype=torch.float32)[0], tokenizer=1,
                          **kw)
+
+
+def test_one_pool_serves_every_temperature_with_its_workers_loaded_once(export, prompts_file):
+    model, tok = load_target("tiny-llama", dtype=torch.float32)
+    prompts = load_prompts(prompts_file, tok)
+    engine, cfg = load_engine_drafter(export, model.get_input_embeddings().weight.detach(),
+                                      dtype=torch.float32)
+    job = decode_job(export, "tiny-llama", dtype="fp32", cache_dir=None, device="cpu", k=3,
+                     max_new_tokens=10)
+    with DecodePool(job, 2) as pool:
+        for temperature in (0.0, 0.9, 0.0):
+            got = pool.decode(prompts, temperature=temperature, draft="argmax", seed=5)
+            one = decode_prompts(model, engine, cfg, [p for _, p in prompts],
+                                 names=[n for n, _ in prompts], k=3, max_new_tokens=10,
+                                 stop_ids=stop_token_ids(model, tok), progress=False, seed=5,
+                                 temperature=temperature)
+            assert _outputs(got) == _outputs(one), temperature
+        # 5 prompts in 5 parts, three decodings: still only the pool's two processes ran them
+        assert 1 <= len(pool.worker_pids) <= 2
+    kw = dict(k=3, num_prompts=4, max_new_tokens=10, progress=False, temperature=0.9, seed=3)
+    with DecodePool(job, 2) as pool:
+        via_pool = json_safe(speculative_eval(export, "tiny-llama", prompts_file, pool=pool,
+                                              **kw))
+    alone = json_safe(speculative_eval(export, "tiny-llama", prompts_file, **kw))
+    assert {k: v for k, v in via_pool.items() if k not in TIMES} == \
+        {k: v for k, v in alone.items() if k not in TIMES}
+
+
+def test_the_cli_decodes_every_temperature_in_processes_as_in_one(export, prompts_file,
+                                                                   tmp_path):
+    from eyas.train.cli import main
+    argv = ["evaluate", "--drafter", str(export), "--target", "tiny-llama", "--prompts",
+            str(prompts_file), "--k", "3", "--num-prompts", "4", "--max-new-tokens", "8",
+            "--temperatures", "0,0.9", "--sampling-seed", "2"]
+    assert main(argv + ["--out", str(tmp_path / "one.json")]) == 0
+    assert main(argv + ["--processes", "2", "--out", str(tmp_path / "two.json")]) == 0
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert [r["temperature"] for r in two["by_temperature"]] == [0.0, 0.9]
+    assert two["by_temperature"] == one["by_temperature"]

@@ -41,6 +41,10 @@ def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
         assert row["identical"] is True
         assert row["heldout_walk"] == summary["heldout_offline"]["tau_trajectory"]
         assert row["eval_walk"] == summary["tau_trajectory"]
+        logged = [json.loads(x) for x in
+                  (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        train_tau = [x["train/tau"] for x in logged if x.get("train/tau") is not None]
+        assert row["train_tau_common"] == {"step": 2, "tau": train_tau[-1]}
     assert rows["base"]["real_tau_ratio"] == 1.0
     assert rows["norm"]["real_tau_ratio"] == pytest.approx(
         rows["norm"]["real_tau"] / rows["base"]["real_tau"], abs=1e-4)
@@ -49,7 +53,21 @@ def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
     assert cfg.get("norm_before_fc") is True
     assert "embedded dataset: cached at" in (out / "norm.log").read_text()
     assert len(list((tmp_path / "cache" / "datasets").glob("*/hidden/manifest.json"))) == 1
-    assert f"| norm | 0 | 2 | {rows['norm']['eval_walk']:.3f} |" in r.stdout
+    norm = rows["norm"]
+    assert (f"| norm | 0 | 2 | {norm['train_tau_common']['tau']:.3f} | {norm['eval_walk']:.3f} | "
+            f"{norm['heldout_walk']:.3f} | {norm['real_tau']:.3f} ± ") in r.stdout
+    assert "train τ @2" in r.stdout
+
+
+def test_runs_cut_short_are_compared_at_the_last_step_all_logged():
+    rows = [{"name": "a", "real_tau": 2.0, "heldout_walk": 2.2,
+             "train_tau": {100: 1.3, 200: 1.7, 300: 1.9}},
+            {"name": "b", "real_tau": None, "heldout_walk": None,
+             "train_tau": {100: 1.2, 200: 1.8}}]
+    out = quality_ablation.with_ratios(rows)
+    assert [r["train_tau_common"] for r in out] == [{"step": 200, "tau": 1.7},
+                                                    {"step": 200, "tau": 1.8}]
+    assert out[0]["real_tau_ratio"] == 1.0 and out[1]["real_tau_ratio"] is None
 
 
 @pytest.mark.parametrize("spec", ["base", "=x=1", "a b=x=1"])

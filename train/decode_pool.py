@@ -1,0 +1,134 @@
+"""Real decoding in several processes (`eval.processes`, `eyas evaluate --processes N`).
+
+    with DecodePool(job, processes=4) as pool:
+        pairs = pool.decode(prompts, temperature=0.0, draft="argmax", seed=0)
+        pairs_07 = pool.decode(prompts, temperature=0.7, draft="argmax", seed=0)
+
+Each worker is a spawned process that loads the target and the drafter once (`job`: the
+settings `load_pair` reads) and then decodes whatever parts of a prompt list it
+is handed, so decoding at several temperatures loads the models once per worker, not once per
+temperature. Batch-1 decoding of a small target leaves a GPU or a many-core CPU mostly idle;
+processes side by side fill it. Prompt i of a list is decoded with seed + i whichever worker
+takes it, so the tokens and the acceptance are those of one process.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import multiprocessing as mp
+import os
+from typing import Any
+
+import torch
+
+from eyas.data.targets import TARGET_DTYPES
+
+log = logging.getLogger(__name__)
+
+#: parts per worker: small parts keep every worker busy while one finishes loading late
+PARTS_PER_WORKER = 4
+
+# A worker's loaded target, engine drafter, its config, stop ids and job (`_init_worker`).
+_LOADED: tuple | None = None
+
+
+def decode_job(drafter_dir, target, *, dtype: str, cache_dir, device, k: int,
+               max_new_tokens: int, temperature: float = 0.0, draft: str = "argmax") -> dict:
+    """The settings a decoding process loads and decodes with (`load_pair`, `DecodePool`)."""
+    return dict(drafter_dir=str(drafter_dir), target=str(target), dtype=dtype,
+                cache_dir=cache_dir, device=str(device), k=k, max_new_tokens=max_new_tokens,
+                temperature=temperature, draft=draft)
+
+
+def load_pair(job: dict[str, Any], model=None, tokenizer=None):
+    """(model, tokenizer, engine drafter, its config) for a `speculative_eval` or `DecodePool`
+    job: the target is loaded unless given, the drafter beside it (the engine reference,
+    `models.serving.specdec.load_engine_drafter`), and their hidden sizes must agree."""
+    from eyas.models.serving.specdec import load_engine_drafter
+    dtype = TARGET_DTYPES[job["dtype"]]
+    if model is None or tokenizer is None:
+        from eyas.data.targets import load_target
+        model, tokenizer = load_target(job["target"], dtype=dtype, cache_dir=job["cache_dir"],
+                                       device=job["device"])
+    elif next(model.parameters()).dtype != dtype:
+        raise ValueError(f"the model passed in is {next(model.parameters()).dtype}, but "
+                         f"dtype={job['dtype']!r}: pass the matching dtype (or let it load the "
+                         f"target)")
+    tcfg = model.config.get_text_config()
+    embed = model.get_input_embeddings().weight.detach()       # the drafter runs beside the target
+    engine, cfg = load_engine_drafter(job["drafter_dir"], embed, dtype=dtype, device=embed.device)
+    if int(cfg.get("target_hidden_size") or -1) != int(tcfg.hidden_size):
+        raise ValueError(f"{job['drafter_dir']}/config.json target_hidden_size="
+                         f"{cfg.get('target_hidden_size')} but target {job['target']} has hidden "
+                         f"size {tcfg.hidden_size}: this drafter was trained for another target")
+    return model, tokenizer, engine, cfg
+
+
+def _init_worker(job: dict[str, Any], threads: int) -> None:
+    global _LOADED
+    from eyas.models.serving.specdec import stop_token_ids
+    torch.set_num_threads(threads)
+    model, tokenizer, engine, cfg = load_pair(job)
+    _LOADED = (model, engine, cfg, stop_token_ids(model, tokenizer), job)
+
+
+def _decode_part(prompts: list, names: list[str], temperature: float, draft: str,
+                 seed: int) -> tuple[int, list]:
+    """(this worker's pid, `decode_prompts`' pairs of one part)."""
+    from eyas.models.serving.specdec import decode_prompts
+    model, engine, cfg, stop_ids, job = _LOADED
+    return os.getpid(), decode_prompts(model, engine, cfg, prompts, k=job["k"],
+                                       max_new_tokens=job["max_new_tokens"], stop_ids=stop_ids,
+                                       names=names, progress=False, temperature=temperature,
+                                       draft=draft, seed=seed)
+
+
+class DecodePool:
+    """`processes` spawned workers, each holding one copy of the target and the drafter."""
+
+    def __init__(self, job: dict[str, Any], processes: int) -> None:
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.processes = processes
+        threads = max(1, torch.get_num_threads() // processes)   # an equal share each
+        self._pool = cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"),
+                                            initializer=_init_worker, initargs=(job, threads))
+        self.worker_pids: set[int] = set()
+        """the workers that decoded something: at most `processes`, however many calls"""
+
+    def decode(self, prompts: list[tuple[str, list[int]]], *, temperature: float, draft: str,
+               seed: int) -> list:
+        """`decode_prompts`' (name, target-only, speculative) pairs of `prompts`, in order; the
+        part starting at prompt s is seeded seed + s, so prompt i draws from seed + i."""
+        n = len(prompts)
+        parts = min(n, self.processes * PARTS_PER_WORKER)
+        bounds = [round(n * j / parts) for j in range(parts + 1)] if parts else [0]
+        futures = {self._pool.submit(_decode_part, [p for _, p in prompts[a:b]],
+                                     [m for m, _ in prompts[a:b]], temperature, draft,
+                                     seed + a): i
+                   for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a}
+        out: list[list] = [[] for _ in futures]
+        for done, fut in enumerate(cf.as_completed(futures), 1):
+            pid, out[futures[fut]] = fut.result()
+            self.worker_pids.add(pid)
+            log.info("specdec: %d/%d parts decoded (%d of %d prompts)", done, len(futures),
+                     sum(len(x) for x in out), n)
+        return [pair for part in out for pair in part]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> DecodePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def decode_in_processes(job: dict[str, Any], prompts: list[tuple[str, list[int]]],
+                        processes: int, *, seed: int) -> list:
+    """One decoding of `prompts` at job's temperature and draft rule in a pool of its own."""
+    with DecodePool(job, processes) as pool:
+        return pool.decode(prompts, temperature=job["temperature"], draft=job["draft"],
+                           seed=seed)
