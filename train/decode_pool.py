@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 #: parts per worker: small parts keep every worker busy while one finishes loading late
 PARTS_PER_WORKER = 4
 
-# A worker's loaded target, engine drafter, its config, stop ids and job (`_init_worker`).
+# A worker's loaded target, engine drafter, its config, stop ids and job (`_decode_part`).
 _LOADED: tuple | None = None
 
 
@@ -65,19 +65,18 @@ def load_pair(job: dict[str, Any], model=None, tokenizer=None):
     return model, tokenizer, engine, cfg
 
 
-def _init_worker(job: dict[str, Any], threads: int) -> None:
+def _decode_part(job: dict[str, Any], threads: int, prompts: list, names: list[str],
+                 temperature: float, draft: str, seed: int) -> tuple[int, list]:
+    """(this worker's pid, `decode_prompts`' pairs of one part). The worker loads the target
+    and the drafter at its first part and keeps them (loading here rather than in a pool
+    initializer lets a loading error reach the caller as itself)."""
     global _LOADED
-    from eyas.models.serving.specdec import stop_token_ids
-    torch.set_num_threads(threads)
-    model, tokenizer, engine, cfg = load_pair(job)
-    _LOADED = (model, engine, cfg, stop_token_ids(model, tokenizer), job)
-
-
-def _decode_part(prompts: list, names: list[str], temperature: float, draft: str,
-                 seed: int) -> tuple[int, list]:
-    """(this worker's pid, `decode_prompts`' pairs of one part)."""
-    from eyas.models.serving.specdec import decode_prompts
-    model, engine, cfg, stop_ids, job = _LOADED
+    from eyas.models.serving.specdec import decode_prompts, stop_token_ids
+    if _LOADED is None or _LOADED[-1] != job:
+        torch.set_num_threads(threads)
+        model, tokenizer, engine, cfg = load_pair(job)
+        _LOADED = (model, engine, cfg, stop_token_ids(model, tokenizer), job)
+    model, engine, cfg, stop_ids, _ = _LOADED
     return os.getpid(), decode_prompts(model, engine, cfg, prompts, k=job["k"],
                                        max_new_tokens=job["max_new_tokens"], stop_ids=stop_ids,
                                        names=names, progress=False, temperature=temperature,
@@ -91,9 +90,9 @@ class DecodePool:
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
         self.processes = processes
-        threads = max(1, torch.get_num_threads() // processes)   # an equal share each
-        self._pool = cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"),
-                                            initializer=_init_worker, initargs=(job, threads))
+        self._job = dict(job, temperature=None, draft=None)  # set per decode() call
+        self._threads = max(1, torch.get_num_threads() // processes)   # an equal share each
+        self._pool = cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"))
         self.worker_pids: set[int] = set()
         """the workers that decoded something: at most `processes`, however many calls"""
 
@@ -104,7 +103,8 @@ class DecodePool:
         n = len(prompts)
         parts = min(n, self.processes * PARTS_PER_WORKER)
         bounds = [round(n * j / parts) for j in range(parts + 1)] if parts else [0]
-        futures = {self._pool.submit(_decode_part, [p for _, p in prompts[a:b]],
+        futures = {self._pool.submit(_decode_part, self._job, self._threads,
+                                     [p for _, p in prompts[a:b]],
                                      [m for m, _ in prompts[a:b]], temperature, draft,
                                      seed + a): i
                    for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a}

@@ -261,13 +261,13 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     the `by_context` buckets (the verified position of each round, `models.context`).
     temperature > 0: the engines' rejection sampling (`models.serving.sampling`; draft "argmax"
     or "sample"), prompt i seeded seed + i.
-    processes > 1 (when the target is loaded here): the prompts are split into that many
-    contiguous parts, each decoded by its own process with its own copy of the target and the
-    drafter (`train.decode_pool`): the same tokens and acceptance as in one process, while the
+    processes > 1 (when the target is loaded here): the prompts are split into parts that many
+    processes decode, each with its own copy of the target and the drafter
+    (`train.decode_pool`): the same tokens and acceptance as in one process, while the
     per-prompt timings (tokens/s, speedup) are measured with the processes sharing the machine
-    and `wall_seconds` includes their start. pool: a `DecodePool` already loaded with this
-    drafter, target and dtype, reused across calls (several temperatures); processes is then
-    the pool's.
+    and `wall_seconds` includes their start. pool: a `DecodePool` made for this drafter,
+    target and dtype, reused across calls (several temperatures; only its first decoding's
+    `wall_seconds` includes the loading); processes is then the pool's.
     Returns models.serving.specdec_summary.summarize's dict plus the run settings.
     """
     from eyas.models.serving.specdec import decode_prompts, stop_token_ids, summarize

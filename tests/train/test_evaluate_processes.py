@@ -107,3 +107,12 @@ def test_the_cli_decodes_every_temperature_in_processes_as_in_one(export, prompt
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert [r["temperature"] for r in two["by_temperature"]] == [0.0, 0.9]
     assert two["by_temperature"] == one["by_temperature"]
+
+
+def test_a_worker_that_cannot_load_reports_the_loading_error(tmp_path, prompts_file):
+    job = decode_job(tmp_path / "no-such-export", "tiny-llama", dtype="fp32", cache_dir=None,
+                     device="cpu", k=3, max_new_tokens=4)
+    prompts = load_prompts(prompts_file, load_target("tiny-llama", dtype=torch.float32)[1])
+    with DecodePool(job, 2) as pool, pytest.raises(Exception) as e:
+        pool.decode(prompts, temperature=0.0, draft="argmax", seed=0)
+    assert "no-such-export" in str(e.value), repr(e.value)
