@@ -16,15 +16,18 @@ log in OUT/<name>.log. At the end a table (the training batches' τ at the last 
 logged, eval-split walk, held-out walk, real τ with its standard error over prompts,
 identical-to-greedy, training seconds) goes to stdout and OUT/ablation.json, with each row's
 ratio to the first variant's real τ. Runs stopped early (--timeout) keep their rows, with
-what they logged.
+what they logged. OUT also holds the run directories, checkpoints included: from a remote
+machine, bring back OUT/ablation.json and the logs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -60,15 +63,30 @@ def start(name: str, overrides: list[str], args, log_dir: Path) -> subprocess.Po
                                 start_new_session=True)
 
 
-def wait_for_dataset(proc: subprocess.Popen, log: Path, deadline: float) -> bool:
-    """True once the first job's trainer logged the drafter; False if it ended or timed out."""
+def wait_for_dataset(proc: subprocess.Popen, log: Path, offset: int, deadline: float) -> bool:
+    """True once the first job's trainer logged the drafter (in the log past `offset`, what
+    this invocation wrote); False if the job ended or the deadline passed."""
     while time.monotonic() < deadline:
-        if DATASET_READY in log.read_text(errors="replace"):
-            return True
+        with open(log, "rb") as f:
+            f.seek(offset)
+            if DATASET_READY.encode() in f.read():
+                return True
         if proc.poll() is not None:
             return False
         time.sleep(2)
     return False
+
+
+def stop(proc: subprocess.Popen, grace: float = 60.0) -> int:
+    """SIGTERM the job's process group, SIGKILL it if it is still there after `grace` s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
 
 
 def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -> dict:
@@ -83,30 +101,36 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
 
 
 def train_curve(metrics: Path) -> dict[int, float]:
-    """{step: τ of the training batches} from a run's metrics.jsonl (the logged windows)."""
+    """{step: τ of the training batches} from a run's metrics.jsonl (the logged windows); a
+    line cut off by a stopped run is skipped."""
     curve = {}
     if metrics.is_file():
         for line in metrics.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else {}
-            if rec.get("train/tau") is not None:
-                curve[int(rec["step"])] = float(rec["train/tau"])
+            try:
+                rec = json.loads(line)
+                if rec.get("train/tau") is not None:
+                    curve[int(rec["step"])] = float(rec["train/tau"])
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue
     return curve
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
     """Each row's real τ and held-out walk as a ratio to the first row's (None where absent),
     and `train_tau_common`: its training-batch τ at the last step every run logged (so runs
-    cut short are still compared at one step)."""
+    cut short are still compared at one step; a run that logged nothing is left out of it).
+    Each row's `train_tau` becomes a list of [step, τ] pairs."""
     ref = rows[0] if rows else {}
     for r in rows:
         for key in ("real_tau", "heldout_walk"):
             a, b = r.get(key), ref.get(key)
             r[f"{key}_ratio"] = round(a / b, 4) if a is not None and b else None
-    common = set.intersection(*(set(r.get("train_tau", {})) for r in rows)) if rows else set()
-    step = max(common, default=None)
+    logged = [set(r.get("train_tau", {})) for r in rows if r.get("train_tau")]
+    step = max(set.intersection(*logged), default=None) if logged else None
     for r in rows:
-        r["train_tau_common"] = None if step is None else {"step": step,
-                                                           "tau": r["train_tau"][step]}
+        tau = r.get("train_tau", {}).get(step)
+        r["train_tau_common"] = None if tau is None else {"step": step, "tau": tau}
+        r["train_tau"] = sorted(r.get("train_tau", {}).items())   # [[step, τ], ...] in JSON
     return rows
 
 
@@ -133,24 +157,25 @@ def run_dir(args, name: str) -> Path:
     return Path(args.out).resolve() / "runs" / name
 
 
-def read_summary(args, name: str) -> dict | None:
+def read_summary(args, name: str, *, since: float) -> dict | None:
+    """The run's summary.json if this invocation wrote it (not one left by an earlier run)."""
     path = run_dir(args, name) / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file() or path.stat().st_mtime < since:
+        return None
+    return json.loads(path.read_text())
 
 
-def run(args) -> list[dict]:
-    variants = [parse_variant(v) for v in args.variants]
-    names = [n for n, _ in variants]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"quality_ablation: variant names repeat: {names}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def run_jobs(variants: list[tuple[str, list[str]]], args, out: Path,
+             procs: dict[str, subprocess.Popen]) -> dict[str, int]:
+    """Start the first variant, the rest once its dataset is ready; their exit statuses."""
     deadline = time.monotonic() + args.timeout
     (first, first_ov), rest = variants[0], variants[1:]
-    procs = {first: start(first, first_ov, args, out)}
-    if rest and not wait_for_dataset(procs[first], out / f"{first}.log", deadline):
+    log = out / f"{first}.log"
+    offset = log.stat().st_size if log.is_file() else 0
+    procs[first] = start(first, first_ov, args, out)
+    if rest and not wait_for_dataset(procs[first], log, offset, deadline):
         print(f"quality_ablation: {first} ended or timed out before its dataset was ready; "
-              f"see {out / f'{first}.log'}", file=sys.stderr)
+              f"see {log}", file=sys.stderr)
     elif rest:
         for name, ov in rest:
             procs[name] = start(name, ov, args, out)
@@ -160,10 +185,28 @@ def run(args) -> list[dict]:
         try:
             codes[name] = p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, 15)
-            codes[name] = p.wait()
+            codes[name] = stop(p)
             print(f"quality_ablation: {name} passed --timeout and was stopped", file=sys.stderr)
-    rows = [row(n, ov, read_summary(args, n), codes.get(n)) for n, ov in variants]
+    return codes
+
+
+def run(args) -> list[dict]:
+    variants = [parse_variant(v) for v in args.variants]
+    names = [n for n, _ in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"quality_ablation: variant names repeat: {names}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        codes = run_jobs(variants, args, out, procs)
+    finally:   # interrupted or failed here: no training is left running on the GPU
+        for p in procs.values():
+            if p.poll() is None:
+                stop(p)
+    rows = [row(n, ov, read_summary(args, n, since=started), codes.get(n))
+            for n, ov in variants]
     for r in rows:
         r["train_tau"] = train_curve(run_dir(args, r["name"]) / "metrics.jsonl")
     rows = with_ratios(rows)
@@ -188,7 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefix", default="ablation", help="run names are PREFIX-NAME")
     p.add_argument("--stagger", type=float, default=10.0,
                    help="seconds between starting the variants after the first")
-    p.add_argument("--timeout", type=float, default=3600.0,
+    p.add_argument("--timeout", type=float, default=7200.0,
                    help="seconds for the whole ablation; running jobs are stopped then")
     rows = run(p.parse_args(argv))
     return 0 if all(r["exit"] == 0 for r in rows) else 1

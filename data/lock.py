@@ -140,8 +140,9 @@ class DirLock:
                         waiting = True
                     time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
                     continue
+                waited = f" (after waiting {wait:.0f} s)" if wait > 0 else ""
                 raise DirectoryLocked(
-                    f"{self.directory} is being written by another process: "
+                    f"{self.directory} is being written by another process{waited}: "
                     f"{describe_holder(holder)}; lock file {self.path}. Fix: wait for it to "
                     f"finish or stop it, or write to another directory") from None
             try:  # the file may have been released (removed) between open and flock

@@ -66,21 +66,23 @@ def load_pair(job: dict[str, Any], model=None, tokenizer=None):
 
 
 def _decode_part(job: dict[str, Any], threads: int, prompts: list, names: list[str],
-                 temperature: float, draft: str, seed: int) -> tuple[int, list]:
-    """(this worker's pid, `decode_prompts`' pairs of one part). The worker loads the target
-    and the drafter at its first part and keeps them (loading here rather than in a pool
-    initializer lets a loading error reach the caller as itself)."""
+                 temperature: float, draft: str, seed: int) -> tuple[int, bool, list]:
+    """(this worker's pid, whether it loaded the models for this part, `decode_prompts`' pairs
+    of the part). A worker loads the target and the drafter at its first part and keeps them
+    (loading here rather than in a pool initializer lets a loading error reach the caller as
+    itself)."""
     global _LOADED
     from eyas.models.serving.specdec import decode_prompts, stop_token_ids
-    if _LOADED is None or _LOADED[-1] != job:
+    loaded = _LOADED is None or _LOADED[-1] != job
+    if loaded:
         torch.set_num_threads(threads)
         model, tokenizer, engine, cfg = load_pair(job)
         _LOADED = (model, engine, cfg, stop_token_ids(model, tokenizer), job)
     model, engine, cfg, stop_ids, _ = _LOADED
-    return os.getpid(), decode_prompts(model, engine, cfg, prompts, k=job["k"],
-                                       max_new_tokens=job["max_new_tokens"], stop_ids=stop_ids,
-                                       names=names, progress=False, temperature=temperature,
-                                       draft=draft, seed=seed)
+    return os.getpid(), loaded, decode_prompts(
+        model, engine, cfg, prompts, k=job["k"], max_new_tokens=job["max_new_tokens"],
+        stop_ids=stop_ids, names=names, progress=False, temperature=temperature, draft=draft,
+        seed=seed)
 
 
 class DecodePool:
@@ -90,11 +92,22 @@ class DecodePool:
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
         self.processes = processes
-        self._job = dict(job, temperature=None, draft=None)  # set per decode() call
+        self.job = dict(job, temperature=None, draft=None)  # those two: per decode() call
         self._threads = max(1, torch.get_num_threads() // processes)   # an equal share each
         self._pool = cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"))
         self.worker_pids: set[int] = set()
         """the workers that decoded something: at most `processes`, however many calls"""
+        self.loads = 0
+        """how many times a worker loaded the target and the drafter: once per worker"""
+
+    def check(self, job: dict[str, Any]) -> None:
+        """Raise ValueError unless `job` (`decode_job`) decodes with this pool's models and
+        settings (temperature and draft rule aside)."""
+        differ = sorted(key for key in self.job if key not in ("temperature", "draft")
+                        and self.job[key] != job.get(key))
+        if differ:
+            raise ValueError("this DecodePool was made for other settings: " + ", ".join(
+                f"{key} {self.job[key]!r} (asked: {job.get(key)!r})" for key in differ))
 
     def decode(self, prompts: list[tuple[str, list[int]]], *, temperature: float, draft: str,
                seed: int) -> list:
@@ -103,15 +116,17 @@ class DecodePool:
         n = len(prompts)
         parts = min(n, self.processes * PARTS_PER_WORKER)
         bounds = [round(n * j / parts) for j in range(parts + 1)] if parts else [0]
-        futures = {self._pool.submit(_decode_part, self._job, self._threads,
+        spans = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        futures = {self._pool.submit(_decode_part, self.job, self._threads,
                                      [p for _, p in prompts[a:b]],
                                      [m for m, _ in prompts[a:b]], temperature, draft,
                                      seed + a): i
-                   for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a}
-        out: list[list] = [[] for _ in futures]
+                   for i, (a, b) in enumerate(spans)}
+        out: list[list] = [[] for _ in spans]
         for done, fut in enumerate(cf.as_completed(futures), 1):
-            pid, out[futures[fut]] = fut.result()
+            pid, loaded, out[futures[fut]] = fut.result()
             self.worker_pids.add(pid)
+            self.loads += loaded
             log.info("specdec: %d/%d parts decoded (%d of %d prompts)", done, len(futures),
                      sum(len(x) for x in out), n)
         return [pair for part in out for pair in part]

@@ -270,7 +270,7 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     `wall_seconds` includes the loading); processes is then the pool's.
     Returns models.serving.specdec_summary.summarize's dict plus the run settings.
     """
-    from eyas.models.serving.specdec import decode_prompts, stop_token_ids, summarize
+    from eyas.models.serving.specdec import summarize
     if dtype not in SPECDEC_DTYPES:
         raise ValueError(f"dtype must be one of {list(SPECDEC_DTYPES)}, got {dtype!r}")
     if processes < 1 or ((processes > 1 or pool is not None) and model is not None):
@@ -279,22 +279,9 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     edges = check_edges(context_buckets)
     job = decode_job(drafter_dir, target, dtype=dtype, cache_dir=cache_dir, device=device, k=k,
                      max_new_tokens=max_new_tokens, temperature=temperature, draft=draft)
-    if processes > 1 or pool is not None:
-        from eyas.data.targets import load_tokenizer
-        prompts = load_prompts(prompts_path, load_tokenizer(target, cache_dir),
-                               num_prompts=num_prompts)
-        t0 = time.perf_counter()        # the processes' start and loading count here
-        pairs = decode_in_processes(job, prompts, processes, seed=seed) if pool is None else \
-            pool.decode(prompts, temperature=temperature, draft=draft, seed=seed)
-    else:
-        model, tokenizer, engine, cfg = load_pair(job, model, tokenizer)
-        prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
-        t0 = time.perf_counter()
-        pairs = decode_prompts(model, engine, cfg, [p for _, p in prompts], k=k,
-                               max_new_tokens=max_new_tokens,
-                               stop_ids=stop_token_ids(model, tokenizer),
-                               names=[n for n, _ in prompts], progress=progress,
-                               temperature=temperature, draft=draft, seed=seed)
+    prompts, pairs, t0 = _decode(job, prompts_path, num_prompts, seed=seed, model=model,
+                                 tokenizer=tokenizer, progress=progress, processes=processes,
+                                 pool=pool)
     res = summarize(pairs, k, context_buckets=edges, temperature=temperature)
     if temperature > 0:
         res.update(draft=draft, seed=seed)
@@ -307,6 +294,33 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
                     "and multi-token forwards: use --dtype fp32 for an exact check"
                     if dtype == "bf16" else "")
     return res
+
+
+def _decode(job: dict[str, Any], prompts_path, num_prompts: int | None, *, seed: int, model,
+            tokenizer, progress: bool, processes: int, pool) -> tuple[list, list, float]:
+    """(prompts, `decode_prompts`' pairs, the start time) of `speculative_eval`: here, or in
+    `processes` processes, or in `pool`."""
+    from eyas.models.serving.specdec import decode_prompts, stop_token_ids
+    if processes > 1 or pool is not None:
+        from eyas.data.targets import load_tokenizer
+        if pool is not None:
+            pool.check(job)
+        prompts = load_prompts(prompts_path, load_tokenizer(job["target"], job["cache_dir"]),
+                               num_prompts=num_prompts)
+        t0 = time.perf_counter()        # the processes' start and loading count here
+        if pool is None:
+            return prompts, decode_in_processes(job, prompts, processes, seed=seed), t0
+        return prompts, pool.decode(prompts, temperature=job["temperature"],
+                                    draft=job["draft"], seed=seed), t0
+    model, tokenizer, engine, cfg = load_pair(job, model, tokenizer)
+    prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
+    t0 = time.perf_counter()
+    return prompts, decode_prompts(model, engine, cfg, [p for _, p in prompts], k=job["k"],
+                                   max_new_tokens=job["max_new_tokens"],
+                                   stop_ids=stop_token_ids(model, tokenizer),
+                                   names=[n for n, _ in prompts], progress=progress,
+                                   temperature=job["temperature"], draft=job["draft"],
+                                   seed=seed), t0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,9 +37,9 @@ def test_a_waiting_writer_takes_the_lock_when_the_holder_finishes(tmp_path, lock
     out = tmp_path / "cache"
     holder = lock_holder(out)
     t0 = time.monotonic()
-    with pytest.raises(DirectoryLocked):   # a short wait still ends in the refusal
-        DirLock(out).acquire(wait=0.5)
-    assert time.monotonic() - t0 >= 0.5
+    with pytest.raises(DirectoryLocked, match=r"another process \(after waiting 2 s\)"):
+        DirLock(out).acquire(wait=2)   # a short wait still ends in the refusal
+    assert time.monotonic() - t0 >= 2
     threading.Timer(1.0, holder.stdin.close).start()   # the holder finishes a second later
     t0 = time.monotonic()
     with caplog.at_level("INFO"), dir_lock(out, what="held-out dataset cache", wait=30):

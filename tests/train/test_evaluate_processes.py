@@ -85,12 +85,15 @@ def test_one_pool_serves_every_temperature_with_its_workers_loaded_once(export, 
                                  stop_ids=stop_token_ids(model, tok), progress=False, seed=5,
                                  temperature=temperature)
             assert _outputs(got) == _outputs(one), temperature
-        # 5 prompts in 5 parts, three decodings: still only the pool's two processes ran them
-        assert 1 <= len(pool.worker_pids) <= 2
+        # 5 prompts in 5 parts, three decodings: the pool's processes ran them all, each
+        # having loaded the target and the drafter once
+        assert 1 <= len(pool.worker_pids) <= 2 and pool.loads == len(pool.worker_pids)
     kw = dict(k=3, num_prompts=4, max_new_tokens=10, progress=False, temperature=0.9, seed=3)
     with DecodePool(job, 2) as pool:
         via_pool = json_safe(speculative_eval(export, "tiny-llama", prompts_file, pool=pool,
                                               **kw))
+        with pytest.raises(ValueError, match=r"other settings: k 3 \(asked: 4\)"):
+            speculative_eval(export, "tiny-llama", prompts_file, pool=pool, **dict(kw, k=4))
     alone = json_safe(speculative_eval(export, "tiny-llama", prompts_file, **kw))
     assert {k: v for k, v in via_pool.items() if k not in TIMES} == \
         {k: v for k, v in alone.items() if k not in TIMES}

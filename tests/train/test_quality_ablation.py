@@ -3,6 +3,7 @@ one dataset (the second reads the cache the first built), both are decoded for r
 offline on the same held-out prompts, and the table and ablation.json carry each run's own
 figures."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,8 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import quality_ablation  # noqa: E402 (after the path insert)
+_spec = importlib.util.spec_from_file_location("quality_ablation",
+                                               ROOT / "benchmarks" / "quality_ablation.py")
+quality_ablation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(quality_ablation)
 
 
 def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
@@ -53,6 +56,11 @@ def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
     assert cfg.get("norm_before_fc") is True
     assert "embedded dataset: cached at" in (out / "norm.log").read_text()
     assert len(list((tmp_path / "cache" / "datasets").glob("*/hidden/manifest.json"))) == 1
+    # one run answered the held-out prompts; the other read (or waited for) its cache
+    built = [n for n in rows
+             if "held-out offline check: answering" in (out / f"{n}.log").read_text()]
+    assert len(built) == 1
+    assert len(list((tmp_path / "cache" / "heldout").glob("*/hidden/manifest.json"))) == 1
     norm = rows["norm"]
     assert (f"| norm | 0 | 2 | {norm['train_tau_common']['tau']:.3f} | {norm['eval_walk']:.3f} | "
             f"{norm['heldout_walk']:.3f} | {norm['real_tau']:.3f} ± ") in r.stdout
@@ -64,10 +72,19 @@ def test_runs_cut_short_are_compared_at_the_last_step_all_logged():
              "train_tau": {100: 1.3, 200: 1.7, 300: 1.9}},
             {"name": "b", "real_tau": None, "heldout_walk": None,
              "train_tau": {100: 1.2, 200: 1.8}}]
-    out = quality_ablation.with_ratios(rows)
+    rows.append({"name": "c", "real_tau": None, "heldout_walk": None, "train_tau": {}})
+    out = quality_ablation.with_ratios(rows)   # c, which logged nothing, is left out of it
     assert [r["train_tau_common"] for r in out] == [{"step": 200, "tau": 1.7},
-                                                    {"step": 200, "tau": 1.8}]
+                                                    {"step": 200, "tau": 1.8}, None]
     assert out[0]["real_tau_ratio"] == 1.0 and out[1]["real_tau_ratio"] is None
+    assert out[1]["train_tau"] == [(100, 1.2), (200, 1.8)]
+
+
+def test_a_line_cut_off_in_metrics_is_skipped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 100, "train/tau": 1.5}\n{"step": 100, "eval/tau": 2.0}\n'
+                    '{"step": 200, "train/tau": 1.9}\n{"step": 300, "train/t')
+    assert quality_ablation.train_curve(path) == {100: 1.5, 200: 1.9}
 
 
 @pytest.mark.parametrize("spec", ["base", "=x=1", "a b=x=1"])
