@@ -103,16 +103,11 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
 def train_curve(metrics: Path) -> dict[int, float]:
     """{step: τ of the training batches} from a run's metrics.jsonl (the logged windows); a
     line cut off by a stopped run is skipped."""
-    curve = {}
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-                if rec.get("train/tau") is not None:
-                    curve[int(rec["step"])] = float(rec["train/tau"])
-            except (ValueError, KeyError, TypeError, AttributeError):
-                continue
-    return curve
+    if not metrics.is_file():
+        return {}
+    from eyas.train.plots import read_records
+    return {int(r["step"]): float(r["train/tau"]) for r in read_records(metrics)
+            if r.get("train/tau") is not None}
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
