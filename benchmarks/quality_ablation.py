@@ -95,9 +95,19 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
     spec = s.get("speculative") or {}
     off = s.get("heldout_offline") or {}
     return {"name": name, "overrides": overrides, "exit": rc, "steps": s.get("steps"),
-            "eval_walk": s.get("tau_trajectory"), "heldout_walk": off.get("tau_trajectory"),
+            "eval_walk": eval_walk(s), "heldout_walk": off.get("tau_trajectory"),
             "real_tau": spec.get("tau"), "real_tau_se": spec.get("tau_se_prompts"),
             "identical": spec.get("tokens_identical"), "stage_seconds": s.get("stage_seconds")}
+
+
+def eval_walk(summary: dict) -> float | None:
+    """The eval-split decoder walk of the exported weights: this invocation's last eval, or,
+    when it evaluated nothing (a re-run that resumed at the final step), the exported
+    checkpoint's walk as its checkpoint selection recorded it."""
+    if summary.get("tau_trajectory") is not None:
+        return summary["tau_trajectory"]
+    sel = summary.get("checkpoint_selection") or {}
+    return (sel.get(sel.get("exported")) or {}).get("tau_trajectory")
 
 
 def train_curve(metrics: Path) -> dict[int, float]:
@@ -140,10 +150,11 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         stages = r.get("stage_seconds") or {}
         train = (r["train_tau_common"] or {}).get("tau")
+        same = "–" if r["identical"] is None else r["identical"]
         lines.append(f"| {r['name']} | {f(r['exit'], 'd')} | {f(r['steps'], 'd')} | "
                      f"{f(train)} | {f(r['eval_walk'])} | {f(r['heldout_walk'])} | "
                      f"{f(r['real_tau'])} ± {f(r['real_tau_se'])} | "
-                     f"{f(r['real_tau_ratio'], '.4f')} | {r['identical']} | "
+                     f"{f(r['real_tau_ratio'], '.4f')} | {same} | "
                      f"{f(stages.get('train'), '.0f')} |")
     return "\n".join(lines)
 

@@ -31,7 +31,8 @@ def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
                         "--out", str(out), "--common", common, "--stagger", "0",
                         "--launcher", f"{sys.executable} train/main.py",
                         "base=", "norm=drafter.norm_before_fc=true"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+                       check=False, cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:] + \
         "".join(p.read_text()[-3000:] for p in out.glob("*.log"))
     record = json.loads((out / "ablation.json").read_text())
@@ -92,3 +93,14 @@ def test_a_malformed_variant_is_refused_naming_it(spec):
     with pytest.raises(SystemExit) as e:
         quality_ablation.parse_variant(spec)
     assert repr(spec) in str(e.value) and "NAME=OVERRIDES" in str(e.value)
+
+
+def test_a_rerun_that_evaluated_nothing_reports_the_exported_checkpoints_walk():
+    resumed = {"steps": 1176, "tau_trajectory": None,
+               "checkpoint_selection": {"exported": "best",
+                                        "best": {"step": 1176, "tau_trajectory": 2.7996},
+                                        "last": {"step": 1176, "tau_trajectory": None}}}
+    assert quality_ablation.row("norm", [], resumed, 0)["eval_walk"] == 2.7996
+    fresh = dict(resumed, tau_trajectory=2.81)        # this invocation's own eval wins
+    assert quality_ablation.row("norm", [], fresh, 0)["eval_walk"] == 2.81
+    assert quality_ablation.row("norm", [], None, None)["eval_walk"] is None
