@@ -169,12 +169,17 @@ def parse_header(path: str | os.PathLike, file=None) -> Header:
 def nonfinite_tokens(t: torch.Tensor) -> torch.Tensor:
     """bool [T]: rows of a token-major float tensor holding any NaN/inf.
 
-    float8_e4m3fn has no inf and no isfinite kernel: its NaN codes are 0x7F / 0xFF.
+    A row's largest magnitude is NaN or inf exactly when the row holds one (amax propagates
+    NaN). On two CPU cores that is ~5x faster than an element-wise isfinite over bf16 (0.29 s
+    against 1.35 s for a 1 GB shard's aux). float8_e4m3fn has no inf and no isfinite kernel:
+    its NaN codes are 0x7F / 0xFF.
     """
     flat = t.reshape(t.shape[0], -1)
     if flat.dtype == torch.float8_e4m3fn:
         return ((flat.view(torch.uint8) & 0x7F) == 0x7F).any(dim=1)
-    return (~torch.isfinite(flat)).any(dim=1)
+    if flat.shape[1] == 0:
+        return torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
+    return ~torch.isfinite(flat.abs().amax(dim=1))
 
 
 def crc32_rows(arrays: list[np.ndarray], offsets: np.ndarray) -> np.ndarray:
