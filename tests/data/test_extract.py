@@ -170,6 +170,10 @@ def test_aux_layer_validation_names_the_override(tmp_path, tokens_dir):
         with pytest.raises(ExtractError, match=r"8 decoder layers.*2 <= a < b < c < N.*--layers"):
             extract(tokens_dir, "tiny-llama", tmp_path / "x", model=target("tiny-llama"),
                     layers=bad)
+    # a target too shallow for the default still gets the override's own error
+    with pytest.raises(ExtractError, match=r"\[1, 2, 3\] are invalid for a target with 5 "
+                                           r"decoder layers: the lowest id 1 is below 2.*no default"):
+        check_aux_layers([1, 2, 3], 5)
 
 
 class Wrapper(nn.Module):
