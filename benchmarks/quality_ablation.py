@@ -3,8 +3,11 @@ same embedded dataset, all scored on the same held-out prompts (the quality reci
 decoding and held-out decoder walk).
 
     python benchmarks/quality_ablation.py --out /tmp/abl \\
-        --common "+experiment=smollm2_quality data.synthetic_prompts=8000 eval.processes=4" \\
+        --common "+experiment=smollm2_quality data.synthetic_prompts=6000 eval.processes=4" \\
         base= norm=drafter.norm_before_fc=true fp8=drafter.fp8=tensorwise
+
+(on one H200: dataset ~3.5 min, the three trainings side by side ~4 min, their real decoding
+~3.5 min; benchmarks/README.md has the table.)
 
 The first variant builds the dataset (synthesise → generate → extract, cached under
 data.cache_dir); the others start once its trainer has logged the drafter (the dataset is then
@@ -16,7 +19,8 @@ log in OUT/<name>.log. At the end a table (the training batches' τ at the last 
 logged, eval-split walk, held-out walk, real τ with its standard error over prompts,
 identical-to-greedy, training seconds) goes to stdout and OUT/ablation.json, with each row's
 ratio to the first variant's real τ. Runs stopped early (--timeout) keep their rows, with
-what they logged. OUT also holds the run directories, checkpoints included: from a remote
+what they logged; the same command again continues them (a training that finished is read
+back from its last checkpoint, and only the export and the evaluation run). OUT also holds the run directories, checkpoints included: from a remote
 machine, bring back OUT/ablation.json and the logs.
 """
 
