@@ -30,19 +30,35 @@ RECIPES = ("off", "tensorwise", "rowwise")
 FP8_LAYERS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def fp8_layer(name: str) -> bool:
-    """Whether the module at dotted path `name` trains in FP8 (everything but the lm_head)."""
-    return name.rsplit(".", 1)[-1] in FP8_LAYERS
+def fp8_layers_error(layers) -> str | None:
+    """Why `layers` cannot be `drafter.fp8_layers`, or None: a non-empty list of distinct
+    names from FP8_LAYERS."""
+    names = list(layers)
+    unknown = [n for n in names if n not in FP8_LAYERS]
+    if not names or unknown or len(set(names)) != len(names):
+        return (f"a non-empty list of distinct names from {list(FP8_LAYERS)}"
+                + (f" ({unknown} are not)" if unknown else ""))
+    return None
 
 
-def convert_drafter_to_float8(drafter: nn.Module, recipe: str) -> list[str]:
-    """Swap the drafter's linear layers (`FP8_LAYERS`) for float8 training linears in place.
+def fp8_layer(name: str, layers=FP8_LAYERS) -> bool:
+    """Whether the module at dotted path `name` is one of `layers` (by its last name part)."""
+    return name.rsplit(".", 1)[-1] in layers
+
+
+def convert_drafter_to_float8(drafter: nn.Module, recipe: str,
+                              layers=FP8_LAYERS) -> list[str]:
+    """Swap the drafter's linear layers named in `layers` (default: all of `FP8_LAYERS`) for
+    float8 training linears in place; the others keep their bf16 GEMMs.
 
     recipe: "tensorwise" or "rowwise" (torchao's recipe names; "off" does nothing). Returns the
     converted module names. Every converted layer needs both dimensions divisible by 16 (the
     FP8 GEMM's alignment); the error names the layer and its shape otherwise."""
     if recipe not in RECIPES:
         raise ValueError(f"drafter.fp8={recipe!r}; choose one of {RECIPES}")
+    why = fp8_layers_error(layers)
+    if why is not None:
+        raise ValueError(f"drafter.fp8_layers={list(layers)}; expected {why}")
     if recipe == "off":
         return []
     try:
@@ -52,7 +68,7 @@ def convert_drafter_to_float8(drafter: nn.Module, recipe: str) -> list[str]:
                           f"pip install torchao); or train with drafter.fp8=off") from e
     names = []
     for name, module in drafter.named_modules():
-        if isinstance(module, nn.Linear) and fp8_layer(name):
+        if isinstance(module, nn.Linear) and fp8_layer(name, layers):
             out_f, in_f = module.weight.shape
             if in_f % 16 or out_f % 16:
                 raise ValueError(f"drafter.fp8={recipe}: layer {name} has weight [{out_f}, "
@@ -61,6 +77,6 @@ def convert_drafter_to_float8(drafter: nn.Module, recipe: str) -> list[str]:
             names.append(name)
     config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(drafter, config=config,
-                               module_filter_fn=lambda module, name: fp8_layer(name))
+                               module_filter_fn=lambda module, name: fp8_layer(name, layers))
     log.info("FP8 training (%s): %s", recipe, ", ".join(names))
     return names

@@ -56,13 +56,19 @@ def check_data(data, fail: Fail) -> None:
         fail("data.top_p", data.top_p, "in (0, 1]", "data.top_p=0.95")
 
 
-def check_ttt(drafter, fail: Fail) -> None:
-    """drafter.ttt_steps in [1, MAX_TTT_STEPS] (module doc: where the bound comes from)."""
+def check_drafter(drafter, fail: Fail) -> None:
+    """drafter.ttt_steps in [1, MAX_TTT_STEPS] (module doc: where the bound comes from), and
+    drafter.fp8_layers naming the drafter's linear layers."""
+    from eyas.models.fp8 import FP8_LAYERS, fp8_layers_error
     K = drafter.ttt_steps
     if not 1 <= K <= MAX_TTT_STEPS:
         fail("drafter.ttt_steps", K, f"an integer in [1, {MAX_TTT_STEPS}] (each step adds a "
              f"decoder layer's activations; the loss weight of step k is loss.step_weight**k, "
              f"and engines serve at most K draft tokens)", "drafter.ttt_steps=7")
+    why = fp8_layers_error(drafter.fp8_layers)
+    if why is not None:
+        fail("drafter.fp8_layers", list(drafter.fp8_layers), why,
+             f"drafter.fp8_layers=[{','.join(FP8_LAYERS[1:])}] (all but fc)")
 
 
 def check_loop(train, export, fail: Fail) -> None:

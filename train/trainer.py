@@ -188,7 +188,8 @@ def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: Data
     else:
         drafter.set_vocab_map(d2t, t2d)
     drafter.to(resolved.param_dtype)
-    convert_drafter_to_float8(drafter, FP8Recipe(drafter_cfg.fp8).value)
+    convert_drafter_to_float8(drafter, FP8Recipe(drafter_cfg.fp8).value,
+                              tuple(drafter_cfg.fp8_layers))
     head_rows = head[torch.arange(d2t.numel()) + d2t].to(resolved.param_dtype).contiguous()
     module = TrainingModule(drafter, head_rows, loss_cfg, loss_impl=resolved.loss_impl,
                             host_embedding=resolved.host_embedding)

@@ -69,3 +69,17 @@ def test_a_layer_not_divisible_by_16_is_named():
     d = _drafter(intermediate_size=40)
     with pytest.raises(ValueError, match=r"layer midlayer.mlp.gate_proj has weight \[40, "):
         convert_drafter_to_float8(d, "tensorwise")
+
+
+def test_fp8_layers_keeps_the_others_in_bf16_and_refuses_unknown_names():
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+    d = _drafter()
+    names = convert_drafter_to_float8(d, "tensorwise", ("q_proj", "down_proj"))
+    assert names == ["midlayer.self_attn.q_proj", "midlayer.mlp.down_proj"]
+    assert isinstance(d.midlayer.self_attn.q_proj, Float8Linear)
+    assert isinstance(d.midlayer.mlp.down_proj, Float8Linear)
+    assert type(d.fc) is torch.nn.Linear and type(d.midlayer.mlp.up_proj) is torch.nn.Linear
+    for bad in (("fc", "lm_head"), (), ("fc", "fc")):
+        with pytest.raises(ValueError, match=r"drafter.fp8_layers=.*non-empty list of distinct"):
+            convert_drafter_to_float8(_drafter(), "tensorwise", bad)

@@ -78,6 +78,8 @@ def test_bad_type_is_rejected():
     ("data.eval_fraction=1.5", "data.eval_fraction="),
     ("eval.context_buckets=[0,8192,2048]", "eval.context_buckets=[0,2048"),
     ("eval.context_buckets=[100,2048]", "eval.context_buckets=[0,2048"),
+    ("drafter.fp8_layers=[fc,lm_head]", "drafter.fp8_layers=[q_proj,k_proj,v_proj,o_proj,"),
+    ("drafter.fp8_layers=[]", "drafter.fp8_layers=[q_proj,"),
 ])
 def test_cross_field_errors_name_the_fix(override, fix):
     cfg = _compose([override])

@@ -299,7 +299,8 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
     assert _scalars(r_dir)["speculative/tau"] == [pytest.approx(tau)]
 
 
-@pytest.mark.parametrize("option", ["drafter.fp8=tensorwise",
+@pytest.mark.parametrize("option", ["drafter.fp8=tensorwise drafter.fp8_layers="
+                                    "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
                                     "drafter.host_embedding=true data.device_prefetch=true",
                                     "optim.moments=bf16 train.param_dtype=bf16 "
                                     "drafter.checkpoint_mlp=true"])
@@ -324,8 +325,9 @@ def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_
             (tmp_path / "a" / "train.log").read_text()
         state = torch.load(next((b / "checkpoints").rglob("optimizer.bin")), weights_only=False)
         assert {t["exp_avg"].dtype for t in state["inner"]["state"].values()} == {torch.bfloat16}
-    if "fp8" in option:   # the FP8 run really ran float8 linears, and exported plain weights
-        assert "FP8 training (tensorwise): fc, midlayer.self_attn.q_proj" in \
-            (tmp_path / "a" / "train.log").read_text()
+    if "fp8" in option:   # the FP8 run really ran float8 linears (fc kept bf16), and
+        log = (tmp_path / "a" / "train.log").read_text()   # exported plain weights
+        assert "FP8 training (tensorwise): midlayer.self_attn.q_proj," in log
+        assert "midlayer.mlp.down_proj\n" in log and "(tensorwise): fc" not in log
         from eyas.models.serving.validate import validate
         assert validate(tmp_path / "a" / "export", "tiny-llama") == []
