@@ -82,15 +82,26 @@ def wait_for_dataset(proc: subprocess.Popen, log: Path, offset: int, deadline: f
 
 
 def stop(proc: subprocess.Popen, grace: float = 60.0) -> int:
-    """SIGTERM the job's process group, SIGKILL it if it is still there after `grace` s."""
+    """SIGTERM the job's process group (a training saves a checkpoint of its step and ends,
+    `train.stop`); SIGKILL what is left of the group after `grace` s. Waits for the whole
+    group, not only the launcher, so that no process is still writing on return."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and _group_alive(proc):
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait()
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()                                 # reaps the launcher once it has ended
     try:
-        return proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -> dict:

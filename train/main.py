@@ -30,6 +30,7 @@ from eyas.data.log import (EXIT_USAGE, current_rank, error_exit_status, error_me
                            setup_logging)
 from eyas.train.config import ConfigError, load, register
 from eyas.train.resolve import resolve
+from eyas.train.stop import Stopped
 
 log = logging.getLogger("eyas")
 
@@ -209,13 +210,14 @@ def _write_rank_record(out: Path, accelerator, cfg) -> None:
 
 def _report(e: Exception) -> int:
     """An error the user can fix: one line, its exit status (2; 3: a stage that cannot run here).
-    Anything else is a bug and keeps its traceback (EYAS_DEBUG=1: always). A config error is the
-    same on every rank: rank 0 says it, the other ranks exit with its status silently."""
+    Anything else is a bug and keeps its traceback (EYAS_DEBUG=1: always). A config error, and
+    a training stopped by a signal (143), is the same on every rank: rank 0 says it, the other
+    ranks exit with its status silently."""
     status = error_exit_status(e)
     if status is None or os.environ.get("EYAS_DEBUG"):
         raise e
     config = isinstance(e, ConfigError)
-    if not config or current_rank() == 0:
+    if not (config or isinstance(e, Stopped)) or current_rank() == 0:
         log.error("%s%s", "bad configuration: " if config else "", error_message(e))
     return status
 

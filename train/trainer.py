@@ -16,6 +16,7 @@ next step while the device still runs this one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from eyas.train.plots import write_run_plots
 from eyas.train.run_export import export_final, export_selected, write_export_meta
 from eyas.train.selection import BestWalk
 from eyas.train.step import TrainingModule, to_device
+from eyas.train.stop import StopRequest, Stopped
 from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, default_peak_flops,
                                  flops_per_token, mean_over_ranks)
 from eyas.train.update import (SkippedSteps, host_checked_micro_step, micro_step,
@@ -272,38 +274,40 @@ def fit(t: Trainer) -> dict[str, Any]:
     batches = DeviceBatches(t.data.train, acc.device, t.model.config.ttt_steps,
                             bool(cfg.loss.skip_masked_rows), prefetch=t.device_prefetch)
     t.module.train()
-    while step < t.total_steps:
-        window.gnorm = train_step(t, batches, window, skipped, step)
-        window.steps += 1
-        step += 1
-        bar.update(1)
-        done = step >= t.total_steps
-        if _every(step, cfg.train.log_every) or done:
-            skipped.read(step)
-            rec = window.flush(acc, t.flops_per_token, peak, t.scheduler.get_last_lr()[0])
-            logger.log(step, rec)
-            bar.report(step, rec)   # the bar on a terminal, a log line otherwise
-        is_eval = _every(step, cfg.train.eval_every) or done
-        if is_eval:
-            last_eval = evaluate(t)
-            if last_eval:
-                logger.log(step, last_eval, prefix="eval")
-                log.info("eval step %d: tau %.3f (decoder walk %.3f), acc_0 %.3f", step,
-                         last_eval["tau"], last_eval["tau_trajectory"], last_eval["acc_0"])
-        walk = last_eval.get("tau_trajectory") if is_eval else None
-        # a new best decoder-walk τ is checkpointed, so export.select=best can export it
-        new_best = best.offer(walk, step) and cfg.export.select == ExportSelect.best
-        if _every(step, cfg.train.save_every) or done or new_best:
-            _save(t, step, batches.state_dict(), objective, skipped, last_eval, best,
-                  walk=walk, evaluated=is_eval)
-        if is_eval and acc.is_main_process:
-            write_run_plots(t.out, selected_step=best.step)
-        if _every(step, cfg.export.every) and not done:
-            export_final(t, t.out / f"export-step{step:06d}", step,
-                         last_eval if is_eval else None)
-    batches.close()   # stops the loader's prefetch threads
-    bar.close()
-    logger.close()
+    stopping = False
+    with StopRequest() as stop, contextlib.ExitStack() as closing:
+        for c in (logger, bar, batches):   # batches: stops the loader's prefetch threads
+            closing.callback(c.close)
+        while step < t.total_steps and not stopping:
+            window.gnorm = train_step(t, batches, window, skipped, step)
+            window.steps += 1
+            step += 1
+            bar.update(1)
+            done = step >= t.total_steps
+            if _every(step, cfg.train.log_every) or done:
+                skipped.read(step)
+                rec = window.flush(acc, t.flops_per_token, peak, t.scheduler.get_last_lr()[0])
+                logger.log(step, rec)
+                bar.report(step, rec)   # the bar on a terminal, a log line otherwise
+            is_eval = _every(step, cfg.train.eval_every) or done
+            if is_eval:
+                last_eval = _evaluate_and_log(t, logger, step)
+            walk = last_eval.get("tau_trajectory") if is_eval else None
+            # a new best decoder-walk τ is checkpointed, so export.select=best can export it
+            new_best = best.offer(walk, step) and cfg.export.select == ExportSelect.best
+            stopping = not done and stop.due(acc, step, cfg.train.log_every)
+            if _every(step, cfg.train.save_every) or done or new_best or stopping:
+                _save(t, step, batches.state_dict(), objective, skipped, last_eval, best,
+                      walk=walk, evaluated=is_eval)
+            if is_eval and acc.is_main_process:
+                write_run_plots(t.out, selected_step=best.step)
+            if _every(step, cfg.export.every) and not done and not stopping:
+                export_final(t, t.out / f"export-step{step:06d}", step,
+                             last_eval if is_eval else None)
+        if stopping or stop.due(acc, step, every=0):   # also a signal during the last step
+            raise Stopped(f"stopped at step {step} of {t.total_steps} on {stop.signal}: "
+                          f"checkpoint saved in {t.out / 'checkpoints'}; the same command "
+                          f"with train.resume=latest continues from it")
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
                                "skipped_samples": skipped_samples(t.data.train.dataset),
                                "eval": last_eval, "tau": last_eval.get("tau"),
@@ -330,6 +334,16 @@ def train_step(t: Trainer, batches: DeviceBatches, window: MetricsWindow,
         if acc.sync_gradients:
             t.scheduler.step()
             return gnorm
+
+
+def _evaluate_and_log(t: Trainer, logger: MetricsLogger, step: int) -> dict[str, Any]:
+    """The held-out eval at `step`, logged (empty without an eval split)."""
+    res = evaluate(t)
+    if res:
+        logger.log(step, res, prefix="eval")
+        log.info("eval step %d: tau %.3f (decoder walk %.3f), acc_0 %.3f", step,
+                 res["tau"], res["tau_trajectory"], res["acc_0"])
+    return res
 
 
 def _every(step: int, n: int) -> bool:

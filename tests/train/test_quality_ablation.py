@@ -104,3 +104,26 @@ def test_a_rerun_that_evaluated_nothing_reports_the_exported_checkpoints_walk():
     fresh = dict(resumed, tau_trajectory=2.81)        # this invocation's own eval wins
     assert quality_ablation.row("norm", [], fresh, 0)["eval_walk"] == 2.81
     assert quality_ablation.row("norm", [], None, None)["eval_walk"] is None
+
+
+def test_stop_waits_for_the_whole_process_group(tmp_path):
+    """The launcher dies at once on SIGTERM; its child takes a while to save: stop() returns
+    only after the child has finished, and without needing SIGKILL."""
+    import time
+    saved = tmp_path / "saved"
+    child = ("import signal, sys, time\n"
+             "def save(*_):\n"
+             "    time.sleep(1.5)\n"
+             f"    open({str(saved)!r}, 'w').write('done')\n"
+             "    sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, save)\n"
+             f"open({str(tmp_path / 'ready')!r}, 'w').close()\n"
+             "time.sleep(60)\n")
+    launcher = subprocess.Popen(["sh", "-c", f'{sys.executable} -c "$0" & wait', child],
+                                start_new_session=True)
+    while not (tmp_path / "ready").exists():
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    quality_ablation.stop(launcher, grace=30)
+    assert saved.read_text() == "done"
+    assert 1.4 < time.monotonic() - t0 < 20

@@ -1,0 +1,71 @@
+"""SIGTERM during training: a checkpoint of the step it was in, exit 143, nothing that looks
+finished; resuming gives the uninterrupted run's weights bit for bit (real processes)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.ports import free_port
+from tests.train.test_trainer import SMALL, _cmd, _env, _export_tensors, run
+
+COMMON = ["target=tiny_llama", "train.max_steps=12", "train.deterministic=true",
+          "train.eval_every=0", "train.save_every=0"]
+
+
+def _start(run_dir, dataset, cmd):
+    run_dir.mkdir()
+    args = [*cmd, *SMALL, f"data.dataset={dataset}", f"hydra.run.dir={run_dir}", *COMMON]
+    return subprocess.Popen(args, cwd=run_dir.parent, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _terminate_at_step(p, run_dir, step: int) -> tuple[str, str]:
+    """SIGTERM to the whole process group once metrics.jsonl records `step`."""
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        if metrics.is_file() and f'"step": {step},' in metrics.read_text():
+            break
+        if p.poll() is not None:
+            pytest.fail("the run ended before it could be stopped: " + p.communicate()[1][-3000:])
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGTERM)
+    return p.communicate(timeout=300)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_saves_exits_143_and_resumes_bitwise(tmp_path, tiny_llama_dataset, nproc):
+    run(tmp_path / "a", tiny_llama_dataset, *COMMON, nproc=nproc)
+    b = tmp_path / "b"
+    p = _start(b, tiny_llama_dataset, _cmd(nproc, free_port()))
+    out, err = _terminate_at_step(p, b, 3)
+    assert p.returncode == 143, err[-4000:]
+    stopped = [line for line in err.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1, err[-4000:]          # rank 0 says it once
+    assert "on SIGTERM: checkpoint saved in" in stopped[0] and "train.resume=latest" in stopped[0]
+    saved = (b / "checkpoints" / "latest").read_text().strip()
+    assert f"stopped at step {int(saved.removeprefix('step-'))} of 12" in stopped[0]
+    assert "step-000003" <= saved < "step-000012"
+    assert not (b / "export").exists() and not (b / "summary.json").exists()
+    r = run(b, tiny_llama_dataset, *COMMON, "train.resume=latest", nproc=nproc)
+    assert "resum" in (r.stdout + r.stderr).lower()
+    ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
+    assert ta.keys() == tb.keys() and len(ta) > 5
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), f"{name} differs after a stop at {saved}"
+
+
+def test_outside_training_the_signals_keep_their_default_action():
+    from eyas.train.stop import StopRequest
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        os.kill(os.getpid(), signal.SIGTERM)       # caught: a flag, not the end of pytest
+        assert stop.signal == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert sys.modules["eyas.train.stop"].Stopped.exit_status == 143
