@@ -18,10 +18,12 @@ OUT/runs/<name> (the quality recipe's train.resume=latest continues an interrupt
 log in OUT/<name>.log. At the end a table (the training batches' τ at the last step every run
 logged, eval-split walk, held-out walk, real τ with its standard error over prompts,
 identical-to-greedy, training seconds) goes to stdout and OUT/ablation.json, with each row's
-ratio to the first variant's real τ. Runs stopped early (--timeout) keep their rows, with
-what they logged; the same command again continues them (a training that finished is read
-back from its last checkpoint, and only the export and the evaluation run). OUT also holds the run directories, checkpoints included: from a remote
-machine, bring back OUT/ablation.json and the logs.
+ratio to the first variant's real τ. At --timeout each running job gets SIGTERM (a training
+checkpoints the step it is in and exits 143); stopped runs keep their rows, with what they
+logged, and the same command again continues them (a finished training is read back from its
+last checkpoint, and only the export and the evaluation run). OUT also holds the run
+directories, checkpoints included: from a remote machine, bring back OUT/ablation.json and the
+logs.
 """
 
 from __future__ import annotations
@@ -253,7 +255,8 @@ def main(argv=None) -> int:
     p.add_argument("--stagger", type=float, default=10.0,
                    help="seconds between starting the variants after the first")
     p.add_argument("--timeout", type=float, default=7200.0,
-                   help="seconds for the whole ablation; running jobs are stopped then")
+                   help="seconds for the whole ablation; running jobs then get SIGTERM "
+                        "(a training checkpoints its step and ends; the same command continues)")
     rows = run(p.parse_args(argv))
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
