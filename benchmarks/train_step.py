@@ -33,7 +33,8 @@ threads leave them, sent with each step: the trainer's default with CUDA),
 async-host-qkv-per-step (async-host with drafter.embedding_qkv_once=false: the embedding half
 of q/k/v projected in every step, the step before that option),
 fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears),
-fp8-host (fp8 with the host embedding).
+fp8-host (fp8 with the host embedding), fp8-bf16fc (fp8 with fc's GEMMs in bf16:
+drafter.fp8_layers without fc).
 
 The real trainer end to end (accelerate + DeepSpeed ZeRO-2 on shards on disk): see
 benchmarks/train_e2e.py (`python benchmarks/train_step.py --trainer ...` forwards to it).
@@ -62,7 +63,7 @@ from eyas.data.loader import Batch
 from eyas.models import attention
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.fp8 import convert_drafter_to_float8
+from eyas.models.fp8 import FP8_LAYERS, convert_drafter_to_float8
 from eyas.models.metrics import accept_counts
 from eyas.models.objective import metric_rows
 from eyas.data.targets import load_target_config, text_config
@@ -89,6 +90,7 @@ class Case(NamedTuple):
     qkv_once: bool = True       # drafter.embedding_qkv_once
     moments: str = "fp32"       # optim.moments: AdamW moments in fp32 or bf16
     vmap_mask: bool = False     # the step-0 BlockMask through create_block_mask (the T² vmap)
+    fp8_layers: tuple = FP8_LAYERS  # drafter.fp8_layers: which linears run FP8 GEMMs
 
 
 CASES = {
@@ -117,6 +119,8 @@ CASES = {
                      compact=True, host_embed=True),
     "fp8-rowwise": Case(True, "triton", False, False, True, norm_sync=False, fp8="rowwise",
                         compact=True),
+    "fp8-bf16fc": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
+                       compact=True, fp8_layers=FP8_LAYERS[1:]),
 }
 
 
@@ -163,7 +167,7 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
                                 checkpoint_mlp=c.ckpt, embedding_qkv_once=c.qkv_once)
     dtype = torch.bfloat16 if on_cuda else torch.float32
     drafter.to(dtype)
-    convert_drafter_to_float8(drafter, c.fp8 if on_cuda else "off")
+    convert_drafter_to_float8(drafter, c.fp8 if on_cuda else "off", c.fp8_layers)
     drafter.embed_tokens.weight.normal_()
     V, Vd, tH = cfg.vocab_size, cfg.draft_vocab_size, cfg.target_hidden_size
     ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vd].sort().values
