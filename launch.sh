@@ -49,7 +49,8 @@ Hydra overrides (see README.md and conf/):
   optim.lr=5e-5 train.max_steps=1000 ...     any field; --multirun a=1,2 sweeps
 
 Exit status: the trainer's own (README "Exit statuses"): 0 ok, 2 a bad option, override or
-config, or a missing path (one line saying which), 3 a stage that cannot run here, 1 anything
+config, or a missing path (one line saying which), 3 a stage that cannot run here, 143 stopped
+by SIGTERM/SIGUSR1 after checkpointing its step (train.resume=latest continues), 1 anything
 else (with its traceback).
 
 Examples:
@@ -219,6 +220,10 @@ echo "launch.sh: ${acc[*]} train/main.py ${args[*]:-}" >&2
 # `accelerate launch` exits 1 whatever its processes returned (--quiet: without a traceback of
 # its own, one process): train/main.py appends a failing status to EYAS_EXIT_FILE, and that
 # status is this script's. Run in the foreground, so a Ctrl-C reaches every process as before.
+# With several processes torch's agent forwards these signals to the ranks, which checkpoint
+# their step and stop (train/stop.py), and gives them this long before it SIGKILLs them.
+export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 EYAS_EXIT_FILE="$(mktemp "${TMPDIR:-/tmp}/eyas-exit.XXXXXX")"
 export EYAS_EXIT_FILE
 trap 'rm -f "$EYAS_EXIT_FILE"' EXIT

@@ -40,8 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHER = ("accelerate launch --mixed_precision no --dynamo_backend no "
-            "--config_file conf/accelerate/gpu1.yaml --quiet train/main.py")
+#: one process on one GPU needs no launcher, and `accelerate launch` with one process would
+#: SIGKILL the trainer 5 s after passing on a SIGTERM, which can be too soon for its checkpoint
+LAUNCHER = f"{shlex.quote(sys.executable)} train/main.py"
 #: logged by the trainer once the dataset exists (train/trainer.py)
 DATASET_READY = "trainable parameters"
 
@@ -84,17 +85,27 @@ def wait_for_dataset(proc: subprocess.Popen, log: Path, offset: int, deadline: f
 
 
 def stop(proc: subprocess.Popen, grace: float = 60.0) -> int:
-    """SIGTERM the job's process group (a training saves a checkpoint of its step and ends,
-    `train.stop`); SIGKILL what is left of the group after `grace` s. Waits for the whole
-    group, not only the launcher, so that no process is still writing on return."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
+    """`stop_all` for one job; its exit status."""
+    return stop_all({"job": proc}, grace)["job"]
+
+
+def stop_all(procs: dict[str, subprocess.Popen], grace: float = 60.0) -> dict[str, int]:
+    """SIGTERM every job's process group at once (a training saves a checkpoint of its step
+    and ends, `train.stop`), then wait for each whole group, not only its launcher, so that no
+    process is still writing on return; SIGKILL a group still there after `grace` s. (Ranks
+    of a multi-process launch live in sessions of their own: torch's agent forwards the
+    signal to them and waits for them itself.) Returns {name: exit status}."""
+    for p in procs.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _group_alive(proc):
-        time.sleep(0.5)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    return proc.wait()
+    for p in procs.values():
+        while time.monotonic() < deadline and _group_alive(p):
+            time.sleep(0.5)
+        if _group_alive(p):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    return {name: p.wait() for name, p in procs.items()}
 
 
 def _group_alive(proc: subprocess.Popen) -> bool:
@@ -208,8 +219,12 @@ def run_jobs(variants: list[tuple[str, list[str]]], args, out: Path,
         try:
             codes[name] = p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            codes[name] = stop(p)
-            print(f"quality_ablation: {name} passed --timeout and was stopped", file=sys.stderr)
+            break
+    late = {n: p for n, p in procs.items() if n not in codes and p.poll() is None}
+    codes.update({n: p.returncode for n, p in procs.items() if n not in codes and n not in late})
+    codes.update(stop_all(late))     # every late job gets SIGTERM at once, then all are awaited
+    for name in late:
+        print(f"quality_ablation: {name} passed --timeout and was stopped", file=sys.stderr)
     return codes
 
 
@@ -225,9 +240,7 @@ def run(args) -> list[dict]:
     try:
         codes = run_jobs(variants, args, out, procs)
     finally:   # interrupted or failed here: no training is left running on the GPU
-        for p in procs.values():
-            if p.poll() is None:
-                stop(p)
+        stop_all({n: p for n, p in procs.items() if p.poll() is None})
     rows = [row(n, ov, read_summary(args, n, since=started), codes.get(n))
             for n, ov in variants]
     for r in rows:

@@ -67,8 +67,10 @@ def check_aux_layers(layers: list[int] | tuple[int, ...] | None, num_layers: int
     ids = [int(x) for x in layers]
     why = aux_layer_ids_error(ids, num_layers)
     if why is not None:
-        default = (f"the default is {default_aux_layer_ids(num_layers)}" if num_layers >= 7
-                   else "a target this shallow has no default")
+        try:
+            default = f"the default is {default_aux_layer_ids(num_layers)}"
+        except ValueError:
+            default = "a target this shallow has no default"
         raise ExtractError(
             f"aux layer ids {ids} are invalid for a target with {num_layers} decoder layers: "
             f"{why}; expected {AUX_IDS_RULE} ({default}); fix the override "

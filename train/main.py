@@ -210,11 +210,11 @@ def _write_rank_record(out: Path, accelerator, cfg) -> None:
 
 def _report(e: Exception) -> int:
     """An error the user can fix: one line, its exit status (2; 3: a stage that cannot run here).
-    Anything else is a bug and keeps its traceback (EYAS_DEBUG=1: always). A config error, and
-    a training stopped by a signal (143), is the same on every rank: rank 0 says it, the other
-    ranks exit with its status silently."""
+    Anything else is a bug and keeps its traceback (EYAS_DEBUG=1: always, but for a training
+    stopped by a signal, 143). A config error and a stop are the same on every rank: rank 0
+    says it, the other ranks exit with its status silently."""
     status = error_exit_status(e)
-    if status is None or os.environ.get("EYAS_DEBUG"):
+    if status is None or (os.environ.get("EYAS_DEBUG") and not isinstance(e, Stopped)):
         raise e
     config = isinstance(e, ConfigError)
     if not (config or isinstance(e, Stopped)) or current_rank() == 0:

@@ -10,9 +10,17 @@ from that step, bit for bit as if never stopped. No summary and no export are wr
 stopped run never looks finished.
 
 The ranks must stop at the same step: a single process checks its flag after every step, and
-several processes agree (a max all-reduce of their flags) every `train.log_every` steps (every
-step when it is 0), where the loop synchronises for its metrics anyway. Outside `fit` (building the dataset, exporting,
-evaluating) the signals keep their default action.
+several processes agree (a max all-reduce of their flags) every `train.log_every` steps, where
+the loop synchronises for its metrics anyway, so they may run up to log_every - 1 steps more.
+A signal that arrives after the last check is sent again once the handlers are restored, so
+it still ends the process. Outside the training loop (building the dataset, the final
+export, the checks) the signals keep their default action.
+
+Launchers: torch's elastic agent (`accelerate launch` with several processes) forwards SIGTERM
+to the ranks and SIGKILLs them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by default);
+it forwards SIGUSR1 only when PET_SIGNALS_TO_HANDLE names it (launch.sh sets both). With one
+process, `accelerate launch` SIGKILLs the trainer 5 s after a SIGTERM: run `python
+train/main.py` directly there when the step and its checkpoint take longer.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self._signum: int | None = None
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
@@ -47,13 +56,16 @@ class StopRequest:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for sig, handler in self._previous.items():   # None: a handler installed from C
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self._previous.clear()
+        if exc_type is None and self._signum is not None:
+            signal.raise_signal(self._signum)   # it came after the last check: act on it now
 
     def _handle(self, signum: int, frame) -> None:
         if self.signal is None:
+            self._signum = signum
             self.signal = signal.Signals(signum).name
             log.warning("%s received: saving a checkpoint at the next step boundary, then "
                         "stopping", self.signal)

@@ -301,7 +301,7 @@ def fit(t: Trainer) -> dict[str, Any]:
                       walk=walk, evaluated=is_eval)
             if is_eval and acc.is_main_process:
                 write_run_plots(t.out, selected_step=best.step)
-            if _every(step, cfg.export.every) and not done and not stopping:
+            if _every(step, cfg.export.every) and not done:
                 export_final(t, t.out / f"export-step{step:06d}", step,
                              last_eval if is_eval else None)
         if stopping or stop.due(acc, step, every=0):   # also a signal during the last step

@@ -61,11 +61,23 @@ def test_sigterm_saves_exits_143_and_resumes_bitwise(tmp_path, tiny_llama_datase
 
 
 def test_outside_training_the_signals_keep_their_default_action():
-    from eyas.train.stop import StopRequest
+    from eyas.train.stop import StopRequest, Stopped
     before = signal.getsignal(signal.SIGTERM)
-    with StopRequest() as stop:
+    with pytest.raises(Stopped), StopRequest() as stop:
         assert signal.getsignal(signal.SIGTERM) == stop._handle
         os.kill(os.getpid(), signal.SIGTERM)       # caught: a flag, not the end of pytest
         assert stop.signal == "SIGTERM"
+        raise Stopped("as the loop does")
     assert signal.getsignal(signal.SIGTERM) == before
-    assert sys.modules["eyas.train.stop"].Stopped.exit_status == 143
+    assert Stopped.exit_status == 143
+
+
+def test_a_signal_after_the_last_check_still_ends_the_process():
+    code = ("import os, signal\n"
+            "from eyas.train.stop import StopRequest\n"
+            "with StopRequest():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "print('survived', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == -signal.SIGTERM and "survived" not in r.stdout, r.stderr[-2000:]
