@@ -1,7 +1,9 @@
 """SIGTERM during training: a checkpoint of the step it was in, exit 143, nothing that looks
 finished; resuming gives the uninterrupted run's weights bit for bit (real processes)."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,9 +19,10 @@ COMMON = ["target=tiny_llama", "train.max_steps=12", "train.deterministic=true",
           "train.eval_every=0", "train.save_every=0"]
 
 
-def _start(run_dir, dataset, cmd):
+def _start(run_dir, dataset, cmd, *overrides):
     run_dir.mkdir()
-    args = [*cmd, *SMALL, f"data.dataset={dataset}", f"hydra.run.dir={run_dir}", *COMMON]
+    args = [*cmd, *SMALL, f"data.dataset={dataset}", f"hydra.run.dir={run_dir}", *COMMON,
+            *overrides]
     return subprocess.Popen(args, cwd=run_dir.parent, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -81,3 +84,30 @@ def test_a_signal_after_the_last_check_still_ends_the_process():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, check=False)
     assert r.returncode == -signal.SIGTERM and "survived" not in r.stdout, r.stderr[-2000:]
+
+
+def test_a_signal_to_one_rank_stops_both_at_the_next_log_boundary(tmp_path, tiny_llama_dataset):
+    """Only rank 1 is signalled: the ranks agree at the next train.log_every step, rank 0 says
+    so, and the resumed run still ends with the uninterrupted run's weights."""
+    every = ["train.log_every=4"]
+    run(tmp_path / "a", tiny_llama_dataset, *COMMON, *every, nproc=2)
+    b = tmp_path / "b"
+    p = _start(b, tiny_llama_dataset, _cmd(2, free_port()), *every)
+    metrics = b / "metrics.jsonl"
+    deadline = time.time() + 400
+    while not (metrics.is_file() and '"step": 4,' in metrics.read_text()):
+        assert time.time() < deadline and p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    rank1 = json.loads((b / "ranks" / "rank1.json").read_text())["pid"]
+    os.kill(rank1, signal.SIGTERM)
+    _, err = p.communicate(timeout=300)
+    found = re.search(r"stopped at step (\d+) of 12 on another rank's signal", err)
+    assert found, err[-4000:]
+    step = int(found.group(1))
+    assert step in (8, 12)   # the first log boundary after the signal (the last step: 12)
+    assert (b / "checkpoints" / "latest").read_text().strip() == f"step-{step:06d}"
+    assert not (b / "summary.json").exists()
+    run(b, tiny_llama_dataset, *COMMON, *every, "train.resume=latest", nproc=2)
+    ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
+    for name in ta:
+        assert torch.equal(ta[name], tb[name]), f"{name} differs after a stop at step {step}"
