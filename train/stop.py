@@ -6,7 +6,7 @@ pod, `timeout` and most batch runners when their limit is reached. While `fit` r
 signal no longer ends the process at once. The loop finishes the optimizer step it is in,
 saves a checkpoint of that step on every rank, and raises `Stopped` (exit status 143, as a
 process ended by SIGTERM reports). The same command with `train.resume=latest` then continues
-from that step, bit for bit as if never stopped. No summary and no export are written, so a
+from that step, bit for bit as if never stopped. No summary and no final export are written, so a
 stopped run never looks finished.
 
 The ranks must stop at the same step: a single process checks its flag after every step, and
