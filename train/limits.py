@@ -59,7 +59,7 @@ def check_data(data, fail: Fail) -> None:
 def check_drafter(drafter, fail: Fail) -> None:
     """drafter.ttt_steps in [1, MAX_TTT_STEPS] (module doc: where the bound comes from), and
     drafter.fp8_layers naming the drafter's linear layers."""
-    from eyas.models.fp8 import FP8_LAYERS, fp8_layers_error
+    from eyas.models.fp8 import DEFAULT_FP8_LAYERS, fp8_layers_error
     K = drafter.ttt_steps
     if not 1 <= K <= MAX_TTT_STEPS:
         fail("drafter.ttt_steps", K, f"an integer in [1, {MAX_TTT_STEPS}] (each step adds a "
@@ -68,7 +68,7 @@ def check_drafter(drafter, fail: Fail) -> None:
     why = fp8_layers_error(drafter.fp8_layers)
     if why is not None:
         fail("drafter.fp8_layers", list(drafter.fp8_layers), why,
-             f"drafter.fp8_layers=[{','.join(FP8_LAYERS[1:])}] (all but fc)")
+             f"drafter.fp8_layers=[{','.join(DEFAULT_FP8_LAYERS)}] (the default)")
 
 
 def check_loop(train, export, fail: Fail) -> None:

@@ -8,7 +8,7 @@ import torch
 from eyas.data.targets import load_target_config
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.fp8 import convert_drafter_to_float8
+from eyas.models.fp8 import FP8_LAYERS, convert_drafter_to_float8
 
 DOC = torch.tensor([0] * 20 + [1] * 12, dtype=torch.int32)
 POS = torch.cat([torch.arange(20), torch.arange(12)])
@@ -36,7 +36,7 @@ def test_fp8_drafter_keeps_names_and_trains_close_to_the_plain_one():
     pytest.importorskip("torchao.float8")
     from torchao.float8.float8_linear import Float8Linear
     plain, fp8 = _drafter(), _drafter()
-    names = convert_drafter_to_float8(fp8, "tensorwise")
+    names = convert_drafter_to_float8(fp8, "tensorwise", FP8_LAYERS)
     assert names == ["fc", "midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj",
                      "midlayer.self_attn.v_proj", "midlayer.self_attn.o_proj",
                      "midlayer.mlp.gate_proj", "midlayer.mlp.up_proj", "midlayer.mlp.down_proj"]
@@ -69,6 +69,17 @@ def test_a_layer_not_divisible_by_16_is_named():
     d = _drafter(intermediate_size=40)
     with pytest.raises(ValueError, match=r"layer midlayer.mlp.gate_proj has weight \[40, "):
         convert_drafter_to_float8(d, "tensorwise")
+
+
+def test_the_default_keeps_fc_in_bf16():
+    pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+    d = _drafter()
+    names = convert_drafter_to_float8(d, "tensorwise")
+    assert names == ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj",
+                     "midlayer.self_attn.v_proj", "midlayer.self_attn.o_proj",
+                     "midlayer.mlp.gate_proj", "midlayer.mlp.up_proj", "midlayer.mlp.down_proj"]
+    assert type(d.fc) is torch.nn.Linear and isinstance(d.midlayer.mlp.up_proj, Float8Linear)
 
 
 def test_fp8_layers_keeps_the_others_in_bf16_and_refuses_unknown_names():
