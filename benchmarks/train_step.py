@@ -32,9 +32,9 @@ the embedding table on the GPU), async-fp32m (async with full fp32 master copies
 threads leave them, sent with each step: the trainer's default with CUDA),
 async-host-qkv-per-step (async-host with drafter.embedding_qkv_once=false: the embedding half
 of q/k/v projected in every step, the step before that option),
-fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears),
-fp8-host (fp8 with the host embedding), fp8-bf16fc (fp8 with fc's GEMMs in bf16:
-drafter.fp8_layers without fc).
+fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears in the
+default drafter.fp8_layers, all but fc), fp8-host (fp8 with the host embedding), fp8-all (fp8
+with fc's GEMMs in FP8 too: the default before fc was kept in bf16).
 
 The real trainer end to end (accelerate + DeepSpeed ZeRO-2 on shards on disk): see
 benchmarks/train_e2e.py (`python benchmarks/train_step.py --trainer ...` forwards to it).
@@ -63,7 +63,7 @@ from eyas.data.loader import Batch
 from eyas.models import attention
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.fp8 import FP8_LAYERS, convert_drafter_to_float8
+from eyas.models.fp8 import DEFAULT_FP8_LAYERS, FP8_LAYERS, convert_drafter_to_float8
 from eyas.models.metrics import accept_counts
 from eyas.models.objective import metric_rows
 from eyas.data.targets import load_target_config, text_config
@@ -90,7 +90,7 @@ class Case(NamedTuple):
     qkv_once: bool = True       # drafter.embedding_qkv_once
     moments: str = "fp32"       # optim.moments: AdamW moments in fp32 or bf16
     vmap_mask: bool = False     # the step-0 BlockMask through create_block_mask (the T² vmap)
-    fp8_layers: tuple = FP8_LAYERS  # drafter.fp8_layers: which linears run FP8 GEMMs
+    fp8_layers: tuple = DEFAULT_FP8_LAYERS  # drafter.fp8_layers: which linears run FP8 GEMMs
 
 
 CASES = {
@@ -119,8 +119,8 @@ CASES = {
                      compact=True, host_embed=True),
     "fp8-rowwise": Case(True, "triton", False, False, True, norm_sync=False, fp8="rowwise",
                         compact=True),
-    "fp8-bf16fc": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
-                       compact=True, fp8_layers=FP8_LAYERS[1:]),
+    "fp8-all": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
+                    compact=True, fp8_layers=FP8_LAYERS),
 }
 
 
