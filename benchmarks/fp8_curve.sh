@@ -2,7 +2,9 @@
 # FP8 against bf16 over the first STEPS optimizer steps of the real trainer, Llama-3.1-8B drafter
 # shape, same data, seed and schedule (benchmarks/train_e2e.py: synthetic real-shape hidden
 # states, lr 1e-4 cosine, no warmup). Prints the loss of both runs every LOG steps and the
-# largest relative gap; JSON per run in $OUT (its "windows" are the curve).
+# largest relative gap; JSON per run in $OUT (its "windows" are the curve). The FP8 run uses
+# drafter.fp8_layers' default (all but fc); LAYERS=all puts fc in FP8 too (the default before
+# 2026-12-03, and the setting of the curve in benchmarks/README.md).
 # Device machine (carry .whl): bash benchmarks/fp8_curve.sh   (~3 minutes for 300 steps)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; T=${T:-4096}; STEPS=${STEPS:-300}; LOG=${LOG:-10}
@@ -13,6 +15,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/site:/tmp/eyas-path:$
 rm -rf /tmp/curve/run
 for run in bf16 fp8; do
   extra=(); [[ $run == fp8 ]] && extra=(--override drafter.fp8=tensorwise)
+  [[ $run == fp8 && ${LAYERS:-} == all ]] && extra+=(--override \
+      "drafter.fp8_layers=[fc,q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]")
   timeout 400 python3 benchmarks/train_e2e.py --tokens "$T" --steps "$STEPS" --log-every "$LOG" \
       --dist ddp --workdir /tmp/curve --tag="-$run" --timeout 360 --json "$OUT/curve_$run.json" \
       "${extra[@]}" > "$OUT/curve_$run.log" 2>&1

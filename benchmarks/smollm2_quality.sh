@@ -47,8 +47,9 @@ flags=() overrides=()                       # Hydra wants its flags before the o
 for a in "$@"; do case $a in -*) flags+=("$a") ;; *) overrides+=("$a") ;; esac; done
 "$py" train/main.py "${flags[@]}" hydra.run.dir="$out/run" hydra.sweep.dir="$out/sweep" \
   target=smollm2 data.dataset="$out/hidden" drafter.draft_vocab_size=32000 \
-  drafter.intermediate_size=3072 drafter.norm_before_fc=true data.token_budget=16384 train.epochs=12 optim.lr=3e-3 \
-  train.eval_every=1000 train.log_every=100 train.save_every=500 train.resume=latest \
+  drafter.intermediate_size=3072 drafter.norm_before_fc=true data.token_budget=16384 \
+  train.epochs=12 optim.lr=3e-3 train.eval_every=1000 train.log_every=100 train.save_every=500 \
+  train.resume=latest \
   eval.speculative=false eval.engines=false "${overrides[@]}" 2>&1 | tee "$out/main.log"
 
 [ -f "$out/heldout-tokens/manifest.json" ] || eyas prepare --generate --input "$heldout" \

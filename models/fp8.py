@@ -3,12 +3,13 @@
     convert_drafter_to_float8(drafter, "tensorwise")
 
 swaps the q/k/v/o projections and the gate/up/down projections (and `fc` when
-`drafter.fp8_layers` names it) for torchao's `Float8Linear`: the forward GEMM runs in e4m3 and the two backward GEMMs in e4m3/e5m2 with
-dynamic scales (one per tensor for "tensorwise", one per row for "rowwise"). Parameters stay
-in their dtype (bf16) under their own names, so checkpoints, the optimizer and the export are
-unchanged; only the GEMM inputs are cast, inside the step's compiled graphs when
-`drafter.compile` is on. The lm_head stays as it is: the fused loss applies it (its GEMMs run
-in bf16 with fp32 accumulation, the fused-loss tolerance).
+`drafter.fp8_layers` names it) for torchao's `Float8Linear`: the forward GEMM runs in e4m3
+and the two backward GEMMs in e4m3/e5m2 with dynamic scales (one per tensor for
+"tensorwise", one per row for "rowwise"). Parameters stay in their dtype (bf16) under their
+own names, so checkpoints, the optimizer and the export are unchanged; only the GEMM inputs
+are cast, inside the step's compiled graphs when `drafter.compile` is on. The lm_head stays as
+it is: the fused loss applies it (its GEMMs run in bf16 with fp32 accumulation, the
+fused-loss tolerance).
 
 torchao is the library choice here (`pip install 'eyas[fp8]'`): its casts fuse into the
 compiled graphs around cuBLAS' FP8 GEMMs, and its recipes are the ones large trainings use.
@@ -28,11 +29,10 @@ log = logging.getLogger(__name__)
 RECIPES = ("off", "tensorwise", "rowwise")
 #: the drafter's linear layers that can train in FP8 (module names in `Eagle3Drafter`)
 FP8_LAYERS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-#: those that do by default (`drafter.fp8_layers`): all but `fc`, which reads the target's raw
-#: aux states, whose layers' scales differ by ~30× (e4m3's 3-bit mantissa costs its input ~3 %).
-#: On the SmolLM2 quality recipe this default trained within 0.2 % of bf16's held-out τ (all
-#: eight lost 3.3 % in a smaller run), and at the Llama-8B shape it steps as fast as all eight
-#: (benchmarks/README.md, "Levers side by side").
+#: those that do by default (`drafter.fp8_layers`): all but `fc`, the layer that reads the
+#: target's raw aux states. On the SmolLM2 quality recipe this default trained within 0.2 % of
+#: bf16's held-out τ (all eight lost 3.3 % in a smaller run), and at the Llama-8B shape it
+#: steps as fast as all eight (benchmarks/README.md, "Levers side by side").
 DEFAULT_FP8_LAYERS = FP8_LAYERS[1:]
 
 
@@ -47,7 +47,7 @@ def fp8_layers_error(layers) -> str | None:
     return None
 
 
-def fp8_layer(name: str, layers=FP8_LAYERS) -> bool:
+def fp8_layer(name: str, layers) -> bool:
     """Whether the module at dotted path `name` is one of `layers` (by its last name part)."""
     return name.rsplit(".", 1)[-1] in layers
 
