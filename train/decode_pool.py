@@ -85,6 +85,22 @@ def _decode_part(job: dict[str, Any], threads: int, prompts: list, names: list[s
         seed=seed)
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Worker initializer: the worker ends itself within a second of the process that made the
+    pool going away. A SIGTERM or SIGKILL to that process alone (`kill PID`, a launcher
+    stopping its ranks) would otherwise leave its workers decoding, and holding the GPU, as
+    orphans; the executor's own shutdown only runs when the owner exits normally."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="eyas-exit-with-parent", daemon=True).start()
+
+
 class DecodePool:
     """`processes` spawned workers, each holding one copy of the target and the drafter."""
 
@@ -94,7 +110,9 @@ class DecodePool:
         self.processes = processes
         self.job = dict(job, temperature=None, draft=None)  # those two: per decode() call
         self._threads = max(1, torch.get_num_threads() // processes)   # an equal share each
-        self._pool = cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"))
+        self._pool = cf.ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"),
+                                            initializer=_exit_with_parent,
+                                            initargs=(os.getpid(),))
         self.worker_pids: set[int] = set()
         """the workers that decoded something: at most `processes`, however many calls"""
         self.loads = 0

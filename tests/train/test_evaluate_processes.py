@@ -4,6 +4,7 @@ whichever process decodes it). Target: the tiny random Llama preset in fp32; dra
 random-weight export over the whole vocabulary."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -119,3 +120,74 @@ def test_a_worker_that_cannot_load_reports_the_loading_error(tmp_path, prompts_f
     with DecodePool(job, 2) as pool, pytest.raises(Exception) as e:
         pool.decode(prompts, temperature=0.0, draft="argmax", seed=0)
     assert "no-such-export" in str(e.value), repr(e.value)
+
+
+_OWNER = """
+import sys
+from eyas.data.targets import load_tokenizer
+from eyas.train.decode_pool import DecodePool, decode_job
+if __name__ == "__main__":
+    tok = load_tokenizer("tiny-llama")
+    prompts = [(f"q{i}", tok.encode(f"Tell me a long story, number {i}")) for i in range(200)]
+    job = decode_job(sys.argv[1], "tiny-llama", dtype="fp32", cache_dir=None, device="cpu",
+                     k=3, max_new_tokens=200)
+    with DecodePool(job, 2) as pool:
+        print("decoding", flush=True)
+        pool.decode(prompts, temperature=0.0, draft="argmax", seed=0)
+"""
+
+
+def _children(pid: int) -> set[int]:
+    """The live (not zombie) processes whose parent is `pid` (Linux /proc)."""
+    from pathlib import Path
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` is a live (not zombie) process (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+def test_workers_end_when_the_process_that_owns_the_pool_is_killed(export, tmp_path):
+    """A SIGKILL (or a SIGTERM with no handler) to the owner alone runs none of its cleanup;
+    its decode workers must not go on decoding as orphans."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "owner.py"
+    script.write_text(_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script), str(export)], stdout=subprocess.PIPE,
+                             text=True)
+    workers: set[int] = set()
+    try:
+        assert owner.stdout.readline().strip() == "decoding"
+        deadline = time.monotonic() + 120
+        while len(workers := _children(owner.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)          # two workers and multiprocessing's resource tracker
+        assert len(workers) == 3, f"the pool's processes did not start: {workers}"
+        time.sleep(2.0)              # the workers are past their start-up
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        deadline = time.monotonic() + 30
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [w for w in workers if _alive(w)], "decode workers outlived their owner"
+    finally:
+        owner.kill()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
