@@ -19,7 +19,10 @@ OUT/runs/<name> (the quality recipe's train.resume=latest continues an interrupt
 log in OUT/<name>.log. At the end a table (the training batches' τ at the last step every run
 logged, eval-split walk, held-out walk, real τ with its standard error over prompts,
 identical-to-greedy, training seconds) goes to stdout and OUT/ablation.json, with each row's
-ratio to the first variant's real τ. At --timeout each running job gets SIGTERM (a training
+ratio to the first variant's real τ and that ratio's standard error paired over the prompts
+(both decoded the same prompts, and the same text when both are identical to greedy, so what
+the prompts share cancels: five times tighter than the two rows' own errors combined on the
+64 held-out prompts). At --timeout each running job gets SIGTERM (a training
 checkpoints the step it is in and exits 143); stopped runs keep their rows, with what they
 logged, and the same command again continues them (a finished training is read back from its
 last checkpoint, and only the export and the evaluation run). OUT also holds the run
@@ -126,7 +129,9 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
     return {"name": name, "overrides": overrides, "exit": rc, "steps": s.get("steps"),
             "eval_walk": eval_walk(s), "heldout_walk": off.get("tau_trajectory"),
             "real_tau": spec.get("tau"), "real_tau_se": spec.get("tau_se_prompts"),
-            "identical": spec.get("tokens_identical"), "stage_seconds": s.get("stage_seconds")}
+            "identical": spec.get("tokens_identical"), "stage_seconds": s.get("stage_seconds"),
+            "per_prompt": [[p["prompt"], p["accepted"], p["rounds"]]
+                           for p in spec.get("per_prompt") or []]}
 
 
 def eval_walk(summary: dict) -> float | None:
@@ -150,15 +155,23 @@ def train_curve(metrics: Path) -> dict[int, float]:
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Each row's real τ and held-out walk as a ratio to the first row's (None where absent),
-    and `train_tau_common`: its training-batch τ at the last step every run logged (so runs
-    cut short are still compared at one step; a run that logged nothing is left out of it).
-    Each row's `train_tau` becomes a list of [step, τ] pairs."""
+    """Each row's real τ and held-out walk as a ratio to the first row's (None where absent);
+    `real_tau_ratio_se`, the real-τ ratio's standard error paired over the prompts both decoded
+    (`models.expected_tau.paired_ratio_se`; None unless both decoded the same prompts); and
+    `train_tau_common`: its training-batch τ at the last step every run logged (so runs cut
+    short are still compared at one step; a run that logged nothing is left out of it). Each
+    row's `train_tau` becomes a list of [step, τ] pairs."""
+    from eyas.models.expected_tau import paired_ratio_se
     ref = rows[0] if rows else {}
     for r in rows:
         for key in ("real_tau", "heldout_walk"):
             a, b = r.get(key), ref.get(key)
             r[f"{key}_ratio"] = round(a / b, 4) if a is not None and b else None
+        mine, theirs = r.get("per_prompt") or [], ref.get("per_prompt") or []
+        same = mine and [p[0] for p in mine] == [p[0] for p in theirs]
+        r["real_tau_ratio_se"] = (round(paired_ratio_se([p[1:] for p in theirs],
+                                                        [p[1:] for p in mine]), 4)
+                                  if same and r.get("real_tau_ratio") is not None else None)
     logged = [set(r.get("train_tau", {})) for r in rows if r.get("train_tau")]
     step = max(set.intersection(*logged), default=None) if logged else None
     for r in rows:
@@ -174,7 +187,7 @@ def table(rows: list[dict]) -> str:
     common = next((r["train_tau_common"] for r in rows if r["train_tau_common"]), None)
     at = f"train τ @{common['step']}" if common else "train τ"
     head = ("| variant | exit | steps | " + at + " | eval-split walk | held-out walk | "
-            "real τ ± s.e. | × first | identical | train s |")
+            "real τ ± s.e. | × first ± paired s.e. | identical | train s |")
     lines = [head, "|" + "---|" * 10]
     for r in rows:
         stages = r.get("stage_seconds") or {}
@@ -183,7 +196,8 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {f(r['exit'], 'd')} | {f(r['steps'], 'd')} | "
                      f"{f(train)} | {f(r['eval_walk'])} | {f(r['heldout_walk'])} | "
                      f"{f(r['real_tau'])} ± {f(r['real_tau_se'])} | "
-                     f"{f(r['real_tau_ratio'], '.4f')} | {same} | "
+                     f"{f(r['real_tau_ratio'], '.4f')} ± {f(r['real_tau_ratio_se'], '.4f')} | "
+                     f"{same} | "
                      f"{f(stages.get('train'), '.0f')} |")
     return "\n".join(lines)
 

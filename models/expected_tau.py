@@ -169,6 +169,31 @@ def ratio_se_of(units: list[tuple[float, float]]) -> float:
     return ratio_se(len(a), a.sum(), r.sum(), (a * a).sum(), (r * r).sum(), (a * r).sum())
 
 
+def paired_ratio_se(ref: list[tuple[float, float]], other: list[tuple[float, float]]) -> float:
+    """Standard error of τ_other / τ_ref, with τ = 1 + ΣA / ΣR, when both were measured on the
+    same units: (A_i, R_i) of unit i in each list is the same prompt (two drafters decoding the
+    same held-out prompts). The delta method over units on log(τ_other / τ_ref): what the
+    prompts share (their difficulty) cancels, so the figure is far tighter than the two τ's
+    errors combined. NaN below 2 units."""
+    if len(ref) != len(other):
+        raise ValueError(f"paired units: {len(ref)} against {len(other)}; both lists must hold "
+                         f"the same prompts in the same order")
+    n = len(ref)
+    x = np.asarray(ref, dtype=np.float64).reshape(n, 2)
+    y = np.asarray(other, dtype=np.float64).reshape(n, 2)
+    if n < 2 or x[:, 1].sum() <= 0 or y[:, 1].sum() <= 0:
+        return float("nan")
+
+    def tau_and_influence(u: np.ndarray) -> tuple[float, np.ndarray]:
+        q = u[:, 0].sum() / u[:, 1].sum()                      # accepted drafts per round
+        return 1.0 + q, (u[:, 0] - q * u[:, 1]) / u[:, 1].mean()
+
+    tx, ex = tau_and_influence(x)
+    ty, ey = tau_and_influence(y)
+    d = ey / ty - ex / tx
+    return ty / tx * math.sqrt(float((d * d).sum()) / (n * (n - 1)))
+
+
 def summarize_expected(counts: dict[str, Tensor]) -> dict:
     """tau, tau_se, tau_trajectory (the expected decoder walk) and tau_trajectory_se, tau_by_k
     (chains capped at K' = 1..K), cond_acc_{k} (expected P(draft k accepted | 0..k-1 accepted))

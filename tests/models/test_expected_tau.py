@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from eyas.models.expected_tau import (add_expected, expected_counts, ratio_se, step_acceptance,
-                                      summarize_expected, topk_step_acceptance)
+from eyas.models.expected_tau import (add_expected, expected_counts, paired_ratio_se, ratio_se,
+                                      ratio_se_of, step_acceptance, summarize_expected,
+                                      topk_step_acceptance)
 from eyas.models.serving.sampling import accept_or_resample, probs
 
 V, VD, T = 8, 5, 0.8
@@ -86,6 +87,42 @@ def test_ratio_se_is_the_delta_method():
                    float((R * R).sum()), float((A * R).sum()))
     assert got == pytest.approx(want, rel=1e-9)
     assert math.isnan(ratio_se(1, 1.0, 2.0, 1.0, 4.0, 2.0))
+
+
+def _units(seed, n=64):
+    g = torch.Generator().manual_seed(seed)
+    R = torch.randint(20, 80, (n,), generator=g).double()
+    return R, torch.rand(n, generator=g, dtype=torch.float64)
+
+
+def test_paired_ratio_se_reduces_to_the_single_error_and_to_zero():
+    R, p = _units(3)
+    other = list(zip((R * p * 2).round().tolist(), R.tolist()))
+    # a reference with the same accepted-per-round on every prompt has no variance of its
+    # own: the ratio's error is then the other's τ error over the reference's τ
+    ref = list(zip((R * 1.5).tolist(), R.tolist()))
+    assert paired_ratio_se(ref, other) == pytest.approx(ratio_se_of(other) / 2.5, rel=1e-9)
+    assert paired_ratio_se(other, other) == 0.0                 # a drafter against itself
+    assert math.isnan(paired_ratio_se(other[:1], other[:1]))
+    with pytest.raises(ValueError, match="paired units: 64 against 63"):
+        paired_ratio_se(other, other[:63])
+
+
+def test_paired_ratio_se_matches_a_paired_bootstrap_and_beats_the_unpaired_error():
+    R, p = _units(4)                      # per-prompt difficulty p, shared by both drafters
+    g = torch.Generator().manual_seed(5)
+    a = (R * 2 * p).round()
+    b = (R * 2 * (p * 0.97 + 0.05 * torch.rand(64, generator=g, dtype=torch.float64))).round()
+    ref, other = list(zip(a.tolist(), R.tolist())), list(zip(b.tolist(), R.tolist()))
+    idx = torch.randint(0, 64, (4000, 64), generator=g)
+    tau_a = 1 + a[idx].sum(1) / R[idx].sum(1)
+    tau_b = 1 + b[idx].sum(1) / R[idx].sum(1)
+    boot = float((tau_b / tau_a).std())
+    se = paired_ratio_se(ref, other)
+    assert se == pytest.approx(boot, rel=0.1)
+    ta, tb = 1 + float(a.sum() / R.sum()), 1 + float(b.sum() / R.sum())
+    unpaired = tb / ta * math.hypot(ratio_se_of(ref) / ta, ratio_se_of(other) / tb)
+    assert se < unpaired / 3
 
 
 def test_chain_product_by_hand():

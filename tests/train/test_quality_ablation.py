@@ -81,6 +81,24 @@ def test_runs_cut_short_are_compared_at_the_last_step_all_logged():
     assert out[1]["train_tau"] == [(100, 1.2), (200, 1.8)]
 
 
+def test_the_ratio_to_the_first_row_gets_its_standard_error_paired_over_prompts():
+    from eyas.models.expected_tau import paired_ratio_se
+    ref = [["p0", 10, 8], ["p1", 30, 12], ["p2", 5, 9]]
+    other = [["p0", 12, 8], ["p1", 27, 12], ["p2", 6, 8]]
+    common = {"exit": 0, "steps": 10, "eval_walk": None, "heldout_walk": None,
+              "real_tau_se": 0.1, "identical": True}
+    rows = [dict(common, name="a", real_tau=2.0, per_prompt=ref),
+            dict(common, name="b", real_tau=2.1, per_prompt=other),
+            dict(common, name="c", real_tau=2.2,                  # other prompts: no pairing
+                 per_prompt=[["q0", 12, 8], ["p1", 27, 12], ["p2", 6, 8]])]
+    out = quality_ablation.with_ratios(rows)
+    assert out[0]["real_tau_ratio_se"] == 0.0
+    assert out[1]["real_tau_ratio_se"] == round(paired_ratio_se(
+        [(10, 8), (30, 12), (5, 9)], [(12, 8), (27, 12), (6, 8)]), 4) > 0
+    assert out[2]["real_tau_ratio_se"] is None
+    assert "| 1.0500 ± " in quality_ablation.table(out)
+
+
 def test_a_line_cut_off_in_metrics_is_skipped(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 100, "train/tau": 1.5}\n{"step": 100, "eval/tau": 2.0}\n'
