@@ -88,11 +88,6 @@ def wait_for_dataset(proc: subprocess.Popen, log: Path, offset: int, deadline: f
     return False
 
 
-def stop(proc: subprocess.Popen, grace: float = 60.0) -> int:
-    """`stop_all` for one job; its exit status."""
-    return stop_all({"job": proc}, grace)["job"]
-
-
 def stop_all(procs: dict[str, subprocess.Popen], grace: float = 60.0) -> dict[str, int]:
     """SIGTERM every job's process group at once (a training saves a checkpoint of its step
     and ends, `train.stop`), then wait for each whole group, not only its launcher, so that no

@@ -125,7 +125,7 @@ def test_a_rerun_that_evaluated_nothing_reports_the_exported_checkpoints_walk():
 
 
 def test_stop_waits_for_the_whole_process_group(tmp_path):
-    """The launcher dies at once on SIGTERM; its child takes a while to save: stop() returns
+    """The launcher dies at once on SIGTERM; its child takes a while to save: stop_all returns
     only after the child has finished, and without needing SIGKILL."""
     import time
     saved = tmp_path / "saved"
@@ -142,6 +142,6 @@ def test_stop_waits_for_the_whole_process_group(tmp_path):
     while not (tmp_path / "ready").exists():
         time.sleep(0.05)
     t0 = time.monotonic()
-    quality_ablation.stop(launcher, grace=30)
+    quality_ablation.stop_all({"job": launcher}, grace=30)
     assert saved.read_text() == "done"
     assert 1.4 < time.monotonic() - t0 < 20
