@@ -8,7 +8,8 @@
 #   3. hidden states are extracted with the target in float32, the precision the real decoding
 #      check below runs in (`eyas extract --dtype float32`);
 #   4. the drafter trains on them (K = 7, 12 epochs, lr 3e-3, 32000-token draft vocabulary,
-#      MLP width 3072, the EAGLE-3.1 norm before fc) and is exported;
+#      MLP width 3072, the EAGLE-3.1 norms before fc: norm_before_fc and fc_norm) and is
+#      exported;
 #   5. the held-out prompts (never trained on) are answered greedily and extracted, both in
 #      float32, and each export's offline acceptance on them is written to .../offline.json.
 # Extra arguments go to the training job: `--multirun optim.lr=1e-3,3e-3` trains one drafter per
@@ -47,7 +48,8 @@ flags=() overrides=()                       # Hydra wants its flags before the o
 for a in "$@"; do case $a in -*) flags+=("$a") ;; *) overrides+=("$a") ;; esac; done
 "$py" train/main.py "${flags[@]}" hydra.run.dir="$out/run" hydra.sweep.dir="$out/sweep" \
   target=smollm2 data.dataset="$out/hidden" drafter.draft_vocab_size=32000 \
-  drafter.intermediate_size=3072 drafter.norm_before_fc=true data.token_budget=16384 \
+  drafter.intermediate_size=3072 drafter.norm_before_fc=true drafter.fc_norm=true \
+  data.token_budget=16384 \
   train.epochs=12 optim.lr=3e-3 train.eval_every=1000 train.log_every=100 train.save_every=500 \
   train.resume=latest \
   eval.speculative=false eval.engines=false "${overrides[@]}" 2>&1 | tee "$out/main.log"

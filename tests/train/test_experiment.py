@@ -31,7 +31,9 @@ def test_the_experiment_composes_the_quality_recipe():
     assert (cfg.data.synthetic_prompts, cfg.data.synthetic_opener_words,
             cfg.data.max_new_tokens, cfg.data.token_budget) == (30000, 2, 256, 16384)
     assert (cfg.drafter.ttt_steps, cfg.drafter.draft_vocab_size,
-            cfg.drafter.intermediate_size, cfg.drafter.norm_before_fc) == (7, 32000, 3072, True)
+            cfg.drafter.intermediate_size) == (7, 32000, 3072)
+    assert (cfg.drafter.norm_before_fc, cfg.drafter.fc_norm, cfg.drafter.norm_output) == \
+        (True, True, False)
     assert (cfg.optim.lr, cfg.train.epochs, cfg.train.resume) == (3e-3, 12, "latest")
     assert (cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.heldout_offline) == \
         (64, 128, True)
