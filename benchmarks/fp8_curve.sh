@@ -3,8 +3,8 @@
 # shape, same data, seed and schedule (benchmarks/train_e2e.py: synthetic real-shape hidden
 # states, lr 1e-4 cosine, no warmup). Prints the loss of both runs every LOG steps and the
 # largest relative gap; JSON per run in $OUT (its "windows" are the curve). The FP8 run uses
-# drafter.fp8_layers' default (all but fc); LAYERS=all puts fc in FP8 too (the default before
-# 2026-12-03, and the setting of the curve in benchmarks/README.md).
+# drafter.fp8_layers' default (all but fc: call N's curve in benchmarks/README.md); LAYERS=all
+# puts fc in FP8 too (the default before 2026-12-03: call I's curve).
 # Device machine (carry .whl): bash benchmarks/fp8_curve.sh   (~3 minutes for 300 steps)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; T=${T:-4096}; STEPS=${STEPS:-300}; LOG=${LOG:-10}
