@@ -12,8 +12,8 @@ relative error of loss, dh and dW against fp32 for:
   fp8-row    e4m3 operands with a scale per row of each operand along the contraction
              (torch._scaled_mm's row-wise form; dz in e4m3 too)
   fp8-tensor e4m3 operands with one scale per tensor (the tensor-wise recipe)
-and, on CUDA, the median time of the three GEMMs each way (FP8: quantising included). On a
-CPU the FP8 GEMMs are emulated (quantise, dequantise, fp32 matmul: the same rounding, another
+and, on CUDA, the median time of the three GEMMs each way (FP8: each call quantises its
+operands and transposes two of them, unfused, as a first implementation would). On a CPU the FP8 GEMMs are emulated (quantise, dequantise, fp32 matmul: the same rounding, another
 summation order).
 
     python benchmarks/fp8_loss_gemms.py --rows 4096 --json fp8_loss.json     # H200, ~20 s
@@ -112,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda" and tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 8):
+        ap.error(f"torch {torch.__version__}: the bf16 GEMMs with fp32 output (mm(out_dtype=)) "
+                 f"and row-wise torch._scaled_mm need torch >= 2.8")
     g = torch.Generator(device=dev).manual_seed(0)
     N, H, V = args.rows, args.hidden, args.vocab
     h = torch.randn(N, H, device=dev, generator=g).bfloat16()
