@@ -5,7 +5,8 @@
 # largest relative gap; JSON per run in $OUT (its "windows" are the curve). The FP8 run uses
 # drafter.fp8_layers' default (all but fc: call N's curve in benchmarks/README.md); LAYERS=all
 # puts fc in FP8 too (the default before 2026-12-03: call I's curve).
-# Device machine (carry .whl): bash benchmarks/fp8_curve.sh   (~3 minutes for 300 steps)
+# Device machine (carry .whl): bash benchmarks/fp8_curve.sh   (~4.5 minutes for 300 steps:
+# each run ~2 min with its start and compile, 2026-12-03)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; T=${T:-4096}; STEPS=${STEPS:-300}; LOG=${LOG:-10}
 mkdir -p "$OUT" /tmp/eyas-path/eyas
