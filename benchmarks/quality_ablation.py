@@ -13,9 +13,11 @@ decoding and held-out decoder walk).
 
 The first variant builds the dataset (synthesise → generate → extract, cached under
 data.cache_dir); the others start once its trainer has logged the drafter (the dataset is then
-complete and only read), so they train and decode concurrently. A small drafter leaves most
-of an H200 idle, which is why several fit beside each other; three SmolLM2 trainings ran at
-~100 k tokens/s each there. Each variant runs as `run_name=<prefix>-<name>` in
+complete and only read), so they train and decode concurrently. A variant that changes a
+setting of the dataset (a data.* field such as data.synthetic_examples) gets a dataset of its
+own, which it builds beside the others' training. A small drafter leaves most of an H200 idle,
+which is why several fit beside each other; three SmolLM2 trainings ran at ~100 k tokens/s
+each there, five at ~60 k. Each variant runs as `run_name=<prefix>-<name>` in
 OUT/runs/<name> (the quality recipe's train.resume=latest continues an interrupted one), its
 log in OUT/<name>.log. At the end a table (the training batches' τ at the last step every run
 logged, eval-split walk, held-out walk, real τ with its standard error over prompts,
@@ -131,13 +133,13 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
 
 
 def eval_walk(summary: dict) -> float | None:
-    """The eval-split decoder walk of the exported weights: this invocation's last eval, or,
-    when it evaluated nothing (a re-run that resumed at the final step), the exported
-    checkpoint's walk as its checkpoint selection recorded it."""
-    if summary.get("tau_trajectory") is not None:
-        return summary["tau_trajectory"]
+    """The eval-split decoder walk of the exported weights, as the run's checkpoint selection
+    recorded it (export.select=best can export an earlier step than the last eval's, and a
+    re-run that resumed at the final step evaluates nothing itself); without that record, the
+    run's last eval."""
     sel = summary.get("checkpoint_selection") or {}
-    return (sel.get(sel.get("exported")) or {}).get("tau_trajectory")
+    exported = (sel.get(sel.get("exported")) or {}).get("tau_trajectory")
+    return exported if exported is not None else summary.get("tau_trajectory")
 
 
 def train_curve(metrics: Path) -> dict[int, float]:

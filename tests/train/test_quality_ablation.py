@@ -113,14 +113,22 @@ def test_a_malformed_variant_is_refused_naming_it(spec):
     assert repr(spec) in str(e.value) and "NAME=OVERRIDES" in str(e.value)
 
 
-def test_a_rerun_that_evaluated_nothing_reports_the_exported_checkpoints_walk():
-    resumed = {"steps": 1176, "tau_trajectory": None,
+def test_the_eval_walk_is_the_exported_checkpoints():
+    resumed = {"steps": 1176, "tau_trajectory": None,     # a re-run that evaluated nothing
                "checkpoint_selection": {"exported": "best",
                                         "best": {"step": 1176, "tau_trajectory": 2.7996},
                                         "last": {"step": 1176, "tau_trajectory": None}}}
     assert quality_ablation.row("norm", [], resumed, 0)["eval_walk"] == 2.7996
-    fresh = dict(resumed, tau_trajectory=2.81)        # this invocation's own eval wins
-    assert quality_ablation.row("norm", [], fresh, 0)["eval_walk"] == 2.81
+    earlier = {"steps": 1044, "tau_trajectory": 2.7097,  # best was step 1000, not the last
+               "checkpoint_selection": {"exported": "best",
+                                        "best": {"step": 1000, "tau_trajectory": 2.7134},
+                                        "last": {"step": 1044, "tau_trajectory": 2.7097}}}
+    assert quality_ablation.row("lists", [], earlier, 0)["eval_walk"] == 2.7134
+    last = dict(earlier, checkpoint_selection=dict(earlier["checkpoint_selection"],
+                                                   exported="last"))
+    assert quality_ablation.row("lists", [], last, 0)["eval_walk"] == 2.7097
+    unrecorded = {"steps": 10, "tau_trajectory": 2.81}   # no selection record: the last eval
+    assert quality_ablation.row("norm", [], unrecorded, 0)["eval_walk"] == 2.81
     assert quality_ablation.row("norm", [], None, None)["eval_walk"] is None
 
 
