@@ -77,12 +77,16 @@ def grads(dz, h, W, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
             fp8_mm(dz.t().contiguous(), h.t().contiguous(), rowwise))  # contraction over rows
 
 
-def chain(h, W, p, w, mode: str):
-    """(loss, dh, dW) of the soft cross-entropy w·CE(p, softmax(h @ W.T)), GEMMs in `mode`."""
-    z = logits(h, W, mode)
+def soft_ce(z, p, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ w·CE(p, softmax(z)), its gradient dz = w·(softmax(z)·Σp − p)) of fp32 logits z."""
     lse = torch.logsumexp(z, 1, keepdim=True)
     loss = (w * (lse.squeeze(1) * p.sum(1) - (p * z).sum(1))).sum()
-    dz = w[:, None] * (torch.exp(z - lse) * p.sum(1, keepdim=True) - p)
+    return loss, w[:, None] * (torch.exp(z - lse) * p.sum(1, keepdim=True) - p)
+
+
+def chain(h, W, p, w, mode: str):
+    """(loss, dh, dW) of the soft cross-entropy w·CE(p, softmax(h @ W.T)), GEMMs in `mode`."""
+    loss, dz = soft_ce(logits(h, W, mode), p, w)
     return (loss, *grads(dz, h, W, mode))
 
 
@@ -122,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p = torch.softmax(torch.randn(N, V, device=dev, generator=g) * 2.0, 1).bfloat16().float()
     w = torch.full((N,), 1.0 / N, device=dev)
     ref = chain(h, W, p, w, "fp32")
-    dz = (w[:, None] * (torch.softmax(logits(h, W, "fp32"), 1) * p.sum(1, keepdim=True) - p))
-    dz = dz.to(torch.bfloat16)                                       # what the kernel writes
+    dz = soft_ce(logits(h, W, "fp32"), p, w)[1].to(torch.bfloat16)  # what the kernel writes
     rows = []
     for mode in ("bf16", "fp8-z", "fp8-row", "fp8-tensor"):
         loss, dh, dW = chain(h, W, p, w, mode)

@@ -4,12 +4,13 @@ decoding and held-out decoder walk).
 
     python benchmarks/quality_ablation.py --out /tmp/abl \\
         --common "+experiment=smollm2_quality data.synthetic_prompts=6000 eval.processes=4" \\
-        norms= "nonorm=drafter.norm_before_fc=false drafter.fc_norm=false" \
+        norms= "nonorm=drafter.norm_before_fc=false drafter.fc_norm=false" \\
         fp8=drafter.fp8=tensorwise
 
 (the recipe turns on the EAGLE-3.1 norms drafter.norm_before_fc and drafter.fc_norm, so
-`norms=` is the recipe as it is and the reference of the ratios; on one H200: dataset ~3.5 min, the three trainings side by side
-~4 min, their real decoding ~3.5 min; benchmarks/README.md has the table.)
+`norms=` is the recipe as it is and the reference of the ratios; on one H200: dataset
+~3.5 min, the three trainings side by side ~4 min, their real decoding ~3.5 min;
+benchmarks/README.md has the table.)
 
 The first variant builds the dataset (synthesise → generate → extract, cached under
 data.cache_dir); the others start once its trainer has logged the drafter (the dataset is then
