@@ -39,7 +39,7 @@ import torch
 
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, pending_turns, resolve_template, scan_written)
-from eyas.data.settings import GenerationSettings, SeedSettings, TargetSettings
+from eyas.data.settings import GenerationSettings, KVCache, SeedSettings, TargetSettings
 from eyas.data.templates import for_template
 
 log = logging.getLogger(__name__)
@@ -69,15 +69,29 @@ def _stop_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+#: static cache: prompts are left padded to a multiple of this many tokens (one compiled shape)
+STATIC_PROMPT_BUCKET = 64
+
+
 @torch.no_grad()
 def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, max_new_tokens: int,
-                    temperature: float, top_p: float,
-                    keep: frozenset[int] = frozenset()) -> list[tuple[str, str, int]]:
+                    temperature: float, top_p: float, keep: frozenset[int] = frozenset(),
+                    cache: str = "dynamic", rows: int | None = None,
+                    prompt_tokens: int | None = None) -> list[tuple[str, str, int]]:
     """[(text, finish_reason, n_new_tokens)] for prompts (already rendered, left padded here).
-    A row's text ends before its stop token, or after it when that token is in `keep`."""
+    A row's text ends before its stop token, or after it when that token is in `keep`.
+    cache "static": transformers' static KV cache, the batch padded to `rows` rows (repeats of
+    the last prompt, whose answers are dropped) and `prompt_tokens` tokens, so that every call
+    of a run has the shape its compiled decoding step was built for."""
+    n = len(prompts)
+    static = cache == "static"
+    if static and rows is not None and n < rows:
+        prompts = prompts + [prompts[-1]] * (rows - n)
+    pad = dict(padding="max_length", max_length=prompt_tokens) \
+        if static and prompt_tokens is not None else dict(padding=True)
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
-        enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+        enc = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", **pad)
     finally:
         tokenizer.padding_side = side
     enc = {k: v.to(model.device) for k, v in enc.items()}
@@ -85,8 +99,9 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
         if temperature > 0 \
         else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, eos_token_id=stop,
-                         pad_token_id=tokenizer.pad_token_id, **sampling)
-    new = out[:, enc["input_ids"].shape[1]:].tolist()      # [B, <= max_new_tokens]
+                         pad_token_id=tokenizer.pad_token_id,
+                         **(dict(cache_implementation="static") if static else {}), **sampling)
+    new = out[:n, enc["input_ids"].shape[1]:].tolist()     # [n, <= max_new_tokens]
     stops, results = set(stop), []
     for row in new:
         cut = next((j for j, t in enumerate(row) if t in stops), None)
@@ -96,10 +111,13 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
     return results
 
 
-def _check_args(on_error: str, max_new_tokens: int, batch_size: int) -> None:
-    """Raise ValueError for an unknown `on_error` or a token or batch count below one."""
+def _check_args(on_error: str, max_new_tokens: int, batch_size: int, cache: str) -> None:
+    """Raise ValueError for an unknown `on_error` or cache, or a token or batch count below one."""
     if on_error not in ERROR_MODES:
         raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
+    if cache not in [c.value for c in KVCache]:
+        raise ValueError(f"data.generation_cache={cache!r}; expected one of "
+                         f"{[c.value for c in KVCache]}")
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1; got {max_new_tokens}, "
                          f"{batch_size}")
@@ -202,10 +220,13 @@ def _answer_chunk(chunk: list[Conversation], c: int, *, tokenizer, render: Calla
         texts = [render(s["conv"], s["msgs"]) for s in active]
         lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         order = sorted(range(len(active)), key=lambda j: lengths[j])
+        # the static cache's one shape: the longest prompt rounded up (ignored by dynamic)
+        bucket = -(-max(lengths) // STATIC_PROMPT_BUCKET) * STATIC_PROMPT_BUCKET
         torch.manual_seed(seed + 1_000_003 * c + rnd)
         for b in range(0, len(order), batch_size):
             idx = order[b:b + batch_size]
-            for j, (text, reason, n) in zip(idx, generate([texts[j] for j in idx])):
+            answers = generate([texts[j] for j in idx], rows=batch_size, prompt_tokens=bucket)
+            for j, (text, reason, n) in zip(idx, answers):
                 _add_answer(active[j], text, reason, n, counts)
         rnd += 1
     return state
@@ -243,6 +264,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
                            batch_size: int = GenerationSettings.generation_batch_size,
                            temperature: float = GenerationSettings.temperature,
                            top_p: float = GenerationSettings.top_p, seed: int = SeedSettings.seed,
+                           cache: str = GenerationSettings.generation_cache.value,
                            device: str | torch.device | None = None,
                            dtype: str = TargetSettings.dtype,
                            chat_template: str | None = None,
@@ -256,6 +278,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
         target: preset name or model directory (data.targets), also recorded per record.
         out_path: conversations JSONL; appended to, so an interrupted run resumes.
         max_new_tokens, temperature (0 = greedy), top_p, seed: decoding settings.
+        cache: "dynamic" or "static" KV cache (`GenerationSettings.generation_cache`).
         batch_size: prompts per `generate` call (sorted by length, left padded).
         chat_template, template_kwargs: as in data.prepare.prepare.
         on_error: "raise" or "skip" for malformed prompt records (counted and logged).
@@ -270,7 +293,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
     """
     from eyas.data.utils import progress
 
-    _check_args(on_error, max_new_tokens, batch_size)
+    _check_args(on_error, max_new_tokens, batch_size, cache)
     prompts_path, out_path = Path(prompts_path), Path(out_path)
     todo = _records_to_answer(prompts_path, out_path, on_error)
     if not todo:
@@ -285,7 +308,7 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
     t0 = time.perf_counter()
     render = partial(_render, tokenizer, template, template_kwargs)
     generate = partial(_generate_batch, model, tokenizer, stop=stop, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p)
+                       temperature=temperature, top_p=top_p, cache=cache)
     bar = progress(range(0, len(todo), chunk_records), desc="generate", unit="chunk")
     with open(out_path, "a", encoding="utf-8") as fout:
         for c, start in enumerate(bar):

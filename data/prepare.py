@@ -49,8 +49,8 @@ from eyas.data.lock import writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, resolve_template)
-from eyas.data.settings import (DTYPE_CHOICES, GenerationSettings, SeedSettings, TargetSettings,
-                                TokenizeSettings, field_help)
+from eyas.data.settings import (DTYPE_CHOICES, GenerationSettings, KVCache, SeedSettings,
+                                TargetSettings, TokenizeSettings, field_help)
 from eyas.data.templates import EOT_STRINGS, TemplateRenderer, tokenizer_identity
 
 __all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
@@ -307,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=gen.temperature,
                    help=field_help(gen, "temperature"))
     g.add_argument("--top-p", type=float, default=gen.top_p, help=field_help(gen, "top_p"))
+    g.add_argument("--cache", choices=[c.value for c in KVCache], default=gen.generation_cache.value,
+                   help=field_help(gen, "generation_cache", "data.generation_cache"))
     g.add_argument("--seed", type=int, default=SeedSettings.seed,
                    help=field_help(SeedSettings, "seed", "train.seed"))
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -320,7 +322,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     gen = GenerationSettings(max_new_tokens=args.max_new_tokens,
                              generation_batch_size=args.batch_size,
-                             temperature=args.temperature, top_p=args.top_p)
+                             temperature=args.temperature, top_p=args.top_p,
+                             generation_cache=KVCache(args.cache))
     summary = prepare(args.input, args.target, args.out, max_length=args.max_length,
                       on_error=args.on_error, generate=args.generate,
                       chat_template=args.chat_template,

@@ -28,6 +28,11 @@ class TeacherKind(str, Enum):
     topk = "topk"
 
 
+class KVCache(str, Enum):
+    dynamic = "dynamic"
+    static = "static"
+
+
 #: precision spellings -> canonical torch dtype names; "auto" is decided per device
 #: (`eyas.data.targets.target_dtype_name`)
 DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
@@ -80,11 +85,17 @@ class GenerationSettings:
     """Sampling temperature of the generated answers; 0 = greedy."""
     top_p: float = 1.0
     """Nucleus (top-p) cutoff of the sampled answers."""
+    generation_cache: KVCache = KVCache.dynamic
+    """KV cache of the answers' `generate` calls: dynamic (transformers' default, grown token by
+    token) or static (allocated once per call; on a GPU transformers compiles its decoding
+    step, so every batch is padded to generation_batch_size rows of one prompt length, a
+    multiple of 64 tokens, and one compiled shape serves the run: benchmarks/generate_cache.py)."""
 
     def generate_kwargs(self) -> dict[str, Any]:
         """These settings as `data.generate.generate_conversations` keywords."""
         return dict(max_new_tokens=self.max_new_tokens, batch_size=self.generation_batch_size,
-                    temperature=self.temperature, top_p=self.top_p)
+                    temperature=self.temperature, top_p=self.top_p,
+                    cache=KVCache(self.generation_cache).value)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.data.prompts import prompts_path
+from eyas.data.settings import KVCache
 from eyas.data.utils import atomic_write_bytes
 from eyas.train.config import ConfigError, DataConfig, EvalConfig, TargetConfig
 
@@ -42,6 +43,8 @@ def _embedded_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
               data.max_length, str(data.aux_format), str(data.teacher), seed]
     if data.samples_per_prompt > 1:   # appended only then: one-answer caches keep their key
         fields += [data.samples_per_prompt, data.temperature, data.top_p]
+    if KVCache(data.generation_cache) != KVCache.dynamic:   # likewise: its answers differ by
+        fields += ["cache", KVCache(data.generation_cache).value]   # kernel rounding
     if data.synthetic_prompts > 0:    # likewise
         fields += ["synthetic", data.synthetic_prompts, data.synthetic_temperature,
                    data.generation_batch_size]   # batch b of prompts is seeded by b

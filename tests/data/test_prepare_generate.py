@@ -138,3 +138,20 @@ def test_left_padded_batches_match_single_prompts_on_smollm2(tmp_path):
                                           **kw))
     assert "Paris" in batched[0]["messages"][-1]["content"]
     assert [r["messages"] for r in batched] == [r["messages"] for r in single]
+
+
+def test_static_cache_answers_match_the_dynamic_ones_on_smollm2(tmp_path):
+    """The static cache pads each batch to batch_size rows and to one prompt length (a multiple
+    of 64 tokens); the answers are the dynamic cache's, and the padding rows are not written."""
+    model, tok = load_target("smollm2", dtype=torch.float32)
+    recs = [PROMPTS[0], PROMPTS[2], {"id": "d", "messages": [
+        {"role": "user", "content": "Name three primary colors, separated by commas."}]}]
+    src = write_jsonl(tmp_path / "p.jsonl", recs)
+    kw = dict(model=model, tokenizer=tok, max_new_tokens=6, batch_size=2)
+    dynamic = lines(generate_conversations(src, "smollm2", tmp_path / "d.jsonl", **kw))
+    static = lines(generate_conversations(src, "smollm2", tmp_path / "s.jsonl", cache="static",
+                                          **kw))
+    assert [r["id"] for r in static] == ["a", "c", "d"]         # 3 records from 2 batches of 2
+    assert [r["messages"] for r in static] == [r["messages"] for r in dynamic]
+    with pytest.raises(ValueError, match=r"data.generation_cache='paged'; expected one of"):
+        generate_conversations(src, "smollm2", tmp_path / "x.jsonl", cache="paged", **kw)

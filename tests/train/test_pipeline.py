@@ -70,6 +70,12 @@ def test_key_unchanged_for_one_sample_and_distinct_for_several():
         ["data.samples_per_prompt=2", "data.temperature=1.0"],
         ["data.samples_per_prompt=2", "data.top_p=0.5"])}
     assert len(keys) == 4 and _old_key(one) not in keys
+    # the static KV cache's answers differ by kernel rounding: a key of their own
+    static = _key(_cfg("data.num_prompts=3", "data.max_new_tokens=8",
+                       "data.generation_cache=static"))
+    assert static not in keys | {_old_key(one)}
+    assert _key(_cfg("data.num_prompts=3", "data.max_new_tokens=8",
+                     "data.generation_cache=dynamic")) == _old_key(one)
 
 
 def test_samples_per_prompt_appends_sampled_answers(tmp_path):
