@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=gen.temperature,
                    help=field_help(gen, "temperature"))
     g.add_argument("--top-p", type=float, default=gen.top_p, help=field_help(gen, "top_p"))
-    g.add_argument("--cache", choices=[c.value for c in KVCache], default=gen.generation_cache.value,
+    g.add_argument("--cache", choices=[c.value for c in KVCache],
+                   default=gen.generation_cache.value,
                    help=field_help(gen, "generation_cache", "data.generation_cache"))
     g.add_argument("--seed", type=int, default=SeedSettings.seed,
                    help=field_help(SeedSettings, "seed", "train.seed"))
