@@ -117,7 +117,6 @@ def profile_steps(step_fn, n: int) -> dict:
     Two more steps run first under the profiler's wait/warm-up phases: the first profiled
     iteration otherwise loses GPU events while the tracer starts."""
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
-    windows = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                  schedule=schedule(wait=1, warmup=1, active=n, repeat=1)) as prof:
         for i in range(n + 2):
@@ -134,13 +133,43 @@ def profile_steps(step_fn, n: int) -> dict:
             trace = json.load(f)
     finally:
         os.unlink(path)
-    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
-        # the host range only: the trace mirrors every range on the GPU timeline
-        # ("gpu_user_annotation"), which must not count as a second step
-        if (e.get("ph") == "X" and e.get("name") == "bench.step"
-                and e.get("cat") == "user_annotation"):
-            windows.append((e["ts"], e["ts"] + e["dur"]))
     t = time.perf_counter()
-    out = breakdown(trace, sorted(windows))
+    out = breakdown(trace, step_windows(trace, "bench.step"))
     out["parse_s"] = time.perf_counter() - t
     return out
+
+
+def step_windows(trace: dict | list, name: str) -> list[tuple[float, float]]:
+    """The host-side ranges called `name` (µs, sorted): one per profiled step. The trace
+    mirrors every range on the GPU timeline ("gpu_user_annotation"), which must not count as
+    a second step."""
+    return sorted((e["ts"], e["ts"] + e["dur"])
+                  for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)
+                  if e.get("ph") == "X" and e.get("name") == name
+                  and e.get("cat") == "user_annotation")
+
+
+def main() -> None:
+    """`python benchmarks/profile_breakdown.py TRACE`: a saved trace's steps by role, e.g. the
+    trainer's own (train.profile_steps writes RUN/profile/trace-rank0.json)."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("trace", help="Chrome trace JSON from torch.profiler")
+    ap.add_argument("--window", default="train.step",
+                    help="name of the range around each step (benchmarks: bench.step)")
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        trace = json.load(f)
+    windows = step_windows(trace, args.window)
+    if not windows:
+        raise SystemExit(f"{args.trace}: no {args.window!r} ranges (name them with --window)")
+    out = breakdown(trace, windows)
+    print(f"{len(windows)} steps of {out['step_ms']:.1f} ms (GPU busy {out['busy_ms']:.1f} ms)")
+    print("| " + " | ".join(CATEGORIES) + " |\n|" + "---|" * len(CATEGORIES))
+    print("| " + " | ".join(f"{out['per_step_ms'][c]:.1f}" for c in CATEGORIES) + " |")
+    for k in out["top_kernels"][:15]:
+        print(f"{k['ms_per_step']:8.2f} ms  {k['category']:<11} {k['name']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -104,9 +104,12 @@ def launch(args, target_dir: Path, data_dir: Path, run_dir: Path) -> tuple[int, 
     overrides = [f"dist={args.dist}", "tracker=none", f"target.name={target_dir}",
                  f"data.dataset={data_dir}", f"data.token_budget={args.tokens}",
                  "data.eval_fraction=0", f"drafter.ttt_steps={args.ttt}",
-                 f"drafter.draft_vocab_size={args.draft_vocab}", f"train.max_steps={args.steps}",
+                 f"drafter.draft_vocab_size={args.draft_vocab}",
+                 f"train.max_steps={args.steps + args.profile}",
                  f"train.log_every={args.log_every}", "optim.warmup_steps=0",
                  "export.enabled=false", "eval.speculative=false", f"hydra.run.dir={run_dir}"]
+    if args.profile:    # after the timed steps: a profiled step ends with a device sync
+        overrides += [f"train.profile_start={args.steps}", f"train.profile_steps={args.profile}"]
     given = {o.split("=", 1)[0] for o in args.override}
     overrides = [o for o in overrides if o.split("=", 1)[0] not in given] + args.override
     cmd = acc + [str(ROOT / "train" / "main.py"), *overrides]
@@ -133,8 +136,9 @@ def launch(args, target_dir: Path, data_dir: Path, run_dir: Path) -> tuple[int, 
     return rc, time.perf_counter() - t, " ".join(cmd) + "\n" + log
 
 
-def summarise(run_dir: Path) -> dict:
-    """Windows of metrics.jsonl and their mean after the first (warm-up) window."""
+def summarise(run_dir: Path, upto: int | None = None) -> dict:
+    """Windows of metrics.jsonl and their mean after the first (warm-up) window; windows that
+    end after step `upto` (the profiled steps of --profile) are listed but not averaged."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return {"windows": []}
@@ -145,7 +149,8 @@ def summarise(run_dir: Path) -> dict:
         rec = json.loads(line)
         if "train/tokens_per_s" in rec:
             windows.append({"step": rec["step"], **{k: rec.get(f"train/{k}") for k in keys}})
-    steady = windows[1:] or windows
+    timed = [w for w in windows if upto is None or w["step"] <= upto]
+    steady = timed[1:] or timed
     out = {"windows": windows}
     rank0 = run_dir / "ranks" / "rank0.json"
     if rank0.is_file():                  # what accelerate really set up (no silent fallback)
@@ -179,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the run directory's name (several runs "
                     "in one --workdir)")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override")
+    ap.add_argument("--profile", type=int, default=0, help="then profile this many more steps "
+                    "(train.profile_steps: RUN/profile/trace-rank0.json; not in the averages)")
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -205,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                   tokens=args.tokens, ttt_steps=args.ttt, steps=args.steps, returncode=rc,
                   wall_s=wall, write_target_s=t_target, write_data_s=t_data,
                   dataset_tokens=manifest["n_tokens"], dataset_gib=manifest["bytes"] / 2**30,
-                  run_dir=str(run_dir), **summarise(run_dir))
+                  run_dir=str(run_dir), **summarise(run_dir, upto=args.steps))
     if rc != 0:
         result["log_tail"] = log[-6000:]
     print(json.dumps({k: v for k, v in result.items() if k != "log_tail"}, indent=1))

@@ -13,9 +13,12 @@
 # Device machine (carry .whl): bash benchmarks/trainer_gap.sh, ~7 minutes for all six (one
 # H200, 2026-12-02: the step ~1.5 min, the first e2e run ~70 s with the data, the others ~60 s);
 # RUNS=default,inline for fewer. Prints a table (step ms of each run against the in-process step)
-# and leaves JSON in $OUT.
+# and leaves JSON in $OUT. PROFILE=3: each trainer run then profiles 3 more steps (train_e2e.py
+# --profile: after the timed windows, each ending with a device sync) and prints their GPU time
+# by role (benchmarks/profile_breakdown.py), the trace copied to $OUT/trace_<run>.json.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; T=${T:-4096}; TARGET=${TARGET:-llama-3.1-8b}; STEPS=${STEPS:-40}
+PROFILE=${PROFILE:-0}
 RUNS=${RUNS:-default,inline,noverify,gpuembed,zero2}
 mkdir -p "$OUT" /tmp/eyas-path/eyas
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
@@ -35,8 +38,13 @@ for run in ${RUNS//,/ }; do
   # train_e2e.py ends its own trainer at --timeout; the outer bound leaves it that time
   timeout 240 python3 benchmarks/train_e2e.py --target "$TARGET" --tokens "$T" --steps "$STEPS" \
       --log-every 8 --dist ddp --workdir /tmp/e2e --tag="-$run" --timeout 150 \
-      --json "$OUT/e2e_$run.json" ${EXTRA[$run]} > "$OUT/e2e_$run.log" 2>&1
+      --json "$OUT/e2e_$run.json" --profile "$PROFILE" ${EXTRA[$run]} > "$OUT/e2e_$run.log" 2>&1
   echo "   rc $?"
+  trace=$(ls /tmp/e2e/run/*-"$run"/profile/trace-rank0.json 2>/dev/null | head -1)
+  if [[ -n "$trace" ]]; then
+    python3 benchmarks/profile_breakdown.py "$trace" | head -12
+    cp "$trace" "$OUT/trace_$run.json"
+  fi
 done
 python3 - "$OUT" <<'EOF'
 import json, sys

@@ -252,6 +252,12 @@ class TrainConfig(SeedSettings):
     an OpenMP thread that shares a core with busy work spin-waits and slows everything."""
     peak_tflops: Optional[float] = None
     """Accelerator peak for MFU in TFLOP/s; null = 989 (H100/H200 dense bf16) on CUDA."""
+    profile_steps: int = 0
+    """Profile this many optimizer steps with torch.profiler (0: off), from
+    train.profile_start: each rank writes a Chrome trace and its kernels by device time to
+    the run's profile/ (train/profiling.py); each profiled step ends with a device sync."""
+    profile_start: int = 10
+    """The first profiled optimizer step (0-based), after the compile and the warm-up."""
     dry_run: bool = False
     """Compose the config, start the processes and write the run summary, then stop."""
 

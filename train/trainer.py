@@ -49,6 +49,7 @@ from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
+from eyas.train.profiling import StepProfiler
 from eyas.train.optim import build_scheduler
 from eyas.train.plots import write_run_plots
 from eyas.train.run_export import export_final, export_selected, write_export_meta
@@ -275,11 +276,14 @@ def fit(t: Trainer) -> dict[str, Any]:
                             bool(cfg.loss.skip_masked_rows), prefetch=t.device_prefetch)
     t.module.train()
     stopping = False
-    with StopRequest() as stop, contextlib.ExitStack() as closing:
+    profiler = StepProfiler(cfg.train.profile_start, cfg.train.profile_steps,
+                            t.out / "profile", acc.process_index)
+    with StopRequest() as stop, contextlib.ExitStack() as closing, profiler:
         for c in (logger, bar, batches):   # batches: stops the loader's prefetch threads
             closing.callback(c.close)
         while step < t.total_steps and not stopping:
-            window.gnorm = train_step(t, batches, window, skipped, step)
+            with profiler.step(step):
+                window.gnorm = train_step(t, batches, window, skipped, step)
             window.steps += 1
             step += 1
             bar.update(1)

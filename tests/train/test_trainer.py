@@ -330,3 +330,27 @@ def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_
         assert "midlayer.mlp.down_proj\n" in log and "(tensorwise): fc" not in log
         from eyas.models.serving.validate import validate
         assert validate(tmp_path / "a" / "export", "tiny-llama") == []
+
+
+def test_profile_steps_write_a_trace_of_exactly_those_steps(tmp_path, tiny_llama_dataset):
+    out = tmp_path / "p"
+    r = run(out, tiny_llama_dataset, "target=tiny_llama", "train.max_steps=4",
+            "train.profile_start=1", "train.profile_steps=2", "export.enabled=false")
+    trace = out / "profile" / "trace-rank0.json"
+    assert f"profiled steps 1-2 into {trace}" in r.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = [e for e in events if e.get("name") == "train.step" and e.get("ph") == "X"
+             and e.get("cat") == "user_annotation"]
+    assert len(steps) == 2
+    assert any(e.get("name", "").startswith("aten::mm") for e in events)   # the ops inside
+    assert "Name" in (out / "profile" / "kernels-rank0.txt").read_text()
+    assert sorted(p.name for p in (out / "profile").iterdir()) == ["kernels-rank0.txt",
+                                                                   "trace-rank0.json"]
+    # the breakdown reads the trainer's trace (no GPU kernels on the CPU: the steps' wall time)
+    b = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_breakdown.py"),
+                        str(trace)], capture_output=True, text=True, cwd=ROOT)
+    assert b.returncode == 0, b.stderr
+    assert b.stdout.startswith("2 steps of ")
+    bad = run(tmp_path / "bad", tiny_llama_dataset, "target=tiny_llama",
+              "train.profile_steps=-1", check=False)
+    assert bad.returncode != 0 and "train.profile_steps=-1" in bad.stderr

@@ -1,0 +1,83 @@
+"""`train.profile_steps`: torch.profiler over a window of the real trainer's steps.
+
+    with StepProfiler(start=20, steps=3, out=run_dir / "profile", rank=0) as prof:
+        for step in ...:
+            with prof.step(step):
+                train_step(...)
+
+Steps start .. start + steps - 1 (optimizer steps, counted from 0 as the loop counts them, so
+the window can sit after the compile and the warm-up) run under torch.profiler, host and GPU,
+each inside a `train.step` range and ending with a device synchronisation, as the in-process
+benchmark times its steps (`benchmarks/train_step.py`). When the window closes, each rank
+writes its Chrome trace (profile/trace-rank<r>.json, for chrome://tracing or Perfetto) and the
+kernels by total device time (profile/kernels-rank<r>.txt), atomically. `python
+benchmarks/profile_breakdown.py TRACE` splits the GPU time of each step by role (matmul, loss,
+attention, elementwise, optimizer, idle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from eyas.data.utils import atomic_path, atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+#: the range around each profiled step (`benchmarks/profile_breakdown.py --window`)
+STEP_RANGE = "train.step"
+
+
+class StepProfiler:
+    """Profiles optimizer steps start .. start + steps - 1 (steps 0: does nothing)."""
+
+    def __init__(self, start: int, steps: int, out: Path, rank: int):
+        self.start, self.steps, self.out, self.rank = start, steps, Path(out), rank
+        self._prof: profile | None = None
+        self.done = steps <= 0
+
+    def __enter__(self) -> StepProfiler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._prof is not None:          # the loop ended inside the window: keep what ran
+            self._finish()
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Run one optimizer step, profiled when it falls in the window."""
+        if self.done or not self.start <= step < self.start + self.steps:
+            yield
+            return
+        if self._prof is None:
+            activities = [ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            self._prof = profile(activities=activities)
+            self._prof.start()
+            self._first = step
+        with record_function(STEP_RANGE):
+            yield
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        if step == self.start + self.steps - 1:
+            self._finish()
+
+    def _finish(self) -> None:
+        prof, self._prof, self.done = self._prof, None, True
+        prof.stop()
+        self.out.mkdir(parents=True, exist_ok=True)
+        trace = self.out / f"trace-rank{self.rank}.json"
+        with atomic_path(trace) as tmp:
+            prof.export_chrome_trace(str(tmp))
+        key = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=30)
+        atomic_write_bytes(self.out / f"kernels-rank{self.rank}.txt", table.encode())
+        log.info("profiled steps %d-%d into %s (python benchmarks/profile_breakdown.py %s)",
+                 self._first, self.start + self.steps - 1, trace, trace)
