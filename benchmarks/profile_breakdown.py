@@ -4,7 +4,8 @@
 
 Each GPU kernel of n profiled steps (synchronised one by one) goes to the first category
 that matches:
-  optimizer   launched inside `Optimizer.step` or the clip (`bench.clip`, `clip_grad_norm_`)
+  optimizer   launched inside `Optimizer.step` or the clip (`bench.clip`, the trainer's
+              `eyas.clip`, `clip_grad_norm_`)
   loss        launched inside `eyas.loss` (teacher, lm_head GEMMs, row kernels: train/step.py)
               or a loss kernel by name (its backward only rescales the stored gradient)
   attention   flex-attention kernels (inductor templates `triton_tem_*`, `flex`)
@@ -27,6 +28,8 @@ import time
 
 import torch
 
+from eyas.train.profiling import STEP_RANGE
+
 MATMUL = re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm\d\d_|s16816|hmma|splitk|ampere_|"
                     r"dot_|matmul", re.I)
 ATTENTION = re.compile(r"flex|triton_tem|attention|fmha|flash", re.I)
@@ -35,7 +38,7 @@ CATEGORIES = ("matmul", "attention", "loss", "elementwise", "optimizer", "idle")
 
 
 def _categorise(name: str, ranges: set[str]) -> str:
-    if any(r.startswith("Optimizer.step") or r in ("bench.clip",) or "clip_grad" in r
+    if any(r.startswith("Optimizer.step") or r in ("bench.clip", "eyas.clip") or "clip_grad" in r
            for r in ranges):
         return "optimizer"
     if "eyas.loss" in ranges or LOSS_NAMES.search(name):
@@ -155,7 +158,7 @@ def main() -> None:
     import argparse
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("trace", help="Chrome trace JSON from torch.profiler")
-    ap.add_argument("--window", default="train.step",
+    ap.add_argument("--window", default=STEP_RANGE,
                     help="name of the range around each step (benchmarks: bench.step)")
     args = ap.parse_args()
     with open(args.trace) as f:

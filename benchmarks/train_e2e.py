@@ -109,7 +109,8 @@ def launch(args, target_dir: Path, data_dir: Path, run_dir: Path) -> tuple[int, 
                  f"train.log_every={args.log_every}", "optim.warmup_steps=0",
                  "export.enabled=false", "eval.speculative=false", f"hydra.run.dir={run_dir}"]
     if args.profile:    # after the timed steps: a profiled step ends with a device sync
-        overrides += [f"train.profile_start={args.steps}", f"train.profile_steps={args.profile}"]
+        overrides += [f"train.profile_start={args.steps + 1}",
+                      f"train.profile_steps={args.profile}"]
     given = {o.split("=", 1)[0] for o in args.override}
     overrides = [o for o in overrides if o.split("=", 1)[0] not in given] + args.override
     cmd = acc + [str(ROOT / "train" / "main.py"), *overrides]

@@ -69,7 +69,8 @@ def _stop_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-#: static cache: prompts are left padded to a multiple of this many tokens (one compiled shape)
+#: static cache: a batch's prompts are left padded to a multiple of this many tokens, so batches
+#: of similar lengths share one compiled decoding step
 STATIC_PROMPT_BUCKET = 64
 
 
@@ -81,14 +82,21 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
     """[(text, finish_reason, n_new_tokens)] for prompts (already rendered, left padded here).
     A row's text ends before its stop token, or after it when that token is in `keep`.
     cache "static": transformers' static KV cache, the batch padded to `rows` rows (repeats of
-    the last prompt, whose answers are dropped) and `prompt_tokens` tokens, so that every call
-    of a run has the shape its compiled decoding step was built for."""
+    the last prompt, whose answers are dropped) and `prompt_tokens` tokens, so that calls of
+    the same padded length reuse one compiled decoding step."""
     n = len(prompts)
     static = cache == "static"
-    if static and rows is not None and n < rows:
+    if static and rows is not None:
+        if n > rows:
+            raise ValueError(f"static cache: {n} prompts for a batch of {rows} rows")
         prompts = prompts + [prompts[-1]] * (rows - n)
-    pad = dict(padding="max_length", max_length=prompt_tokens) \
-        if static and prompt_tokens is not None else dict(padding=True)
+    pad = dict(padding=True)
+    if static and prompt_tokens is not None:
+        longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+        if longest > prompt_tokens:
+            raise ValueError(f"static cache: a prompt of {longest} tokens does not fit the "
+                             f"batch's padded length of {prompt_tokens}")
+        pad = dict(padding="max_length", max_length=prompt_tokens)
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
         enc = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", **pad)
@@ -220,11 +228,11 @@ def _answer_chunk(chunk: list[Conversation], c: int, *, tokenizer, render: Calla
         texts = [render(s["conv"], s["msgs"]) for s in active]
         lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         order = sorted(range(len(active)), key=lambda j: lengths[j])
-        # the static cache's one shape: the longest prompt rounded up (ignored by dynamic)
-        bucket = -(-max(lengths) // STATIC_PROMPT_BUCKET) * STATIC_PROMPT_BUCKET
         torch.manual_seed(seed + 1_000_003 * c + rnd)
         for b in range(0, len(order), batch_size):
             idx = order[b:b + batch_size]
+            # the static cache's shape: this batch's longest prompt rounded up (dynamic: unused)
+            bucket = -(-lengths[idx[-1]] // STATIC_PROMPT_BUCKET) * STATIC_PROMPT_BUCKET
             answers = generate([texts[j] for j in idx], rows=batch_size, prompt_tokens=bucket)
             for j, (text, reason, n) in zip(idx, answers):
                 _add_answer(active[j], text, reason, n, counts)

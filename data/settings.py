@@ -88,8 +88,9 @@ class GenerationSettings:
     generation_cache: KVCache = KVCache.dynamic
     """KV cache of the answers' `generate` calls: dynamic (transformers' default, grown token by
     token) or static (allocated once per call; on a GPU transformers compiles its decoding
-    step, so every batch is padded to generation_batch_size rows of one prompt length, a
-    multiple of 64 tokens, and one compiled shape serves the run: benchmarks/generate_cache.py)."""
+    step for each shape, so every batch is padded to generation_batch_size rows and its prompts
+    to a multiple of 64 tokens: one compile per 64-token prompt length; batches run shortest
+    first, so most share one. benchmarks/generate_cache.py, generate_stage.py)."""
 
     def generate_kwargs(self) -> dict[str, Any]:
         """These settings as `data.generate.generate_conversations` keywords."""

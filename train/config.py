@@ -257,7 +257,8 @@ class TrainConfig(SeedSettings):
     train.profile_start: each rank writes a Chrome trace and its kernels by device time to
     the run's profile/ (train/profiling.py); each profiled step ends with a device sync."""
     profile_start: int = 10
-    """The first profiled optimizer step (0-based), after the compile and the warm-up."""
+    """The first profiled optimizer step, numbered from 1 as in metrics.jsonl (>= 1; after the
+    compile and the warm-up)."""
     dry_run: bool = False
     """Compose the config, start the processes and write the run summary, then stop."""
 

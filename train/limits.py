@@ -88,10 +88,12 @@ def check_loop(train, export, fail: Fail) -> None:
     if train.max_nonfinite_steps < 0:
         fail("train.max_nonfinite_steps", train.max_nonfinite_steps, "an integer >= 0 (0 = "
              "abort at the first skipped step)", "train.max_nonfinite_steps=20")
-    for key, value in (("train.profile_steps", train.profile_steps),
-                       ("train.profile_start", train.profile_start)):
-        if value < 0:
-            fail(key, value, "an integer >= 0", f"{key}=3 (or train.profile_steps=0: off)")
+    if train.profile_steps < 0:
+        fail("train.profile_steps", train.profile_steps, "an integer >= 0 (0 = off)",
+             "train.profile_steps=3")
+    if train.profile_start < 1:
+        fail("train.profile_start", train.profile_start, "an integer >= 1 (steps are "
+             "numbered from 1, as in metrics.jsonl)", "train.profile_start=10")
 
 
 def check_optim(optim, fail: Fail, *, deepspeed: bool = False, fp32_params: bool = False

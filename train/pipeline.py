@@ -43,8 +43,8 @@ def _embedded_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
               data.max_length, str(data.aux_format), str(data.teacher), seed]
     if data.samples_per_prompt > 1:   # appended only then: one-answer caches keep their key
         fields += [data.samples_per_prompt, data.temperature, data.top_p]
-    if KVCache(data.generation_cache) != KVCache.dynamic:   # likewise: its answers differ by
-        fields += ["cache", KVCache(data.generation_cache).value]   # kernel rounding
+    if KVCache(data.generation_cache) != KVCache.dynamic and not data.endpoint:
+        fields += ["cache", KVCache(data.generation_cache).value]   # likewise: its answers
     if data.synthetic_prompts > 0:    # likewise
         fields += ["synthetic", data.synthetic_prompts, data.synthetic_temperature,
                    data.generation_batch_size]   # batch b of prompts is seeded by b
@@ -172,7 +172,7 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
         generate.generate_conversations(
             subset, target.name, conversations, max_new_tokens=data.max_new_tokens,
             batch_size=data.generation_batch_size, temperature=0.0, seed=seed,
-            model=model, tokenizer=tokenizer)
+            cache=KVCache(data.generation_cache).value, model=model, tokenizer=tokenizer)
     if samples > 1 and not data.endpoint:   # answers 1.., sampled, appended to the same file
         generate.generate_conversations(sampled, target.name, conversations,
                                         **data.generate_kwargs(), seed=seed, model=model,

@@ -5,14 +5,16 @@
             with prof.step(step):
                 train_step(...)
 
-Steps start .. start + steps - 1 (optimizer steps, counted from 0 as the loop counts them, so
-the window can sit after the compile and the warm-up) run under torch.profiler, host and GPU,
-each inside a `train.step` range and ending with a device synchronisation, as the in-process
-benchmark times its steps (`benchmarks/train_step.py`). When the window closes, each rank
-writes its Chrome trace (profile/trace-rank<r>.json, for chrome://tracing or Perfetto) and the
-kernels by total device time (profile/kernels-rank<r>.txt), atomically. `python
-benchmarks/profile_breakdown.py TRACE` splits the GPU time of each step by role (matmul, loss,
-attention, elementwise, optimizer, idle).
+Optimizer steps start .. start + steps - 1, numbered from 1 as metrics.jsonl and the progress
+log number them (so the window can sit after the compile and the warm-up), run under
+torch.profiler, host and GPU, each inside a `train.step` range and ending with a device
+synchronisation, as the in-process benchmark times its steps (`benchmarks/train_step.py`).
+When the window closes, each rank writes its Chrome trace (profile/trace-rank<r>.json, for
+chrome://tracing or Perfetto) and its operators and kernels by total time
+(profile/kernels-rank<r>.txt), atomically. The profiler runs from the window's first step to
+its last, so work between those steps (a log line, an evaluation, a checkpoint) is in the
+trace and the table too; `python benchmarks/profile_breakdown.py TRACE` counts only what runs
+inside the `train.step` ranges, by role (matmul, loss, attention, elementwise, optimizer, idle).
 """
 
 from __future__ import annotations
@@ -39,14 +41,25 @@ class StepProfiler:
     def __init__(self, start: int, steps: int, out: Path, rank: int):
         self.start, self.steps, self.out, self.rank = start, steps, Path(out), rank
         self._prof: profile | None = None
+        self._first = self._last = 0
         self.done = steps <= 0
 
     def __enter__(self) -> StepProfiler:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         if self._prof is not None:          # the loop ended inside the window: keep what ran
-            self._finish()
+            try:
+                self._finish()
+            except Exception as e:          # never in place of the error that ended the loop
+                if exc_type is None:
+                    raise
+                log.warning("the profile of steps %d-%d was not written: %s", self._first,
+                            self._last, e)
+        elif not self.done and exc_type is None:
+            log.warning("train.profile_steps=%d: no step from train.profile_start=%d ran "
+                        "(the run ended before it, or resumed past it); nothing profiled",
+                        self.steps, self.start)
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -62,6 +75,7 @@ class StepProfiler:
             self._prof = profile(activities=activities)
             self._prof.start()
             self._first = step
+        self._last = step                   # started: in the trace even if it raises
         with record_function(STEP_RANGE):
             yield
             if torch.cuda.is_available():
@@ -80,4 +94,4 @@ class StepProfiler:
         table = prof.key_averages().table(sort_by=key, row_limit=30)
         atomic_write_bytes(self.out / f"kernels-rank{self.rank}.txt", table.encode())
         log.info("profiled steps %d-%d into %s (python benchmarks/profile_breakdown.py %s)",
-                 self._first, self.start + self.steps - 1, trace, trace)
+                 self._first, self._last, trace, trace)

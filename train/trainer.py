@@ -49,8 +49,8 @@ from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
-from eyas.train.profiling import StepProfiler
 from eyas.train.optim import build_scheduler
+from eyas.train.profiling import StepProfiler
 from eyas.train.plots import write_run_plots
 from eyas.train.run_export import export_final, export_selected, write_export_meta
 from eyas.train.selection import BestWalk
@@ -282,7 +282,7 @@ def fit(t: Trainer) -> dict[str, Any]:
         for c in (logger, bar, batches):   # batches: stops the loader's prefetch threads
             closing.callback(c.close)
         while step < t.total_steps and not stopping:
-            with profiler.step(step):
+            with profiler.step(step + 1):       # numbered as the metrics number it
                 window.gnorm = train_step(t, batches, window, skipped, step)
             window.steps += 1
             step += 1

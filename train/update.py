@@ -19,6 +19,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from eyas.train.optim import MasterAdamW
 
@@ -56,7 +57,8 @@ def grad_norm(clip: float, accelerator, module) -> Tensor:
     """Clip to `clip` (optim.clip_grad_norm; 0: no clipping) and return the global gradient
     norm, a device tensor: converting it to a float here would wait for the whole backward."""
     max_norm = clip if clip > 0 else float("inf")
-    return accelerator.clip_grad_norm_(module.parameters(), max_norm)
+    with record_function("eyas.clip"):      # profiles (train.profile_steps) count it as optimizer
+        return accelerator.clip_grad_norm_(module.parameters(), max_norm)
 
 
 def step_unless(optimizer, skip: Tensor) -> None:

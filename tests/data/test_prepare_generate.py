@@ -140,18 +140,41 @@ def test_left_padded_batches_match_single_prompts_on_smollm2(tmp_path):
     assert [r["messages"] for r in batched] == [r["messages"] for r in single]
 
 
-def test_static_cache_answers_match_the_dynamic_ones_on_smollm2(tmp_path):
-    """The static cache pads each batch to batch_size rows and to one prompt length (a multiple
-    of 64 tokens); the answers are the dynamic cache's, and the padding rows are not written."""
+def test_static_cache_answers_match_the_dynamic_ones_on_smollm2(tmp_path, monkeypatch):
+    """The static cache pads each batch to batch_size rows and its prompts to a multiple of 64
+    tokens; the answers are the dynamic cache's, and the padding rows are not written."""
     model, tok = load_target("smollm2", dtype=torch.float32)
     recs = [PROMPTS[0], PROMPTS[2], {"id": "d", "messages": [
         {"role": "user", "content": "Name three primary colors, separated by commas."}]}]
     src = write_jsonl(tmp_path / "p.jsonl", recs)
+    calls, generate = [], model.generate
+
+    def recording(**kw):            # the real generate, its inputs noted
+        calls.append((tuple(kw["input_ids"].shape), kw.get("cache_implementation")))
+        return generate(**kw)
+
+    monkeypatch.setattr(model, "generate", recording)
     kw = dict(model=model, tokenizer=tok, max_new_tokens=6, batch_size=2)
     dynamic = lines(generate_conversations(src, "smollm2", tmp_path / "d.jsonl", **kw))
+    assert [c[1] for c in calls] == [None, None] and calls[1][0][0] == 1   # 2 + 1 rows
+    calls.clear()
     static = lines(generate_conversations(src, "smollm2", tmp_path / "s.jsonl", cache="static",
                                           **kw))
-    assert [r["id"] for r in static] == ["a", "c", "d"]         # 3 records from 2 batches of 2
+    assert calls == [((2, 64), "static"), ((2, 64), "static")]   # padded rows and prompts
+    assert [r["id"] for r in static] == ["a", "c", "d"]
     assert [r["messages"] for r in static] == [r["messages"] for r in dynamic]
     with pytest.raises(ValueError, match=r"data.generation_cache='paged'; expected one of"):
         generate_conversations(src, "smollm2", tmp_path / "x.jsonl", cache="paged", **kw)
+
+
+def test_static_batches_return_one_answer_per_prompt_and_refuse_what_does_not_fit(tiny):
+    from eyas.data.generate import _generate_batch
+    model, tok = tiny
+    kw = dict(stop=[0], max_new_tokens=2, temperature=0.0, top_p=1.0, cache="static")
+    assert len(_generate_batch(model, tok, ["a b", "c"], rows=4, prompt_tokens=64, **kw)) == 2
+    with pytest.raises(ValueError, match="static cache: 3 prompts for a batch of 2 rows"):
+        _generate_batch(model, tok, ["a", "b", "c"], rows=2, prompt_tokens=64, **kw)
+    with pytest.raises(ValueError, match=r"a prompt of \d+ tokens does not fit the batch's "
+                                         r"padded length of 2"):
+        _generate_batch(model, tok, ["a long prompt of several words"], rows=1,
+                        prompt_tokens=2, **kw)

@@ -76,6 +76,8 @@ def test_key_unchanged_for_one_sample_and_distinct_for_several():
     assert static not in keys | {_old_key(one)}
     assert _key(_cfg("data.num_prompts=3", "data.max_new_tokens=8",
                      "data.generation_cache=dynamic")) == _old_key(one)
+    served = ["data.num_prompts=3", "data.endpoint=http://127.0.0.1:1/v1"]   # no local cache
+    assert _key(_cfg(*served, "data.generation_cache=static")) == _key(_cfg(*served))
 
 
 def test_samples_per_prompt_appends_sampled_answers(tmp_path):
@@ -157,3 +159,18 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
         assert " ".join(user["content"].lower().split()) not in held
         assert answer["role"] == "assistant"
     assert len(open_dataset(paths.train)) == 3
+
+
+def test_generation_cache_reaches_the_greedy_answers(tmp_path, monkeypatch):
+    from eyas.data import generate
+    seen, real = [], generate.generate_conversations
+
+    def recording(*args, **kw):
+        seen.append(kw.get("cache"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(generate, "generate_conversations", recording)
+    built = _build(_cfg("data.num_prompts=3", "data.max_new_tokens=8",
+                        f"data.cache_dir={tmp_path}", "data.generation_cache=static"))
+    assert seen == ["static"]
+    assert len(open_dataset(built.train)) == 3

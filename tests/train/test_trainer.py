@@ -351,6 +351,10 @@ def test_profile_steps_write_a_trace_of_exactly_those_steps(tmp_path, tiny_llama
                         str(trace)], capture_output=True, text=True, cwd=ROOT)
     assert b.returncode == 0, b.stderr
     assert b.stdout.startswith("2 steps of ")
+    late = run(tmp_path / "late", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=2",
+               "train.profile_steps=2", "export.enabled=false")      # the default start: 10
+    assert "no step from train.profile_start=10 ran" in late.stderr
+    assert not (tmp_path / "late" / "profile").exists()
     bad = run(tmp_path / "bad", tiny_llama_dataset, "target=tiny_llama",
-              "train.profile_steps=-1", check=False)
-    assert bad.returncode != 0 and "train.profile_steps=-1" in bad.stderr
+              "train.profile_start=0", check=False)
+    assert bad.returncode != 0 and "train.profile_start=0" in bad.stderr
