@@ -114,9 +114,9 @@ def launch(args, target_dir: Path, data_dir: Path, run_dir: Path) -> tuple[int, 
     given = {o.split("=", 1)[0] for o in args.override}
     overrides = [o for o in overrides if o.split("=", 1)[0] not in given] + args.override
     cmd = acc + [str(ROOT / "train" / "main.py"), *overrides]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled",
-               EYAS_RUN_ID=run_dir.name, PYTHONPATH=os.pathsep.join(
-                   [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    # eyas comes from the environment (installed, or PYTHONPATH on a device machine); the
+    # checkout itself stays off the path: its kernels/ would stand in for the `kernels` package
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled", EYAS_RUN_ID=run_dir.name)
     t = time.perf_counter()
     logf = run_dir.parent / f"{run_dir.name}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
