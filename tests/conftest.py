@@ -1,15 +1,12 @@
 """Test-wide settings. The environment must be set before torch/triton/transformers import."""
 
 import os
-import sys
-from pathlib import Path
 
-# The checkout's top-level folders are the package `eyas` (eyas.kernels, eyas.data, ...), never
-# imports of their own, but `python -m pytest` puts the checkout first on sys.path, where
-# `kernels/` would stand in for the Hugging Face `kernels` package that transformers imports.
-# The checkout stays importable (for `tests.*`), after the installed packages.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT] + [str(_ROOT)]
+from eyas.data.checkout import keep_checkout_last
+
+# `python -m pytest` puts the checkout first on sys.path: keep it after the installed packages
+# before a test imports transformers (eyas.data.checkout says why)
+keep_checkout_last()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # no hub: a lookup would spend ~50 s failing
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
