@@ -90,16 +90,18 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
         if n > rows:
             raise ValueError(f"static cache: {n} prompts for a batch of {rows} rows")
         prompts = prompts + [prompts[-1]] * (rows - n)
-    pad = dict(padding=True)
-    if static and prompt_tokens is not None:
-        longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
-        if longest > prompt_tokens:
-            raise ValueError(f"static cache: a prompt of {longest} tokens does not fit the "
-                             f"batch's padded length of {prompt_tokens}")
-        pad = dict(padding="max_length", max_length=prompt_tokens)
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
-        enc = tokenizer(prompts, add_special_tokens=False, return_tensors="pt", **pad)
+        if static and prompt_tokens is not None:
+            enc = tokenizer(prompts, add_special_tokens=False, padding="max_length",
+                            max_length=prompt_tokens)           # lists: a longer row stays longer
+            longest = max(len(ids) for ids in enc["input_ids"])
+            if longest > prompt_tokens:
+                raise ValueError(f"static cache: a prompt of {longest} tokens does not fit the "
+                                 f"batch's padded length of {prompt_tokens}")
+            enc = {k: torch.tensor(v) for k, v in enc.items()}
+        else:
+            enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
     finally:
         tokenizer.padding_side = side
     enc = {k: v.to(model.device) for k, v in enc.items()}
