@@ -6,8 +6,8 @@ eyas's top-level folders (data/, models/, kernels/, train/, conf/) are imported 
 their bare names, and there `kernels/` stands in for Hugging Face's `kernels` package, which
 transformers imports (a dependency from transformers 5.25 on) when it loads a model.
 `keep_checkout_last` moves the root to the end of `sys.path`: `kernels` is then the installed
-package, and the checkout's own `tests` and `benchmarks` stay importable. The packages that
-import transformers (eyas.data, eyas.models, eyas.train) call it when they are imported.
+package, and the checkout's own `tests` and `benchmarks` stay importable. eyas.data calls it
+when it is imported, and eyas.models and eyas.train import eyas.data first.
 """
 
 from __future__ import annotations

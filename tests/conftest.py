@@ -2,11 +2,9 @@
 
 import os
 
-from eyas.data.checkout import keep_checkout_last
-
-# `python -m pytest` puts the checkout first on sys.path: keep it after the installed packages
-# before a test imports transformers (eyas.data.checkout says why)
-keep_checkout_last()
+# `python -m pytest` puts the checkout first on sys.path; importing eyas.data moves it after
+# the installed packages before a test imports transformers (eyas.data.checkout says why)
+import eyas.data  # noqa: E402,F401
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # no hub: a lookup would spend ~50 s failing
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

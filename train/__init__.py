@@ -1,5 +1,5 @@
 """eyas training: the Hydra-configured trainer, its evaluation, export and command line."""
 
-from eyas.data.checkout import keep_checkout_last
-
-keep_checkout_last()    # before anything imports transformers (eyas.data.checkout says why)
+# importing eyas.data keeps a source checkout after the installed packages on sys.path before
+# anything here imports transformers (eyas.data.checkout says why)
+import eyas.data  # noqa: E402,F401

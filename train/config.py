@@ -253,12 +253,10 @@ class TrainConfig(SeedSettings):
     peak_tflops: Optional[float] = None
     """Accelerator peak for MFU in TFLOP/s; null = 989 (H100/H200 dense bf16) on CUDA."""
     profile_steps: int = 0
-    """Profile this many optimizer steps with torch.profiler (0: off), from
-    train.profile_start: each rank writes a Chrome trace and its kernels by device time to
-    the run's profile/ (train/profiling.py); each profiled step ends with a device sync."""
+    """Optimizer steps to profile from train.profile_start (0: off): a Chrome trace and a kernel
+    table per rank in the run's profile/; each profiled step ends with a device sync."""
     profile_start: int = 10
-    """The first profiled optimizer step, numbered from 1 as in metrics.jsonl (>= 1; after the
-    compile and the warm-up)."""
+    """First profiled step, numbered as in metrics.jsonl (>= 1; past compile and warm-up)."""
     dry_run: bool = False
     """Compose the config, start the processes and write the run summary, then stop."""
 
