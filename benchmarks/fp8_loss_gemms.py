@@ -13,8 +13,8 @@ relative error of loss, dh and dW against fp32 for:
              (torch._scaled_mm's row-wise form; dz in e4m3 too)
   fp8-tensor e4m3 operands with one scale per tensor (the tensor-wise recipe)
 and, on CUDA, the median time of the three GEMMs each way (FP8: each call quantises its
-operands and transposes two of them, unfused, as a first implementation would). On a CPU the FP8 GEMMs are emulated (quantise, dequantise, fp32 matmul: the same rounding, another
-summation order).
+operands and transposes two of them, unfused). On a CPU the FP8 GEMMs are emulated (quantise,
+dequantise, fp32 matmul: the same rounding, another summation order).
 
     python benchmarks/fp8_loss_gemms.py --rows 4096 --json fp8_loss.json     # H200, ~20 s
     python benchmarks/fp8_loss_gemms.py --rows 256 --hidden 512 --vocab 4096  # CPU
