@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--caches", default="dynamic,static", help="comma list, run in this order")
     ap.add_argument("--out", help="write the rows here as JSON")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         raise SystemExit("generate_stage.py times CUDA generation; no GPU is visible")
     model, tok = load_target("smollm2", dtype=torch.bfloat16, device="cuda")

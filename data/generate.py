@@ -69,6 +69,29 @@ def _stop_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+#: seconds between two progress lines of a running generation in the log (and the run's log file)
+PROGRESS_EVERY_S = 30.0
+
+
+class _Progress:
+    """Logs turns answered of `total`, answer tokens, speed and time left, at most once every
+    PROGRESS_EVERY_S seconds; called after each `generate` call."""
+
+    def __init__(self, total: int, counts: Counter[str]):
+        self.total, self.counts = total, counts
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last, dt = now, now - self.t0
+        done = self.counts["stop"] + self.counts["length"]
+        log.info("generate: %d/%d turns answered, %d tokens in %.0f s (%.0f tokens/s), about "
+                 "%.0f s left", done, self.total, self.counts["new_tokens"], dt,
+                 self.counts["new_tokens"] / dt, dt / max(done, 1) * (self.total - done))
+
+
 #: static cache: a batch's prompts are left padded to a multiple of this many tokens, so batches
 #: of similar lengths share one compiled decoding step
 STATIC_PROMPT_BUCKET = 64
@@ -213,7 +236,7 @@ def _add_answer(s: dict, text: str, reason: str, n: int, counts: Counter[str]) -
 
 def _answer_chunk(chunk: list[Conversation], c: int, *, tokenizer, render: Callable,
                   generate: Callable, batch_size: int, seed: int,
-                  counts: Counter[str]) -> list[dict]:
+                  counts: Counter[str], report: Callable[[], None]) -> list[dict]:
     """Per record state of chunk `c` after answering its pending turns, one turn a round."""
     # per record: messages so far, the remaining pending indices, finish reasons
     state = [{"conv": cv, "msgs": [], "next": 0, "pending": pending_turns(cv.messages),
@@ -238,6 +261,7 @@ def _answer_chunk(chunk: list[Conversation], c: int, *, tokenizer, render: Calla
             answers = generate([texts[j] for j in idx], rows=batch_size, prompt_tokens=bucket)
             for j, (text, reason, n) in zip(idx, answers):
                 _add_answer(active[j], text, reason, n, counts)
+            report()
         rnd += 1
     return state
 
@@ -319,12 +343,13 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
     render = partial(_render, tokenizer, template, template_kwargs)
     generate = partial(_generate_batch, model, tokenizer, stop=stop, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, cache=cache)
+    report = _Progress(sum(len(pending_turns(cv.messages)) for cv in todo), counts)
     bar = progress(range(0, len(todo), chunk_records), desc="generate", unit="chunk")
     with open(out_path, "a", encoding="utf-8") as fout:
         for c, start in enumerate(bar):
             state = _answer_chunk(todo[start:start + chunk_records], c, tokenizer=tokenizer,
                                   render=render, generate=generate, batch_size=batch_size,
-                                  seed=seed, counts=counts)
+                                  seed=seed, counts=counts, report=report)
             _write_chunk(fout, state, settings, counts)
     _log_summary(counts, time.perf_counter() - t0, out_path)
     return out_path

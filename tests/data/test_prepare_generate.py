@@ -57,6 +57,17 @@ def test_every_user_turn_answered_in_order(tmp_path, tiny):
         assert r["generation"]["max_new_tokens"] == 4
 
 
+def test_progress_is_logged_per_generate_call_with_turns_of_the_total(tmp_path, tiny, caplog,
+                                                                        monkeypatch):
+    monkeypatch.setattr("eyas.data.generate.PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="eyas.data.generate"):
+        gen(tmp_path, tiny, tmp_path / "conv.jsonl", batch_size=2)
+    done = [m.split(" turns")[0].split(": ")[1] for m in caplog.messages
+            if m.startswith("generate: ")]
+    # round 1 answers the first turn of a, b, c in two calls (2 + 1), round 2 b's second turn
+    assert done == ["2/4", "3/4", "4/4"]
+
+
 def test_resume_skips_done_ids_and_discards_partial_line(tmp_path, tiny, caplog):
     ref = lines(gen(tmp_path, tiny, tmp_path / "ref.jsonl"))
     out = tmp_path / "crashed.jsonl"
