@@ -237,11 +237,11 @@ class TrainConfig(SeedSettings):
     False = such a directory is refused, naming what it holds."""
     max_nonfinite_steps: int = 20
     """Abort after this many optimizer steps skipped for a NaN/inf loss or gradient norm. A
-    non-finite micro-batch drops the whole optimizer step it belongs to (as GradScaler does);
-    off DeepSpeed the skip is decided on the device, so the count is read, and this limit
-    checked, only every train.log_every steps (and at checkpoints), and a run may overshoot it
-    by up to log_every - 1 steps. Under DeepSpeed a non-finite micro-batch is skipped alone and
-    counts at once."""
+    non-finite micro-batch drops the whole optimizer step it belongs to (as GradScaler does),
+    decided on the device (DeepSpeed ZeRO-1/2: by its bf16.check_grad_overflow), so the count is
+    read, and this limit checked, only every train.log_every steps (and at checkpoints): a run
+    may overshoot it by up to log_every - 1 steps. ZeRO-3, or a DeepSpeed JSON without that
+    check, skips a non-finite micro-batch alone and counts at once."""
     deterministic: bool = False
     """torch deterministic algorithms (bitwise-reproducible resume on CPU)."""
     param_dtype: ParamDtype = ParamDtype.auto

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from torch import Tensor, nn
 
 from eyas.data.dataset import open_dataset
@@ -58,8 +58,7 @@ from eyas.train.step import TrainingModule, to_device
 from eyas.train.stop import StopRequest, Stopped
 from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, default_peak_flops,
                                  flops_per_token, mean_over_ranks)
-from eyas.train.update import (SkippedSteps, host_checked_micro_step, micro_step,
-                               skipped_samples)
+from eyas.train.update import SkippedSteps, micro_step_for, skipped_samples
 
 log = logging.getLogger(__name__)
 
@@ -325,14 +324,14 @@ def train_step(t: Trainer, batches: DeviceBatches, window: MetricsWindow,
     then clip + update at the last), then the LR schedule. Returns the gradient norm (a device
     tensor off DeepSpeed: no host sync here)."""
     acc, d2t = t.accelerator, t.model.module.drafter.d2t
-    deepspeed = acc.distributed_type == DistributedType.DEEPSPEED
-    update = host_checked_micro_step if deepspeed else micro_step
+    update = micro_step_for(acc, t.module)
     while True:
         batch, inputs = next(batches)
         window.wait += batches.take_wait()
         with acc.accumulate(t.module):
             res = t.module(**inputs)
-            # off DeepSpeed a NaN/inf micro-batch drops its whole optimizer step (train.update)
+            # a NaN/inf micro-batch drops its whole optimizer step (train.update), except on
+            # the host-checked DeepSpeed path, which skips the micro-batch alone
             gnorm = update(t.cfg.optim, acc, t.module, t.optimizer, res.loss, skipped, step)
             window.add(res, batch, d2t)
         if acc.sync_gradients:

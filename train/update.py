@@ -1,7 +1,10 @@
 """Backward and optimizer step of each micro-batch, and the NaN/inf steps they skip.
 
+    micro_step_for(...)           which of the three below a run uses
     micro_step(...)               DDP or one process: no host sync
-    host_checked_micro_step(...)  DeepSpeed: the loss and the gradient norm read on the host
+    engine_skip_micro_step(...)   DeepSpeed ZeRO-1/2 skipping NaN/inf steps itself: none either
+    host_checked_micro_step(...)  other DeepSpeed engines: the loss and the gradient norm read
+                                  on the host
     SkippedSteps                  the count of skipped steps against train.max_nonfinite_steps
 
 Off DeepSpeed the host never waits for the device inside a step: a NaN/inf loss makes every
@@ -9,7 +12,9 @@ gradient non-finite (`poisoned`), the gradient norm stays a device tensor, its f
 the skip flag `MasterAdamW.step(skip=...)` obeys on the device, and the flags are summed on
 the device until the trainer reads them at a log line or a checkpoint. A non-finite
 micro-batch therefore drops the whole optimizer step it belongs to (as torch.amp.GradScaler
-does), not only itself.
+does), not only itself. A DeepSpeed ZeRO-1/2 engine whose optimizer checks the gradients
+for NaN/inf before its step (bf16.check_grad_overflow, set in the shipped JSONs, or fp16's loss
+scaler) skips such a step itself, with the same result; the trainer adds no read of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import math
 
 import torch
+from accelerate.utils import DistributedType
 from torch import Tensor
 from torch.profiler import record_function
 
@@ -72,9 +78,40 @@ def step_unless(optimizer, skip: Tensor) -> None:
         optimizer.step()
 
 
+def micro_step_for(accelerator, module):
+    """The micro-step of this run: `micro_step` off DeepSpeed, `engine_skip_micro_step` under a
+    DeepSpeed engine whose optimizer skips NaN/inf steps itself and computes the gradient
+    norm, else `host_checked_micro_step` (ZeRO-3, or a DeepSpeed JSON without the check)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return micro_step
+    opt = getattr(module, "optimizer", None)
+    if getattr(opt, "check_grad_overflow", False) is True and \
+            getattr(opt, "compute_grad_norm", False) is True:
+        return engine_skip_micro_step
+    return host_checked_micro_step
+
+
+def engine_skip_micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor,
+                           skipped: SkippedSteps, step: int) -> Tensor | None:
+    """`micro_step` under a DeepSpeed engine that skips NaN/inf steps itself: the loss is
+    `poisoned`, so a NaN/inf micro-batch drops its whole optimizer step, and the engine's
+    gradient norm (a device tensor; inf on a step it skipped) is the skip flag, counted on the
+    device. The engine clips and steps inside `accelerator.backward`. `optim_cfg` and `step`
+    are unused (`host_checked_micro_step`'s signature)."""
+    accelerator.backward(poisoned(loss))
+    if not accelerator.sync_gradients:
+        return None
+    optimizer.step()                # accelerate's wrapper: the engine has stepped already
+    optimizer.zero_grad(set_to_none=True)
+    norm = torch.as_tensor(module.get_global_grad_norm(), dtype=torch.float32,
+                           device=accelerator.device)
+    skipped.add(~torch.isfinite(norm))
+    return norm
+
+
 def host_checked_micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor,
                             skipped: SkippedSteps, step: int) -> float | None:
-    """The DeepSpeed path: its engine syncs inside its own step anyway, so the loss is checked
+    """The DeepSpeed path without the engine's own NaN/inf skip: the loss is checked
     on the host per micro-batch (a non-finite micro-batch is skipped alone), the engine's
     gradient norm is read as a float and the limit is checked at every skip."""
     bad = accelerator.reduce((~torch.isfinite(loss)).float(), "max")
@@ -101,11 +138,11 @@ def host_checked_micro_step(optim_cfg, accelerator, module, optimizer, loss: Ten
 class SkippedSteps:
     """Optimizer steps skipped for a NaN/inf loss or gradient, against train.max_nonfinite_steps.
 
-    Off DeepSpeed each step adds its device skip flag to a device counter; reading it is a host
-    sync, so `read` runs only where the trainer syncs anyway (log lines, checkpoints, the
-    summary) and the limit is checked there, i.e. every train.log_every steps: a run can
-    overshoot it by up to log_every - 1 steps. The DeepSpeed path counts on the host
-    (`add_host`) and checks at once.
+    `micro_step` and `engine_skip_micro_step` add each step's device skip flag to a device
+    counter; reading it is a host sync, so `read` runs only where the trainer syncs anyway
+    (log lines, checkpoints, the summary) and the limit is checked there, i.e. every
+    train.log_every steps: a run can overshoot it by up to log_every - 1 steps.
+    `host_checked_micro_step` counts on the host (`add_host`) and checks at once.
     """
 
     def __init__(self, limit: int, device, done: int = 0):

@@ -22,7 +22,8 @@ def _zero(stage, file=None):
 def test_shipped_json_gets_its_auto_fields_from_the_config():
     ds = deepspeed_config(_zero(2), grad_accum=4, clip=0.5, bf16=True)
     assert ds["gradient_clipping"] == 0.5 and ds["gradient_accumulation_steps"] == 4
-    assert ds["bf16"] == {"enabled": True} and ds["train_micro_batch_size_per_gpu"] == 1
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
+    assert ds["train_micro_batch_size_per_gpu"] == 1
     assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["overlap_comm"]
 
 
