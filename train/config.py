@@ -25,7 +25,7 @@ from eyas.models.fp8 import DEFAULT_FP8_LAYERS
 from eyas.train.choices import (TRACKER_PACKAGES, AttentionImpl, DistBackend,  # noqa: F401
                                 ExportSelect, FP8Recipe, LossImpl, Normalisation, ParamDtype,
                                 Moments, Schedule, WandbMode)
-from eyas.train.limits import check_data, check_drafter, check_loop, check_optim
+from eyas.train.limits import check_data, check_drafter, check_loop, check_optim, check_trackers
 
 
 @dataclass
@@ -372,7 +372,7 @@ def check(cfg: DictConfig | Any) -> None:
     if cfg.dist.backend == DistBackend.ddp and cfg.dist.deepspeed_config is not None:
         fail("dist.deepspeed_config", cfg.dist.deepspeed_config, "null with dist=ddp (DDP reads "
              "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
-    _check_trackers(cfg.tracker, fail)
+    check_trackers(cfg.tracker, fail)
     try:
         check_edges(cfg.eval.context_buckets)
     except ValueError:
@@ -398,47 +398,6 @@ def check(cfg: DictConfig | Any) -> None:
             or cfg.eval.heldout_offline else "embedding")
     if (why := weights_error(cfg.target.name, need, cfg.data.cache_dir)) is not None:
         raise ConfigError(f"target.name={cfg.target.name!r}: {why}")
-
-
-def _installed(dists) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-    for d in dists:
-        try:
-            version(d)
-            return True
-        except PackageNotFoundError:
-            pass
-    return False
-
-
-def wandb_key_available() -> bool:
-    """WANDB_API_KEY, or a netrc entry for the wandb host (what `wandb login` writes)."""
-    import netrc
-    import os
-    from urllib.parse import urlparse
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def _check_trackers(tracker, fail) -> None:
-    kinds = list(tracker.kind)
-    for kind in kinds:
-        if kind not in TRACKER_PACKAGES:
-            fail("tracker.kind", kinds, f"names from {sorted(TRACKER_PACKAGES)}",
-                 "tracker=wandb, tracker=tensorboard, tracker=none or tracker.kind=[mlflow]")
-        if not _installed(TRACKER_PACKAGES[kind]):
-            fail("tracker.kind", kinds, f"installed trackers ({kind} is not installed)",
-                 f"pip install {TRACKER_PACKAGES[kind][0]}, or drop {kind} from tracker.kind")
-    if len(set(kinds)) != len(kinds):
-        fail("tracker.kind", kinds, "each tracker once", f"tracker.kind=[{','.join(dict.fromkeys(kinds))}]")
-    if "wandb" in kinds and tracker.mode == WandbMode.online and not wandb_key_available():
-        fail("tracker.mode", "online", "a wandb API key (WANDB_API_KEY unset, no netrc entry)",
-             "wandb login, export WANDB_API_KEY=..., or tracker.mode=offline")
 
 
 def load(cfg: DictConfig) -> EyasConfig:

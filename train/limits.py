@@ -1,4 +1,5 @@
-"""Ranges of single config values, for `train.config.check` (which passes its `fail`).
+"""Ranges of single config values, and the trackers a run can use, for `train.config.check`
+(which passes its `fail`).
 
 Each rule refuses a value that would otherwise run with a surprising meaning: a negative
 interval acting like a positive one, `max_steps=0` meaning "all epochs", a negative clip
@@ -17,6 +18,8 @@ a K that cannot fit (`ttt_activation_bytes`).
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from eyas.train.choices import TRACKER_PACKAGES, WandbMode
 
 Fail = Callable[[str, Any, str, str], None]
 
@@ -172,3 +175,45 @@ def ttt_memory_error(config, tokens: int, resolved, device) -> str | None:
             f"{tokens} tokens ({resolved.attention} attention, {resolved.loss_impl} loss; "
             f"estimate of train/limits.py) but {where} {free / gib:.1f} GiB free. Fix: lower "
             f"drafter.ttt_steps (EAGLE-3 trains 7) or data.token_budget")
+
+
+def _installed(dists) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+    for d in dists:
+        try:
+            version(d)
+            return True
+        except PackageNotFoundError:
+            pass
+    return False
+
+
+def wandb_key_available() -> bool:
+    """WANDB_API_KEY, or a netrc entry for the wandb host (what `wandb login` writes)."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def check_trackers(tracker, fail: Fail) -> None:
+    """tracker.kind: known, installed, each once; tracker.mode=online needs a wandb key."""
+    kinds = list(tracker.kind)
+    for kind in kinds:
+        if kind not in TRACKER_PACKAGES:
+            fail("tracker.kind", kinds, f"names from {sorted(TRACKER_PACKAGES)}",
+                 "tracker=wandb, tracker=tensorboard, tracker=none or tracker.kind=[mlflow]")
+        if not _installed(TRACKER_PACKAGES[kind]):
+            fail("tracker.kind", kinds, f"installed trackers ({kind} is not installed)",
+                 f"pip install {TRACKER_PACKAGES[kind][0]}, or drop {kind} from tracker.kind")
+    if len(set(kinds)) != len(kinds):
+        fail("tracker.kind", kinds, "each tracker once", f"tracker.kind=[{','.join(dict.fromkeys(kinds))}]")
+    if "wandb" in kinds and tracker.mode == WandbMode.online and not wandb_key_available():
+        fail("tracker.mode", "online", "a wandb API key (WANDB_API_KEY unset, no netrc entry)",
+             "wandb login, export WANDB_API_KEY=..., or tracker.mode=offline")
