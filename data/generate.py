@@ -41,6 +41,7 @@ from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordEr
                                normalise_record, pending_turns, resolve_template, scan_written)
 from eyas.data.settings import GenerationSettings, KVCache, SeedSettings, TargetSettings
 from eyas.data.templates import for_template
+from eyas.data.utils import LogEvery
 
 log = logging.getLogger(__name__)
 
@@ -69,24 +70,17 @@ def _stop_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-#: seconds between two progress lines of a running generation in the log (and the run's log file)
-PROGRESS_EVERY_S = 30.0
-
-
 class _Progress:
-    """Logs turns answered of `total`, answer tokens, speed and time left, at most once every
-    PROGRESS_EVERY_S seconds; called after each `generate` call."""
+    """Logs turns answered of `total`, answer tokens, speed and time left (`LogEvery`);
+    called after each `generate` call."""
 
     def __init__(self, total: int, counts: Counter[str]):
-        self.total, self.counts = total, counts
-        self.t0 = self.last = time.perf_counter()
+        self.total, self.counts, self.every = total, counts, LogEvery()
 
     def __call__(self) -> None:
-        now = time.perf_counter()
-        if now - self.last < PROGRESS_EVERY_S:
+        if not self.every.due():
             return
-        self.last, dt = now, now - self.t0
-        done = self.counts["stop"] + self.counts["length"]
+        dt, done = self.every.elapsed, self.counts["stop"] + self.counts["length"]
         log.info("generate: %d/%d turns answered, %d tokens in %.0f s (%.0f tokens/s), about "
                  "%.0f s left", done, self.total, self.counts["new_tokens"], dt,
                  self.counts["new_tokens"] / dt, dt / max(done, 1) * (self.total - done))

@@ -46,7 +46,7 @@ from eyas.data.log import HelpFormatter
 from eyas.data.records import PrepareError, RecordError, iter_jsonl, normalise_record
 from eyas.data.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings, TargetSettings,
                                 field_help)
-from eyas.data.utils import atomic_write_bytes, progress
+from eyas.data.utils import LogEvery, atomic_write_bytes, progress
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
     kept: list[str] = []
     counts: Counter[str] = Counter()
     t0, b, barren = time.perf_counter(), 0, 0
-    bar = progress(None, total=n, desc="synthesize", unit="prompt")
+    bar, every = progress(None, total=n, desc="synthesize", unit="prompt"), LogEvery()
     while len(kept) < n:
         starts, texts = source.batch(b, batch_size, seed)
         torch.manual_seed(seed + b)
@@ -246,6 +246,9 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         _keep(starts, _end_of_line(rows) if examples else rows, n, kept=kept, seen=seen,
               counts=counts)
         bar.update(len(kept) - before)
+        if every.due():
+            log.info("synthesize: %d/%d prompts kept after %d batches in %.0f s (%d tokens "
+                     "sampled)", len(kept), n, b, every.elapsed, counts["tokens"])
         barren = 0 if len(kept) > before else barren + 1
         if barren >= max_rounds:
             raise RuntimeError(f"synthesize: {max_rounds} batches in a row gave no new prompt "

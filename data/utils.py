@@ -20,6 +20,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -177,6 +178,27 @@ def progress(iterable: Iterable[T], **tqdm_kwargs: Any) -> Iterable[T]:
     tqdm_kwargs.setdefault("disable", not _stderr_is_tty())
     tqdm_kwargs.setdefault("dynamic_ncols", True)
     return tqdm(iterable, **tqdm_kwargs)
+
+
+#: seconds between two progress lines of a long stage in the log (and the run's log file)
+PROGRESS_LOG_EVERY_S = 30.0
+
+
+class LogEvery:
+    """`due()` is true at most once every PROGRESS_LOG_EVERY_S seconds, the first time that
+    long after construction: a long loop's progress lines in the log, where a tqdm bar (off
+    when stderr is not a terminal) does not go. `elapsed` is the seconds since construction."""
+
+    def __init__(self):
+        self.t0 = self.last = time.perf_counter()
+        self.elapsed = 0.0
+
+    def due(self) -> bool:
+        now = time.perf_counter()
+        if now - self.last < PROGRESS_LOG_EVERY_S:
+            return False
+        self.last, self.elapsed = now, now - self.t0
+        return True
 
 
 def _stderr_is_tty() -> bool:

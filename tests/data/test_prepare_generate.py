@@ -59,7 +59,7 @@ def test_every_user_turn_answered_in_order(tmp_path, tiny):
 
 def test_progress_is_logged_per_generate_call_with_turns_of_the_total(tmp_path, tiny, caplog,
                                                                         monkeypatch):
-    monkeypatch.setattr("eyas.data.generate.PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr("eyas.data.utils.PROGRESS_LOG_EVERY_S", 0.0)
     with caplog.at_level(logging.INFO, logger="eyas.data.generate"):
         gen(tmp_path, tiny, tmp_path / "conv.jsonl", batch_size=2)
     done = [m.split(" turns")[0].split(": ")[1] for m in caplog.messages

@@ -1,6 +1,7 @@
 """data.synthesize: user prompts sampled from the target (SmolLM2 on the CPU, fp32)."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -47,6 +48,19 @@ def test_distinct_reproducible_prompts_and_exclusion(tmp_path, smollm2):
     assert not {_fold(t) for t in _texts(b)} & {_fold(t) for t in texts}
     c = synthesize_prompts(model, tok, 5, tmp_path / "c.jsonl", **kw)
     assert c.read_bytes() == a.read_bytes()
+
+
+def test_progress_lines_count_kept_prompts_and_batches(tmp_path, smollm2, caplog, monkeypatch):
+    model, tok = smollm2
+    monkeypatch.setattr("eyas.data.utils.PROGRESS_LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="eyas.data.synthesize"):
+        synthesize_prompts(model, tok, 5, tmp_path / "a.jsonl", max_new_tokens=40, batch_size=4,
+                           seed=3)
+    lines = [m for m in caplog.messages if m.startswith("synthesize: ")]
+    kept = [int(m.split("/")[0].split()[-1]) for m in lines]
+    batches = int(caplog.messages[-1].split(" batches")[0].split("(")[-1])
+    assert len(lines) == batches and kept == sorted(kept) and kept[-1] == 5
+    assert lines[-1].startswith(f"synthesize: 5/5 prompts kept after {batches} batches")
 
 
 def test_openers_are_leading_words_with_repeats_kept():
