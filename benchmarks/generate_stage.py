@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from eyas.data.generate import generate_conversations
+from eyas.data.log import setup_logging
 from eyas.data.prompts import prompts_path
 from eyas.data.targets import load_target
 
@@ -69,7 +70,7 @@ def main() -> None:
     ap.add_argument("--caches", default="dynamic,static", help="comma list, run in this order")
     ap.add_argument("--out", help="write the rows here as JSON")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging(logging.INFO)
     if not torch.cuda.is_available():
         raise SystemExit("generate_stage.py times CUDA generation; no GPU is visible")
     model, tok = load_target("smollm2", dtype=torch.bfloat16, device="cuda")

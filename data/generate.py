@@ -41,6 +41,7 @@ from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordEr
                                normalise_record, pending_turns, resolve_template, scan_written)
 from eyas.data.settings import GenerationSettings, KVCache, SeedSettings, TargetSettings
 from eyas.data.templates import for_template
+from eyas.data.log import PROGRESS
 from eyas.data.utils import LogEvery
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class _Progress:
         dt, done = self.every.elapsed, self.counts["stop"] + self.counts["length"]
         log.info("generate: %d/%d turns answered, %d tokens in %.0f s (%.0f tokens/s), about "
                  "%.0f s left", done, self.total, self.counts["new_tokens"], dt,
-                 self.counts["new_tokens"] / dt, dt / max(done, 1) * (self.total - done))
+                 self.counts["new_tokens"] / dt, dt / max(done, 1) * (self.total - done),
+                 extra={PROGRESS: True})
 
 
 #: static cache: a batch's prompts are left padded to a multiple of this many tokens, so batches

@@ -42,7 +42,7 @@ from typing import Iterable
 import torch
 
 from eyas.data.generate import _generate_batch, _stop_ids
-from eyas.data.log import HelpFormatter
+from eyas.data.log import PROGRESS, HelpFormatter
 from eyas.data.records import PrepareError, RecordError, iter_jsonl, normalise_record
 from eyas.data.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings, TargetSettings,
                                 field_help)
@@ -233,7 +233,7 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
     seen = {_fold(t) for t in [*exclude, *examples]}
     kept: list[str] = []
     counts: Counter[str] = Counter()
-    t0, b, barren = time.perf_counter(), 0, 0
+    b, barren = 0, 0
     bar, every = progress(None, total=n, desc="synthesize", unit="prompt"), LogEvery()
     while len(kept) < n:
         starts, texts = source.batch(b, batch_size, seed)
@@ -241,14 +241,14 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
         b += 1
         before = len(kept)
         rows = _generate_batch(model, tokenizer, texts, stop, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p,
-                               keep=source.breaks)
+                               temperature=temperature, top_p=top_p, keep=source.breaks)
         _keep(starts, _end_of_line(rows) if examples else rows, n, kept=kept, seen=seen,
               counts=counts)
         bar.update(len(kept) - before)
         if every.due():
             log.info("synthesize: %d/%d prompts kept after %d batches in %.0f s (%d tokens "
-                     "sampled)", len(kept), n, b, every.elapsed, counts["tokens"])
+                     "sampled)", len(kept), n, b, every.elapsed, counts["tokens"],
+                     extra={PROGRESS: True})
         barren = 0 if len(kept) > before else barren + 1
         if barren >= max_rounds:
             raise RuntimeError(f"synthesize: {max_rounds} batches in a row gave no new prompt "
@@ -256,11 +256,16 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
                                f"temperature or max_new_tokens, or ask for fewer")
     bar.close()
     _write_prompts(out_path, kept, id_prefix)
-    dt = time.perf_counter() - t0
-    log.info("synthesized %d prompts in %.1f s (%d batches, %d tokens sampled; dropped: %d cut "
-             "off at %d tokens, %d empty, %d duplicates) into %s", n, dt, b, counts["tokens"],
-             counts["length"], max_new_tokens, counts["empty"], counts["duplicate"], out_path)
+    _log_done(n, time.perf_counter() - every.t0, b, counts, max_new_tokens, out_path)
     return Path(out_path)
+
+
+def _log_done(n: int, dt: float, batches: int, counts: Counter[str], max_new_tokens: int,
+              out_path: str | Path) -> None:
+    log.info("synthesized %d prompts in %.1f s (%d batches, %d tokens sampled; dropped: %d cut "
+             "off at %d tokens, %d empty, %d duplicates) into %s", n, dt, batches,
+             counts["tokens"], counts["length"], max_new_tokens, counts["empty"],
+             counts["duplicate"], out_path)
 
 
 def build_parser() -> argparse.ArgumentParser:

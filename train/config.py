@@ -22,7 +22,7 @@ from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
 from eyas.models.config import DrafterShape
 from eyas.models.context import DEFAULT_EDGES, check_edges
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS
-from eyas.train.choices import (TRACKER_PACKAGES, AttentionImpl, DistBackend,  # noqa: F401
+from eyas.train.choices import (AttentionImpl, DistBackend,  # noqa: F401
                                 ExportSelect, FP8Recipe, LossImpl, Normalisation, ParamDtype,
                                 Moments, Schedule, WandbMode)
 from eyas.train.limits import check_data, check_drafter, check_loop, check_optim, check_trackers
@@ -237,11 +237,11 @@ class TrainConfig(SeedSettings):
     False = such a directory is refused, naming what it holds."""
     max_nonfinite_steps: int = 20
     """Abort after this many optimizer steps skipped for a NaN/inf loss or gradient norm. A
-    non-finite micro-batch drops the whole optimizer step it belongs to (as GradScaler does),
-    decided on the device (DeepSpeed ZeRO-1/2: by its bf16.check_grad_overflow), so the count is
-    read, and this limit checked, only every train.log_every steps (and at checkpoints): a run
-    may overshoot it by up to log_every - 1 steps. ZeRO-3, or a DeepSpeed JSON without that
-    check, skips a non-finite micro-batch alone and counts at once."""
+    non-finite micro-batch drops the whole optimizer step it belongs to (as GradScaler does).
+    Off DeepSpeed the skip is decided on the device, so the count is read, and this limit
+    checked, only every train.log_every steps (and at checkpoints): a run may overshoot it by
+    up to log_every - 1 steps. Under DeepSpeed the count is checked at once; ZeRO-3 and fp32
+    runs skip a non-finite micro-batch alone."""
     deterministic: bool = False
     """torch deterministic algorithms (bitwise-reproducible resume on CPU)."""
     param_dtype: ParamDtype = ParamDtype.auto

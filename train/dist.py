@@ -76,7 +76,8 @@ def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool) -> dict
     except the fields set to "auto", which are filled from the config (gradient_clipping from
     optim.clip_grad_norm, gradient_accumulation_steps from optim.grad_accum, bf16.enabled from
     the parameter dtype, train_micro_batch_size_per_gpu = 1 packed batch, zero_optimization.stage
-    from dist.zero_stage). A given value the trainer cannot run with is refused (ConfigError)."""
+    from dist.zero_stage; with bf16, bf16.check_grad_overflow true). A given value the trainer
+    cannot run with is refused (ConfigError)."""
     path, ds = _deepspeed_json(dist_cfg)
     fill = {("gradient_clipping",): clip if clip > 0 else 0.0,
             ("gradient_accumulation_steps",): grad_accum,
@@ -101,7 +102,20 @@ def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool) -> dict
         elif given != value:
             log.info("DeepSpeed %s=%r as given in %s (the config would set %r)", dotted, given,
                      path, value)
+    if bf16:
+        _require_overflow_check(ds, path)
     return ds
+
+
+def _require_overflow_check(ds: dict, path: Path) -> None:
+    """bf16 under DeepSpeed: the engine steps inside the backward, where the trainer cannot
+    stop it, so only its own check (bf16.check_grad_overflow; some releases default it to
+    false) keeps a NaN/inf gradient out of the weights: absent is set true, false refused."""
+    given = ds.setdefault("bf16", {}).setdefault("check_grad_overflow", True)
+    if given is not True:
+        raise ConfigError(f"{path}: bf16.check_grad_overflow={given!r} but bf16 training needs "
+                          f"true (DeepSpeed steps inside the backward: only its own check skips "
+                          f"a NaN/inf gradient). Fix: set it to true or remove it")
 
 
 def launcher_conflict(dist_cfg, env=None) -> str | None:

@@ -213,7 +213,8 @@ def check_trackers(tracker, fail: Fail) -> None:
             fail("tracker.kind", kinds, f"installed trackers ({kind} is not installed)",
                  f"pip install {TRACKER_PACKAGES[kind][0]}, or drop {kind} from tracker.kind")
     if len(set(kinds)) != len(kinds):
-        fail("tracker.kind", kinds, "each tracker once", f"tracker.kind=[{','.join(dict.fromkeys(kinds))}]")
+        fail("tracker.kind", kinds, "each tracker once",
+             f"tracker.kind=[{','.join(dict.fromkeys(kinds))}]")
     if "wandb" in kinds and tracker.mode == WandbMode.online and not wandb_key_available():
         fail("tracker.mode", "online", "a wandb API key (WANDB_API_KEY unset, no netrc entry)",
              "wandb login, export WANDB_API_KEY=..., or tracker.mode=offline")

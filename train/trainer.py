@@ -11,7 +11,8 @@ drafter, training module), `build_optimizer` (optimizer, schedule), `setup` (all
 Off DeepSpeed the optimizer step never waits for the device (`train.update.micro_step`):
 whether a step with a NaN/inf loss or gradient is skipped is decided on the device, and the
 host reads the skip count and the metrics only when it logs or checkpoints, so it queues the
-next step while the device still runs this one.
+next step while the device still runs this one. Under DeepSpeed ZeRO-1/2 in bf16 the engine
+decides the skip itself and the trainer adds no read of its own (`micro_step_for`).
 """
 
 from __future__ import annotations
@@ -322,7 +323,7 @@ def train_step(t: Trainer, batches: DeviceBatches, window: MetricsWindow,
                skipped: SkippedSteps, step: int) -> Tensor | float | None:
     """One optimizer step: optim.grad_accum micro-batches (forward, backward, metrics window,
     then clip + update at the last), then the LR schedule. Returns the gradient norm (a device
-    tensor off DeepSpeed: no host sync here)."""
+    tensor, no host sync here, except on the host-checked DeepSpeed path: a float)."""
     acc, d2t = t.accelerator, t.model.module.drafter.d2t
     update = micro_step_for(acc, t.module)
     while True:

@@ -2,7 +2,8 @@
 
     micro_step_for(...)           which of the three below a run uses
     micro_step(...)               DDP or one process: no host sync
-    engine_skip_micro_step(...)   DeepSpeed ZeRO-1/2 skipping NaN/inf steps itself: none either
+    engine_skip_micro_step(...)   DeepSpeed ZeRO-1/2 skipping NaN/inf steps itself: no read of
+                                  the trainer's own (DeepSpeed's step makes three)
     host_checked_micro_step(...)  other DeepSpeed engines: the loss and the gradient norm read
                                   on the host
     SkippedSteps                  the count of skipped steps against train.max_nonfinite_steps
@@ -12,9 +13,9 @@ gradient non-finite (`poisoned`), the gradient norm stays a device tensor, its f
 the skip flag `MasterAdamW.step(skip=...)` obeys on the device, and the flags are summed on
 the device until the trainer reads them at a log line or a checkpoint. A non-finite
 micro-batch therefore drops the whole optimizer step it belongs to (as torch.amp.GradScaler
-does), not only itself. A DeepSpeed ZeRO-1/2 engine whose optimizer checks the gradients
-for NaN/inf before its step (bf16.check_grad_overflow, set in the shipped JSONs, or fp16's loss
-scaler) skips such a step itself, with the same result; the trainer adds no read of its own.
+does), not only itself. A DeepSpeed ZeRO-1/2 engine in bf16 checks the gradients for NaN/inf
+before its step (bf16.check_grad_overflow, which `train.dist` requires) and skips such a step
+itself, with the same result; the trainer counts DeepSpeed's verdict and adds no read.
 """
 
 from __future__ import annotations
@@ -80,40 +81,40 @@ def step_unless(optimizer, skip: Tensor) -> None:
 
 def micro_step_for(accelerator, module):
     """The micro-step of this run: `micro_step` off DeepSpeed, `engine_skip_micro_step` under a
-    DeepSpeed engine whose optimizer skips NaN/inf steps itself and computes the gradient
-    norm, else `host_checked_micro_step` (ZeRO-3, or a DeepSpeed JSON without the check)."""
+    DeepSpeed ZeRO-1/2 engine whose optimizer skips NaN/inf steps itself
+    (bf16.check_grad_overflow), else `host_checked_micro_step` (ZeRO-3, fp32)."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return micro_step
     opt = getattr(module, "optimizer", None)
-    if getattr(opt, "check_grad_overflow", False) is True and \
-            getattr(opt, "compute_grad_norm", False) is True:
+    if getattr(opt, "check_grad_overflow", False) is True and hasattr(opt, "overflow"):
         return engine_skip_micro_step
     return host_checked_micro_step
 
 
 def engine_skip_micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor,
-                           skipped: SkippedSteps, step: int) -> Tensor | None:
-    """`micro_step` under a DeepSpeed engine that skips NaN/inf steps itself: the loss is
-    `poisoned`, so a NaN/inf micro-batch drops its whole optimizer step, and the engine's
-    gradient norm (a device tensor; inf on a step it skipped) is the skip flag, counted on the
-    device. The engine clips and steps inside `accelerator.backward`. `optim_cfg` and `step`
-    are unused (`host_checked_micro_step`'s signature)."""
+                           skipped: SkippedSteps, step: int) -> Tensor | float | None:
+    """The micro-step under a DeepSpeed engine that skips NaN/inf steps itself. The loss is
+    `poisoned`, so a NaN/inf micro-batch drops its whole optimizer step; the engine clips and
+    steps inside `accelerator.backward` and decides the skip with its own host read, whose
+    result (`step_was_skipped`) is counted here at no cost. Returns the engine's gradient norm
+    (a device tensor; inf on a skipped step). `optim_cfg` is unused (the common signature)."""
     accelerator.backward(poisoned(loss))
     if not accelerator.sync_gradients:
         return None
-    optimizer.step()                # accelerate's wrapper: the engine has stepped already
+    if optimizer.step_was_skipped:
+        log.warning("NaN/inf gradients at step %d: DeepSpeed skipped the update (%d so far)",
+                    step, skipped.seen + 1)
+        skipped.add_host()
     optimizer.zero_grad(set_to_none=True)
-    norm = torch.as_tensor(module.get_global_grad_norm(), dtype=torch.float32,
-                           device=accelerator.device)
-    skipped.add(~torch.isfinite(norm))
-    return norm
+    return module.get_global_grad_norm()
 
 
 def host_checked_micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor,
                             skipped: SkippedSteps, step: int) -> float | None:
-    """The DeepSpeed path without the engine's own NaN/inf skip: the loss is checked
-    on the host per micro-batch (a non-finite micro-batch is skipped alone), the engine's
-    gradient norm is read as a float and the limit is checked at every skip."""
+    """The other DeepSpeed engines (ZeRO-3, fp32): the loss is checked on the host per
+    micro-batch (a non-finite micro-batch is skipped alone), the engine's gradient norm is read
+    as a float and the limit is checked at every skip. The engine steps inside
+    `accelerator.backward`; ZeRO-3 skips a non-finite norm itself."""
     bad = accelerator.reduce((~torch.isfinite(loss)).float(), "max")
     if bad.item():
         skipped.add_host()
@@ -138,11 +139,11 @@ def host_checked_micro_step(optim_cfg, accelerator, module, optimizer, loss: Ten
 class SkippedSteps:
     """Optimizer steps skipped for a NaN/inf loss or gradient, against train.max_nonfinite_steps.
 
-    `micro_step` and `engine_skip_micro_step` add each step's device skip flag to a device
-    counter; reading it is a host sync, so `read` runs only where the trainer syncs anyway
-    (log lines, checkpoints, the summary) and the limit is checked there, i.e. every
-    train.log_every steps: a run can overshoot it by up to log_every - 1 steps.
-    `host_checked_micro_step` counts on the host (`add_host`) and checks at once.
+    `micro_step` adds each step's device skip flag to a device counter; reading it is a host
+    sync, so `read` runs only where the trainer syncs anyway (log lines, checkpoints, the
+    summary) and the limit is checked there, i.e. every train.log_every steps: a run can
+    overshoot it by up to log_every - 1 steps. The DeepSpeed paths count on the host
+    (`add_host`) and check at once.
     """
 
     def __init__(self, limit: int, device, done: int = 0):

@@ -108,3 +108,17 @@ def test_progress_records_to_a_closed_stream_are_dropped_not_raised():
     assert f.filter(rec) is True             # not a terminal: the log file keeps progress
     stream.close()
     assert f.filter(rec) is False            # closed: dropped, the caller goes on
+
+
+def test_log_every_is_due_once_per_interval(monkeypatch):
+    from eyas.data import utils
+    now = [100.0]
+    monkeypatch.setattr(utils.time, "perf_counter", lambda: now[0])
+    every = utils.LogEvery()
+    due = []
+    for t in (110.0, 129.9, 130.0, 150.0, 160.0, 175.0):
+        now[0] = t
+        due.append((t, every.due(), every.elapsed))
+    # due 30 s after the start, then 30 s after the last line; elapsed counts from the start
+    assert [(t, d) for t, d, _ in due if d] == [(130.0, True), (160.0, True)]
+    assert due[-1][2] == 60.0

@@ -53,6 +53,20 @@ def test_user_json_contradicting_the_run_is_refused(tmp_path, field, value, name
     assert names in str(e.value) and "auto" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_bf16_needs_deepspeeds_own_nonfinite_check(tmp_path):
+    f = tmp_path / "my.json"
+    f.write_text(json.dumps({"bf16": {"enabled": "auto"}}))
+    ds = deepspeed_config(_zero(2, str(f)), grad_accum=1, clip=0.5, bf16=True)
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}     # absent: set
+    assert "check_grad_overflow" not in deepspeed_config(_zero(2, str(f)), grad_accum=1,
+                                                         clip=0.5, bf16=False)["bf16"]
+    f.write_text(json.dumps({"bf16": {"enabled": "auto", "check_grad_overflow": False}}))
+    with pytest.raises(ConfigError) as e:
+        deepspeed_config(_zero(2, str(f)), grad_accum=1, clip=0.5, bf16=True)
+    assert str(f) in str(e.value) and "bf16.check_grad_overflow=False" in str(e.value)
+    assert "Fix: set it to true" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_user_json_under_ddp_is_refused_at_check():
     cfg = OmegaConf.structured(__import__("eyas.train.config", fromlist=["x"]).EyasConfig(
         output_dir="x"))

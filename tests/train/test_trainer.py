@@ -227,7 +227,7 @@ def test_nonfinite_losses_are_skipped_then_abort(tmp_path, nan_dataset, log_ever
 def test_deepspeed_zero2_in_bf16_trains_as_ddp_with_the_engines_own_nonfinite_check(
         tmp_path, tiny_llama_dataset):
     common = ["target=tiny_llama", "train.max_steps=12", "train.param_dtype=bf16",
-              "export.enabled=false"]
+              "optim.grad_accum=2", "export.enabled=false"]
     run(tmp_path / "ddp", tiny_llama_dataset, *common, "dist=ddp")
     run(tmp_path / "z2", tiny_llama_dataset, *common, "dist=zero2", timeout=600)
     recs = [json.loads(x) for x in (tmp_path / "z2" / "metrics.jsonl").read_text().splitlines()]
@@ -238,16 +238,16 @@ def test_deepspeed_zero2_in_bf16_trains_as_ddp_with_the_engines_own_nonfinite_ch
     assert json.loads((tmp_path / "z2" / "summary.json").read_text())["nonfinite_steps"] == 0
 
 
-def test_deepspeed_zero2_skips_nonfinite_steps_itself_and_counts_them_on_the_device(
+def test_deepspeed_zero2_skips_nonfinite_steps_itself_and_the_trainer_counts_them(
         tmp_path, nan_dataset):
-    # DeepSpeed's own NaN/inf check (bf16.check_grad_overflow) skips each step; the trainer
-    # reads the count only at its log lines, as off DeepSpeed: 4 by step 4, not 3 by step 3
+    # DeepSpeed's own NaN/inf check (bf16.check_grad_overflow) skips each whole step; the
+    # trainer counts its verdict at once (no micro-batch skipped alone) and stops past the limit
     r = run(tmp_path / "r", nan_dataset, "target=tiny_llama", "dist=zero2", "train.max_steps=6",
             "train.max_nonfinite_steps=2", "train.log_every=2", "train.param_dtype=bf16",
-            "data.verify=false", check=False, timeout=600)
+            "optim.grad_accum=2", "data.verify=false", check=False, timeout=600)
     assert r.returncode != 0
-    assert "4 steps had a NaN/inf loss or gradient" in r.stderr, r.stderr[-3000:]
-    assert r.stderr.count("optimizer step(s) skipped") == 2
+    assert "3 steps had a NaN/inf loss or gradient" in r.stderr, r.stderr[-3000:]
+    assert r.stderr.count("DeepSpeed skipped the update") == 3
     assert "micro-batch skipped" not in r.stderr
     assert not list((tmp_path / "r").glob("checkpoints/step-*"))
 
