@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,12 +279,13 @@ def fit(t: Trainer) -> dict[str, Any]:
     stopping = False
     profiler = StepProfiler(cfg.train.profile_start, cfg.train.profile_steps,
                             t.out / "profile", acc.process_index)
+    update = micro_step_for(acc, t.module)      # the engine does not change during the run
     with StopRequest() as stop, contextlib.ExitStack() as closing, profiler:
         for c in (logger, bar, batches):   # batches: stops the loader's prefetch threads
             closing.callback(c.close)
         while step < t.total_steps and not stopping:
             with profiler.step(step + 1):       # numbered as the metrics number it
-                window.gnorm = train_step(t, batches, window, skipped, step)
+                window.gnorm = train_step(t, batches, window, skipped, step, update)
             window.steps += 1
             step += 1
             bar.update(1)
@@ -320,12 +322,12 @@ def fit(t: Trainer) -> dict[str, Any]:
 
 
 def train_step(t: Trainer, batches: DeviceBatches, window: MetricsWindow,
-               skipped: SkippedSteps, step: int) -> Tensor | float | None:
-    """One optimizer step: optim.grad_accum micro-batches (forward, backward, metrics window,
-    then clip + update at the last), then the LR schedule. Returns the gradient norm (a device
-    tensor, no host sync here, except on the host-checked DeepSpeed path: a float)."""
+               skipped: SkippedSteps, step: int, update: Callable) -> Tensor | float | None:
+    """One optimizer step: optim.grad_accum micro-batches (forward, backward with `update`, the
+    run's `train.update.micro_step_for`, metrics window, then clip + update at the last), then
+    the LR schedule. Returns the gradient norm (a device tensor, no host sync here, except on
+    the host-checked DeepSpeed path: a float)."""
     acc, d2t = t.accelerator, t.model.module.drafter.d2t
-    update = micro_step_for(acc, t.module)
     while True:
         batch, inputs = next(batches)
         window.wait += batches.take_wait()
