@@ -82,10 +82,11 @@ class _Progress:
         if not self.every.due():
             return
         dt, done = self.every.elapsed, self.counts["stop"] + self.counts["length"]
-        log.info("generate: %d/%d turns answered, %d tokens in %.0f s (%.0f tokens/s), about "
-                 "%.0f s left", done, self.total, self.counts["new_tokens"], dt,
-                 self.counts["new_tokens"] / dt, dt / max(done, 1) * (self.total - done),
-                 extra={PROGRESS: True})
+        dropped = self.counts["turns_dropped"]      # after an empty answer: never asked
+        log.info("generate: %d/%d turns answered%s, %d tokens in %.0f s (%.0f tokens/s), about "
+                 "%.0f s left", done, self.total, f" ({dropped} dropped)" if dropped else "",
+                 self.counts["new_tokens"], dt, self.counts["new_tokens"] / dt,
+                 dt / max(done, 1) * (self.total - done - dropped), extra={PROGRESS: True})
 
 
 #: static cache: a batch's prompts are left padded to a multiple of this many tokens, so batches
@@ -221,11 +222,12 @@ def _add_answer(s: dict, text: str, reason: str, n: int, counts: Counter[str]) -
     msg = {"role": "assistant", "content": content}
     if reasoning is not None:
         msg["reasoning_content"] = reasoning
-    if not (content.strip() or reasoning):
-        s["failed"] = True
     s["msgs"].append(msg)
     s["finish"].append(reason)
     s["pending"].pop(0)
+    if not (content.strip() or reasoning):
+        s["failed"] = True
+        counts["turns_dropped"] += len(s["pending"])     # the record's later turns are not asked
     counts[reason] += 1
     counts["new_tokens"] += n
 

@@ -68,6 +68,20 @@ def test_progress_is_logged_per_generate_call_with_turns_of_the_total(tmp_path, 
     assert done == ["2/4", "3/4", "4/4"]
 
 
+def test_progress_counts_the_turns_an_empty_answer_drops(tmp_path, tiny, caplog, monkeypatch):
+    """Every token stops generation, so every answer is empty: b's second turn is never asked,
+    and the last line says so and has nothing left to wait for."""
+    monkeypatch.setattr("eyas.data.utils.PROGRESS_LOG_EVERY_S", 0.0)
+    vocab = tiny[0].config.vocab_size
+    monkeypatch.setattr("eyas.data.generate._stop_ids", lambda model, tok: list(range(vocab)))
+    with caplog.at_level(logging.INFO, logger="eyas.data.generate"):
+        out = gen(tmp_path, tiny, tmp_path / "conv.jsonl", batch_size=3)
+    progress = [m for m in caplog.messages if m.startswith("generate: ")]
+    assert len(progress) == 1 and progress[0].startswith("generate: 3/4 turns answered (1 dropped)")
+    assert progress[0].endswith("about 0 s left")
+    assert lines(out) == []                         # no record is written with an empty answer
+
+
 def test_resume_skips_done_ids_and_discards_partial_line(tmp_path, tiny, caplog):
     ref = lines(gen(tmp_path, tiny, tmp_path / "ref.jsonl"))
     out = tmp_path / "crashed.jsonl"
