@@ -45,6 +45,7 @@ from eyas.data.checksums import file_sha256
 from eyas.data.lock import dir_lock
 from eyas.data.records import (Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, pending_turns, scan_written)
+from eyas.data.utils import LogEvery
 
 log = logging.getLogger(__name__)
 
@@ -236,11 +237,13 @@ def lock_path(out: str | Path) -> Path:
 
 
 class _Progress:
-    """Records done and completion tokens/s, logged every tenth of the run."""
+    """Records done, completion tokens/s and the time left, logged at most every
+    PROGRESS_LOG_EVERY_S seconds (`LogEvery`: a run against a large served target takes hours)
+    and once at the end."""
 
     def __init__(self, total: int) -> None:
         self.total, self.done, self.tokens, self.truncated = total, 0, 0, 0
-        self.every, self.t0 = max(1, total // 10), time.perf_counter()
+        self.every = LogEvery()
 
     def add(self, rec: dict[str, Any]) -> None:
         from eyas.data.log import PROGRESS
@@ -248,11 +251,12 @@ class _Progress:
         self.done += 1
         self.tokens += sum(u.get("completion_tokens", 0) for u in gen["usage"])
         self.truncated += gen["truncated"]
-        if self.done % self.every == 0 or self.done == self.total:
-            dt = time.perf_counter() - self.t0
+        if self.every.due() or self.done == self.total:
+            dt = time.perf_counter() - self.every.t0
             log.info("generate: %d/%d records, %d tokens in %.1f s (%.1f tokens/s), %d "
-                     "truncated at max_tokens", self.done, self.total, self.tokens, dt,
-                     self.tokens / max(dt, 1e-9), self.truncated, extra={PROGRESS: True})
+                     "truncated at max_tokens, about %.0f s left", self.done, self.total,
+                     self.tokens, dt, self.tokens / max(dt, 1e-9), self.truncated,
+                     dt / self.done * (self.total - self.done), extra={PROGRESS: True})
 
 
 def _run(client, todo: list[Task], setup: dict[str, Any], partial: Path,

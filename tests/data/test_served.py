@@ -7,6 +7,7 @@ few, because every answer costs a few CPU seconds.
 """
 
 import hashlib
+import logging
 import json
 import os
 import signal
@@ -326,3 +327,20 @@ def test_main_job_data_stage_takes_answers_from_the_endpoint(server, tmp_path):
         sampled = r["id"].endswith("#s1")
         assert r["generation"]["temperature"] == (c.data.temperature if sampled else 0.0)
     assert (paths.train / "manifest.json").is_file()
+
+
+def test_progress_lines_come_on_a_clock_with_the_time_left(monkeypatch, caplog):
+    """A line at most every PROGRESS_LOG_EVERY_S (30 s) and one at the end, not per tenth."""
+    from eyas.data import served
+    now = [0.0]
+    monkeypatch.setattr(served.time, "perf_counter", lambda: now[0])
+    progress = served._Progress(4)
+    rec = {"generation": {"usage": [{"completion_tokens": 10}], "truncated": False}}
+    with caplog.at_level(logging.INFO, logger="eyas.data.served"):
+        for t in (10.0, 30.0, 40.0, 50.0):
+            now[0] = t
+            progress.add(rec)
+    assert [m.split(" (")[0] for m in caplog.messages] == [
+        "generate: 2/4 records, 20 tokens in 30.0 s", "generate: 4/4 records, 40 tokens in 50.0 s"]
+    assert caplog.messages[0].endswith("about 30 s left")
+    assert caplog.messages[1].endswith("about 0 s left")
