@@ -82,6 +82,23 @@ def test_progress_counts_the_turns_an_empty_answer_drops(tmp_path, tiny, caplog,
     assert lines(out) == []                         # no record is written with an empty answer
 
 
+@pytest.mark.parametrize("counts, left", [(dict(stop=2, new_tokens=9), 30),
+                                           (dict(stop=2, new_tokens=9, turns_dropped=1), 15),
+                                           (dict(stop=3, new_tokens=9, turns_dropped=1), 0)])
+def test_time_left_leaves_out_the_dropped_turns(monkeypatch, caplog, counts, left):
+    """Of 4 turns, 2 answered in 30 s: 2 left take 30 s; with 1 of them dropped, 15 s."""
+    from collections import Counter
+
+    from eyas.data import generate
+    now = [0.0]
+    monkeypatch.setattr(generate.time, "perf_counter", lambda: now[0])
+    progress = generate._Progress(4, Counter(counts))
+    now[0] = 30.0
+    with caplog.at_level(logging.INFO, logger="eyas.data.generate"):
+        progress()
+    assert caplog.messages[-1].endswith(f"about {left} s left")
+
+
 def test_resume_skips_done_ids_and_discards_partial_line(tmp_path, tiny, caplog):
     ref = lines(gen(tmp_path, tiny, tmp_path / "ref.jsonl"))
     out = tmp_path / "crashed.jsonl"

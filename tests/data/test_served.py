@@ -7,8 +7,8 @@ few, because every answer costs a few CPU seconds.
 """
 
 import hashlib
-import logging
 import json
+import logging
 import os
 import signal
 import subprocess
