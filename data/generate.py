@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
+from eyas.data.log import PROGRESS
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, pending_turns, resolve_template, scan_written)
 from eyas.data.settings import GenerationSettings, KVCache, SeedSettings, TargetSettings
 from eyas.data.templates import for_template
-from eyas.data.log import PROGRESS
 from eyas.data.utils import LogEvery
 
 log = logging.getLogger(__name__)

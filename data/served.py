@@ -43,6 +43,7 @@ from typing import Any
 
 from eyas.data.checksums import file_sha256
 from eyas.data.lock import dir_lock
+from eyas.data.log import PROGRESS
 from eyas.data.records import (Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, pending_turns, scan_written)
 from eyas.data.utils import LogEvery
@@ -246,7 +247,6 @@ class _Progress:
         self.every = LogEvery()
 
     def add(self, rec: dict[str, Any]) -> None:
-        from eyas.data.log import PROGRESS
         gen = rec["generation"]
         self.done += 1
         self.tokens += sum(u.get("completion_tokens", 0) for u in gen["usage"])
