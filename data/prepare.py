@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from eyas.data.checksums import file_sha256
+from eyas.data.encoding import auto_workers, encode_file
 from eyas.data.lock import writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
@@ -86,74 +87,44 @@ def _clear_stale_shards(out: Path) -> None:
             p.unlink()
 
 
-def _encode(rec, default_id: str, renderer: TemplateRenderer, max_length: int
-            ) -> tuple[Any, list[tuple[list[int], list[bool], bool]]]:
-    """(conversation, [(ids, loss mask, straddles a boundary)]) of one record; RecordError for
-    a malformed record, a sample over max_length or one without assistant tokens."""
-    if isinstance(rec, RecordError):
-        raise rec
-    conv = normalise_record(rec, default_id=default_id)
-    encoded = [renderer.tokenize(text, spans) for text, spans in renderer.samples(conv)]
-    for ids, mask, _ in encoded:
-        if len(ids) > max_length:
-            raise RecordError("too_long", f"{len(ids)} tokens > max_length={max_length}; "
-                              f"raise max_length or drop the record")
-        if not any(mask):
-            raise RecordError("no_assistant", "no token falls inside an assistant span")
-    return conv, encoded
-
-
-def _count(rec, conv, encoded, stats: Counter, sampling: Counter) -> None:
-    """Add one usable record to the counts (and its answers' sampling settings, if recorded)."""
-    stats["conversations"] += 1
-    gen = rec.get("generation") if isinstance(rec, dict) else None
-    if isinstance(gen, dict) and "temperature" in gen:
-        sampling[(gen["temperature"], gen.get("top_p"))] += 1
-    stats["untrained_turns"] += sum(m["role"] == "assistant" and m.get("weight") == 0
-                                    for m in conv.messages)
-    stats["split_records"] += len(encoded) > 1
-    for ids, mask, straddle in encoded:
-        stats["samples"] += 1
-        stats["tokens"] += len(ids)
-        stats["loss_tokens"] += sum(mask)
-        stats["boundary_splits"] += straddle
-
-
 def _write_samples(source: Path, out: Path, renderer: TemplateRenderer, *, max_length: int,
-                   on_error: str, shard_samples: int
+                   on_error: str, shard_samples: int, workers: int
                    ) -> tuple[list[dict], Counter, Counter, Counter]:
-    """Tokenise every record of `source` into shards of `shard_samples` samples under `out`.
-    Returns (shard metas, counts, skipped records by reason, answers by (temperature, top_p))."""
+    """Tokenise every record of `source` into shards of `shard_samples` samples under `out`
+    (data.encoding: `workers` processes). Returns (shard metas, counts, skipped records by
+    reason, answers by (temperature, top_p))."""
     from eyas.data.shards import write_shard
-    from eyas.data.utils import progress
+    from eyas.data.utils import LogEvery, progress
     skipped: Counter[str] = Counter()
     stats: Counter[str] = Counter()
     sampling: Counter[tuple] = Counter()
     metas: list[dict] = []
     pending: list[dict] = []
-
-    def flush():
-        metas.append(write_shard(out, len(metas), pending))
-        pending.clear()
-
-    for lineno, rec in progress(iter_jsonl(source), desc="prepare", unit="rec"):
-        stats["records"] += 1
-        try:
-            conv, encoded = _encode(rec, f"{source.name}:{lineno}", renderer, max_length)
-        except RecordError as e:
-            if on_error == "raise":
-                raise PrepareError(f"{source}:{lineno}: {e}. (on_error='skip' counts such "
-                                   f"records instead of stopping)") from None
-            skipped[e.reason] += 1
-            continue
-        _count(rec, conv, encoded, stats, sampling)
-        for ids, mask, _ in encoded:
-            pending.append({"input_ids": torch.tensor(ids, dtype=torch.int32),
-                            "loss_mask": torch.tensor(mask, dtype=torch.bool)})
-            if len(pending) >= shard_samples:
-                flush()
+    clock, bar = LogEvery(), progress(None, desc="prepare", unit="rec")
+    for chunk in encode_file(source, renderer, max_length=max_length, workers=workers):
+        for rec in chunk.records:
+            if rec.error is not None and on_error == "raise":
+                raise PrepareError(f"{source}:{rec.lineno}: {rec.error[0]}: {rec.error[1]}. "
+                                   f"(on_error='skip' counts such records instead of "
+                                   f"stopping)") from None
+            if rec.error is not None:
+                skipped[rec.error[0]] += 1
+            for ids, mask in rec.samples:
+                pending.append({"input_ids": torch.from_numpy(ids),
+                                "loss_mask": torch.from_numpy(mask)})
+                if len(pending) >= shard_samples:
+                    metas.append(write_shard(out, len(metas), pending))
+                    pending.clear()
+        stats.update(chunk.stats)
+        stats["records"] += len(chunk.records)
+        sampling.update(chunk.sampling)
+        bar.update(len(chunk.records))
+        if clock.due():
+            log.info("prepare: %d records (%d samples, %d tokens) in %.0f s", stats["records"],
+                     stats["samples"], stats["tokens"], clock.elapsed)
+    bar.close()
     if pending:
-        flush()
+        metas.append(write_shard(out, len(metas), pending))
     return metas, stats, skipped, sampling
 
 
@@ -194,7 +165,8 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
             chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
             eot_strings: list[str] | None = None, on_nonprefix: str = "split",
             shard_samples: int = 1024, tokenizer=None,
-            generate_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+            generate_kwargs: dict[str, Any] | None = None,
+            workers: int | None = None) -> dict[str, Any]:
     """Tokenise a conversations JSONL into a token dataset (kind "tokens") at `out_dir`.
 
     Args:
@@ -212,6 +184,8 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
         shard_samples: samples per output shard.
         tokenizer: an already loaded tokenizer (skips loading it from `target`).
         generate_kwargs: keyword arguments for generate_conversations (max_new_tokens, ...).
+        workers: processes that render and tokenise (data.encoding; the shards are the same
+            for any number); None: one per core for an input of 16 MiB or more, else 1.
 
     Returns a summary dict (also stored in the manifest under "prepare").
     """
@@ -242,7 +216,8 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
 
     metas, stats, skipped, sampling = _write_samples(source, out, renderer, max_length=max_length,
                                                      on_error=on_error,
-                                                     shard_samples=shard_samples)
+                                                     shard_samples=shard_samples,
+                                                     workers=auto_workers(source, workers))
     if skipped:
         log.warning("skipped %d of %d records of %s: %s", sum(skipped.values()),
                     stats["records"], source, dict(sorted(skipped.items())))
@@ -297,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a template that re-renders earlier turns: one sample per assistant "
                    "turn, or fail")
     p.add_argument("--shard-samples", type=int, default=1024, help="samples per output shard")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that render and tokenise (the output is the same for any "
+                        "number; default: one per core for an input of 16 MiB or more, else 1)")
     g = p.add_argument_group("generation (--generate)")
     g.add_argument("--generate", action="store_true", help="generate assistant turns first")
     gen = GenerationSettings
@@ -330,6 +308,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                       chat_template=args.chat_template,
                       template_kwargs=_parse_kv(args.template_arg),
                       on_nonprefix=args.on_nonprefix, shard_samples=args.shard_samples,
+                      workers=args.workers,
                       generate_kwargs={**gen.generate_kwargs(), "seed": args.seed,
                                        "device": args.device, "dtype": args.dtype})
     print(json.dumps(summary, indent=1))

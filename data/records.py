@@ -50,26 +50,27 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | RecordError]]:
     mark at the start of the file is dropped."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                yield lineno, RecordError("bad_encoding", f"not valid UTF-8 (byte "
-                                          f"0x{raw[e.start]:02x} at byte {e.start + 1} of the "
-                                          f"line); re-encode the file as UTF-8")
-                continue
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                yield lineno, RecordError("bad_json",
-                                          f"not valid JSON ({e.msg} at column {e.colno})")
-                continue
-            if not isinstance(obj, dict):
-                yield lineno, RecordError("not_an_object",
-                                          f"expected a JSON object, got {type(obj).__name__}")
-                continue
-            yield lineno, obj
+            rec = parse_line(lineno, raw)
+            if rec is not None:
+                yield lineno, rec
+
+
+def parse_line(lineno: int, raw: bytes) -> dict | RecordError | None:
+    """One raw JSONL line (`iter_jsonl`): the object, a RecordError, or None for a blank line."""
+    try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        return RecordError("bad_encoding", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
+                           f"byte {e.start + 1} of the line); re-encode the file as UTF-8")
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return RecordError("bad_json", f"not valid JSON ({e.msg} at column {e.colno})")
+    if not isinstance(obj, dict):
+        return RecordError("not_an_object", f"expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def _content_text(content: Any, where: str) -> str | None:

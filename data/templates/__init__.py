@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 TEMPLATE_DIR = Path(__file__).resolve().parent
@@ -212,16 +214,19 @@ class TemplateRenderer:
         boundary and the pieces are tokenised separately, so the mask stays exact.
         """
         ids, offsets = self._encode(text, 0, len(text))
-        cuts = sorted({c for sp in spans for c in sp
-                       if any(a < c < b for a, b in offsets)})
+        first, last = _columns(offsets)
+        cuts = sorted({c for sp in spans for c in sp if ((first < c) & (c < last)).any()})
         if cuts:
             ids, offsets = [], []
             for a, b in zip([0, *cuts], [*cuts, len(text)]):
                 piece_ids, piece_offsets = self._encode(text, a, b)
                 ids += piece_ids
                 offsets += piece_offsets
-        mask = [any(s <= a < e for s, e in spans) for a, _ in offsets]
-        return ids, mask, len(cuts)
+            first, _ = _columns(offsets)
+        mask = np.zeros(len(ids), dtype=bool)
+        for s, e in spans:                     # a token is trained iff it starts inside a span
+            mask |= (first >= s) & (first < e)
+        return ids, mask.tolist(), len(cuts)
 
     def _encode(self, text: str, a: int, b: int) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids of text[a:b] and their absolute character offsets."""
@@ -231,6 +236,12 @@ class TemplateRenderer:
                              "tokenizer (tokenizer.json)")
         enc = tok(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [(a + s, a + e) for s, e in enc["offset_mapping"]]
+
+
+def _columns(offsets: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The first and the one-past-last character offsets of every token, as two arrays."""
+    both = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    return both[:, 0], both[:, 1]
 
 
 def tokenizer_identity(tokenizer, template_text: str, template_name: str | None) -> dict[str, Any]:
