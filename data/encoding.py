@@ -2,26 +2,33 @@
 of worker processes.
 
 Rendering a conversation with its chat template and tokenising it costs ~1 ms of one core
-(Jinja and the tokenizer's offsets), so a file of 50 000 answers is over a minute on one core.
+(Jinja and the tokenizer's offsets): ~40 s for a file of 50 000 answers.
 With `workers` > 1 the file is cut into chunks of `CHUNK_LINES` raw lines; worker processes
 (forked where the platform can, `_context`) parse, render and tokenise them with copies of the
 parent's `TemplateRenderer`, and the chunks come back in file order, at most `2 × workers` in
 flight. The samples, counts and errors are the same as in one process, in
 the same order: the shards a pool writes are byte-identical to a single process's.
 
-What a worker's renderer logs (a template whose generation prompt is not a prefix of the
-stored turn, reasoning it does not render) comes back with its chunk and is logged here, once
-per message as one process would; its count of dropped reasoning is added to the parent's.
+What a worker logs comes back with its chunk and is logged here; the renderer's warnings that
+one process gives once (a template whose generation prompt is not a prefix of the stored turn,
+reasoning it does not render: marked ``extra={"once": True}``) are logged once for the whole
+pool, and each worker's count of dropped reasoning is added to the parent's. Workers end with
+the parent, however it ends (`_worker_init`), so none is left holding the output's lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
+import sys
 import warnings
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,11 +38,9 @@ import numpy as np
 from eyas.data.records import RecordError, normalise_record, parse_line
 from eyas.data.templates import TemplateRenderer
 
-log = logging.getLogger(__name__)
-
 #: raw lines per unit of work sent to a worker
 CHUNK_LINES = 256
-#: `workers=None` uses a pool only for an input at least this large (a pool costs ~2 s to start)
+#: `workers=None` uses a pool only for an input at least this large
 AUTO_POOL_BYTES = 16 << 20
 #: at most this many workers are chosen automatically
 AUTO_MAX_WORKERS = 16
@@ -57,7 +62,7 @@ class Chunk:
     stats: Counter = field(default_factory=Counter)
     sampling: Counter = field(default_factory=Counter)
     reasoning_dropped: int = 0
-    events: list[tuple[str, int, str, str]] = field(default_factory=list)
+    events: list[tuple[str, int, str, str, bool]] = field(default_factory=list)
 
 
 def encode_record(rec, default_id: str, renderer: TemplateRenderer, max_length: int):
@@ -140,46 +145,76 @@ def _raw_chunks(source: Path) -> Iterator[list[tuple[int, bytes]]]:
 
 def encode_file(source: Path, renderer: TemplateRenderer, *, max_length: int,
                 workers: int = 1) -> Iterator[Chunk]:
-    """Every chunk of `source`, encoded, in file order (module doc)."""
+    """Every chunk of `source`, encoded, in file order (module doc). Close the generator
+    (`contextlib.closing`) to stop early: the chunks not started yet are cancelled."""
     if workers <= 1:
         for lines in _raw_chunks(source):
             yield encode_chunk(lines, source.name, renderer, max_length)
         return
     seen: set[tuple[str, str]] = set()
-    with ProcessPoolExecutor(workers, mp_context=_context(), initializer=_worker_init,
-                             initargs=(renderer, source.name, max_length)) as pool:
+    pool = ProcessPoolExecutor(workers, mp_context=_context(), initializer=_worker_init,
+                               initargs=(renderer, source.name, max_length, os.getpid()))
+    try:
         pending: deque = deque()
         for lines in _raw_chunks(source):
-            with warnings.catch_warnings():     # the first submit forks every worker (_context)
-                warnings.filterwarnings("ignore", ".*use of fork\\(\\) may lead to deadlocks",
-                                        DeprecationWarning)
+            with _quiet_fork():
                 pending.append(pool.submit(_worker_chunk, lines))
             if len(pending) >= 2 * workers:
-                yield _replayed(pending.popleft().result(), renderer, seen)
+                yield _replayed(_result(pending.popleft(), workers), renderer, seen)
         while pending:
-            yield _replayed(pending.popleft().result(), renderer, seen)
+            yield _replayed(_result(pending.popleft(), workers), renderer, seen)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future, workers: int) -> Chunk:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise RuntimeError(f"a worker process of the {workers} tokenising records ended "
+                           f"abruptly (killed, e.g. out of memory); run again with fewer "
+                           f"workers (--workers N, or 1 for this process alone)") from None
 
 
 def _context():
-    """Forked workers where the platform has fork, else spawned ones.
+    """Forked workers on Linux, spawned ones elsewhere (macOS and Windows, where forking a
+    process with threads is unsafe or impossible).
 
     A forked worker starts at once and never re-imports the caller's main module (a spawned
     one does, so an unguarded script would start its own pool in every worker). It runs only
     Python, Jinja and the tokenizer, never the parent's CUDA context or its other threads'
-    work, as PyTorch's DataLoader workers do; Python 3.12+ warns about forking a process that
-    has threads, which is silenced for exactly this."""
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    work, as PyTorch's DataLoader workers do."""
+    return multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+
+
+@contextlib.contextmanager
+def _quiet_fork():
+    """Around a submit (the first one forks every worker): Python 3.12+ warns about forking a
+    process that has threads (see `_context` for why it is safe here), and the tokenizers
+    library, when the parent has used its thread pool, tells each forked child that it turns
+    that pool off unless TOKENIZERS_PARALLELISM is set. Both are silenced for these forks only;
+    the parent's environment is restored."""
+    key, before = "TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ.setdefault(key, "false")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*use of fork\\(\\) may lead to deadlocks",
+                                    DeprecationWarning)
+            yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
 
 
 def _replayed(chunk: Chunk, renderer: TemplateRenderer, seen: set[tuple[str, str]]) -> Chunk:
     """A worker's chunk as if this process had encoded it: its dropped reasoning counted on
-    `renderer`, its log events logged here, each message template once."""
+    `renderer`, its log events logged here (those marked once: once for the whole pool)."""
     renderer.reasoning_dropped += chunk.reasoning_dropped
-    for name, level, template, message in chunk.events:
-        if (name, template) not in seen:
-            seen.add((name, template))
-            logging.getLogger(name).log(level, "%s", message)
+    for name, level, template, message, once in chunk.events:
+        if once and (name, template) in seen:
+            continue
+        seen.add((name, template))
+        logging.getLogger(name).log(level, "%s", message)
     return chunk
 
 
@@ -194,16 +229,21 @@ class _Collect(logging.Handler):
 
     def __init__(self):
         super().__init__()
-        self.events: list[tuple[str, int, str, str]] = []
+        self.events: list[tuple[str, int, str, str, bool]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.events.append((record.name, record.levelno, str(record.msg), record.getMessage()))
+        self.events.append((record.name, record.levelno, str(record.msg), record.getMessage(),
+                            bool(getattr(record, "once", False))))
 
 
-def _worker_init(renderer: TemplateRenderer, source_name: str, max_length: int) -> None:
-    # one string at a time: the tokenizer's own thread pool is not used (and after a fork it
-    # would warn that it disables itself)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+def _worker_init(renderer: TemplateRenderer, source_name: str, max_length: int,
+                 parent: int) -> None:
+    if sys.platform.startswith("linux"):     # killed when the parent dies, however it dies
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:               # the parent was gone before that took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the parent's to handle
     collect = _Collect()
     root = logging.getLogger("eyas")
     root.handlers[:] = [collect]

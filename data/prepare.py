@@ -36,6 +36,7 @@ vocabulary size), the input file, and the counts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 from collections import Counter
@@ -101,31 +102,50 @@ def _write_samples(source: Path, out: Path, renderer: TemplateRenderer, *, max_l
     metas: list[dict] = []
     pending: list[dict] = []
     clock, bar = LogEvery(), progress(None, desc="prepare", unit="rec")
-    for chunk in encode_file(source, renderer, max_length=max_length, workers=workers):
-        for rec in chunk.records:
-            if rec.error is not None and on_error == "raise":
-                raise PrepareError(f"{source}:{rec.lineno}: {rec.error[0]}: {rec.error[1]}. "
-                                   f"(on_error='skip' counts such records instead of "
-                                   f"stopping)") from None
-            if rec.error is not None:
-                skipped[rec.error[0]] += 1
-            for ids, mask in rec.samples:
-                pending.append({"input_ids": torch.from_numpy(ids),
-                                "loss_mask": torch.from_numpy(mask)})
-                if len(pending) >= shard_samples:
-                    metas.append(write_shard(out, len(metas), pending))
-                    pending.clear()
-        stats.update(chunk.stats)
-        stats["records"] += len(chunk.records)
-        sampling.update(chunk.sampling)
-        bar.update(len(chunk.records))
-        if clock.due():
-            log.info("prepare: %d records (%d samples, %d tokens) in %.0f s", stats["records"],
-                     stats["samples"], stats["tokens"], clock.elapsed)
+    with contextlib.closing(encode_file(source, renderer, max_length=max_length,
+                                        workers=workers)) as chunks:
+        for chunk in chunks:
+            for rec in chunk.records:
+                if rec.error is not None:
+                    _bad_record(source, rec, on_error, skipped)
+                for ids, mask in rec.samples:
+                    pending.append({"input_ids": torch.from_numpy(ids),
+                                    "loss_mask": torch.from_numpy(mask)})
+                    if len(pending) >= shard_samples:
+                        metas.append(write_shard(out, len(metas), pending))
+                        pending.clear()
+            stats.update(chunk.stats)
+            stats["records"] += len(chunk.records)
+            sampling.update(chunk.sampling)
+            bar.update(len(chunk.records))
+            if clock.due():
+                log.info("prepare: %d records (%d samples, %d tokens) in %.0f s",
+                         stats["records"], stats["samples"], stats["tokens"], clock.elapsed)
     bar.close()
     if pending:
         metas.append(write_shard(out, len(metas), pending))
     return metas, stats, skipped, sampling
+
+
+def _bad_record(source: Path, rec, on_error: str, skipped: Counter) -> None:
+    """Stop at a malformed record (on_error="raise"), or count it by reason."""
+    reason, detail = rec.error
+    if on_error == "raise":
+        raise PrepareError(f"{source}:{rec.lineno}: {reason}: {detail}. (on_error='skip' "
+                           f"counts such records instead of stopping)") from None
+    skipped[reason] += 1
+
+
+def _check_args(on_error: str, max_length: int, shard_samples: int,
+                workers: int | None) -> None:
+    if on_error not in ERROR_MODES:
+        raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
+    if max_length < 2 or shard_samples < 1:
+        raise ValueError(f"max_length must be >= 2 and shard_samples >= 1; got {max_length}, "
+                         f"{shard_samples}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1 (1: this process alone) or None (one per "
+                         f"core, at most 16, for an input of 16 MiB or more); got {workers}")
 
 
 def _summary(source: Path, stats: Counter, skipped: Counter, sampling: Counter,
@@ -185,17 +205,14 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
         tokenizer: an already loaded tokenizer (skips loading it from `target`).
         generate_kwargs: keyword arguments for generate_conversations (max_new_tokens, ...).
         workers: processes that render and tokenise (data.encoding; the shards are the same
-            for any number); None: one per core for an input of 16 MiB or more, else 1.
+            for any number); None: one per core (at most 16) for an input of 16 MiB or more,
+            else 1.
 
     Returns a summary dict (also stored in the manifest under "prepare").
     """
     from eyas.data.shards import write_manifest
 
-    if on_error not in ERROR_MODES:
-        raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
-    if max_length < 2 or shard_samples < 1:
-        raise ValueError(f"max_length must be >= 2 and shard_samples >= 1; got {max_length}, "
-                         f"{shard_samples}")
+    _check_args(on_error, max_length, shard_samples, workers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _clear_stale_shards(out)
@@ -248,6 +265,12 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas prepare` arguments (defaults shared with training come from `data.settings`)."""
     p = argparse.ArgumentParser(formatter_class=HelpFormatter,
@@ -272,9 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a template that re-renders earlier turns: one sample per assistant "
                    "turn, or fail")
     p.add_argument("--shard-samples", type=int, default=1024, help="samples per output shard")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_positive_int, default=None,
                    help="processes that render and tokenise (the output is the same for any "
-                        "number; default: one per core for an input of 16 MiB or more, else 1)")
+                        "number; default: one per core, at most 16, for an input of 16 MiB or "
+                        "more, else 1)")
     g = p.add_argument_group("generation (--generate)")
     g.add_argument("--generate", action="store_true", help="generate assistant turns first")
     gen = GenerationSettings

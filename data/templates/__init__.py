@@ -151,7 +151,7 @@ class TemplateRenderer:
             if not self.warned_lcp:
                 log.warning("the template's generation prompt is not a prefix of how it renders a "
                             "stored assistant turn; assistant spans start at their longest common "
-                            "prefix (first seen in record %s)", conv.id)
+                            "prefix (first seen in record %s)", conv.id, extra={"once": True})
                 self.warned_lcp = True
         tail = full[start:]
         end = max((tail.rfind(s) + len(s) for s in self.eot_strings if s in tail), default=-1)
@@ -177,7 +177,8 @@ class TemplateRenderer:
             self.reasoning_dropped += 1
             if self.reasoning_dropped == 1:
                 log.warning("the chat template does not render reasoning_content (first seen in "
-                            "record %s); that reasoning is not trained on", conv.id)
+                            "record %s); that reasoning is not trained on", conv.id,
+                            extra={"once": True})
 
     def samples(self, conv: Conversation) -> list[tuple[str, list[tuple[int, int]]]]:
         """[(rendered text, [(start, end) char spans to train on])]: one entry, or one per turn.

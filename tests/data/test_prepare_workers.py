@@ -1,17 +1,19 @@
-"""data.encoding: `eyas prepare` in a pool of spawned worker processes writes the same dataset
+"""data.encoding: `eyas prepare` in a pool of forked worker processes writes the same dataset
 as one process (byte for byte), stops at the same first bad record, counts the same skips and
-dropped reasoning, and logs each renderer warning once.
+dropped reasoning, logs each once-only renderer warning once, and leaves no worker behind.
 
-The chunks are cut to 3 lines here, so 2 workers each encode several chunks and every kind of
-record lands in a chunk of its own order; the real SmolLM2 tokenizer and chat template render.
+The chunks are cut to 3 lines here, so 2 workers each encode several chunks; the real SmolLM2
+tokenizer renders with its own chat template and with shipped ones that split records into one
+sample per turn (qwen3) or cut a token at a span boundary (llama-3.1).
 """
 
 import logging
+import multiprocessing
 
 import pytest
 
 from eyas.data import encoding
-from eyas.data.prepare import PrepareError, prepare
+from eyas.data.prepare import PrepareError, build_parser, prepare
 from eyas.data.targets import load_tokenizer
 
 from tests.data.test_prepare import BAD, GOOD, TWO_TURNS, chat, write_jsonl
@@ -30,28 +32,30 @@ def small_chunks(monkeypatch):
 def records():
     """Good single- and multi-turn records (some with reasoning SmolLM2's template drops),
     every kind of malformed record, blank lines and a line that is not UTF-8."""
-    recs = [GOOD, TWO_TURNS, chat("Name a colour.", "Blue."), "", *BAD.values(), TWO_TURNS]
+    bad = dict(BAD, too_long=chat("word " * 300, "Yo"))       # over max_length in any template
+    recs = [GOOD, TWO_TURNS, chat("Name a colour.", "Blue."), "", *bad.values(), TWO_TURNS]
     recs += [chat(f"Count to {i}.", " ".join(str(j) for j in range(1, i + 1))) for i in (2, 5, 9)]
     return recs
 
 
 def prepared(tmp_path, tok, name, recs, **kw):
     src = write_jsonl(tmp_path / "in.jsonl", recs)
-    if kw.pop("not_utf8", False):
-        with open(src, "ab") as f:
-            f.write(b'{"messages": "caf\xe9"}\n')
+    if kw.pop("not_utf8", False):            # a byte-order mark first, a line not UTF-8 last
+        src.write_bytes(b"\xef\xbb\xbf" + src.read_bytes() + b'{"messages": "caf\xe9"}\n')
     out = tmp_path / name
-    summary = prepare(src, "smollm2", out, tokenizer=tok, max_length=64, **kw)
+    summary = prepare(src, "smollm2", out, tokenizer=tok, max_length=256, **kw)
     return summary, out
 
 
-def test_pool_writes_the_same_dataset_as_one_process(tmp_path, tok, small_chunks, caplog):
-    one, out1 = prepared(tmp_path, tok, "one", records(), on_error="skip", workers=1,
-                         not_utf8=True)
+@pytest.mark.parametrize("template,split,cuts", [(None, 0, 0), ("qwen3", 2, 0),
+                                                 ("llama-3.1", 0, 2)])
+def test_pool_writes_the_same_dataset_as_one_process(tmp_path, tok, small_chunks, caplog,
+                                                     template, split, cuts):
+    kw = dict(on_error="skip", not_utf8=True, chat_template=template)
+    one, out1 = prepared(tmp_path, tok, "one", records(), workers=1, **kw)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="eyas"):
-        two, out2 = prepared(tmp_path, tok, "two", records(), on_error="skip", workers=2,
-                             not_utf8=True)
+        two, out2 = prepared(tmp_path, tok, "two", records(), workers=2, **kw)
     shards = sorted(p.name for p in out1.glob("*.safetensors"))
     assert shards == sorted(p.name for p in out2.glob("*.safetensors")) and shards
     for name in shards:
@@ -59,10 +63,26 @@ def test_pool_writes_the_same_dataset_as_one_process(tmp_path, tok, small_chunks
     one.pop("out_dir"), two.pop("out_dir")
     assert one == two
     assert one["skipped"] == {**{r: 1 for r in BAD}, "bad_encoding": 1}
-    assert one["conversations"] == 7 and one["reasoning_not_rendered"] == 4
-    # the warning each worker's renderer logged comes back, once
+    assert one["conversations"] == 7
+    assert (one["split_records"], one["boundary_splits"]) == (split, cuts)
+    assert one["reasoning_not_rendered"] == (0 if template == "qwen3" else 4)
+    # the once-only warning each worker's renderer logged is logged once
     dropped = [r for r in caplog.records if "does not render reasoning_content" in r.getMessage()]
-    assert len(dropped) == 1
+    assert len(dropped) == (0 if template == "qwen3" else 1)
+
+
+def test_replayed_logs_once_only_events_once_and_the_rest_each_time(caplog):
+    renderer = type("R", (), {"reasoning_dropped": 1})()
+    once = ("eyas.data.templates", logging.WARNING, "first seen in %s", "first seen in a:1", True)
+    every = ("eyas.data.records", logging.WARNING, "line %d", "line 7", False)
+    seen: set = set()
+    with caplog.at_level(logging.WARNING, logger="eyas"):
+        for n in (2, 3):
+            chunk = encoding.Chunk(records=[], reasoning_dropped=n,
+                                   events=[once, every])
+            encoding._replayed(chunk, renderer, seen)
+    assert [r.getMessage() for r in caplog.records] == ["first seen in a:1", "line 7", "line 7"]
+    assert renderer.reasoning_dropped == 6
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -72,6 +92,17 @@ def test_pool_stops_at_the_first_bad_record_like_one_process(tmp_path, tok, smal
     with pytest.raises(PrepareError, match=r"in\.jsonl:8: bad_content: "):
         prepared(tmp_path, tok, "out", recs, workers=workers)
     assert not (tmp_path / "out" / "manifest.json").exists()
+    assert not multiprocessing.active_children()          # the pool is shut down
+
+
+def test_a_bad_worker_count_is_refused_before_any_generation(tmp_path):
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        prepare(tmp_path / "missing.jsonl", "smollm2", tmp_path / "out", generate=True,
+                workers=0)
+    assert not (tmp_path / "out" / "generated.jsonl").exists()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--input", "a", "--target", "b", "--out", "c",
+                                   "--workers", "0"])
 
 
 def test_workers_chosen_by_input_size(tmp_path, monkeypatch):
