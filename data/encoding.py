@@ -12,8 +12,9 @@ the same order: the shards a pool writes are byte-identical to a single process'
 What a worker logs comes back with its chunk and is logged here; the renderer's warnings that
 one process gives once (a template whose generation prompt is not a prefix of the stored turn,
 reasoning it does not render: marked ``extra={"once": True}``) are logged once for the whole
-pool, and each worker's count of dropped reasoning is added to the parent's. Workers end with
-the parent, however it ends (`_worker_init`), so none is left holding the output's lock.
+pool, and each worker's count of dropped reasoning is added to the parent's. On Linux the
+workers end with the parent, however it ends (`_worker_init`), so none is left holding the
+output's lock.
 """
 
 from __future__ import annotations
@@ -156,24 +157,24 @@ def encode_file(source: Path, renderer: TemplateRenderer, *, max_length: int,
                                initargs=(renderer, source.name, max_length, os.getpid()))
     try:
         pending: deque = deque()
-        for lines in _raw_chunks(source):
-            with _quiet_fork():
+        for i, lines in enumerate(_raw_chunks(source)):
+            with _quiet_fork() if i == 0 else contextlib.nullcontext():
                 pending.append(pool.submit(_worker_chunk, lines))
             if len(pending) >= 2 * workers:
-                yield _replayed(_result(pending.popleft(), workers), renderer, seen)
+                yield _replayed(pending.popleft().result(), renderer, seen)
         while pending:
-            yield _replayed(_result(pending.popleft(), workers), renderer, seen)
+            yield _replayed(pending.popleft().result(), renderer, seen)
+    except BrokenProcessPool:
+        raise WorkerDied(f"a worker process of the {workers} tokenising records ended "
+                         f"abruptly (killed, e.g. out of memory); run again with fewer "
+                         f"workers (--workers N, or 1 for this process alone)") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _result(future, workers: int) -> Chunk:
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise RuntimeError(f"a worker process of the {workers} tokenising records ended "
-                           f"abruptly (killed, e.g. out of memory); run again with fewer "
-                           f"workers (--workers N, or 1 for this process alone)") from None
+class WorkerDied(RuntimeError):
+    """A worker of the pool was killed; the CLI exits with status 3 and this one line."""
+    exit_status = 3
 
 
 def _context():
@@ -189,13 +190,15 @@ def _context():
 
 @contextlib.contextmanager
 def _quiet_fork():
-    """Around a submit (the first one forks every worker): Python 3.12+ warns about forking a
-    process that has threads (see `_context` for why it is safe here), and the tokenizers
-    library, when the parent has used its thread pool, tells each forked child that it turns
-    that pool off unless TOKENIZERS_PARALLELISM is set. Both are silenced for these forks only;
-    the parent's environment is restored."""
-    key, before = "TOKENIZERS_PARALLELISM", os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ.setdefault(key, "false")
+    """Around the first submit, which forks every worker: Python 3.12+ warns about forking a
+    process that has threads (see `_context` for why it is safe here), and a child forked
+    after the parent used the tokenizers library's thread pool must not use that pool (its
+    threads are not in the child): TOKENIZERS_PARALLELISM=false for the forks keeps the
+    children on one thread and stops the library's warning about it. The parent's environment
+    is restored afterwards."""
+    key = "TOKENIZERS_PARALLELISM"
+    before = os.environ.get(key)
+    os.environ[key] = "false"
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", ".*use of fork\\(\\) may lead to deadlocks",
@@ -204,6 +207,8 @@ def _quiet_fork():
     finally:
         if before is None:
             os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def _replayed(chunk: Chunk, renderer: TemplateRenderer, seen: set[tuple[str, str]]) -> Chunk:
@@ -240,7 +245,7 @@ def _worker_init(renderer: TemplateRenderer, source_name: str, max_length: int,
                  parent: int) -> None:
     if sys.platform.startswith("linux"):     # killed when the parent dies, however it dies
         PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:               # the parent was gone before that took effect
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the parent's to handle

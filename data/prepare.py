@@ -266,9 +266,13 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
 
 
 def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
