@@ -105,3 +105,15 @@ def test_a_bad_worker_count_is_refused_before_any_generation(tmp_path, capsys):
         build_parser().parse_args(args + ["0"])
     assert stop.value.code == 2
     assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err
+
+
+def test_workers_chosen_by_input_size(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "in.jsonl", [GOOD] * 4)
+    assert encoding.auto_workers(src, None) == 1               # under AUTO_POOL_BYTES
+    assert encoding.auto_workers(src, 3) == 3
+    monkeypatch.setattr(encoding, "AUTO_POOL_BYTES", 1)
+    monkeypatch.setattr(encoding.os, "sched_getaffinity", lambda pid: set(range(40)),
+                        raising=False)
+    assert encoding.auto_workers(src, None) == encoding.AUTO_MAX_WORKERS
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        encoding.auto_workers(src, 0)
