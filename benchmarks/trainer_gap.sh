@@ -9,7 +9,10 @@
 #   inline     data.device_prefetch=false: each batch copied on the compute stream
 #   noverify   data.verify=false: no crc32/NaN read checks in the loader threads
 #   gpuembed   drafter.host_embedding=false: the embedding table on the GPU
-#   zero2      dist=zero2 (DeepSpeed) with the defaults
+#   zero2      dist=zero2 (DeepSpeed) with the defaults (one process: overlap_comm off)
+#   z2overlap  dist=zero2 with zero_optimization.overlap_comm=true (the shipped JSON before it
+#              became "auto": on with more than one process)
+#   z2nocontig dist=zero2 with zero_optimization.contiguous_gradients=false
 # Device machine (carry .whl): bash benchmarks/trainer_gap.sh, ~7 minutes for all six (one
 # H200, 2026-12-02: the step ~1.5 min, the first e2e run ~70 s with the data, the others ~60 s);
 # RUNS=default,inline for fewer. Prints a table (step ms of each run against the in-process step)
@@ -29,9 +32,21 @@ echo "== in-process step ($TARGET, T=$T)"
 timeout 200 python3 benchmarks/train_step.py --target "$TARGET" --tokens "$T" --cases async-host \
     --iters 10 --warmup 3 --profile 3 --json "$OUT/step.json" 2>&1 | grep -E "^\||^profile"
 rm -rf /tmp/e2e/run     # run directories of an earlier call would be refused, not re-run
+# the ZeRO-2 knob variants: the shipped JSON with one field set
+python3 - /tmp/e2e/knobs <<'EOF2'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+for name, knob in {"overlap": ("overlap_comm", True), "nocontig": ("contiguous_gradients", False)}.items():
+    ds = json.loads(Path("conf/deepspeed/zero2.json").read_text())
+    ds["zero_optimization"][knob[0]] = knob[1]
+    (out / f"zero2_{name}.json").write_text(json.dumps(ds, indent=1))
+EOF2
 declare -A EXTRA=([default]="" [inline]="--override data.device_prefetch=false"
                   [noverify]="--override data.verify=false"
-                  [gpuembed]="--override drafter.host_embedding=false" [zero2]="--dist zero2")
+                  [gpuembed]="--override drafter.host_embedding=false" [zero2]="--dist zero2"
+                  [z2overlap]="--dist zero2 --override dist.deepspeed_config=/tmp/e2e/knobs/zero2_overlap.json"
+                  [z2nocontig]="--dist zero2 --override dist.deepspeed_config=/tmp/e2e/knobs/zero2_nocontig.json")
 for run in ${RUNS//,/ }; do
   echo "== trainer: $run"
   # shellcheck disable=SC2086

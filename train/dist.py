@@ -71,14 +71,21 @@ def _deepspeed_json(dist_cfg) -> tuple[Path, dict]:
         raise ConfigError(f"dist.deepspeed_config={str(path)!r}: not JSON ({e})") from None
 
 
-def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool) -> dict:
+def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool,
+                     world_size: int = 1) -> dict:
     """The DeepSpeed JSON for this run, as HF Trainer takes one: the file is used as given,
     except the fields set to "auto", which are filled from the config (gradient_clipping from
     optim.clip_grad_norm, gradient_accumulation_steps from optim.grad_accum, bf16.enabled from
     the parameter dtype, train_micro_batch_size_per_gpu = 1 packed batch, zero_optimization.stage
-    from dist.zero_stage; with bf16, bf16.check_grad_overflow true). A given value the trainer
-    cannot run with is refused (ConfigError)."""
+    from dist.zero_stage; with bf16, bf16.check_grad_overflow true). zero_optimization.overlap_comm
+    "auto" (the shipped files) is on with more than one process and off with one: one process
+    has no gradient communication to overlap, and the overlap's extra stream and buffers cost it
+    ~3 % of a step (benchmarks/README.md). A given value the trainer cannot run with is refused
+    (ConfigError)."""
     path, ds = _deepspeed_json(dist_cfg)
+    zero = ds.get("zero_optimization")
+    if isinstance(zero, dict) and zero.get("overlap_comm") == "auto":
+        zero["overlap_comm"] = world_size > 1
     fill = {("gradient_clipping",): clip if clip > 0 else 0.0,
             ("gradient_accumulation_steps",): grad_accum,
             ("train_micro_batch_size_per_gpu",): 1,
@@ -201,7 +208,8 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
     reset_accelerate_state()
     on_cpu = not fast_device()
     deepspeed = dist_cfg.backend == DistBackend.deepspeed
-    if deepspeed and dist_cfg.zero_stage == 3 and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if deepspeed and dist_cfg.zero_stage == 3 and world_size < 2:
         raise ConfigError("dist=zero3 with 1 process: expected 2 or more processes (ZeRO-3 "
                           "partitions the parameters across processes; one process has nothing "
                           "to partition and its backward fails). Fix: dist=zero2 or dist=ddp for "
@@ -217,7 +225,8 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
         log_with=log_with,
     )
     if deepspeed:
-        ds = deepspeed_config(dist_cfg, optim_cfg.grad_accum, optim_cfg.clip_grad_norm, bf16=bf16)
+        ds = deepspeed_config(dist_cfg, optim_cfg.grad_accum, optim_cfg.clip_grad_norm, bf16=bf16,
+                              world_size=world_size)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
         _single_process_env()
         if on_cpu:

@@ -24,7 +24,24 @@ def test_shipped_json_gets_its_auto_fields_from_the_config():
     assert ds["gradient_clipping"] == 0.5 and ds["gradient_accumulation_steps"] == 4
     assert ds["bf16"] == {"enabled": True, "check_grad_overflow": True}
     assert ds["train_micro_batch_size_per_gpu"] == 1
-    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["overlap_comm"]
+    assert ds["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world_size,overlap", [(1, False), (2, True), (16, True)])
+def test_shipped_overlap_comm_follows_the_process_count(stage, world_size, overlap):
+    ds = deepspeed_config(_zero(stage), grad_accum=1, clip=1.0, bf16=True, world_size=world_size)
+    assert ds["zero_optimization"]["overlap_comm"] is overlap
+
+
+def test_user_overlap_comm_is_kept_and_absent_stays_absent(tmp_path):
+    f = tmp_path / "my.json"
+    f.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}}))
+    ds = deepspeed_config(_zero(2, str(f)), grad_accum=1, clip=1.0, bf16=False, world_size=1)
+    assert ds["zero_optimization"]["overlap_comm"] is True        # given: DeepSpeed gets it
+    f.write_text(json.dumps({"zero_optimization": {"stage": "auto"}}))
+    ds = deepspeed_config(_zero(2, str(f)), grad_accum=1, clip=1.0, bf16=False, world_size=1)
+    assert "overlap_comm" not in ds["zero_optimization"]          # DeepSpeed's own default
 
 
 def test_user_json_is_taken_as_given_apart_from_auto(tmp_path):
