@@ -14,6 +14,8 @@ tokens of the manifest's target are forced by default, as the trainer forces the
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -32,6 +34,9 @@ log = logging.getLogger(__name__)
 
 VOCAB_FORMAT = "eyas-vocab"
 COUNT_MODES = ("auto", "target_argmax", "next_token", "masked_token")
+#: count_tokens results of this process, by dataset (root, manifest, size), mode and V: the
+#: trainer counts once for the vocabulary and again for the checkpoints' coverage figure
+_counted: dict[tuple, np.ndarray] = {}
 
 
 def _dataset_vocab_size(ds) -> int | None:
@@ -56,6 +61,8 @@ def count_tokens(dataset, target_vocab_size: int, count: str = "auto") -> np.nda
         the data token that the teacher at t predicts.
       - "masked_token": input_ids[t] for every t with loss_mask[t] == 1 (SpecForge's count).
       - "auto" (default): "target_argmax" if the dataset has that field, else "next_token".
+
+    A dataset counted before in this process (same root, manifest and mode) is not read again.
     """
     if count not in COUNT_MODES:
         raise ValueError(f"count must be one of {COUNT_MODES}, got {count!r}")
@@ -64,6 +71,16 @@ def count_tokens(dataset, target_vocab_size: int, count: str = "auto") -> np.nda
     if count == "target_argmax" and "target_argmax" not in dataset.fields:
         raise ValueError(f"count='target_argmax' needs a dataset with target_argmax; "
                          f"{dataset.root} has {sorted(dataset.fields)}; use count='next_token'")
+    manifest = json.dumps(dataset.manifest, sort_keys=True, default=str).encode()
+    key = (str(Path(dataset.root).resolve()), hashlib.sha256(manifest).hexdigest(),
+           len(dataset), count, int(target_vocab_size))
+    if key not in _counted:
+        _counted.clear()                      # one dataset's counts at a time
+        _counted[key] = _count(dataset, target_vocab_size, count)
+    return _counted[key].copy()
+
+
+def _count(dataset, target_vocab_size: int, count: str) -> np.ndarray:
     names = ("loss_mask", "target_argmax" if count == "target_argmax" else "input_ids")
     counts = np.zeros(target_vocab_size, dtype=np.int64)
     for i in progress(range(len(dataset)), desc="counting tokens", unit="sample"):

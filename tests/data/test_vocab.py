@@ -121,6 +121,26 @@ def test_count_modes_exact(tmp_path):
         count_tokens(ds, 9, "target_argmax")
 
 
+def test_counts_read_once_per_dataset_and_again_when_it_changes(tmp_path):
+    ds = _count_dataset(tmp_path)
+    first = count_tokens(ds, 10)
+    first[0] = 99                                   # the caller's copy, not the remembered one
+
+    def unread(*args):
+        raise AssertionError("the dataset was read again")
+    ds.sample = unread
+    assert count_tokens(ds, 10).tolist() == [1, 0, 0, 0, 0, 0, 1, 1, 1, 1]
+    with pytest.raises(AssertionError, match="read again"):
+        count_tokens(ds, 10, "next_token")          # another mode is counted anew
+    # the same directory rewritten: another manifest, counted anew
+    s = {"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([1, 1, 0]),
+         "target_argmax": torch.tensor([4, 4, 5]),
+         "aux": torch.zeros(3, 3, 4, dtype=torch.bfloat16)}
+    write_manifest(tmp_path, {"kind": "hidden", "target_config": {"vocab_size": 10}},
+                   [write_shard(tmp_path, 0, [s])])
+    assert count_tokens(open_dataset(tmp_path), 10).tolist() == [0, 0, 0, 0, 2, 0, 0, 0, 0, 0]
+
+
 def test_cli(tmp_path, capsys):
     _count_dataset(tmp_path / "ds")
     out = tmp_path / "vocab.safetensors"
