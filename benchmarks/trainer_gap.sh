@@ -13,9 +13,10 @@
 #   z2overlap  dist=zero2 with zero_optimization.overlap_comm=true (the shipped JSON before it
 #              became "auto": on with more than one process)
 #   z2nocontig dist=zero2 with zero_optimization.contiguous_gradients=false
-# Device machine (carry .whl): bash benchmarks/trainer_gap.sh, ~7 minutes for all six (one
+# Device machine (carry .whl): bash benchmarks/trainer_gap.sh, ~7 minutes for the default six (one
 # H200, 2026-12-02: the step ~1.5 min, the first e2e run ~70 s with the data, the others ~60 s);
-# RUNS=default,inline for fewer. Prints a table (step ms of each run against the in-process step)
+# RUNS=default,inline for fewer; RUNS=default,zero2,z2overlap,z2nocontig for the ZeRO-2 knobs (~60 s
+# each). Prints a table (step ms of each run against the in-process step)
 # and leaves JSON in $OUT. PROFILE=3: each trainer run then profiles 3 more steps (train_e2e.py
 # --profile: after the timed windows, each ending with a device sync) and prints their GPU time
 # by role (benchmarks/profile_breakdown.py), the trace copied to $OUT/trace_<run>.json.

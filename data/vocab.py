@@ -74,10 +74,12 @@ def count_tokens(dataset, target_vocab_size: int, count: str = "auto") -> np.nda
     manifest = json.dumps(dataset.manifest, sort_keys=True, default=str).encode()
     key = (str(Path(dataset.root).resolve()), hashlib.sha256(manifest).hexdigest(),
            len(dataset), count, int(target_vocab_size))
-    if key not in _counted:
+    counts = _counted.get(key)
+    if counts is None:
+        counts = _count(dataset, target_vocab_size, count)
         _counted.clear()                      # one dataset's counts at a time
-        _counted[key] = _count(dataset, target_vocab_size, count)
-    return _counted[key].copy()
+        _counted[key] = counts
+    return counts.copy()
 
 
 def _count(dataset, target_vocab_size: int, count: str) -> np.ndarray:

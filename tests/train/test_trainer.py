@@ -85,8 +85,9 @@ def test_two_process_ddp_world_size_and_learning(tmp_path, smollm2_dataset):
 
 
 def test_two_process_deepspeed_zero2(tmp_path, smollm2_dataset):
-    run(tmp_path / "r", smollm2_dataset, "dist=zero2", "train.max_steps=12", nproc=2,
-        timeout=900)
+    r = run(tmp_path / "r", smollm2_dataset, "dist=zero2", "train.max_steps=12", nproc=2,
+            timeout=900)
+    assert "overlap_comm=True (2 process(es))" in r.stderr     # the shipped "auto", 2 ranks
     rs = ranks(tmp_path / "r")
     assert [x["world_size"] for x in rs] == [2, 2]
     assert {x["distributed_type"] for x in rs} == {"DEEPSPEED"}
