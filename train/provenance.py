@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -24,19 +23,14 @@ from eyas.train.config import to_plain
 
 log = logging.getLogger(__name__)
 
-_coverage_cache: dict[tuple[str, int, bytes], float | None] = {}
-
-
 def vocab_coverage(dataset, t2d: torch.Tensor) -> float | None:
     """The fraction of the dataset's counted tokens (the ones the draft vocabulary was chosen
-    from, data.vocab.count_tokens) that the draft vocabulary holds; cached per dataset + map."""
+    from, data.vocab.count_tokens, which reads a dataset once per process) that the draft
+    vocabulary holds."""
     t2d = t2d.detach().to("cpu", torch.bool)
-    key = (str(Path(dataset.root).resolve()), len(dataset), bytes(t2d.numpy().tobytes()))
-    if key not in _coverage_cache:
-        counts = count_tokens(dataset, int(t2d.numel()))
-        total = int(counts.sum())
-        _coverage_cache[key] = int(counts[t2d.numpy()].sum()) / total if total else None
-    return _coverage_cache[key]
+    counts = count_tokens(dataset, int(t2d.numel()))
+    total = int(counts.sum())
+    return int(counts[t2d.numpy()].sum()) / total if total else None
 
 
 def _training(t, step: int) -> dict[str, Any]:
