@@ -46,9 +46,11 @@ def test_the_gpu_default_composes_its_recipe():
     assert (cfg.data.synthetic_prompts, cfg.data.synthetic_opener_words,
             cfg.data.max_new_tokens, cfg.data.token_budget) == (12000, 2, 192, 16384)
     assert (cfg.drafter.draft_vocab_size, cfg.drafter.intermediate_size) == (32000, 3072)
+    assert (cfg.drafter.norm_before_fc, cfg.drafter.fc_norm, cfg.drafter.norm_output) == \
+        (True, True, False)
     assert (cfg.optim.lr, cfg.train.epochs) == (3e-3, 8)
-    assert (cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.heldout_offline,
-            cfg.eval.speculative) == (16, 128, True, True)
+    assert (cfg.eval.num_prompts, cfg.eval.processes, cfg.eval.max_new_tokens,
+            cfg.eval.heldout_offline, cfg.eval.speculative) == (64, 8, 128, True, True)
 
 
 def _job(tmp_path, *extra):
