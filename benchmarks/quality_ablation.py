@@ -21,7 +21,8 @@ which is why several fit beside each other; three SmolLM2 trainings ran at ~100 
 each there, five at ~60 k. Each variant runs as `run_name=<prefix>-<name>` in
 OUT/runs/<name> (the quality recipe's train.resume=latest continues an interrupted one), its
 log in OUT/<name>.log. At the end a table (the training batches' τ at the last step every run
-logged, eval-split walk, held-out walk, real τ with its standard error over prompts,
+logged, eval-split walk, the same within each answer's first eval.max_new_tokens tokens
+(the length real decoding checks), held-out walk, real τ with its standard error over prompts,
 identical-to-greedy, training seconds) goes to stdout and OUT/ablation.json, with each row's
 ratio to the first variant's real τ and that ratio's standard error paired over the prompts
 (both decoded the same prompts, and the same text when both are identical to greedy, so what
@@ -126,21 +127,25 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
     spec = s.get("speculative") or {}
     off = s.get("heldout_offline") or {}
     return {"name": name, "overrides": overrides, "exit": rc, "steps": s.get("steps"),
-            "eval_walk": eval_walk(s), "heldout_walk": off.get("tau_trajectory"),
+            "eval_walk": eval_walk(s), "eval_walk_capped": eval_walk(s, "tau_trajectory_capped"),
+            "heldout_walk": off.get("tau_trajectory"),
             "real_tau": spec.get("tau"), "real_tau_se": spec.get("tau_se_prompts"),
             "identical": spec.get("tokens_identical"), "stage_seconds": s.get("stage_seconds"),
             "per_prompt": [[p["prompt"], p["accepted"], p["rounds"]]
                            for p in spec.get("per_prompt") or []]}
 
 
-def eval_walk(summary: dict) -> float | None:
-    """The eval-split decoder walk of the exported weights, as the run's checkpoint selection
-    recorded it (export.select=best can export an earlier step than the last eval's, and a
-    re-run that resumed at the final step evaluates nothing itself); without that record, the
-    run's last eval."""
+def eval_walk(summary: dict, key: str = "tau_trajectory") -> float | None:
+    """The eval-split decoder walk of the exported weights (key: `tau_trajectory`, or
+    `tau_trajectory_capped` for the walk within each answer's first eval.max_new_tokens
+    tokens), as the run's checkpoint selection recorded it (export.select=best can export an
+    earlier step than the last eval's, and a re-run that resumed at the final step evaluates
+    nothing itself); without that record, the run's last eval."""
     sel = summary.get("checkpoint_selection") or {}
-    exported = (sel.get(sel.get("exported")) or {}).get("tau_trajectory")
-    return exported if exported is not None else summary.get("tau_trajectory")
+    exported = (sel.get(sel.get("exported")) or {}).get(key)
+    if exported is not None:
+        return exported
+    return summary.get(key, (summary.get("eval") or {}).get(key))
 
 
 def train_curve(metrics: Path) -> dict[int, float]:
@@ -185,15 +190,17 @@ def table(rows: list[dict]) -> str:
         return "–" if x is None else format(x, spec)
     common = next((r["train_tau_common"] for r in rows if r["train_tau_common"]), None)
     at = f"train τ @{common['step']}" if common else "train τ"
-    head = ("| variant | exit | steps | " + at + " | eval-split walk | held-out walk | "
-            "real τ ± s.e. | × first ± paired s.e. | identical | train s |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| variant | exit | steps | " + at + " | eval-split walk | the same, first "
+            "eval.max_new_tokens | held-out walk | real τ ± s.e. | × first ± paired s.e. | "
+            "identical | train s |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         stages = r.get("stage_seconds") or {}
         train = (r["train_tau_common"] or {}).get("tau")
         same = "–" if r["identical"] is None else r["identical"]
         lines.append(f"| {r['name']} | {f(r['exit'], 'd')} | {f(r['steps'], 'd')} | "
-                     f"{f(train)} | {f(r['eval_walk'])} | {f(r['heldout_walk'])} | "
+                     f"{f(train)} | {f(r['eval_walk'])} | {f(r.get('eval_walk_capped'))} | "
+                     f"{f(r['heldout_walk'])} | "
                      f"{f(r['real_tau'])} ± {f(r['real_tau_se'])} | "
                      f"{f(r['real_tau_ratio'], '.4f')} ± {f(r['real_tau_ratio_se'], '.4f')} | "
                      f"{same} | "

@@ -29,11 +29,16 @@ mapped to a target id equals the target's argmax at index t+1+k:
                   this is the τ real greedy decoding reports; `tau` averages over EVERY start
                   instead (including each span's last token, where a decoder has stopped), and
                   the two agree when acceptance is uniform along the text.
+    tau_trajectory_capped = the walk within each span's first `walk_cap` tokens, the text real
+                  decoding with max_new_tokens = walk_cap writes (the trainer's eval caps at
+                  eval.max_new_tokens): later parts of long answers, often easier to draft,
+                  drop out, so it compares with a real τ measured at that length.
     *_by_k[K']  = the same for a chain capped at K' = 1..K drafts (`tau_curves`).
 
 Key names, the same in logs, JSON, wandb and the README: `tau`, `tau_independent`,
-`tau_trajectory`, `acc_overall`, `acc_{k}`, `cond_acc_{k}` (k = 0..K-1, the TTT step), the
-curves `tau_by_k`, `tau_independent_by_k`, `tau_trajectory_by_k`, and per context bucket
+`tau_trajectory`, `tau_trajectory_capped`, `acc_overall`, `acc_{k}`, `cond_acc_{k}` (k = 0..K-1,
+the TTT step), the curves `tau_by_k`, `tau_independent_by_k`, `tau_trajectory_by_k`,
+`tau_trajectory_capped_by_k`, and per context bucket
 `by_context` / `tau_ctx_<bucket>` (`models.context`).
 """
 
@@ -50,6 +55,8 @@ from eyas.models.ttt import shifted_for_steps
 COUNT_KEYS = ("correct", "total", "cond_correct", "cond_total", "tau_sum", "chain_starts")
 #: counts of `trajectory_counts` (per K' = 1..K); `chain_counts` returns both sets
 TRAJECTORY_KEYS = ("traj_rounds", "traj_accepted")
+#: the same within each span's first `walk_cap` tokens (`trajectory_counts` with a cap)
+CAPPED_KEYS = ("traj_cap_rounds", "traj_cap_accepted")
 
 
 def chain_alive(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
@@ -100,55 +107,69 @@ def add_counts(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, T
     return dict(b) if a is None else {key: a[key] + b[key] for key in b}
 
 
-def trajectory_counts(alive: Tensor, mask0: Tensor) -> tuple[Tensor, Tensor]:
-    """Decoder-walk counts for every K' = 1..K: (rounds [K], accepted drafts [K]) int64.
+def trajectory_counts(alive: Tensor, mask0: Tensor, cap: int | None = None
+                      ) -> dict[str, Tensor]:
+    """Decoder-walk counts for every K' = 1..K: {traj_rounds, traj_accepted} [K] int64, and with
+    `cap` also {traj_cap_rounds, traj_cap_accepted}: the same walk stopped once the span's first
+    `cap` tokens are committed (what real decoding with max_new_tokens = cap writes; the last
+    round's accepted drafts count in full, as the engines count them).
 
     alive [K, T] 0/1 (step k and all before it correct), mask0 [T] bool = mask(0, ·) (row t is a
     chain start). Each maximal run [a, b] of starts is one assistant span (tokens a+1..b+1); the
     walk starts at t = a and, while t < b, accepts L = min(L(t), K') drafts and moves to t+L+1.
     Runs on the host (a sync): for evaluation, not for the training step.
     """
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap must be >= 1 token, got {cap}")
     K = alive.shape[0]
     lengths = alive.sum(0).cpu().numpy()                                  # [T] L_K(t)
     m = mask0.cpu().numpy().astype(np.int8)
     edges = np.diff(np.concatenate([[0], m, [0]]))
     runs = zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1) - 1)   # [a, b] inclusive
-    rounds, accepted = np.zeros(K, dtype=np.int64), np.zeros(K, dtype=np.int64)
+    counts = [[0] * K for _ in range(4)]   # rounds, accepted; the same within the cap
     for a, b in runs:
-        seg = lengths[a:b + 1].tolist()
+        seg, n = lengths[a:b + 1].tolist(), int(b - a)
+        within = n if cap is None else min(n, cap - 1)   # rounds at t < within are in the cap
         for kk in range(K):
-            t = 0
-            while t < b - a:
+            t = rounds = accepted = rounds_in = accepted_in = 0
+            while t < n:
                 acc = min(seg[t], kk + 1)
-                rounds[kk] += 1
-                accepted[kk] += acc
+                rounds, accepted = rounds + 1, accepted + acc
+                if t < within:
+                    rounds_in, accepted_in = rounds_in + 1, accepted_in + acc
                 t += acc + 1
-    dev = alive.device
-    return torch.from_numpy(rounds).to(dev), torch.from_numpy(accepted).to(dev)
+            for row, x in enumerate((rounds, accepted, rounds_in, accepted_in)):
+                counts[row][kk] += x
+    keys = TRAJECTORY_KEYS + (CAPPED_KEYS if cap is not None else ())
+    return {key: torch.tensor(row, dtype=torch.int64, device=alive.device)
+            for key, row in zip(keys, counts)}
 
 
 def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor,
-                 positions: Tensor | None = None, edges=None) -> dict[str, Tensor]:
-    """`accept_counts` plus the trajectory counts (`trajectory_counts`): the eval counts; with
-    positions [T] (each row's position in its document) and bucket edges, also the per-bucket
-    counts of `models.context.context_counts`.
+                 positions: Tensor | None = None, edges=None, walk_cap: int | None = None
+                 ) -> dict[str, Tensor]:
+    """`accept_counts` plus the trajectory counts (`trajectory_counts`, within the first
+    `walk_cap` tokens of each span too when given): the eval counts; with positions [T] (each
+    row's position in its document) and bucket edges, also the per-bucket counts of
+    `models.context.context_counts`.
 
     draft_argmax [K, T] draft-vocab ids, d2t [Vd] offsets, target_argmax [T], mask [K, T] bool.
     """
     chain = chain_alive(draft_argmax, d2t, target_argmax, mask)
     counts = accept_counts(draft_argmax, d2t, target_argmax, mask, chain=chain)
-    counts["traj_rounds"], counts["traj_accepted"] = trajectory_counts(chain[1], mask[0].bool())
+    counts.update(trajectory_counts(chain[1], mask[0].bool(), walk_cap))
     if positions is not None and edges is not None:
         counts.update(context_counts(chain[1], mask.bool(), positions, edges))
     return counts
 
 
-def zero_counts(k: int, device=None, edges=None) -> dict[str, Tensor]:
+def zero_counts(k: int, device=None, edges=None, walk_cap: int | None = None
+                ) -> dict[str, Tensor]:
     """`chain_counts` of no rows (a rank without a batch still joins the collective)."""
     z = torch.zeros(k, dtype=torch.int64, device=device)
     scalar = ("tau_sum", "chain_starts")
-    out = {key: (z[0].clone() if key in scalar else z.clone())
-           for key in COUNT_KEYS + TRAJECTORY_KEYS}
+    keys = COUNT_KEYS + TRAJECTORY_KEYS + (CAPPED_KEYS if walk_cap is not None else ())
+    out = {key: (z[0].clone() if key in scalar else z.clone()) for key in keys}
     if edges is not None:
         out.update(zero_context_counts(k, edges, device))
     return out
@@ -172,9 +193,11 @@ def tau_curves(counts: dict[str, Tensor]) -> dict[str, list[float]]:
         run += prod
         indep.append(1.0 + run)
     out["tau_independent_by_k"] = indep
-    if "traj_rounds" in c:
-        out["tau_trajectory_by_k"] = [1.0 + _ratio(float(c["traj_accepted"][k]),
-                                                   float(c["traj_rounds"][k])) for k in range(K)]
+    for name, (rounds, accepted) in (("tau_trajectory_by_k", TRAJECTORY_KEYS),
+                                     ("tau_trajectory_capped_by_k", CAPPED_KEYS)):
+        if rounds in c:
+            out[name] = [1.0 + _ratio(float(c[accepted][k]), float(c[rounds][k]))
+                         for k in range(K)]
     return out
 
 
@@ -191,6 +214,7 @@ def summarize(counts: dict[str, Tensor]) -> dict[str, float]:
     out["tau"] = _ratio(float(c["tau_sum"]), float(c["chain_starts"]))
     curves = tau_curves(counts)
     out["tau_independent"] = curves["tau_independent_by_k"][-1]
-    if "tau_trajectory_by_k" in curves:
-        out["tau_trajectory"] = curves["tau_trajectory_by_k"][-1]
+    for name in ("tau_trajectory", "tau_trajectory_capped"):
+        if f"{name}_by_k" in curves:
+            out[name] = curves[f"{name}_by_k"][-1]
     return out

@@ -6,7 +6,8 @@ Layout under `<run>/checkpoints/`:
                           objective settings, metrics)
     latest                text file naming the newest complete checkpoint
     best                  text file naming the checkpoint with the best decoder-walk τ
-    best.json             {"checkpoint", "step", "tau_trajectory", "tau"} of that checkpoint
+    best.json             {"checkpoint", "step", "tau_trajectory", "tau",
+                          "tau_trajectory_capped"} of that checkpoint
 
 A checkpoint is written to `.step-000100.tmp` and renamed only when every rank has finished,
 so a crash while saving leaves the previous checkpoint as `latest`. Before the rename rank 0

@@ -288,7 +288,8 @@ class EvalConfig:
     engines: bool = True
     """Load the export with vLLM's and SGLang's own loaders when their venvs exist."""
     max_new_tokens: int = 64
-    """Tokens generated per prompt."""
+    """Tokens generated per prompt; the trainer's eval also walks each eval-split answer's first
+    max_new_tokens tokens (`tau_trajectory_capped`), to compare with real decoding's τ."""
     context_buckets: List[int] = field(default_factory=lambda: list(DEFAULT_EDGES))
     """Edges of the τ-by-context buckets (the position where a round starts; the last bucket is
     open): the trainer's eval logs eval/tau_ctx_<bucket> and keeps eval/by_context."""
@@ -384,6 +385,9 @@ def check(cfg: DictConfig | Any) -> None:
              "eval.target_device=auto")
     if cfg.eval.processes < 1:
         fail("eval.processes", cfg.eval.processes, "an integer >= 1", "eval.processes=1")
+    if cfg.eval.max_new_tokens < 1:
+        fail("eval.max_new_tokens", cfg.eval.max_new_tokens, "an integer >= 1",
+             "eval.max_new_tokens=64")
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.overwrite and cfg.train.resume == "latest":

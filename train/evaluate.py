@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: bool = False,
-                     edges=DEFAULT_EDGES) -> tuple[dict[str, Tensor], int]:
-    """(`models.metrics.chain_counts` summed over the loader and all ranks, this rank's tokens).
+                     edges=DEFAULT_EDGES, walk_cap: int | None = None
+                     ) -> tuple[dict[str, Tensor], int]:
+    """(`models.metrics.chain_counts` summed over the loader and all ranks, this rank's tokens;
+    with `walk_cap`, the decoder walk within each answer's first walk_cap tokens as well).
 
     forward(host batch) -> (batch on the device, draft argmax [K, T], metric mask [K, T]): the
     trainer passes its wrapped training module's (DDP/ZeRO-3 gather the weights in its forward),
@@ -55,9 +57,9 @@ def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: boo
     for batch in batches:
         batch, arg, mask = forward(batch)
         counts = add_counts(counts, chain_counts(arg, d2t, batch.target_argmax, mask,
-                                                 batch.positions, edges))
+                                                 batch.positions, edges, walk_cap))
         tokens += batch.num_tokens
-    empty = zero_counts(k, d2t.device, edges)
+    empty = zero_counts(k, d2t.device, edges, walk_cap)
     return all_reduce_counts(counts if counts is not None else empty), tokens
 
 
@@ -141,7 +143,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
                  indices=None, rank: int = 0, world_size: int = 1,
                  device: str | torch.device = "cpu", target: str | Path | None = None,
                  cache_dir: str | Path | None = None, dtype: torch.dtype | None = None,
-                 num_workers: int = 1, context_buckets=DEFAULT_EDGES) -> dict[str, Any]:
+                 num_workers: int = 1, context_buckets=DEFAULT_EDGES,
+                 walk_cap: int | None = None) -> dict[str, Any]:
     """Exact offline acceptance of a drafter on a hidden-state dataset (module docstring).
 
     drafter_dir_or_module: an exported layout-A directory (imported into `Eagle3Drafter` with
@@ -152,7 +155,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     is initialised. target: whose embedding to use (default: the dataset manifest's target).
     dtype: compute dtype for a directory (default bf16 on CUDA, fp32 on CPU; the exported
     values are bf16 either way). context_buckets: edges of the `by_context` buckets (chain
-    start positions, `models.context`). Returns `models.metrics.summarize` and `tau_curves`
+    start positions, `models.context`). walk_cap: also walk each answer's first walk_cap tokens
+    only (`tau_trajectory_capped`). Returns `models.metrics.summarize` and `tau_curves`
     of the counts, `by_context`, the counts themselves and run information.
     """
     from eyas.data.dataset import open_dataset
@@ -186,7 +190,7 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
         return (batch, *draft_argmax(drafter, batch, k))
 
     counts, tokens = count_acceptance(forward, loader, drafter.d2t, k, show_progress=True,
-                                      edges=edges)
+                                      edges=edges, walk_cap=walk_cap)
     drafter.train(was_training)
     out = {"k": k, **summarize(counts), **tau_curves(counts),
            "chain_starts": int(counts["chain_starts"]), "context_buckets": list(edges),

@@ -18,8 +18,10 @@ The record (`summary.json` key `checkpoint_selection`, and `training.checkpoint_
 the export's eyas_export.json):
     {"select": "best"|"last", "exported": "best"|"last", "step": exported step,
      "checkpoint": the checkpoint dir read back or null (the final weights), "reason": str,
-     "best": {"step", "checkpoint", "tau_trajectory", "tau"} or null,
-     "last": {"step", "tau_trajectory", "tau"}}
+     "best": {"step", "checkpoint", "tau_trajectory", "tau", "tau_trajectory_capped"} or null,
+     "last": {"step", "tau_trajectory", "tau", "tau_trajectory_capped"}}
+(`tau_trajectory_capped`: the walk within each answer's first eval.max_new_tokens tokens; null
+for a checkpoint saved before eyas recorded it)
 """
 
 from __future__ import annotations
@@ -65,13 +67,12 @@ def select_checkpoint(root: Path, select: str, step: int, last_eval: dict[str, A
 
     root: the run's checkpoints dir, select: export.select, step: the final step, last_eval: the
     final eval's record ({} without one), has_eval: whether the run has held-out data."""
-    last = {"step": step, "tau_trajectory": _finite(last_eval.get("tau_trajectory")),
-            "tau": _finite(last_eval.get("tau"))}
+    scores = ("tau_trajectory", "tau", "tau_trajectory_capped")
+    last = {"step": step, **{key: _finite(last_eval.get(key)) for key in scores}}
     found = ckpt.read_best(root)
     best = None if found is None else {
         "step": int(found.get("step", _step_of(found["checkpoint"]))),
-        "checkpoint": found["checkpoint"],
-        "tau_trajectory": _finite(found.get("tau_trajectory")), "tau": _finite(found.get("tau"))}
+        "checkpoint": found["checkpoint"], **{key: _finite(found.get(key)) for key in scores}}
     rec: dict[str, Any] = {"select": select, "best": best, "last": last}
     if select == "last":
         return {**rec, "exported": "last", "step": step, "checkpoint": None,

@@ -347,8 +347,9 @@ def _evaluate_and_log(t: Trainer, logger: MetricsLogger, step: int) -> dict[str,
     res = evaluate(t)
     if res:
         logger.log(step, res, prefix="eval")
-        log.info("eval step %d: tau %.3f (decoder walk %.3f), acc_0 %.3f", step,
-                 res["tau"], res["tau_trajectory"], res["acc_0"])
+        log.info("eval step %d: tau %.3f (decoder walk %.3f; within each answer's first %d "
+                 "tokens %.3f), acc_0 %.3f", step, res["tau"], res["tau_trajectory"],
+                 t.cfg.eval.max_new_tokens, res["tau_trajectory_capped"], res["acc_0"])
     return res
 
 
@@ -359,7 +360,9 @@ def _every(step: int, n: int) -> bool:
 def evaluate(t: Trainer) -> dict[str, Any]:
     """Exact acceptance on the held-out split (`train.evaluate.count_acceptance`, summed over
     ranks): `tau` averages the chain over every start, `tau_trajectory` walks the text as a
-    greedy decoder does and counts as the engines do (`models.metrics`); `tau_ctx_<bucket>`
+    greedy decoder does and counts as the engines do (`models.metrics`), and
+    `tau_trajectory_capped` within each answer's first eval.max_new_tokens tokens, the length
+    real decoding checks; `tau_ctx_<bucket>`
     and the `by_context` table per bucket of eval.context_buckets (`models.context`); `loss`
     is the training objective's mean."""
     if t.data.eval is None:
@@ -376,7 +379,7 @@ def evaluate(t: Trainer) -> dict[str, Any]:
     edges = tuple(t.cfg.eval.context_buckets)
     t.module.eval()
     counts, _ = count_acceptance(forward, t.data.eval, t.model.module.drafter.d2t, K,
-                                 edges=edges)
+                                 edges=edges, walk_cap=t.cfg.eval.max_new_tokens)
     t.module.train()
     table = context_table(counts, edges)
     return {**summarize(counts), **context_scalars(table), "by_context": table,
@@ -409,7 +412,8 @@ def _save(t: Trainer, step: int, loader_state: dict, objective: dict, skipped: S
              "best": {"tau_trajectory": best.value, "step": best.step}}
     walk = walk if walk is not None and math.isfinite(walk) else None
     ckpt.save(t.accelerator, t.out / "checkpoints", step, state, keep_last=t.cfg.train.keep_last,
-              best_metric=walk, best_record={"tau": last_eval.get("tau")},
+              best_metric=walk, best_record={"tau": last_eval.get("tau"), "tau_trajectory_capped":
+                                             last_eval.get("tau_trajectory_capped")},
               add_files=lambda d: write_export_meta(t, d, step,
                                                      last_eval if evaluated else None))
 

@@ -175,7 +175,8 @@ def test_expected_walk_of_certain_steps_is_the_greedy_walk():
     mask = _spans(200, g)
     correct = (torch.rand(mask.shape, generator=g) < 0.7) & mask
     alive = torch.cumprod(correct.to(torch.int64), 0)
-    rounds, accepted = trajectory_counts(alive, mask[0])
+    walk = trajectory_counts(alive, mask[0])
+    rounds, accepted = walk["traj_rounds"], walk["traj_accepted"]
     res = summarize_expected(expected_counts(correct.double(), mask))
     assert res["tau_trajectory"] == pytest.approx(1 + float(accepted[-1]) / float(rounds[-1]),
                                                   abs=1e-12)

@@ -68,6 +68,47 @@ def test_tau_by_hand():
     assert r["tau_trajectory_by_k"] == pytest.approx([1 + 2 / 3, 3.0, 3.5])
     assert r["tau_trajectory"] == r["tau_trajectory_by_k"][-1]
     assert r["tau_independent"] == r["tau_independent_by_k"][-1]
+    assert "tau_trajectory_capped" not in r and "traj_cap_rounds" not in c
+
+
+@pytest.mark.parametrize("cap, rounds, accepted", [
+    (1, [0, 0, 0], [0, 0, 0]),       # the prefill's token alone: no round
+    (3, [1, 1, 1], [1, 2, 3]),       # tokens 4..6: one round (t=3) whatever K'
+    (4, [2, 1, 1], [1, 2, 3]),       # tokens 4..7: K'=1 needs t=5 too
+    (6, [3, 2, 2], [2, 4, 5]),       # the whole span (tokens 4..9): the uncapped walk
+    (50, [3, 2, 2], [2, 4, 5])])
+def test_walk_within_the_first_tokens_by_hand(cap, rounds, accepted):
+    """The test above's text; the walk stops once the answer's first `cap` tokens are committed,
+    counting that round's accepted drafts in full (as real decoding with max_new_tokens = cap
+    does)."""
+    table = {(0, 3): 1, (0, 4): 1, (0, 5): 0, (0, 6): 1, (0, 7): 1, (0, 8): 1,
+             (1, 2): 1, (1, 3): 1, (1, 4): 0, (1, 5): 1, (1, 6): 1, (1, 7): 1,
+             (2, 1): 0, (2, 2): 0, (2, 3): 1, (2, 4): 1, (2, 5): 1, (2, 6): 0}
+    c = chain_counts(*_pattern(10, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1], table), walk_cap=cap)
+    assert c["traj_rounds"].tolist() == [3, 2, 2]                    # the full walk unchanged
+    assert c["traj_cap_rounds"].tolist() == rounds
+    assert c["traj_cap_accepted"].tolist() == accepted
+    r = {**summarize(c), **tau_curves(c)}
+    want = [1 + a / n if n else float("nan") for a, n in zip(accepted, rounds)]
+    assert r["tau_trajectory_capped_by_k"] == pytest.approx(want, nan_ok=True)
+    assert r["tau_trajectory_capped"] == pytest.approx(want[-1], nan_ok=True)
+
+
+def test_walk_cap_is_per_span_and_summed_with_zero_counts():
+    """Two answers in one row: each is capped from its own first token; a rank's zero counts
+    carry the capped keys too, so the all-reduced dicts match."""
+    from eyas.models.metrics import add_counts, zero_counts
+    loss = [0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]          # answers: tokens 1..4 and 7..11
+    table = {(0, t): 1 for t in range(12)}                # step 0 right everywhere
+    c = chain_counts(*_pattern(12, loss, table), walk_cap=2)
+    # K'=1,2,3 alike: each answer's first round (t=0 and t=6) accepts one draft, then stops
+    assert c["traj_cap_rounds"].tolist() == [2, 2, 2]
+    assert c["traj_cap_accepted"].tolist() == [2, 2, 2]
+    z = zero_counts(K, walk_cap=2)
+    assert set(z) == set(c)
+    assert add_counts(z, c)["traj_cap_accepted"].tolist() == [2, 2, 2]
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        chain_counts(*_pattern(12, loss, table), walk_cap=0)
 
 
 def _walk_bruteforce(draft, target, loss_mask, doc_ids, kk):

@@ -51,6 +51,7 @@ from eyas.train.evaluate import load_prompts, load_training_drafter, offline_eva
 from eyas.train.evaluate_sampling import offline_sampling_eval
 
 N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512
+N_CAP = 11                      # real decoding's max_new_tokens for the capped walk
 TRAJ_TOL = 0.05
 ALL_SE = 3.0
 
@@ -126,22 +127,26 @@ class Bf16AuxRunner(TargetRunner):
         return arg, None if aux is None else aux.bfloat16().float(), logits
 
 
-def _real(model, engine, cfg, prompts, answers, stop, runner=TargetRunner):
-    """Real decoding of every prompt: (rounds, accepted drafts, accepted drafts the text can
-    verify, emitted tokens, histogram, per-prompt round logs)."""
+def _real(model, engine, cfg, prompts, answers, stop, runner=TargetRunner, max_new=N_NEW):
+    """Real decoding of every prompt (at most `max_new` tokens): (rounds, accepted drafts,
+    accepted drafts the stored answers can verify, emitted tokens, histogram, per-prompt round
+    logs)."""
     verifier = runner(model, drafter_aux_layer_ids(cfg, model.config.num_hidden_layers))
     rounds = emitted = accepted = walkable = 0
     hist, logs = [0] * (K + 1), []
     try:
         for p, a in zip(prompts, answers):
-            res = speculative_decode(verifier, engine, p, k=K, max_new_tokens=N_NEW, stop_ids=stop)
-            assert res.tokens == a                           # token-identical to greedy
+            res = speculative_decode(verifier, engine, p, k=K, max_new_tokens=max_new,
+                                     stop_ids=stop)
+            assert res.tokens == a[:max_new]                 # token-identical to greedy
             rounds += res.rounds
             emitted += res.decode_tokens
             accepted += sum(res.accepted)
-            # what the text can verify: every draft, but at most emitted + 1 in the last round
+            # what the text can verify: every draft, but in the last round at most one past the
+            # stored answer's end (emitted + 1 where the answer ends with this decoding)
             *body, (_, n_last, out_last) = res.round_log
-            walkable += sum(n for _, n, _ in body) + min(n_last, out_last + 1)
+            left = len(a) - (len(res.tokens) - out_last)     # answer tokens from that round on
+            walkable += sum(n for _, n, _ in body) + min(n_last, left + 1)
             hist = [a + b for a, b in zip(hist, res.histogram)]
             logs.append(res.round_log)
     finally:
@@ -152,7 +157,7 @@ def _real(model, engine, cfg, prompts, answers, stop, runner=TargetRunner):
 @pytest.mark.slow
 def test_offline_tau_agrees_with_real_decoding(smol_case):
     model, tok, prompts, answers, stop, root, export = smol_case
-    off = offline_eval(export, root / "hidden", k=K, token_budget=1024)
+    off = offline_eval(export, root / "hidden", k=K, token_budget=1024, walk_cap=N_CAP)
     emb = model.get_input_embeddings().weight.detach()
     engine, cfg = load_engine_drafter(export, emb, dtype=torch.float32)
 
@@ -168,6 +173,14 @@ def test_offline_tau_agrees_with_real_decoding(smol_case):
     # the offline context buckets split the same counts (all answers start below 2k tokens)
     assert off["by_context"][0]["rounds"] == off["chain_starts"]
     assert off["by_context"][0]["tau"] == off["tau"]
+
+    # the walk within each answer's first N_CAP tokens is real decoding with N_CAP new tokens
+    assert max(map(len, answers)) > N_CAP
+    rounds_c, _, walkable_c = _real(model, engine, cfg, prompts, answers, stop, Bf16AuxRunner,
+                                    max_new=N_CAP)[:3]
+    assert (off["counts"]["traj_cap_rounds"][-1], off["counts"]["traj_cap_accepted"][-1]) == \
+        (rounds_c, walkable_c)
+    assert off["tau_trajectory_capped"] == 1 + walkable_c / rounds_c
 
     # serving numerics (fp32 aux): the same text, within TRAJ_TOL
     rounds32, accepted32 = _real(model, engine, cfg, prompts, answers, stop)[:2]

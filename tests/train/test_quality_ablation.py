@@ -45,6 +45,7 @@ def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
         assert row["identical"] is True
         assert row["heldout_walk"] == summary["heldout_offline"]["tau_trajectory"]
         assert row["eval_walk"] == summary["tau_trajectory"]
+        assert row["eval_walk_capped"] == summary["eval"]["tau_trajectory_capped"]
         logged = [json.loads(x) for x in
                   (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
         train_tau = [x["train/tau"] for x in logged if x.get("train/tau") is not None]
@@ -64,7 +65,8 @@ def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
     assert len(list((tmp_path / "cache" / "heldout").glob("*/hidden/manifest.json"))) == 1
     norm = rows["norm"]
     assert (f"| norm | 0 | 2 | {norm['train_tau_common']['tau']:.3f} | {norm['eval_walk']:.3f} | "
-            f"{norm['heldout_walk']:.3f} | {norm['real_tau']:.3f} ± ") in r.stdout
+            f"{norm['eval_walk_capped']:.3f} | {norm['heldout_walk']:.3f} | "
+            f"{norm['real_tau']:.3f} ± ") in r.stdout
     assert "train τ @2" in r.stdout
 
 
@@ -129,6 +131,11 @@ def test_the_eval_walk_is_the_exported_checkpoints():
     assert quality_ablation.row("lists", [], last, 0)["eval_walk"] == 2.7097
     unrecorded = {"steps": 10, "tau_trajectory": 2.81}   # no selection record: the last eval
     assert quality_ablation.row("norm", [], unrecorded, 0)["eval_walk"] == 2.81
+    capped = dict(earlier, eval={"tau_trajectory_capped": 2.5})   # the capped walk: the same
+    capped["checkpoint_selection"]["best"]["tau_trajectory_capped"] = 2.6   # rule
+    assert quality_ablation.row("lists", [], capped, 0)["eval_walk_capped"] == 2.6
+    del capped["checkpoint_selection"]
+    assert quality_ablation.row("lists", [], capped, 0)["eval_walk_capped"] == 2.5
     assert quality_ablation.row("norm", [], None, None)["eval_walk"] is None
 
 

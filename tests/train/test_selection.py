@@ -55,8 +55,12 @@ def test_the_export_is_the_peak_checkpoint_not_the_last(spiked):
     sel = summary["checkpoint_selection"]
     assert sel["exported"] == "best" and sel["step"] == peak
     assert sel["best"]["tau_trajectory"] == pytest.approx(walk[peak])
+    capped = {r["step"]: r["eval/tau_trajectory_capped"]
+              for r in read_records(d / "metrics.jsonl") if "eval/tau_trajectory_capped" in r}
+    assert sel["best"]["tau_trajectory_capped"] == pytest.approx(capped[peak])
     assert sel["last"] == {"step": LAST, "tau_trajectory": pytest.approx(walk[LAST]),
-                           "tau": pytest.approx(summary["tau"])}
+                           "tau": pytest.approx(summary["tau"]),
+                           "tau_trajectory_capped": pytest.approx(capped[LAST])}
     ck = d / "checkpoints"
     # the peak survived rotation (train.keep_last=1 keeps only the final step besides it)
     assert sorted(p.name for p in ck.glob("step-*")) == [f"step-{peak:06d}", f"step-{LAST:06d}"]
