@@ -40,13 +40,16 @@ def _pattern(T, loss_mask, correct, doc_ids=None):
     return draft, torch.zeros(64, dtype=torch.long), target, mask
 
 
+# one document, prompt 0..3, assistant tokens 4..9; chain starts t = 3..8.
+# correct(k, t) below; L(t) = 3, 1, 0, 2, 2 (step 2 of t=7 leaves the text), 1
+HAND_LOSS_MASK = [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+HAND_TABLE = {(0, 3): 1, (0, 4): 1, (0, 5): 0, (0, 6): 1, (0, 7): 1, (0, 8): 1,
+              (1, 2): 1, (1, 3): 1, (1, 4): 0, (1, 5): 1, (1, 6): 1, (1, 7): 1,
+              (2, 1): 0, (2, 2): 0, (2, 3): 1, (2, 4): 1, (2, 5): 1, (2, 6): 0}
+
+
 def test_tau_by_hand():
-    # one document, prompt 0..3, assistant tokens 4..9; chain starts t = 3..8.
-    # correct(k, t) below; L(t) = 3, 1, 0, 2, 2 (step 2 of t=7 leaves the text), 1
-    table = {(0, 3): 1, (0, 4): 1, (0, 5): 0, (0, 6): 1, (0, 7): 1, (0, 8): 1,
-             (1, 2): 1, (1, 3): 1, (1, 4): 0, (1, 5): 1, (1, 6): 1, (1, 7): 1,
-             (2, 1): 0, (2, 2): 0, (2, 3): 1, (2, 4): 1, (2, 5): 1, (2, 6): 0}
-    c = chain_counts(*_pattern(10, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1], table))
+    c = chain_counts(*_pattern(10, HAND_LOSS_MASK, HAND_TABLE))
     assert c["total"].tolist() == [6, 6, 6]
     assert c["correct"].tolist() == [5, 5, 3]
     assert c["cond_correct"].tolist() == [5, 3, 1]
@@ -81,10 +84,7 @@ def test_walk_within_the_first_tokens_by_hand(cap, rounds, accepted):
     """The test above's text; the walk stops once the answer's first `cap` tokens are committed,
     counting that round's accepted drafts in full (as real decoding with max_new_tokens = cap
     does)."""
-    table = {(0, 3): 1, (0, 4): 1, (0, 5): 0, (0, 6): 1, (0, 7): 1, (0, 8): 1,
-             (1, 2): 1, (1, 3): 1, (1, 4): 0, (1, 5): 1, (1, 6): 1, (1, 7): 1,
-             (2, 1): 0, (2, 2): 0, (2, 3): 1, (2, 4): 1, (2, 5): 1, (2, 6): 0}
-    c = chain_counts(*_pattern(10, [0, 0, 0, 0, 1, 1, 1, 1, 1, 1], table), walk_cap=cap)
+    c = chain_counts(*_pattern(10, HAND_LOSS_MASK, HAND_TABLE), walk_cap=cap)
     assert c["traj_rounds"].tolist() == [3, 2, 2]                    # the full walk unchanged
     assert c["traj_cap_rounds"].tolist() == rounds
     assert c["traj_cap_accepted"].tolist() == accepted
