@@ -193,7 +193,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
                                       edges=edges, walk_cap=walk_cap)
     drafter.train(was_training)
     out = {"k": k, **summarize(counts), **tau_curves(counts),
-           "chain_starts": int(counts["chain_starts"]), "context_buckets": list(edges),
+           "chain_starts": int(counts["chain_starts"]), "walk_cap": walk_cap,
+           "context_buckets": list(edges),
            "by_context": context_table(counts, edges),
            "counts": {key: [int(x) for x in v.reshape(-1).tolist()] for key, v in counts.items()}}
     out.update(mode="offline", drafter=name, dataset=str(dataset_dir), rank_tokens=tokens,

@@ -53,6 +53,9 @@ def format_table(res: dict[str, Any]) -> str:
                          f"{_fmt(res['tau_trajectory_by_k'][j]):>9} "
                          f"{_fmt(res['tau_independent_by_k'][j]):>10} {_fmt(res[f'acc_{j}']):>9} "
                          f"{_fmt(res[f'cond_acc_{j}']):>14}")
+        if res.get("tau_trajectory_capped") is not None:
+            lines.append(f"decoder walk within each answer's first {res['walk_cap']} tokens "
+                         f"(--max-new-tokens): {_fmt(res['tau_trajectory_capped'])}")
         return "\n".join(lines + _context_lines(res, "chain start position"))
     lines.append(f"speculative decoding, K={res['k']}, {res['num_prompts']} prompts, "
                  f"{res['dtype']}: tokens identical to target-only greedy: "
@@ -153,8 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
     p.add_argument("--out", required=True, help="results JSON file (written atomically)")
     p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
-                   help="--prompts: tokens generated per prompt (default: eval.max_new_tokens, "
-                   f"{EvalConfig.max_new_tokens})")
+                   help="--prompts: tokens generated per prompt; --data: the decoder walk is also "
+                   "reported within each answer's first N tokens (tau_trajectory_capped, at "
+                   "T = 0 the offline_tau beside real decoding) (default: "
+                   f"eval.max_new_tokens, {EvalConfig.max_new_tokens})")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="--prompts: the first N prompts (default all)")
     p.add_argument("--dtype", choices=SPECDEC_DTYPES, default=None,
@@ -244,7 +249,8 @@ def _offline_acceptance(args):
                             indices=indices, device=args.device, target=args.target,
                             cache_dir=args.cache_dir,
                             dtype=TARGET_DTYPES[args.dtype] if args.dtype else None,
-                            context_buckets=args.context_buckets)
+                            context_buckets=args.context_buckets,
+                            walk_cap=args.max_new_tokens)
     return offline_at
 
 
@@ -255,6 +261,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     args.seed_given = any(a == "--seed" or a.startswith("--seed=") for a in (argv or []))
     if args.k < 1:
         p.error("--k must be >= 1")
+    if args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be >= 1")
     if not (args.prompts or args.data):
         p.error("one of the arguments --prompts --data is required")
     if args.threads:

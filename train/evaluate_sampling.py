@@ -248,8 +248,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 #: the offline figures copied into a real result evaluated with --data too
-OFFLINE_SUMMARY = ("tau", "tau_se", "tau_trajectory", "tau_trajectory_se", "chain_starts",
-                   "num_samples", "dataset", "teacher", "draft", "text_temperature")
+OFFLINE_SUMMARY = ("tau", "tau_se", "tau_trajectory", "tau_trajectory_se",
+                   "tau_trajectory_capped", "walk_cap", "chain_starts", "num_samples", "dataset",
+                   "teacher", "draft", "text_temperature")
 
 
 def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] | None,
@@ -257,7 +258,9 @@ def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] |
                           ) -> dict[str, Any]:
     """`eyas evaluate`'s result: real decoding (real_at) and/or the offline estimate
     (offline_at) at each temperature. With both, the real result carries `offline` (the
-    offline figures) and `offline_tau` (the offline decoder-walk τ, which predicts it).
+    offline figures) and `offline_tau` (the offline decoder-walk τ, which predicts it: at T = 0
+    the walk within each answer's first walk_cap tokens when the offline result has it, the
+    text real decoding with max_new_tokens = walk_cap writes).
     table: a `by_temperature` result (`by_temperature`), else the one temperature's result."""
     def one(t: float) -> dict[str, Any]:
         if real_at is None:
@@ -266,7 +269,7 @@ def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] |
         if offline_at is not None:
             off = offline_at(t)
             res["offline"] = {key: off.get(key) for key in OFFLINE_SUMMARY if key in off}
-            res["offline_tau"] = off.get("tau_trajectory")
+            res["offline_tau"] = off.get("tau_trajectory_capped", off.get("tau_trajectory"))
         return res
     return by_temperature(temps, one) if table else one(temps[0])
 

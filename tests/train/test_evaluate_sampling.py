@@ -25,7 +25,7 @@ from eyas.data.targets import load_embedding_and_head, load_target
 from eyas.models.expected_tau import ratio_se_of
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                                          load_engine_drafter, speculative_decode)
-from eyas.train.evaluate import load_prompts, load_training_drafter
+from eyas.train.evaluate import load_prompts, load_training_drafter, offline_eval
 from eyas.train.evaluate_cli import cli_main
 from eyas.train.evaluate_sampling import answer_temperatures, offline_sampling_eval
 
@@ -142,6 +142,12 @@ def test_cli_temperatures(sampled_case, tmp_path, capsys):
     assert [set(r) for r in rows] == [{"temperature", "tau", "tau_se", "offline_tau"}] * 2
     assert rows[0]["offline_tau"] == res["offline"]["tau_trajectory"] == res["offline_tau"]
     assert "offline_tau (walk)" in capsys.readouterr().out
+    # at T = 0 the estimate beside real decoding is the walk within the same 6 tokens
+    greedy = offline_eval(export, root / "hidden", k=K, token_budget=1024, walk_cap=6)
+    assert greedy["walk_cap"] == 6
+    assert rows[1]["offline_tau"] == greedy["tau_trajectory_capped"]
+    rounds = greedy["counts"]
+    assert 0 < rounds["traj_cap_rounds"][-1] < rounds["traj_rounds"][-1]   # the cap bites
 
 
 def test_answer_temperatures_warn_on_a_mismatch(caplog):
