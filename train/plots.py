@@ -8,8 +8,10 @@
 The run plots are drawn from `<run>/metrics.jsonl` (the last record of a step wins: a resumed
 run logs its steps again) into `<run>/plots/`:
     loss.png            train/loss per logged window and eval/loss per eval, against the step
-    tau.png             eval/tau (every chain start) and eval/tau_trajectory (decoder walk) per
-                        eval, the selected checkpoint marked (export.select, `train.selection`)
+    tau.png             eval/tau (every chain start), eval/tau_trajectory (decoder walk) and
+                        eval/tau_trajectory_capped (the walk within each answer's first
+                        eval.max_new_tokens tokens) per eval, the selected checkpoint marked
+                        (export.select, `train.selection`)
     acceptance.png      eval/cond_acc_k: each draft position over the steps, and against the
                         draft position at the selected and the last eval
     tau_by_context.png  eval/by_context (τ per context bucket) at the selected and the last eval,
@@ -119,7 +121,9 @@ def loss_figure(records: list[dict], selected_step: int | None = None):
 def tau_figure(records: list[dict], selected_step: int | None = None):
     fig, (ax,) = _figure()
     for key, label in (("eval/tau", "tau, every chain start"),
-                       ("eval/tau_trajectory", "tau_trajectory, decoder walk (ranks checkpoints)")):
+                       ("eval/tau_trajectory", "tau_trajectory, decoder walk (ranks checkpoints)"),
+                       ("eval/tau_trajectory_capped", "tau_trajectory_capped, the walk within "
+                        "each answer's first eval.max_new_tokens tokens")):
         x, y = _series(records, key)
         if x:
             ax.plot(x, y, "o-", label=label, markersize=4)

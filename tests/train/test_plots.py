@@ -69,6 +69,17 @@ def test_a_failed_drawing_is_a_warning_not_an_error(tmp_path, caplog):
     assert f"could not draw the run's plots into {other / 'plots'}" in caplog.text
 
 
+def test_tau_plot_draws_the_capped_walk_when_logged():
+    from eyas.train.plots import run_figures
+    recs = [{"step": s, "eval/tau": 1.5 + s / 10, "eval/tau_trajectory": 1.4 + s / 10,
+             "eval/tau_trajectory_capped": 1.3 + s / 10} for s in (2, 4)]
+    (ax,) = run_figures(recs, 4)["tau"].axes
+    series = {line.get_label().split(",")[0]: list(line.get_ydata())
+              for line in ax.get_lines() if not line.get_label().startswith("_")}
+    assert series["tau_trajectory_capped"] == pytest.approx([1.5, 1.7])
+    assert series["tau_trajectory"] == pytest.approx([1.6, 1.8])
+
+
 def test_run_plots_draw_context_buckets_when_the_eval_reports_them(tmp_path):
     from eyas.train.plots import read_records, run_figures
     buckets = RESULT["by_context"]
@@ -81,6 +92,10 @@ def test_run_plots_draw_context_buckets_when_the_eval_reports_them(tmp_path):
     written = write_run_plots(tmp_path, selected_step=2)
     assert sorted(p.name for p in written) == ["acceptance.png", "loss.png", "tau.png",
                                                "tau_by_context.png"]
+    (tau_ax,) = run_figures(read_records(tmp_path / "metrics.jsonl"), 2)["tau"].axes
+    labels = [line.get_label().split(",")[0] for line in tau_ax.get_lines()]
+    assert [x for x in labels if not x.startswith("_")] == \
+        ["tau", "tau_trajectory", "selected checkpoint (step 2)"]   # no capped walk logged
     (ax,) = run_figures(read_records(tmp_path / "metrics.jsonl"), 2)["tau_by_context"].axes
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["selected checkpoint (step 2)", "last eval (step 4)"]
