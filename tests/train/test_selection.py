@@ -120,9 +120,11 @@ def test_the_run_draws_its_pictures(spiked):
     assert labels(loss) == ["train loss (per log window)", "eval loss (held-out)",
                             f"selected checkpoint (step {peak})"]
     assert [len(line.get_xdata()) for line in loss.get_lines()[:2]] == [LAST, LAST]
-    assert labels(tau)[:2] == ["tau, every chain start",
-                               "tau_trajectory, decoder walk (ranks checkpoints)"]
-    assert list(tau.get_lines()[2].get_xdata()) == [peak]              # the star on the peak
+    assert labels(tau)[:3] == ["tau, every chain start",
+                               "tau_trajectory, decoder walk (ranks checkpoints)",
+                               "tau_trajectory_capped, the walk within each answer's first "
+                               "eval.max_new_tokens tokens"]
+    assert list(tau.get_lines()[3].get_xdata()) == [peak]              # the star on the peak
     over, at = figs["acceptance"].axes
     assert labels(over)[:3] == ["position 0", "position 1", "position 2"]   # K = 3
     assert labels(at) == [f"selected checkpoint (step {peak})", f"last eval (step {LAST})"]
