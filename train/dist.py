@@ -72,7 +72,7 @@ def _deepspeed_json(dist_cfg) -> tuple[Path, dict]:
 
 
 def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool,
-                     world_size: int | None = None) -> dict:
+                     world_size: int = 1) -> dict:
     """The DeepSpeed JSON for this run, as HF Trainer takes one: the file is used as given,
     except the fields set to "auto", which are filled from the config (gradient_clipping from
     optim.clip_grad_norm, gradient_accumulation_steps from optim.grad_accum, bf16.enabled from
@@ -81,10 +81,8 @@ def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool,
     "auto" (the shipped files) is on with more than one process and off with one: one process
     has no gradient communication to overlap, and the overlap's extra stream and buffers cost it
     ~3 % of a step (benchmarks/README.md). A given value the trainer cannot run with is refused
-    (ConfigError). world_size: the number of processes (default: $WORLD_SIZE, else 1)."""
+    (ConfigError). world_size: the number of processes."""
     path, ds = _deepspeed_json(dist_cfg)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("overlap_comm") == "auto":
         zero["overlap_comm"] = world_size > 1

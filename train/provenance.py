@@ -23,6 +23,7 @@ from eyas.train.config import to_plain
 
 log = logging.getLogger(__name__)
 
+
 def vocab_coverage(dataset, t2d: torch.Tensor) -> float | None:
     """The fraction of the dataset's counted tokens (the ones the draft vocabulary was chosen
     from, data.vocab.count_tokens, which reads a dataset once per process) that the draft

@@ -362,9 +362,8 @@ def evaluate(t: Trainer) -> dict[str, Any]:
     ranks): `tau` averages the chain over every start, `tau_trajectory` walks the text as a
     greedy decoder does and counts as the engines do (`models.metrics`), and
     `tau_trajectory_capped` within each answer's first eval.max_new_tokens tokens, the length
-    real decoding checks; `tau_ctx_<bucket>`
-    and the `by_context` table per bucket of eval.context_buckets (`models.context`); `loss`
-    is the training objective's mean."""
+    real decoding checks; `tau_ctx_<bucket>` and the `by_context` table per bucket of
+    eval.context_buckets (`models.context`); `loss` is the training objective's mean."""
     if t.data.eval is None:
         return {}
     K, skip_rows = t.model.config.ttt_steps, bool(t.cfg.loss.skip_masked_rows)
@@ -412,8 +411,8 @@ def _save(t: Trainer, step: int, loader_state: dict, objective: dict, skipped: S
              "best": {"tau_trajectory": best.value, "step": best.step}}
     walk = walk if walk is not None and math.isfinite(walk) else None
     ckpt.save(t.accelerator, t.out / "checkpoints", step, state, keep_last=t.cfg.train.keep_last,
-              best_metric=walk, best_record={"tau": last_eval.get("tau"), "tau_trajectory_capped":
-                                             last_eval.get("tau_trajectory_capped")},
+              best_metric=walk,
+              best_record={key: last_eval.get(key) for key in ("tau", "tau_trajectory_capped")},
               add_files=lambda d: write_export_meta(t, d, step,
                                                      last_eval if evaluated else None))
 
