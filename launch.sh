@@ -22,7 +22,7 @@ With no overrides it runs the embedded default end to end: SmolLM2-135M-Instruct
 the shipped prompts, hidden states are extracted, a drafter is trained, exported and
 evaluated. On a CPU that is a few-minute demonstration (96 prompts, a small drafter); with a
 GPU it is +experiment=gpu_default (12000 target-written prompts, a full-size drafter, real
-decoding of the 64 held-out prompts in 8 processes; ~8.5 minutes on one H200). The last lines are
+decoding of the 64 held-out prompts in 8 processes; ~9 minutes on one H200). The last lines are
 `export: <dir>` and `tau: <value>`.
 
 Launcher options (processes and nodes only; everything else is a Hydra override):
