@@ -5,6 +5,9 @@ the offline walk on the held-out prompts' own answers).
 `train/main.py` calls them in order. The embedded default dataset (SmolLM2 answering the
 shipped prompts, then hidden states extracted from it) is built once and cached under
 `data.cache_dir/datasets/<key>`, where the key hashes every setting that changes its bytes.
+A dataset that differs from a finished one only in what is extracted (aux layers, storage
+format, teacher, padded batches) copies that one's prompts, answers and tokens instead of
+generating them again.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,33 +36,90 @@ class DatasetPaths:
 
 
 def _embedded_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
-    prompts = Path(data.prompts or prompts_path("default"))
-    if not prompts.is_file():
-        raise ConfigError(f"dataset: the prompts file {prompts} does not exist "
-                          f"(set data.prompts=FILE.jsonl)")
-    h = hashlib.sha256()
-    h.update(prompts.read_bytes())
+    """The dataset's directory name: a hash of every setting that changes its bytes."""
     ids = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
     # str(enum) is "AuxFormat.bf16": the spelling the keys of existing caches were made with
     fields = [target.name, target.dtype, ids, data.num_prompts, data.max_new_tokens,
               data.max_length, str(data.aux_format), str(data.teacher), seed]
-    if data.samples_per_prompt > 1:   # appended only then: one-answer caches keep their key
+    fields += _answer_extras(data)
+    if data.extract_pad_batches:
+        fields += ["pad_batches"]
+    if data.endpoint:                 # answers from a served target
+        fields += ["endpoint", data.endpoint, data.endpoint_model]
+    return _hash(data, fields)
+
+
+def _answers_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
+    """A hash of the settings the prompts, answers and tokens depend on: two datasets that
+    differ only in what is extracted from those tokens (aux layers, storage format, teacher,
+    padded batches) share it, and the second reuses the first's answers (`_reuse_answers`)."""
+    fields = ["answers", target.name, target.dtype, data.num_prompts, data.max_new_tokens,
+              data.max_length, seed, *_answer_extras(data)]
+    if data.endpoint:
+        fields += ["endpoint", data.endpoint, data.endpoint_model]
+    return _hash(data, fields)
+
+
+def _answer_extras(data: DataConfig) -> list:
+    """The key fields of the optional generation settings, each appended only when it is not
+    the default, so caches built before it existed keep their key."""
+    fields: list = []
+    if data.samples_per_prompt > 1:
         fields += [data.samples_per_prompt, data.temperature, data.top_p]
     if KVCache(data.generation_cache) != KVCache.dynamic and not data.endpoint:
-        fields += ["cache", KVCache(data.generation_cache).value]   # likewise: its answers
-    if data.synthetic_prompts > 0:    # likewise
+        fields += ["cache", KVCache(data.generation_cache).value]   # its answers differ
+    if data.synthetic_prompts > 0:
         fields += ["synthetic", data.synthetic_prompts, data.synthetic_temperature,
                    data.generation_batch_size]   # batch b of prompts is seeded by b
         if data.synthetic_opener_words > 0:
             fields += ["openers", data.synthetic_opener_words]
         if data.synthetic_examples > 0:
             fields += ["examples", data.synthetic_examples]
-    if data.extract_pad_batches:
-        fields += ["pad_batches"]
-    if data.endpoint:                 # answers from a served target
-        fields += ["endpoint", data.endpoint, data.endpoint_model]
+    return fields
+
+
+def _hash(data: DataConfig, fields: list) -> str:
+    prompts = Path(data.prompts or prompts_path("default"))
+    if not prompts.is_file():
+        raise ConfigError(f"dataset: the prompts file {prompts} does not exist "
+                          f"(set data.prompts=FILE.jsonl)")
+    h = hashlib.sha256()
+    h.update(prompts.read_bytes())
     h.update(json.dumps(fields).encode())
     return h.hexdigest()[:16]
+
+
+# What a dataset directory holds before extraction: reused whole by a dataset with the same
+# answers key (tokens/ last: its manifest marks the answers complete).
+_ANSWER_FILES = ("prompts.synthetic.jsonl", "prompts.jsonl", "prompts.sampled.jsonl",
+                 "answers.greedy.jsonl", "answers.sampled.jsonl", "conversations.jsonl")
+_ANSWERS_KEY_FILE = "answers.key"
+
+
+def _reuse_answers(root: Path, key: str) -> Path | None:
+    """Copy the prompts, answers and tokens of a complete sibling cache with answers key `key`
+    into `root`, each file whole or not at all; the sibling, or None if there is none."""
+    for other in sorted(root.parent.iterdir()):
+        mark = other / _ANSWERS_KEY_FILE
+        if (other == root or not mark.is_file() or mark.read_text().strip() != key
+                or not (other / "tokens" / "manifest.json").is_file()):
+            continue
+        for name in _ANSWER_FILES:
+            if (other / name).is_file():
+                _copy_whole(other / name, root / name)
+        partial = root / "tokens.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(other / "tokens", partial, copy_function=shutil.copyfile)
+        shutil.rmtree(root / "tokens", ignore_errors=True)
+        partial.rename(root / "tokens")
+        return other
+    return None
+
+
+def _copy_whole(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
@@ -139,28 +201,54 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
     target_dtype: the torch dtype the target runs in (`Resolved.target_dtype`).
     """
-    from eyas.data import extract, generate, prepare
+    from eyas.data import extract
     root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
     if (hidden / "manifest.json").is_file():
         log.info("embedded dataset: cached at %s", hidden)
+        if not (root / _ANSWERS_KEY_FILE).is_file():   # built before the file existed
+            atomic_write_bytes(root / _ANSWERS_KEY_FILE,
+                               (_answers_key(data, target, seed) + "\n").encode())
         return DatasetPaths(train=hidden, eval=None, conversations=conversations)
     root.mkdir(parents=True, exist_ok=True)
     prompts = Path(data.prompts or prompts_path("default"))
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     lines = lines[:data.num_prompts]
-    samples, n_synth = data.samples_per_prompt, data.synthetic_prompts
+    n_synth = data.synthetic_prompts
     log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each (resumable; "
              "cached in %s)", target.name, len(lines), prompts.name,
-             f" and {n_synth} it writes itself" if n_synth else "", samples, root)
+             f" and {n_synth} it writes itself" if n_synth else "", data.samples_per_prompt, root)
     from eyas.data.targets import default_device, load_target
     device = default_device().type
     model, tokenizer = load_target(target.name, dtype=target_dtype, device=device)
+    tokens = root / "tokens"
+    akey = _answers_key(data, target, seed)
+    if not (tokens / "manifest.json").is_file():
+        donor = _reuse_answers(root, akey)
+        if donor is not None:
+            log.info("embedded dataset: prompts, answers and tokens reused from %s (the same "
+                     "prompts, target and generation settings; only the extraction differs)",
+                     donor)
+    if not (tokens / "manifest.json").is_file():
+        _answer_and_tokenise(data, target, seed, root, lines, prompts, model, tokenizer)
+    atomic_write_bytes(root / _ANSWERS_KEY_FILE, (akey + "\n").encode())
+    extract.extract(tokens, target.name, hidden,
+                    layers=None if target.aux_layer_ids is None else list(target.aux_layer_ids),
+                    **data.extract_kwargs(), model=model, device=device)
+    return DatasetPaths(train=hidden, eval=None, conversations=conversations)
+
+
+def _answer_and_tokenise(data: DataConfig, target: TargetConfig, seed: int, root: Path,
+                         lines: list[str], prompts: Path, model, tokenizer) -> None:
+    """The prompts (shipped, then synthesized), the target's answers to them (greedy, then
+    sampled; each step resumable) and their tokens, into `root`."""
+    from eyas.data import generate, prepare
+    samples, conversations = data.samples_per_prompt, root / "conversations.jsonl"
     subset = root / "prompts.jsonl"
     if not subset.is_file():
-        if n_synth:
-            lines += _synthetic_prompts(data, seed, root, model, tokenizer, prompts)
+        if data.synthetic_prompts:
+            lines = lines + _synthetic_prompts(data, seed, root, model, tokenizer, prompts)
         _write_lines(subset, lines)
     sampled = root / "prompts.sampled.jsonl"
     if samples > 1 and not sampled.is_file():
@@ -177,14 +265,8 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
         generate.generate_conversations(sampled, target.name, conversations,
                                         **data.generate_kwargs(), seed=seed, model=model,
                                         tokenizer=tokenizer)
-    tokens = root / "tokens"
-    if not (tokens / "manifest.json").is_file():
-        prepare.prepare(conversations, target.name, tokens, max_length=data.max_length,
-                        on_error="skip")
-    extract.extract(tokens, target.name, hidden,
-                    layers=None if target.aux_layer_ids is None else list(target.aux_layer_ids),
-                    **data.extract_kwargs(), model=model, device=device)
-    return DatasetPaths(train=hidden, eval=None, conversations=conversations)
+    prepare.prepare(conversations, target.name, root / "tokens", max_length=data.max_length,
+                    on_error="skip")
 
 
 def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int,

@@ -174,3 +174,41 @@ def test_generation_cache_reaches_the_greedy_answers(tmp_path, monkeypatch):
                         f"data.cache_dir={tmp_path}", "data.generation_cache=static"))
     assert seen == ["static"]
     assert len(open_dataset(built.train)) == 3
+
+
+def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, caplog):
+    """Other aux layers are a dataset of their own (its own key and hidden states), but the
+    prompts, answers and tokens are copied from the finished one, not generated again."""
+    from eyas.data import generate
+    base = ["data.num_prompts=3", "data.max_new_tokens=8", f"data.cache_dir={tmp_path}"]
+    first = _build(_cfg(*base))
+    mark = first.train.parent / "answers.key"
+    mark.unlink()                      # as a cache built before answer keys existed
+    assert _build(_cfg(*base)).train == first.train and mark.is_file()   # read, marked
+    seen, real = [], generate.generate_conversations
+
+    def recording(*args, **kw):
+        seen.append(args[0])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(generate, "generate_conversations", recording)
+    other = _cfg(*base, "target.aux_layer_ids=[2,3,6]")
+    with caplog.at_level("INFO", logger="eyas.train.pipeline"):
+        second = _build(other)
+    assert seen == [] and "reused from" in caplog.text
+    assert second.train != first.train and _key(other) != _key(_cfg(*base))
+    assert second.conversations.read_bytes() == first.conversations.read_bytes()
+    for name in ("prompts.jsonl", "answers.key", "tokens/manifest.json"):
+        a, b = first.train.parent / name, second.train.parent / name
+        assert a.read_bytes() == b.read_bytes(), name
+    one, two = open_dataset(first.train), open_dataset(second.train)
+    assert len(two) == len(one) == 3
+    assert (one.manifest["aux_layer_ids"], two.manifest["aux_layer_ids"]) == ([2, 4, 5], [2, 3, 6])
+    for i in range(3):
+        assert (two[i]["input_ids"] == one[i]["input_ids"]).all()
+
+    # a setting the answers depend on is generated anew, even with the same extraction
+    third = _build(_cfg(*base[:1], "data.max_new_tokens=6", base[2], "target.aux_layer_ids=[2,3,6]"))
+    assert len(seen) == 1 and third.train.parent not in (first.train.parent, second.train.parent)
+    assert (third.train.parent / "answers.key").read_text() != (
+        first.train.parent / "answers.key").read_text()
