@@ -22,7 +22,9 @@ each there, five at ~60 k. Each variant runs as `run_name=<prefix>-<name>` in
 OUT/runs/<name> (the quality recipe's train.resume=latest continues an interrupted one), its
 log in OUT/<name>.log. At the end a table (the training batches' τ at the last step every run
 logged, eval-split walk, the same within each answer's first eval.max_new_tokens tokens
-(the length real decoding checks), held-out walk, real τ with its standard error over prompts,
+(the length real decoding checks), held-out walk (with eval.heldout_max_new_tokens longer than
+eval.max_new_tokens: within each answer's first eval.max_new_tokens tokens, and the walk over
+the longer answers in the next column), real τ with its standard error over prompts,
 identical-to-greedy, training seconds) goes to stdout and OUT/ablation.json, with each row's
 ratio to the first variant's real τ and that ratio's standard error paired over the prompts
 (both decoded the same prompts, and the same text when both are identical to greedy, so what
@@ -128,7 +130,10 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
     off = s.get("heldout_offline") or {}
     return {"name": name, "overrides": overrides, "exit": rc, "steps": s.get("steps"),
             "eval_walk": eval_walk(s), "eval_walk_capped": eval_walk(s, "tau_trajectory_capped"),
-            "heldout_walk": off.get("tau_trajectory"),
+            "heldout_walk": off.get("tau_trajectory_capped", off.get("tau_trajectory")),
+            "heldout_walk_long": (off.get("tau_trajectory")
+                                  if off.get("tau_trajectory_capped") is not None else None),
+            "heldout_long_tokens": off.get("max_new_tokens") if off.get("walk_cap") else None,
             "real_tau": spec.get("tau"), "real_tau_se": spec.get("tau_se_prompts"),
             "identical": spec.get("tokens_identical"), "stage_seconds": s.get("stage_seconds"),
             "per_prompt": [[p["prompt"], p["accepted"], p["rounds"]]
@@ -191,21 +196,29 @@ def table(rows: list[dict]) -> str:
     common = next((r["train_tau_common"] for r in rows if r["train_tau_common"]), None)
     at = f"train τ @{common['step']}" if common else "train τ"
     head = ("| variant | exit | steps | " + at + " | eval-split walk | the same, first "
-            "eval.max_new_tokens | held-out walk | real τ ± s.e. | × first ± paired s.e. | "
-            "identical | train s |")
-    lines = [head, "|" + "---|" * 11]
+            "eval.max_new_tokens | held-out walk | the same, longer answers | real τ ± s.e. | "
+            "× first ± paired s.e. | identical | train s |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         stages = r.get("stage_seconds") or {}
         train = (r["train_tau_common"] or {}).get("tau")
         same = "–" if r["identical"] is None else r["identical"]
         lines.append(f"| {r['name']} | {f(r['exit'], 'd')} | {f(r['steps'], 'd')} | "
                      f"{f(train)} | {f(r['eval_walk'])} | {f(r.get('eval_walk_capped'))} | "
-                     f"{f(r['heldout_walk'])} | "
+                     f"{f(r['heldout_walk'])} | {long_walk(r)} | "
                      f"{f(r['real_tau'])} ± {f(r['real_tau_se'])} | "
                      f"{f(r['real_tau_ratio'], '.4f')} ± {f(r['real_tau_ratio_se'], '.4f')} | "
                      f"{same} | "
                      f"{f(stages.get('train'), '.0f')} |")
     return "\n".join(lines)
+
+
+def long_walk(r: dict) -> str:
+    """The held-out walk over answers longer than the real check's (eval.heldout_max_new_tokens),
+    with their length; "–" without them."""
+    if r.get("heldout_walk_long") is None:
+        return "–"
+    return f"{r['heldout_walk_long']:.3f} (≤ {r['heldout_long_tokens']})"
 
 
 def run_dir(args, name: str) -> Path:

@@ -308,6 +308,11 @@ class EvalConfig:
     max_new_tokens tokens; cached under data.cache_dir/heldout/<key>), extract them and report
     the export's offline decoder walk on that text: the offline figure next to the real one
     (`heldout_offline` in summary.json)."""
+    heldout_max_new_tokens: Optional[int] = None
+    """Length of the held-out answers eval.heldout_offline walks (null: max_new_tokens). A
+    longer one (e.g. 384) reports the walk over those answers (`tau_trajectory`) and, beside
+    it, the walk within each answer's first max_new_tokens tokens (`tau_trajectory_capped`,
+    the figure real decoding's τ compares with), from one set of answers."""
 
 
 @dataclass
@@ -388,6 +393,11 @@ def check(cfg: DictConfig | Any) -> None:
     if cfg.eval.max_new_tokens < 1:
         fail("eval.max_new_tokens", cfg.eval.max_new_tokens, "an integer >= 1",
              "eval.max_new_tokens=64")
+    longer = cfg.eval.heldout_max_new_tokens
+    if longer is not None and longer < cfg.eval.max_new_tokens:
+        fail("eval.heldout_max_new_tokens", longer,
+             f"null or an integer >= eval.max_new_tokens ({cfg.eval.max_new_tokens})",
+             f"eval.heldout_max_new_tokens={3 * cfg.eval.max_new_tokens}")
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.overwrite and cfg.train.resume == "latest":

@@ -186,9 +186,19 @@ def _checks(cfg, export: str, stages: dict) -> dict:
                                            k=cfg.drafter.ttt_steps)
     if off:
         found["heldout_offline"] = off
-        log.info("offline decoder walk on the held-out answers: tau %.3f over %d chain starts",
-                 off["tau_trajectory"], off["chain_starts"])
+        log.info("offline decoder walk on the held-out answers: %s over %d chain starts",
+                 heldout_walk_text(off), off["chain_starts"])
     return found
+
+
+def heldout_walk_text(off: dict) -> str:
+    """"tau X" for the held-out walk; with answers longer than the real check's, also the walk
+    within their first eval.max_new_tokens tokens."""
+    text = f"tau {off['tau_trajectory']:.3f}"
+    if off.get("tau_trajectory_capped") is not None:
+        text += (f" over answers of up to {off['max_new_tokens']} tokens, "
+                 f"{off['tau_trajectory_capped']:.3f} within their first {off['walk_cap']}")
+    return text
 
 
 def _write_summary(out: Path, summary: dict) -> None:
@@ -295,7 +305,7 @@ def main(cfg: DictConfig) -> None:
                   + f" over {spec['num_prompts']} held-out prompts, identical to greedy: "
                   f"{spec['tokens_identical']}")
         if summary.get("heldout_offline"):
-            print(f"held-out offline: tau {summary['heldout_offline']['tau_trajectory']:.3f} "
+            print(f"held-out offline: {heldout_walk_text(summary['heldout_offline'])} "
                   f"(decoder walk on the held-out prompts' own answers)")
         if summary.get("tau") is not None:
             walk = summary.get("tau_trajectory")

@@ -313,9 +313,14 @@ def eval_device(eval_cfg: EvalConfig) -> str:
 def _heldout_key(eval_cfg: EvalConfig, target: TargetConfig, prompts: Path) -> str:
     h = hashlib.sha256(prompts.read_bytes())
     ids = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
-    h.update(json.dumps([target.name, ids, eval_cfg.num_prompts, eval_cfg.max_new_tokens,
+    h.update(json.dumps([target.name, ids, eval_cfg.num_prompts, heldout_length(eval_cfg),
                          "float32"]).encode())
     return h.hexdigest()[:16]
+
+
+def heldout_length(eval_cfg: EvalConfig) -> int:
+    """How many tokens the offline held-out check answers each prompt with."""
+    return eval_cfg.heldout_max_new_tokens or eval_cfg.max_new_tokens
 
 
 #: how long a run waits for another run that is building the same held-out cache
@@ -327,7 +332,9 @@ def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetCo
     """The export's offline acceptance on the held-out prompts' own greedy answers (rank 0):
     the first eval.num_prompts prompts answered by the target in float32 (the precision of real
     decoding), tokenised and extracted once, cached under data.cache_dir/heldout/<key> (each
-    step resumable: generation continues where it stopped), then `evaluate.offline_eval`.
+    step resumable: generation continues where it stopped), then `evaluate.offline_eval`; with
+    answers longer than eval.max_new_tokens (eval.heldout_max_new_tokens) the walk within each
+    answer's first eval.max_new_tokens tokens too.
     Runs that finish side by side share the cache: the second waits for the first to write
     it (HELDOUT_WAIT_S), then reads it."""
     if not eval_cfg.heldout_offline:
@@ -342,10 +349,18 @@ def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetCo
         with dir_lock(root, what="held-out dataset cache", wait=HELDOUT_WAIT_S):
             if not (hidden / "manifest.json").is_file():   # not written while this one waited
                 _build_heldout(eval_cfg, data, target, prompts, root, device)
+    length = heldout_length(eval_cfg)
+    cap = eval_cfg.max_new_tokens if length > eval_cfg.max_new_tokens else None
     res = evaluate.offline_eval(export_dir, hidden, k=k, token_budget=data.token_budget,
-                                device=device, target=target.name, cache_dir=data.cache_dir)
-    keep = ("tau", "tau_trajectory", "chain_starts", "num_samples", "dataset")
-    return {key: res[key] for key in keep if key in res}
+                                device=device, target=target.name, cache_dir=data.cache_dir,
+                                walk_cap=cap)
+    keep = ("tau", "tau_trajectory", "tau_trajectory_capped", "chain_starts", "num_samples",
+            "dataset")
+    out = {key: res[key] for key in keep if key in res}
+    out["max_new_tokens"] = length
+    if cap is not None:
+        out["walk_cap"] = cap
+    return out
 
 
 def _build_heldout(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
@@ -355,15 +370,15 @@ def _build_heldout(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
 
     from eyas.data import extract, generate, prepare
     from eyas.data.targets import load_target
-    log.info("held-out offline check: answering %d prompts of %s (float32, cached in %s)",
-             eval_cfg.num_prompts, prompts.name, root)
+    log.info("held-out offline check: answering %d prompts of %s (<= %d tokens, float32, "
+             "cached in %s)", eval_cfg.num_prompts, prompts.name, heldout_length(eval_cfg), root)
     model, tokenizer = load_target(target.name, dtype=torch.float32, device=device)
     subset = root / "prompts.jsonl"
     lines = [x for x in prompts.read_text().splitlines() if x.strip()]
     _write_lines(subset, lines[:eval_cfg.num_prompts])
     conversations = generate.generate_conversations(
         subset, target.name, root / "conversations.jsonl",
-        max_new_tokens=eval_cfg.max_new_tokens, batch_size=data.generation_batch_size,
+        max_new_tokens=heldout_length(eval_cfg), batch_size=data.generation_batch_size,
         temperature=0.0, model=model, tokenizer=tokenizer)
     if not (root / "tokens" / "manifest.json").is_file():
         prepare.prepare(conversations, target.name, root / "tokens",

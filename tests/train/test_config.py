@@ -80,6 +80,7 @@ def test_bad_type_is_rejected():
     ("eval.context_buckets=[100,2048]", "eval.context_buckets=[0,2048"),
     ("drafter.fp8_layers=[fc,lm_head]", "drafter.fp8_layers=[q_proj,k_proj,v_proj,o_proj,"),
     ("drafter.fp8_layers=[]", "drafter.fp8_layers=[q_proj,"),
+    ("eval.heldout_max_new_tokens=16", "eval.heldout_max_new_tokens=192"),
 ])
 def test_cross_field_errors_name_the_fix(override, fix):
     cfg = _compose([override])

@@ -35,8 +35,8 @@ def test_the_experiment_composes_the_quality_recipe():
     assert (cfg.drafter.norm_before_fc, cfg.drafter.fc_norm, cfg.drafter.norm_output) == \
         (True, True, False)
     assert (cfg.optim.lr, cfg.train.epochs, cfg.train.resume) == (3e-3, 12, "latest")
-    assert (cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.heldout_offline) == \
-        (64, 128, True)
+    assert (cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.heldout_offline,
+            cfg.eval.heldout_max_new_tokens) == (64, 128, True, 384)
 
 
 def test_the_gpu_default_composes_its_recipe():
@@ -61,7 +61,8 @@ def _job(tmp_path, *extra):
             "data.max_new_tokens=16", "data.generation_batch_size=8", "data.token_budget=256",
             "drafter.draft_vocab_size=2048", "drafter.intermediate_size=256",
             "drafter.ttt_steps=3", "train.eval_every=0", "train.save_every=2", "train.log_every=1",
-            "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.engines=false",
+            "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.heldout_max_new_tokens=12",
+            "eval.engines=false",
             f"hydra.run.dir={tmp_path}/run", *extra]
     log = tmp_path / "run" / "train.log"
     before = log.stat().st_size if log.exists() else 0      # a resumed run appends to it
@@ -77,7 +78,9 @@ def test_the_experiment_runs_every_stage_and_continues(tmp_path):
     assert summary["steps"] == 2
     off, spec = summary["heldout_offline"], summary["speculative"]
     assert off["num_samples"] == 2 and off["chain_starts"] > 0
-    assert f"held-out offline: tau {off['tau_trajectory']:.3f} " \
+    assert (off["max_new_tokens"], off["walk_cap"]) == (12, 8)
+    assert f"held-out offline: tau {off['tau_trajectory']:.3f} over answers of up to 12 " \
+        f"tokens, {off['tau_trajectory_capped']:.3f} within their first 8 " \
         f"(decoder walk on the held-out prompts' own answers)" in lines
     assert spec["num_prompts"] == 2 and spec["tokens_identical"] is True
     stages = summary["stage_seconds"]   # what each stage cost, also logged on one line

@@ -212,3 +212,46 @@ def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, 
     assert len(seen) == 1 and third.train.parent not in (first.train.parent, second.train.parent)
     assert (third.train.parent / "answers.key").read_text() != (
         first.train.parent / "answers.key").read_text()
+
+
+def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
+                                                                       full_vocab_export):
+    """eval.heldout_max_new_tokens: one set of longer held-out answers gives the walk over them
+    and the walk within their first eval.max_new_tokens tokens; the shorter answers of the
+    default are those answers' greedy prefixes, cached apart."""
+    from eyas.data.targets import load_target
+    from eyas.train.evaluate import offline_eval
+    from eyas.train.main import heldout_walk_text
+    from eyas.train.pipeline import run_heldout_offline
+    model, _ = load_target("tiny-llama", device="cpu")
+    export = full_vocab_export(model, tmp_path / "export")
+    base = ["eval.num_prompts=2", "eval.max_new_tokens=4", "eval.heldout_offline=true",
+            "eval.target_device=cpu", f"data.cache_dir={tmp_path}/cache"]
+    short_cfg, long_cfg = _typed(_cfg(*base)), _typed(_cfg(*base, "eval.heldout_max_new_tokens=10"))
+    check(_cfg(*base, "eval.heldout_max_new_tokens=10"))
+    short = run_heldout_offline(short_cfg.eval, short_cfg.data, short_cfg.target, export, k=3)
+    long = run_heldout_offline(long_cfg.eval, long_cfg.data, long_cfg.target, export, k=3)
+    assert short["max_new_tokens"] == 4 and "tau_trajectory_capped" not in short
+    assert (long["max_new_tokens"], long["walk_cap"]) == (10, 4)
+
+    roots = {p.parent.parent.name: p.parent.parent for p in
+             (tmp_path / "cache" / "heldout").glob("*/hidden/manifest.json")}
+    assert len(roots) == 2
+    long_root = next(r for r in roots.values() if str(r) in long["dataset"])
+    direct = offline_eval(export, long_root / "hidden", k=3, token_budget=long_cfg.data.token_budget,
+                          walk_cap=4, target="tiny-llama")
+    assert (long["tau_trajectory"], long["tau_trajectory_capped"]) == \
+        (direct["tau_trajectory"], direct["tau_trajectory_capped"])
+    assert heldout_walk_text(long) == (f"tau {long['tau_trajectory']:.3f} over answers of up to "
+                                       f"10 tokens, {long['tau_trajectory_capped']:.3f} within "
+                                       f"their first 4")
+    assert heldout_walk_text(short) == f"tau {short['tau_trajectory']:.3f}"
+
+    answers = {name: {rid: rec["messages"][-1]["content"]
+                      for rid, rec in _records(root / "conversations.jsonl").items()}
+               for name, root in roots.items()}
+    short_answers, long_answers = (answers[name] for name in sorted(
+        answers, key=lambda n: str(roots[n]) in long["dataset"]))
+    assert sorted(short_answers) == sorted(long_answers) and len(short_answers) == 2
+    for rid, text in short_answers.items():   # greedy: the short answers begin the long ones
+        assert len(long_answers[rid]) > len(text) and long_answers[rid].startswith(text)
