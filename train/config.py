@@ -20,12 +20,13 @@ from eyas.data.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSetti
                                 TargetSettings, TokenizeSettings)
 from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
 from eyas.models.config import DrafterShape
-from eyas.models.context import DEFAULT_EDGES, check_edges
+from eyas.models.context import DEFAULT_EDGES
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS
 from eyas.train.choices import (AttentionImpl, DistBackend,  # noqa: F401
                                 ExportSelect, FP8Recipe, LossImpl, Normalisation, ParamDtype,
                                 Moments, Schedule, WandbMode)
-from eyas.train.limits import check_data, check_drafter, check_loop, check_optim, check_trackers
+from eyas.train.limits import (check_data, check_drafter, check_eval, check_loop, check_optim,
+                               check_trackers)
 
 
 @dataclass
@@ -305,7 +306,8 @@ class EvalConfig:
     processes sharing the machine."""
     heldout_offline: bool = False
     """Also answer the held-out prompts greedily in float32 (the first num_prompts, at most
-    max_new_tokens tokens; cached under data.cache_dir/heldout/<key>), extract them and report
+    heldout_max_new_tokens tokens, else max_new_tokens; cached under
+    data.cache_dir/heldout/<key>), extract them and report
     the export's offline decoder walk on that text: the offline figure next to the real one
     (`heldout_offline` in summary.json)."""
     heldout_max_new_tokens: Optional[int] = None
@@ -379,25 +381,7 @@ def check(cfg: DictConfig | Any) -> None:
         fail("dist.deepspeed_config", cfg.dist.deepspeed_config, "null with dist=ddp (DDP reads "
              "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
     check_trackers(cfg.tracker, fail)
-    try:
-        check_edges(cfg.eval.context_buckets)
-    except ValueError:
-        fail("eval.context_buckets", list(cfg.eval.context_buckets), "increasing integer "
-             "positions starting at 0", "eval.context_buckets=[0,2048,8192,16384,32768]")
-    dev = str(cfg.eval.target_device)
-    if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
-        fail("eval.target_device", dev, "auto, cpu, cuda or cuda:<index>",
-             "eval.target_device=auto")
-    if cfg.eval.processes < 1:
-        fail("eval.processes", cfg.eval.processes, "an integer >= 1", "eval.processes=1")
-    if cfg.eval.max_new_tokens < 1:
-        fail("eval.max_new_tokens", cfg.eval.max_new_tokens, "an integer >= 1",
-             "eval.max_new_tokens=64")
-    longer = cfg.eval.heldout_max_new_tokens
-    if longer is not None and longer < cfg.eval.max_new_tokens:
-        fail("eval.heldout_max_new_tokens", longer,
-             f"null or an integer >= eval.max_new_tokens ({cfg.eval.max_new_tokens})",
-             f"eval.heldout_max_new_tokens={3 * cfg.eval.max_new_tokens}")
+    check_eval(cfg.eval, fail)
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
     if cfg.train.overwrite and cfg.train.resume == "latest":

@@ -202,6 +202,30 @@ def wandb_key_available() -> bool:
         return False
 
 
+def check_eval(ev, fail: Fail) -> None:
+    """The eval group: context buckets, the evaluation's device, decoding processes, lengths."""
+    from eyas.models.context import check_edges
+    try:
+        check_edges(ev.context_buckets)
+    except ValueError:
+        fail("eval.context_buckets", list(ev.context_buckets), "increasing integer "
+             "positions starting at 0", "eval.context_buckets=[0,2048,8192,16384,32768]")
+    dev = str(ev.target_device)
+    if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
+        fail("eval.target_device", dev, "auto, cpu, cuda or cuda:<index>",
+             "eval.target_device=auto")
+    if ev.processes < 1:
+        fail("eval.processes", ev.processes, "an integer >= 1", "eval.processes=1")
+    if ev.max_new_tokens < 1:
+        fail("eval.max_new_tokens", ev.max_new_tokens, "an integer >= 1",
+             "eval.max_new_tokens=64")
+    longer = ev.heldout_max_new_tokens
+    if longer is not None and longer < ev.max_new_tokens:
+        fail("eval.heldout_max_new_tokens", longer,
+             f"null or an integer >= eval.max_new_tokens ({ev.max_new_tokens})",
+             f"eval.heldout_max_new_tokens={3 * ev.max_new_tokens}")
+
+
 def check_trackers(tracker, fail: Fail) -> None:
     """tracker.kind: known, installed, each once; tracker.mode=online needs a wandb key."""
     kinds = list(tracker.kind)

@@ -186,7 +186,7 @@ def _checks(cfg, export: str, stages: dict) -> dict:
                                            k=cfg.drafter.ttt_steps)
     if off:
         found["heldout_offline"] = off
-        log.info("offline decoder walk on the held-out answers: %s over %d chain starts",
+        log.info("offline decoder walk on the held-out answers: %s (%d chain starts)",
                  heldout_walk_text(off), off["chain_starts"])
     return found
 

@@ -49,11 +49,12 @@ def _embedded_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
     return _hash(data, fields)
 
 
-def _answers_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
+def _answers_key(data: DataConfig, target: TargetConfig, seed: int, target_dtype) -> str:
     """A hash of the settings the prompts, answers and tokens depend on: two datasets that
     differ only in what is extracted from those tokens (aux layers, storage format, teacher,
-    padded batches) share it, and the second reuses the first's answers (`_reuse_answers`)."""
-    fields = ["answers", target.name, target.dtype, data.num_prompts, data.max_new_tokens,
+    padded batches) share it, and the second reuses the first's answers (`_reuse_answers`).
+    target_dtype: the dtype the target generated in (target.dtype=auto resolves by device)."""
+    fields = ["answers", target.name, str(target_dtype), data.num_prompts, data.max_new_tokens,
               data.max_length, seed, *_answer_extras(data)]
     if data.endpoint:
         fields += ["endpoint", data.endpoint, data.endpoint_model]
@@ -92,7 +93,8 @@ def _hash(data: DataConfig, fields: list) -> str:
 # What a dataset directory holds before extraction: reused whole by a dataset with the same
 # answers key (tokens/ last: its manifest marks the answers complete).
 _ANSWER_FILES = ("prompts.synthetic.jsonl", "prompts.jsonl", "prompts.sampled.jsonl",
-                 "answers.greedy.jsonl", "answers.sampled.jsonl", "conversations.jsonl")
+                 "answers.greedy.jsonl", "answers.greedy.card.json", "answers.sampled.jsonl",
+                 "answers.sampled.card.json", "conversations.jsonl", "conversations.card.json")
 _ANSWERS_KEY_FILE = "answers.key"
 
 
@@ -107,7 +109,7 @@ def _reuse_answers(root: Path, key: str) -> Path | None:
         for name in _ANSWER_FILES:
             if (other / name).is_file():
                 _copy_whole(other / name, root / name)
-        partial = root / "tokens.partial"
+        partial = root / "tokens.copying"
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(other / "tokens", partial, copy_function=shutil.copyfile)
         shutil.rmtree(root / "tokens", ignore_errors=True)
@@ -117,7 +119,7 @@ def _reuse_answers(root: Path, key: str) -> Path | None:
 
 
 def _copy_whole(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".partial")
+    tmp = dst.with_name(dst.name + ".copying")
     shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
 
@@ -208,22 +210,21 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     if (hidden / "manifest.json").is_file():
         log.info("embedded dataset: cached at %s", hidden)
         if not (root / _ANSWERS_KEY_FILE).is_file():   # built before the file existed
-            atomic_write_bytes(root / _ANSWERS_KEY_FILE,
-                               (_answers_key(data, target, seed) + "\n").encode())
+            try:
+                atomic_write_bytes(root / _ANSWERS_KEY_FILE,
+                                   (_answers_key(data, target, seed, target_dtype) + "\n").encode())
+            except OSError as e:                        # a read-only cache is still read
+                log.debug("embedded dataset: cannot mark %s for reuse (%s)", root, e)
         return DatasetPaths(train=hidden, eval=None, conversations=conversations)
     root.mkdir(parents=True, exist_ok=True)
     prompts = Path(data.prompts or prompts_path("default"))
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     lines = lines[:data.num_prompts]
-    n_synth = data.synthetic_prompts
-    log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each (resumable; "
-             "cached in %s)", target.name, len(lines), prompts.name,
-             f" and {n_synth} it writes itself" if n_synth else "", data.samples_per_prompt, root)
     from eyas.data.targets import default_device, load_target
     device = default_device().type
     model, tokenizer = load_target(target.name, dtype=target_dtype, device=device)
     tokens = root / "tokens"
-    akey = _answers_key(data, target, seed)
+    akey = _answers_key(data, target, seed, target_dtype)
     if not (tokens / "manifest.json").is_file():
         donor = _reuse_answers(root, akey)
         if donor is not None:
@@ -231,6 +232,11 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
                      "prompts, target and generation settings; only the extraction differs)",
                      donor)
     if not (tokens / "manifest.json").is_file():
+        n_synth = data.synthetic_prompts
+        log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each "
+                 "(resumable; cached in %s)", target.name, len(lines), prompts.name,
+                 f" and {n_synth} it writes itself" if n_synth else "",
+                 data.samples_per_prompt, root)
         _answer_and_tokenise(data, target, seed, root, lines, prompts, model, tokenizer)
     atomic_write_bytes(root / _ANSWERS_KEY_FILE, (akey + "\n").encode())
     extract.extract(tokens, target.name, hidden,

@@ -208,7 +208,8 @@ def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, 
         assert (two[i]["input_ids"] == one[i]["input_ids"]).all()
 
     # a setting the answers depend on is generated anew, even with the same extraction
-    third = _build(_cfg(*base[:1], "data.max_new_tokens=6", base[2], "target.aux_layer_ids=[2,3,6]"))
+    third = _build(_cfg(base[0], "data.max_new_tokens=6", base[2],
+                        "target.aux_layer_ids=[2,3,6]"))
     assert len(seen) == 1 and third.train.parent not in (first.train.parent, second.train.parent)
     assert (third.train.parent / "answers.key").read_text() != (
         first.train.parent / "answers.key").read_text()
@@ -227,7 +228,8 @@ def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
     export = full_vocab_export(model, tmp_path / "export")
     base = ["eval.num_prompts=2", "eval.max_new_tokens=4", "eval.heldout_offline=true",
             "eval.target_device=cpu", f"data.cache_dir={tmp_path}/cache"]
-    short_cfg, long_cfg = _typed(_cfg(*base)), _typed(_cfg(*base, "eval.heldout_max_new_tokens=10"))
+    short_cfg = _typed(_cfg(*base))
+    long_cfg = _typed(_cfg(*base, "eval.heldout_max_new_tokens=10"))
     check(_cfg(*base, "eval.heldout_max_new_tokens=10"))
     short = run_heldout_offline(short_cfg.eval, short_cfg.data, short_cfg.target, export, k=3)
     long = run_heldout_offline(long_cfg.eval, long_cfg.data, long_cfg.target, export, k=3)
@@ -238,8 +240,8 @@ def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
              (tmp_path / "cache" / "heldout").glob("*/hidden/manifest.json")}
     assert len(roots) == 2
     long_root = next(r for r in roots.values() if str(r) in long["dataset"])
-    direct = offline_eval(export, long_root / "hidden", k=3, token_budget=long_cfg.data.token_budget,
-                          walk_cap=4, target="tiny-llama")
+    direct = offline_eval(export, long_root / "hidden", k=3,
+                          token_budget=long_cfg.data.token_budget, walk_cap=4, target="tiny-llama")
     assert (long["tau_trajectory"], long["tau_trajectory_capped"]) == \
         (direct["tau_trajectory"], direct["tau_trajectory_capped"])
     assert heldout_walk_text(long) == (f"tau {long['tau_trajectory']:.3f} over answers of up to "
