@@ -20,10 +20,11 @@ Launches `accelerate launch train/main.py <overrides>` inside eyas's virtual env
 (created on first use in ./.venv, or $EYAS_VENV; refreshed when pyproject.toml changes).
 With no overrides it runs the embedded default end to end: SmolLM2-135M-Instruct answers
 the shipped prompts, hidden states are extracted, a drafter is trained, exported and
-evaluated. On a CPU that is a few-minute demonstration (96 prompts, a small drafter); with a
+evaluated. On a CPU that is a demonstration (96 prompts, a small drafter; about a quarter
+of an hour the first time on 2 cores, a few minutes once its dataset is cached); with a
 GPU it is +experiment=gpu_default (12000 target-written prompts, a full-size drafter, real
-decoding of the 64 held-out prompts in 8 processes; ~9 minutes on one H200). The last lines are
-`export: <dir>` and `tau: <value>`.
+decoding of the 64 held-out prompts in 8 processes; ~9 minutes on one H200). The last lines
+include `export: <dir>`, `speculative: tau ...` and `tau: <value>`.
 
 Launcher options (processes and nodes only; everything else is a Hydra override):
   --gpus N          processes = GPUs on this node (default: all visible GPUs; 0 = CPU,
