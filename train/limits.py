@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from eyas.models.context import check_edges
 from eyas.train.choices import TRACKER_PACKAGES, WandbMode
 
 Fail = Callable[[str, Any, str, str], None]
@@ -204,7 +205,6 @@ def wandb_key_available() -> bool:
 
 def check_eval(ev, fail: Fail) -> None:
     """The eval group: context buckets, the evaluation's device, decoding processes, lengths."""
-    from eyas.models.context import check_edges
     try:
         check_edges(ev.context_buckets)
     except ValueError:

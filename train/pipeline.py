@@ -15,14 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.data.prompts import prompts_path
 from eyas.data.settings import KVCache
-from eyas.data.utils import atomic_write_bytes
+from eyas.data.utils import atomic_path, atomic_write_bytes, atomic_write_dir
 from eyas.train.config import ConfigError, DataConfig, EvalConfig, TargetConfig
 
 log = logging.getLogger(__name__)
@@ -108,20 +107,12 @@ def _reuse_answers(root: Path, key: str) -> Path | None:
             continue
         for name in _ANSWER_FILES:
             if (other / name).is_file():
-                _copy_whole(other / name, root / name)
-        partial = root / "tokens.copying"
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(other / "tokens", partial, copy_function=shutil.copyfile)
-        shutil.rmtree(root / "tokens", ignore_errors=True)
-        partial.rename(root / "tokens")
+                with atomic_path(root / name) as tmp:
+                    shutil.copyfile(other / name, tmp)
+        atomic_write_dir(root / "tokens", lambda tmp, src=other / "tokens": shutil.copytree(
+            src, tmp, dirs_exist_ok=True, copy_function=shutil.copyfile), if_exists="replace")
         return other
     return None
-
-
-def _copy_whole(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".copying")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
