@@ -104,7 +104,10 @@ def test_a_signal_to_one_rank_stops_both_at_the_next_log_boundary(tmp_path, tiny
     found = re.search(r"stopped at step (\d+) of 12 on another rank's signal", err)
     assert found, err[-4000:]
     step = int(found.group(1))
-    assert step in (8, 12)   # the first log boundary after the signal (the last step: 12)
+    # the first log boundary after the signal (the last step: 12); step 4's metrics line is
+    # written before the ranks combine their flags at step 4, so a signal that reaches rank 1
+    # before it gets there stops both at 4
+    assert step in (4, 8, 12)
     assert (b / "checkpoints" / "latest").read_text().strip() == f"step-{step:06d}"
     assert not (b / "summary.json").exists()
     run(b, tiny_llama_dataset, *COMMON, *every, "train.resume=latest", nproc=2)
