@@ -7,9 +7,9 @@
 #      (`eyas prepare --generate`, bf16);
 #   3. hidden states are extracted with the target in float32, the precision the real decoding
 #      check below runs in (`eyas extract --dtype float32`);
-#   4. the drafter trains on them (K = 7, 12 epochs, lr 3e-3, 32000-token draft vocabulary,
-#      MLP width 3072, the EAGLE-3.1 norms before fc: norm_before_fc and fc_norm) and is
-#      exported;
+#   4. the drafter trains on them (K = 7, 9 epochs, lr 3e-3, loss.step_weight 0.6, 32000-token
+#      draft vocabulary, MLP width 6144, the EAGLE-3.1 norms before fc: norm_before_fc and
+#      fc_norm; the settings of +experiment=smollm2_quality) and is exported;
 #   5. the held-out prompts (never trained on) are answered greedily and extracted, both in
 #      float32, and each export's offline acceptance on them is written to .../offline.json.
 # Extra arguments go to the training job: `--multirun optim.lr=1e-3,3e-3` trains one drafter per
@@ -19,7 +19,7 @@
 #       --prompts data/prompts/heldout.jsonl --k 7 --max-new-tokens 128 --out real.json
 #
 # Usage: benchmarks/smollm2_quality.sh OUT_DIR [extra Hydra overrides for the training job]
-#   N_SYNTH (30000), OPENER_WORDS (2; 0 = the chat template alone), MAX_NEW_TOKENS (256), GEN_BATCH (4096; lower it on a smaller GPU),
+#   N_SYNTH (60000), OPENER_WORDS (2; 0 = the chat template alone), MAX_NEW_TOKENS (128), GEN_BATCH (4096; lower it on a smaller GPU),
 #   SHIPPED=FILE.jsonl, HELDOUT=FILE.jsonl and HELDOUT_MAX_NEW_TOKENS (128) change the data.
 set -euo pipefail
 out=${1:?usage: benchmarks/smollm2_quality.sh OUT_DIR [hydra overrides]}
@@ -34,12 +34,12 @@ heldout=${HELDOUT:-$("$py" -c "from eyas.data.prompts import prompts_path; print
 if [ ! -f "$out/prompts.jsonl" ]; then
   openers=()
   [ "${OPENER_WORDS:-2}" -gt 0 ] && openers=(--openers-from "$shipped" --opener-words "${OPENER_WORDS:-2}")
-  eyas synthesize --target smollm2 --n "${N_SYNTH:-30000}" --out "$out/synthetic.jsonl" \
+  eyas synthesize --target smollm2 --n "${N_SYNTH:-60000}" --out "$out/synthetic.jsonl" \
     --batch-size "${GEN_BATCH:-4096}" --exclude "$shipped" "${openers[@]}"
   cat "$shipped" "$out/synthetic.jsonl" > "$out/prompts.tmp" && mv "$out/prompts.tmp" "$out/prompts.jsonl"
 fi
 [ -f "$out/tokens/manifest.json" ] || eyas prepare --generate --input "$out/prompts.jsonl" \
-  --target smollm2 --out "$out/tokens" --max-new-tokens "${MAX_NEW_TOKENS:-256}" \
+  --target smollm2 --out "$out/tokens" --max-new-tokens "${MAX_NEW_TOKENS:-128}" \
   --batch-size "${GEN_BATCH:-4096}"
 eyas extract --tokens "$out/tokens" --target smollm2 --out "$out/hidden" --dtype float32 \
   --pad-batches --batch-tokens 32768
@@ -48,9 +48,9 @@ flags=() overrides=()                       # Hydra wants its flags before the o
 for a in "$@"; do case $a in -*) flags+=("$a") ;; *) overrides+=("$a") ;; esac; done
 "$py" train/main.py "${flags[@]}" hydra.run.dir="$out/run" hydra.sweep.dir="$out/sweep" \
   target=smollm2 data.dataset="$out/hidden" drafter.draft_vocab_size=32000 \
-  drafter.intermediate_size=3072 drafter.norm_before_fc=true drafter.fc_norm=true \
-  data.token_budget=16384 \
-  train.epochs=12 optim.lr=3e-3 train.eval_every=1000 train.log_every=100 train.save_every=500 \
+  drafter.intermediate_size=6144 drafter.norm_before_fc=true drafter.fc_norm=true \
+  data.token_budget=16384 loss.step_weight=0.6 \
+  train.epochs=9 optim.lr=3e-3 train.eval_every=1000 train.log_every=100 train.save_every=500 \
   train.resume=latest \
   eval.speculative=false eval.engines=false "${overrides[@]}" 2>&1 | tee "$out/main.log"
 

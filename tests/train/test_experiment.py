@@ -29,12 +29,13 @@ def test_the_experiment_composes_the_quality_recipe():
     cfg = _experiment("smollm2_quality")
     assert cfg.target.name == "smollm2" and cfg.run_name == "smollm2-quality"
     assert (cfg.data.synthetic_prompts, cfg.data.synthetic_opener_words,
-            cfg.data.max_new_tokens, cfg.data.token_budget) == (30000, 2, 256, 16384)
+            cfg.data.max_new_tokens, cfg.data.token_budget) == (60000, 2, 128, 16384)
     assert (cfg.drafter.ttt_steps, cfg.drafter.draft_vocab_size,
-            cfg.drafter.intermediate_size) == (7, 32000, 3072)
+            cfg.drafter.intermediate_size) == (7, 32000, 6144)
     assert (cfg.drafter.norm_before_fc, cfg.drafter.fc_norm, cfg.drafter.norm_output) == \
         (True, True, False)
-    assert (cfg.optim.lr, cfg.train.epochs, cfg.train.resume) == (3e-3, 12, "latest")
+    assert (cfg.optim.lr, cfg.loss.step_weight, cfg.train.epochs, cfg.train.resume) == \
+        (3e-3, 0.6, 9, "latest")
     assert (cfg.eval.num_prompts, cfg.eval.max_new_tokens, cfg.eval.heldout_offline,
             cfg.eval.heldout_max_new_tokens) == (64, 128, True, 384)
 
