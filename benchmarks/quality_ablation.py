@@ -8,9 +8,9 @@ decoding and held-out decoder walk).
         fp8=drafter.fp8=tensorwise
 
 (the recipe turns on the EAGLE-3.1 norms drafter.norm_before_fc and drafter.fc_norm, so
-`norms=` is the recipe as it is and the reference of the ratios; on one H200: dataset
-~3.5 min, the three trainings side by side ~4 min, their real decoding ~3.5 min;
-benchmarks/README.md has the table.)
+`norms=` is the recipe as it is and the reference of the ratios; on one H200, with the
+recipe's settings before 2026-12-04: dataset ~3.5 min, the three trainings side by side
+~4 min, their real decoding ~3.5 min; benchmarks/README.md has the table.)
 
 The first variant builds the dataset (synthesise → generate → extract, cached under
 data.cache_dir); the others start once its trainer has logged the drafter (the dataset is then
