@@ -307,11 +307,14 @@ def eval_device(eval_cfg: EvalConfig) -> str:
     return default_device().type
 
 
-def _heldout_key(eval_cfg: EvalConfig, target: TargetConfig, prompts: Path) -> str:
+def _heldout_key(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
+                 prompts: Path) -> str:
+    """The held-out cache's key: every setting its answers, tokens and hidden states depend on
+    (data.max_length decides which answers the tokeniser keeps)."""
     h = hashlib.sha256(prompts.read_bytes())
     ids = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
     h.update(json.dumps([target.name, ids, eval_cfg.num_prompts, heldout_length(eval_cfg),
-                         "float32"]).encode())
+                         "float32", data.max_length]).encode())
     return h.hexdigest()[:16]
 
 
@@ -339,7 +342,8 @@ def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetCo
     from eyas.data.lock import dir_lock
     from eyas.train import evaluate
     prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
-    root = Path(data.cache_dir).expanduser() / "heldout" / _heldout_key(eval_cfg, target, prompts)
+    root = (Path(data.cache_dir).expanduser() / "heldout"
+            / _heldout_key(eval_cfg, data, target, prompts))
     hidden = root / "hidden"
     device = eval_device(eval_cfg)
     if not (hidden / "manifest.json").is_file():

@@ -257,3 +257,25 @@ def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
     assert sorted(short_answers) == sorted(long_answers) and len(short_answers) == 2
     for rid, text in short_answers.items():   # greedy: the short answers begin the long ones
         assert len(long_answers[rid]) > len(text) and long_answers[rid].startswith(text)
+
+
+def test_the_heldout_cache_is_keyed_by_data_max_length(tmp_path, full_vocab_export):
+    """A held-out build whose data.max_length leaves prompts' samples out is cached apart: a run
+    with the default length finds every prompt, not the shorter build's survivors."""
+    from eyas.data.targets import load_target
+    from eyas.train.pipeline import run_heldout_offline
+    model, _ = load_target("tiny-llama", device="cpu")
+    export = full_vocab_export(model, tmp_path / "export")
+    base = ["eval.num_prompts=6", "eval.max_new_tokens=4", "eval.heldout_offline=true",
+            "eval.target_device=cpu", f"data.cache_dir={tmp_path}/cache"]
+    full_cfg = _typed(_cfg(*base))
+    full = run_heldout_offline(full_cfg.eval, full_cfg.data, full_cfg.target, export, k=3)
+    lengths = sorted(len(s["input_ids"]) for s in open_dataset(full["dataset"]))
+    assert full["num_samples"] == 6 and lengths[0] < lengths[-1]
+
+    cut_cfg = _typed(_cfg(*base, f"data.max_length={lengths[0]}"))
+    cut = run_heldout_offline(cut_cfg.eval, cut_cfg.data, cut_cfg.target, export, k=3)
+    assert cut["num_samples"] == lengths.count(lengths[0]) < 6
+    assert cut["dataset"] != full["dataset"]
+    again = run_heldout_offline(full_cfg.eval, full_cfg.data, full_cfg.target, export, k=3)
+    assert again == full
