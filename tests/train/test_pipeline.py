@@ -215,19 +215,26 @@ def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, 
         first.train.parent / "answers.key").read_text()
 
 
+def _heldout_setup(tmp_path, full_vocab_export, *, prompts: int):
+    """A tiny-llama export and the overrides of a CPU held-out walk over `prompts` prompts
+    answered to 4 tokens, cached under tmp_path."""
+    from eyas.data.targets import load_target
+    model, _ = load_target("tiny-llama", device="cpu")
+    export = full_vocab_export(model, tmp_path / "export")
+    return export, [f"eval.num_prompts={prompts}", "eval.max_new_tokens=4",
+                    "eval.heldout_offline=true", "eval.target_device=cpu",
+                    f"data.cache_dir={tmp_path}/cache"]
+
+
 def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
                                                                        full_vocab_export):
     """eval.heldout_max_new_tokens: one set of longer held-out answers gives the walk over them
     and the walk within their first eval.max_new_tokens tokens; the shorter answers of the
     default are those answers' greedy prefixes, cached apart."""
-    from eyas.data.targets import load_target
     from eyas.train.evaluate import offline_eval
     from eyas.train.main import heldout_walk_text
     from eyas.train.pipeline import run_heldout_offline
-    model, _ = load_target("tiny-llama", device="cpu")
-    export = full_vocab_export(model, tmp_path / "export")
-    base = ["eval.num_prompts=2", "eval.max_new_tokens=4", "eval.heldout_offline=true",
-            "eval.target_device=cpu", f"data.cache_dir={tmp_path}/cache"]
+    export, base = _heldout_setup(tmp_path, full_vocab_export, prompts=2)
     short_cfg = _typed(_cfg(*base))
     long_cfg = _typed(_cfg(*base, "eval.heldout_max_new_tokens=10"))
     check(_cfg(*base, "eval.heldout_max_new_tokens=10"))
@@ -262,12 +269,8 @@ def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
 def test_the_heldout_cache_is_keyed_by_data_max_length(tmp_path, full_vocab_export):
     """A held-out build whose data.max_length leaves prompts' samples out is cached apart: a run
     with the default length finds every prompt, not the shorter build's survivors."""
-    from eyas.data.targets import load_target
     from eyas.train.pipeline import run_heldout_offline
-    model, _ = load_target("tiny-llama", device="cpu")
-    export = full_vocab_export(model, tmp_path / "export")
-    base = ["eval.num_prompts=6", "eval.max_new_tokens=4", "eval.heldout_offline=true",
-            "eval.target_device=cpu", f"data.cache_dir={tmp_path}/cache"]
+    export, base = _heldout_setup(tmp_path, full_vocab_export, prompts=6)
     full_cfg = _typed(_cfg(*base))
     full = run_heldout_offline(full_cfg.eval, full_cfg.data, full_cfg.target, export, k=3)
     lengths = sorted(len(s["input_ids"]) for s in open_dataset(full["dataset"]))
