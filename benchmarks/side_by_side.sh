@@ -14,14 +14,15 @@
 #   T=8192 bash benchmarks/side_by_side.sh                  # ~7 min (speculators compiles ~90 s)
 #   T=16384 PEERS=sp bash benchmarks/side_by_side.sh        # ~6 min; then, in the next call:
 #   T=16384 PEERS=sf CASES= bash benchmarks/side_by_side.sh
-# Knobs: CASES (train_step.py cases, empty: no eyas run), PEERS (sp,sf), SP_BUDGET / SF_BUDGET
-# (seconds each harness may start new configurations; defaults grow with T).
+# Knobs: CASES (train_step.py cases, empty: no eyas run), PEERS (sp,sf; empty: none), SP_BUDGET / SF_BUDGET
+# (seconds each harness may start new configurations; defaults grow with T), PROFILE=N (N more
+# steps of each eyas case under torch.profiler: GPU time by role, benchmarks/profile_breakdown.py).
 # The harness on this CPU machine, tiny shapes, no wheels (~1 min):
 #   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/sbs bash benchmarks/side_by_side.sh
 # The checkout is put on the path as the `eyas` package (a directory of links), so the working
 # tree is what runs. Outputs: $OUT/eyas-T$T.json, $OUT/sp-T$T/, $OUT/sf-T$T/, $OUT/table-T$T.md.
 set -uo pipefail
-T=${T:-4096}; OUT=${OUT:-/tmp/out}; PEERS=${PEERS:-sp,sf}; PY=${PYTHON:-python3}
+T=${T:-4096}; OUT=${OUT:-/tmp/out}; PEERS=${PEERS-sp,sf}; PY=${PYTHON:-python3}
 PY=$(realpath -s "$(command -v "$PY")") || { echo "PYTHON=$PY: not found" >&2; exit 2; }
 CASES=${CASES-async-host,fp8-host}
 SP_BUDGET=${SP_BUDGET:-$( ((T >= 16384)) && echo 280 || { ((T >= 8192)) && echo 230 || echo 80; })}
@@ -41,7 +42,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 if [[ -n $CASES ]]; then
     echo "== eyas ($CASES, T=$T)"
     PYTHONPATH=$SITE:/tmp/eyas-path:$PWD $PY benchmarks/train_step.py "${EYAS_ARGS[@]}" \
-        --tokens "$T" --cases "$CASES" --json "$OUT/eyas-T$T.json" 2>&1 | grep "^|"
+        --tokens "$T" --cases "$CASES" --json "$OUT/eyas-T$T.json" \
+        ${PROFILE:+--profile "$PROFILE" --profile-cases "$CASES"} 2>&1 | grep -E "^\||^profile"
 fi
 if [[ ,$PEERS, == *,sp,* ]]; then
     echo "== speculators (budget ${SP_BUDGET}s)"
