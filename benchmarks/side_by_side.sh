@@ -25,17 +25,16 @@ set -uo pipefail
 T=${T:-4096}; OUT=${OUT:-/tmp/out}; PEERS=${PEERS-sp,sf}; PY=${PYTHON:-python3}
 PY=$(realpath -s "$(command -v "$PY")") || { echo "PYTHON=$PY: not found" >&2; exit 2; }
 CASES=${CASES-async-host,fp8-host}
-SP_BUDGET=${SP_BUDGET:-$( ((T >= 16384)) && echo 280 || { ((T >= 8192)) && echo 230 || echo 80; })}
-SF_BUDGET=${SF_BUDGET:-$( ((T >= 16384)) && echo 200 || { ((T >= 8192)) && echo 120 || echo 70; })}
+if ((T >= 16384)); then BUDGETS=(280 200); elif ((T >= 8192)); then BUDGETS=(230 120); else BUDGETS=(80 70); fi
+SP_BUDGET=${SP_BUDGET:-${BUDGETS[0]}}; SF_BUDGET=${SF_BUDGET:-${BUDGETS[1]}}
 if [[ -n ${SMOKE:-} ]]; then
-    EYAS_ARGS=(--target tiny-llama --ttt 3 --device cpu --iters 2 --warmup 1); CASES=${CASES:+base}
+    K=3; EYAS_ARGS=(--target tiny-llama --ttt $K --device cpu --iters 2 --warmup 1); CASES=${CASES:+base}
     SP_ARGS=(--cpu-test --warmup 1 --iters 2); SF_ARGS=(--cpu-test --warmup 1 --iters 2); SITE=
 else
-    EYAS_ARGS=(--target llama-3.1-8b --iters 10 --warmup 3); SP_ARGS=(); SF_ARGS=(); SITE=/tmp/site
+    K=7; EYAS_ARGS=(--target llama-3.1-8b --iters 10 --warmup 3); SP_ARGS=(); SF_ARGS=(); SITE=/tmp/site
     $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target $SITE .whl/*.whl
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 fi
-K=$([[ -n ${SMOKE:-} ]] && echo 3 || echo 7)
 mkdir -p "$OUT" /tmp/eyas-path/eyas
 for d in data models kernels train conf; do ln -sfn "$PWD/$d" /tmp/eyas-path/eyas/$d; done
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
