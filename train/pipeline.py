@@ -109,8 +109,9 @@ def _reuse_answers(root: Path, key: str) -> Path | None:
             if (other / name).is_file():
                 with atomic_path(root / name) as tmp:
                     shutil.copyfile(other / name, tmp)
-        atomic_write_dir(root / "tokens", lambda tmp, src=other / "tokens": shutil.copytree(
-            src, tmp, dirs_exist_ok=True, copy_function=shutil.copyfile), if_exists="replace")
+        atomic_write_dir(root / "tokens", lambda tmp: shutil.copytree(
+            other / "tokens", tmp, dirs_exist_ok=True, copy_function=shutil.copyfile),
+            if_exists="replace")
         return other
     return None
 
