@@ -32,6 +32,9 @@ the embedding table on the GPU), async-fp32m (async with full fp32 master copies
 threads leave them, sent with each step: the trainer's default with CUDA),
 async-host-qkv-per-step (async-host with drafter.embedding_qkv_once=false: the embedding half
 of q/k/v projected in every step, the step before that option),
+async-host-autotune (async-host with the step graphs compiled in torch.compile's
+"max-autotune-no-cudagraphs" mode: Triton GEMM templates tried against cuBLAS, with their
+epilogues fused, and tuned element-wise kernels; a long first compile),
 fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears in the
 default drafter.fp8_layers, all but fc), fp8-host (fp8 with the host embedding), fp8-all (fp8
 with fc's GEMMs in FP8 too: the default before fc was kept in bf16).
@@ -48,6 +51,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -61,6 +65,7 @@ import torch
 
 from eyas.data.loader import Batch
 from eyas.models import attention
+from eyas.models import drafter as drafter_module
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS, FP8_LAYERS, convert_drafter_to_float8
@@ -91,6 +96,7 @@ class Case(NamedTuple):
     moments: str = "fp32"       # optim.moments: AdamW moments in fp32 or bf16
     vmap_mask: bool = False     # the step-0 BlockMask through create_block_mask (the T² vmap)
     fp8_layers: tuple = DEFAULT_FP8_LAYERS  # drafter.fp8_layers: which linears run FP8 GEMMs
+    compile_mode: str | None = None  # torch.compile mode of the step graphs (None: torch's default)
 
 
 CASES = {
@@ -113,6 +119,9 @@ CASES = {
                              host_embed=True, moments="bf16"),
     "async-host-bf16m-ckpt": Case(True, "triton", False, True, True, norm_sync=False,
                                   compact=True, host_embed=True, moments="bf16"),
+    "async-host-autotune": Case(True, "triton", False, False, True, norm_sync=False,
+                                compact=True, host_embed=True,
+                                compile_mode="max-autotune-no-cudagraphs"),
     "fp8": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
                 compact=True),
     "fp8-host": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
@@ -236,11 +245,27 @@ def stream_ms(step, iters: int, device) -> float:
 
 def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
              profile_steps: int, diagnose_steps: int = 0) -> dict:
-    if CASES[case].vmap_mask:              # the attention module looks the builder up per batch
-        with mock.patch.object(attention, "step0_block_mask", attention.reference_block_mask):
-            return _run_case(cfg, case, T, K, iters, warmup, device, profile_steps,
-                             diagnose_steps)
-    return _run_case(cfg, case, T, K, iters, warmup, device, profile_steps, diagnose_steps)
+    c = CASES[case]
+    with contextlib.ExitStack() as stack:
+        if c.vmap_mask:                    # the attention module looks the builder up per batch
+            stack.enter_context(mock.patch.object(attention, "step0_block_mask",
+                                                  attention.reference_block_mask))
+        if c.compile_mode:                 # the drafter looks `compiled` up in every forward
+            stack.enter_context(mock.patch.object(drafter_module, "compiled",
+                                                  compiled_with_mode(c.compile_mode)))
+        return _run_case(cfg, case, T, K, iters, warmup, device, profile_steps, diagnose_steps)
+
+
+def compiled_with_mode(mode: str):
+    """`models.layer.compiled` with torch.compile's `mode` (its own cache: the default-mode
+    graphs of the other cases are neither reused nor replaced)."""
+    cache = {}
+
+    def compiled(fn):
+        if fn.__name__ not in cache:
+            cache[fn.__name__] = torch.compile(fn, dynamic=None, mode=mode)
+        return cache[fn.__name__]
+    return compiled
 
 
 def _run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
