@@ -107,7 +107,7 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
                 atomic_write_json(root / "best.json", {**(best_record or {}),
                                                        "checkpoint": final.name, "step": step,
                                                        "tau_trajectory": best_metric})
-        _rotate(root, keep_last)
+        _rotate(root, keep_last, final.name)
         log.info("checkpoint %s", final)
     accelerator.wait_for_everyone()
     return final
@@ -145,19 +145,52 @@ def _read_best(root: Path) -> tuple[str, float] | None:
     return None
 
 
-def _rotate(root: Path, keep_last: int) -> None:
+def _rotate(root: Path, keep_last: int, current: str) -> None:
+    """Keep the `keep_last` newest checkpoints up to `current` (the one just written) and the
+    best one; remove the rest."""
     steps = sorted(p for p in root.glob("step-*") if (p / STATE_FILE).is_file())
     best = _read_best(root)
-    keep = {p.name for p in steps[-max(1, keep_last):]}
+    keep = {p.name for p in [p for p in steps if p.name <= current][-max(1, keep_last):]}
+    keep.add(current)
     if best:
         keep.add(best[0])
-    for p in steps:
-        if p.name not in keep:
-            doomed = p.with_name(f".{p.name}.del")
-            os.replace(p, doomed)  # from here on no longer a checkpoint, even if cut short
-            shutil.rmtree(doomed, ignore_errors=True)
+    _remove(p for p in steps if p.name not in keep)
     for p in root.glob(".step-*.tmp"):  # left by a crash during an earlier save
         shutil.rmtree(p, ignore_errors=True)
+
+
+def _remove(checkpoints) -> None:
+    for p in checkpoints:
+        doomed = p.with_name(f".{p.name}.del")
+        os.replace(p, doomed)  # from here on no longer a checkpoint, even if cut short
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def rewind(root: Path, path: Path, best: dict[str, Any]) -> list[str]:
+    """After resuming from checkpoint `path` of this run's `root` while newer ones exist: the
+    newer ones belong to the abandoned continuation, so they are removed, `latest` names
+    `path`, and `best` is the resumed state's own best (`best`: its tau_trajectory and step)
+    when that checkpoint still exists, else none. Rank 0 only; returns the names removed."""
+    if path.resolve().parent != root.resolve():
+        return []
+    newer = [p for p in sorted(root.glob("step-*")) if p.name > path.name]
+    if not newer:
+        return []
+    log.warning("resuming from %s: removing the later checkpoints of the continuation it "
+                "replaces: %s", path.name, ", ".join(p.name for p in newer))
+    _remove(newer)
+    _write_pointer(root / "latest", path.name)
+    named = _read_best(root)
+    if named and not (root / named[0] / STATE_FILE).is_file():
+        for name in ("best", "best.json"):
+            (root / name).unlink(missing_ok=True)
+        kept = best.get("step") is not None and (root / _name(best["step"]) / STATE_FILE).is_file()
+        if kept and best.get("tau_trajectory") is not None:
+            _write_pointer(root / "best", _name(best["step"]))
+            atomic_write_json(root / "best.json", {"checkpoint": _name(best["step"]),
+                                                   "step": best["step"],
+                                                   "tau_trajectory": best["tau_trajectory"]})
+    return [p.name for p in newer]
 
 
 def clean_leftovers(root: Path) -> list[str]:
@@ -190,7 +223,7 @@ def resolve_resume(resume: str | None, root: Path) -> Path | None:
                                   f"checkpoint (no {STATE_FILE}); resume from another one "
                                   f"(train.resume={root}/step-NNNNNN) or start a new run")
         if found is None:
-            log.info("train.resume=latest: no checkpoint in %s yet; starting fresh", root)
+            _no_checkpoint_yet(root)
         return found
     path = Path(resume).expanduser()
     if not (path / STATE_FILE).is_file():
@@ -234,3 +267,20 @@ def verify(path: Path) -> None:
         raise CheckpointError(f"refusing to resume from {path}: {problems[0]}{more}; resume "
                               f"from an older checkpoint (train.resume={path.parent}/step-NNNNNN) "
                               f"or start a new run")
+
+
+def _no_checkpoint_yet(root: Path) -> None:
+    """train.resume=latest found nothing in this run's `root`: say so, and when another run
+    directory beside this one holds a checkpoint (a run named by its start time gets a new
+    directory each launch), name the newest and the override that continues it."""
+    run = root.parent
+    others = sorted((p for p in run.parent.glob("*/checkpoints/latest")
+                     if p.parent.parent != run and latest(p.parent) is not None),
+                    key=lambda p: p.stat().st_mtime)
+    if not others:
+        log.info("train.resume=latest: no checkpoint in %s yet; starting fresh", root)
+        return
+    other = others[-1].parent.parent
+    log.warning("train.resume=latest: no checkpoint in %s (a new run directory); starting "
+                "fresh. To continue %s instead, run again with run_name=%s "
+                "train.resume=latest", root, other, other.name)

@@ -113,7 +113,9 @@ def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
     from eyas.train.config import DataConfig
     if args.all or args.eval_fraction == 0:
         return None, "every sample (--all), training samples included"
-    seed = args.seed if args.seed_given or "seed" not in rec else int(rec["seed"])
+    from eyas.train.config import TrainConfig
+    seed = (args.seed if args.seed is not None else int(rec["seed"]) if "seed" in rec
+            else TrainConfig.seed)
     if args.eval_fraction is not None:
         idx = split_indices(n, args.eval_fraction, seed)[1]
         return idx, f"the held-out split eval_fraction={args.eval_fraction}, seed={seed}"
@@ -129,7 +131,9 @@ def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
                     args.data)
         return None, "every sample: all of them were trained on (data.eval_fraction=0)"
     idx = split_indices(n, frac, seed)[1]
-    src = "as in training" if rec else "the trainer's defaults; the drafter records no training set"
+    src = ("as in training" if rec and args.seed is None else
+           "seed given with --seed" if rec else
+           "the trainer's defaults; the drafter records no training set")
     return idx, (f"the trainer's held-out split (data.eval_fraction={frac}, train.seed={seed}, "
                  f"{src}); --all scores every sample")
 
@@ -176,8 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{DataConfig.eval_fraction} when the drafter records no training set)")
     p.add_argument("--all", action="store_true", help="--data: score every sample, training "
                    "samples included")
-    p.add_argument("--seed", type=int, default=TrainConfig.seed, help="--data: seed of the "
-                   "held-out split (train.seed; the drafter's recorded seed unless given)")
+    p.add_argument("--seed", type=int, default=None, help="--data: seed of the held-out "
+                   f"split (train.seed; default: the drafter's recorded seed, else "
+                   f"{TrainConfig.seed})")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where --data's drafter "
                    "and --prompts' target run (real decoding's engine-reference drafter runs "
                    "beside the target)")
@@ -258,7 +263,6 @@ def cli_main(argv: list[str] | None = None) -> int:
     """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
     p = build_parser()
     args = p.parse_args(argv)
-    args.seed_given = any(a == "--seed" or a.startswith("--seed=") for a in (argv or []))
     if args.k < 1:
         p.error("--k must be >= 1")
     if args.max_new_tokens < 1:

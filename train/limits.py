@@ -35,6 +35,12 @@ def check_data(data, fail: Fail) -> None:
         fail("data.token_budget", data.token_budget, ">= 16", "data.token_budget=2048")
     if not 0.0 <= data.eval_fraction < 1.0:
         fail("data.eval_fraction", data.eval_fraction, "in [0, 1)", "data.eval_fraction=0.05")
+    if data.num_prompts < 1:
+        fail("data.num_prompts", data.num_prompts, "an integer >= 1 (shipped prompts the "
+             "embedded default answers)", "data.num_prompts=96")
+    if data.num_workers < 0:
+        fail("data.num_workers", data.num_workers, "an integer >= 0 (0: no prefetch threads)",
+             "data.num_workers=2")
     if data.samples_per_prompt < 1:
         fail("data.samples_per_prompt", data.samples_per_prompt, "an integer >= 1",
              "data.samples_per_prompt=1")
@@ -92,6 +98,9 @@ def check_loop(train, export, fail: Fail) -> None:
     if train.max_nonfinite_steps < 0:
         fail("train.max_nonfinite_steps", train.max_nonfinite_steps, "an integer >= 0 (0 = "
              "abort at the first skipped step)", "train.max_nonfinite_steps=20")
+    if train.cpu_threads is not None and train.cpu_threads < 1:
+        fail("train.cpu_threads", train.cpu_threads, "an integer >= 1, or null (cores / "
+             "processes - 1)", "train.cpu_threads=null")
     if train.profile_steps < 0:
         fail("train.profile_steps", train.profile_steps, "an integer >= 0 (0 = off)",
              "train.profile_steps=3")
@@ -214,6 +223,9 @@ def check_eval(ev, fail: Fail) -> None:
     if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
         fail("eval.target_device", dev, "auto, cpu, cuda or cuda:<index>",
              "eval.target_device=auto")
+    if ev.num_prompts < 1:
+        fail("eval.num_prompts", ev.num_prompts, "an integer >= 1 (held-out prompts to "
+             "decode; eval.speculative=false turns real decoding off)", "eval.num_prompts=8")
     if ev.processes < 1:
         fail("eval.processes", ev.processes, "an integer >= 1", "eval.processes=1")
     if ev.max_new_tokens < 1:

@@ -227,3 +227,28 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> LambdaLR:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
+
+
+def apply_optim_settings(scheduler: LambdaLR, optim_cfg) -> list[str]:
+    """Write the config's optim.lr, betas, eps and weight_decay into a resumed optimizer and its
+    schedule (a checkpoint's own values would otherwise win); the rate of the current step is
+    recomputed from the new optim.lr. Returns one line per changed setting (empty when the
+    checkpoint already had the config's values, as every exact resume does)."""
+    groups = scheduler.optimizer.param_groups
+    want = {"betas": tuple(float(b) for b in optim_cfg.betas), "eps": float(optim_cfg.eps),
+            "weight_decay": float(optim_cfg.weight_decay)}
+    changed = []
+    for key, value in want.items():
+        old = {tuple(g[key]) if key == "betas" else g[key] for g in groups}
+        if old != {value}:
+            changed.append(f"optim.{key}: {sorted(old)[0]} in the checkpoint, {value} now")
+            for g in groups:
+                g[key] = value
+    lr = float(optim_cfg.lr)
+    if any(base != lr for base in scheduler.base_lrs):
+        changed.append(f"optim.lr: {scheduler.base_lrs[0]} in the checkpoint, {lr} now")
+        scheduler.base_lrs = [lr] * len(groups)
+        for g, f in zip(groups, scheduler.lr_lambdas):
+            g["lr"] = lr * f(scheduler.last_epoch)
+        scheduler._last_lr = [g["lr"] for g in groups]
+    return changed

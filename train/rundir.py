@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # What a run writes into its directory (train/main.py, train/trainer.py, train/tracking.py), and
 # what its trackers write there (train/trackers.py): wandb/, aim's .aim/, mlflow's mlruns/,
 # dvclive/, and tensorboard's <tracker.project>/ (`tracker_dir`).
-RUN_FILES = ("checkpoints", "metrics.jsonl", "train.log", "plots", "export",
+RUN_FILES = ("checkpoints", "metrics.jsonl", "train.log", "plots", "profile", "export",
              "export-speculators", "summary.json", "config.resolved.yaml", "vocab.safetensors",
              "ranks", "wandb", ".aim", "mlruns", "dvclive", ".hydra")
 RUN_GLOBS = ("export-step*", ".tmp-*", ".*.lock")  # .export.lock: a killed export's lock

@@ -59,6 +59,7 @@ class MetricsWindow:
         self.tokens, self.counts, self.wait = 0, None, 0.0
         self.slots, self.steps = 0, 0       # batch rows incl. padding; optimizer steps
         self.gnorm, self.t0 = None, time.perf_counter()
+        self.lr = float("nan")              # the learning rate of the window's last step
 
     def add(self, res, batch, d2t):
         """Accumulate one micro-batch on the device (no host sync). A micro-batch with a NaN/inf
@@ -76,7 +77,8 @@ class MetricsWindow:
 
     def flush(self, accelerator, flops_per_token: float, peak: float | None,
               lr: float) -> dict[str, float]:
-        """The record of this window, summed over ranks; the host syncs happen here."""
+        """The record of this window, summed over ranks; the host syncs happen here. `lr`: the
+        rate the window's last step trained at (read before the scheduler advanced)."""
         dt = time.perf_counter() - self.t0
         dev = accelerator.device
         n = accelerator.reduce(torch.as_tensor(self.n, dtype=torch.float32, device=dev), "sum")

@@ -51,7 +51,7 @@ from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
 from eyas.train.evaluate import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
-from eyas.train.optim import build_scheduler
+from eyas.train.optim import apply_optim_settings, build_scheduler
 from eyas.train.profiling import StepProfiler
 from eyas.train.plots import write_run_plots
 from eyas.train.run_export import export_final, export_selected, write_export_meta
@@ -268,6 +268,7 @@ def fit(t: Trainer) -> dict[str, Any]:
     logger = MetricsLogger(acc, t.out, use_trackers=trackers)
     objective = ckpt.objective_record(cfg, acc.num_processes)
     step, nonfinite, best = _resume(t, objective)
+    start = step
     skipped = SkippedSteps(cfg.train.max_nonfinite_steps, acc.device, done=nonfinite)
     peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
             else default_peak_flops(acc.device))
@@ -292,7 +293,7 @@ def fit(t: Trainer) -> dict[str, Any]:
             done = step >= t.total_steps
             if _every(step, cfg.train.log_every) or done:
                 skipped.read(step)
-                rec = window.flush(acc, t.flops_per_token, peak, t.scheduler.get_last_lr()[0])
+                rec = window.flush(acc, t.flops_per_token, peak, window.lr)
                 logger.log(step, rec)
                 bar.report(step, rec)   # the bar on a terminal, a log line otherwise
             is_eval = _every(step, cfg.train.eval_every) or done
@@ -313,7 +314,10 @@ def fit(t: Trainer) -> dict[str, Any]:
         if stopping or stop.due(acc, step, every=0):   # also a signal during the last step
             raise Stopped(f"stopped at step {step} of {t.total_steps} on {stop.signal}: "
                           f"checkpoint saved in {t.out / 'checkpoints'}; the same command "
-                          f"with train.resume=latest continues from it")
+                          f"with run_name={cfg.run_name} train.resume=latest continues "
+                          f"from it")
+    if step == start and t.data.eval is not None:   # resumed at the end: nothing ran
+        last_eval = evaluate(t)
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
                                "skipped_samples": skipped_samples(t.data.train.dataset),
                                "eval": last_eval, "tau": last_eval.get("tau"),
@@ -338,6 +342,7 @@ def train_step(t: Trainer, batches: DeviceBatches, window: MetricsWindow,
             gnorm = update(t.cfg.optim, acc, t.module, t.optimizer, res.loss, skipped, step)
             window.add(res, batch, d2t)
         if acc.sync_gradients:
+            window.lr = t.scheduler.get_last_lr()[0]     # the rate this step trained at
             t.scheduler.step()
             return gnorm
 
@@ -393,7 +398,12 @@ def _resume(t: Trainer, objective: dict) -> tuple[int, int, BestWalk]:
         return 0, 0, BestWalk()
     state = ckpt.load(t.accelerator, path, objective)
     t.data.train.load_state_dict(state["loader"])
+    for line in apply_optim_settings(t.scheduler, t.cfg.optim):
+        log.warning("resumed with a changed setting: %s", line)
     best = state.get("best") or {}
+    if t.accelerator.is_main_process:
+        ckpt.rewind(t.out / "checkpoints", path, best)
+    t.accelerator.wait_for_everyone()
     return (state["step"], state.get("nonfinite", 0),
             BestWalk(best.get("tau_trajectory"), best.get("step")))
 

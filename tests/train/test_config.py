@@ -247,6 +247,10 @@ def test_tracker_checks_fail_before_any_data(monkeypatch, tmp_path):
     ("optim.clip_grad_norm=-1.0", ">= 0 (0 = no clipping)"),
     ("optim.warmup_steps=-10", ">= 0, or null"),
     ("drafter.ttt_steps=1000", "in [1, 64]"),
+    ("eval.num_prompts=0", ">= 1"),
+    ("data.num_prompts=-1", ">= 1"),
+    ("data.num_workers=-1", ">= 0"),
+    ("train.cpu_threads=0", ">= 1, or null"),
 ])
 def test_surprising_values_are_refused_naming_key_range_and_fix(override, accepted):
     key, value = override.split("=")
@@ -260,7 +264,8 @@ def test_surprising_values_are_refused_naming_key_range_and_fix(override, accept
 @pytest.mark.parametrize("override", [
     "train.save_every=0", "train.eval_every=0", "export.every=0", "optim.clip_grad_norm=0",
     "optim.warmup_steps=0", "train.max_steps=1", "train.log_every=1", "drafter.ttt_steps=64",
-    "train.max_nonfinite_steps=0", "train.max_steps=null"])
+    "train.max_nonfinite_steps=0", "train.max_steps=null", "data.num_workers=0",
+    "train.cpu_threads=1"])
 def test_boundary_values_with_a_meaning_are_accepted(override):
     check(_compose([override]))
 

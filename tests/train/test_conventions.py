@@ -21,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _args(data, **kw):
-    return SimpleNamespace(**{"data": str(data), "all": False, "eval_fraction": None, "seed": 0,
-                              "seed_given": False, **kw})
+    return SimpleNamespace(**{"data": str(data), "all": False, "eval_fraction": None,
+                              "seed": None, **kw})
 
 
 def test_scored_samples_default_to_the_training_split(tmp_path):
@@ -40,8 +40,17 @@ def test_scored_samples_default_to_the_training_split(tmp_path):
     other.mkdir()
     idx, how = scored_samples(_args(other), 40, rec)
     assert idx is None and "not the drafter's training set" in how
-    given = _args(data, seed=3, seed_given=True)
-    assert list(scored_samples(given, 40, rec)[0]) == list(split_indices(40, 0.25, 3)[1])
+    idx, how = scored_samples(_args(data, seed=3), 40, rec)   # --seed wins over the record
+    assert list(idx) == list(split_indices(40, 0.25, 3)[1])
+    assert "train.seed=3, seed given with --seed" in how
+
+
+def test_evaluate_seed_reaches_the_split_however_the_cli_is_called(monkeypatch):
+    from eyas.train.evaluate_cli import build_parser
+    need = ["--drafter", "x", "--k", "2", "--out", "o.json", "--data", "d"]
+    assert build_parser().parse_args(need).seed is None      # the drafter's record decides
+    monkeypatch.setattr("sys.argv", ["evaluate_cli", *need, "--seed", "5"])
+    assert build_parser().parse_args().seed == 5          # argv read by argparse, not by us
 
 
 def test_evaluate_cli_scores_the_held_out_split_and_says_so(tiny_drafter, tiny_llama_dataset,

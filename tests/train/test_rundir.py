@@ -29,6 +29,8 @@ def _old_run(out: Path) -> Path:
         (out / d).mkdir()
         (out / d / "model.safetensors").write_bytes(b"weights")
     (out / "summary.json").write_text('{"tau": 4.087}')
+    (out / "profile").mkdir()
+    (out / "profile" / "trace-rank0.json").write_text("{}")
     return out
 
 

@@ -50,7 +50,8 @@ def test_sigterm_saves_exits_143_and_resumes_bitwise(tmp_path, tiny_llama_datase
     assert p.returncode == 143, err[-4000:]
     stopped = [line for line in err.splitlines() if "stopped at step" in line]
     assert len(stopped) == 1, err[-4000:]          # rank 0 says it once
-    assert "on SIGTERM: checkpoint saved in" in stopped[0] and "train.resume=latest" in stopped[0]
+    assert "on SIGTERM: checkpoint saved in" in stopped[0]
+    assert "the same command with run_name=" in stopped[0] and "train.resume=latest" in stopped[0]
     saved = (b / "checkpoints" / "latest").read_text().strip()
     assert f"stopped at step {int(saved.removeprefix('step-'))} of 12" in stopped[0]
     assert "step-000003" <= saved < "step-000012"

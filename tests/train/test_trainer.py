@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -388,3 +389,34 @@ def test_profile_steps_write_a_trace_of_exactly_those_steps(tmp_path, tiny_llama
     bad = run(tmp_path / "bad", tiny_llama_dataset, "target=tiny_llama",
               "train.profile_start=0", check=False)
     assert bad.returncode != 0 and "train.profile_start=0" in bad.stderr
+
+
+def _lrs(run_dir: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/lr"] for r in recs if "train/lr" in r}
+
+
+def test_logged_rates_resume_settings_and_a_resume_at_the_last_step(tmp_path,
+                                                                    tiny_llama_dataset):
+    r_dir = tmp_path / "r"
+    common = ["target=tiny_llama", "optim.schedule=linear", "train.save_every=2",
+              "train.keep_last=5", "train.max_steps=4"]
+    run(r_dir, tiny_llama_dataset, *common)
+    # each step logs the rate it trained at: lr · (1 - (step - 1) / 4)
+    assert _lrs(r_dir) == pytest.approx({1: 1e-3, 2: 7.5e-4, 3: 5e-4, 4: 2.5e-4})
+    tau = _strict_json(r_dir / "summary.json")["tau"]
+    # a run that dies after its final checkpoint resumes with nothing left to train: its
+    # eval is computed again, not lost
+    shutil.rmtree(r_dir / "export")
+    (r_dir / "summary.json").unlink()
+    run(r_dir, tiny_llama_dataset, *common, "train.resume=latest")
+    summary = _strict_json(r_dir / "summary.json")
+    assert summary["steps"] == 4 and summary["tau"] == pytest.approx(tau)
+    # resuming at step 2 with a new optim.lr trains at it; the later checkpoint is retired
+    r = run(r_dir, tiny_llama_dataset, *common, "optim.lr=1e-4",
+            f"train.resume={r_dir / 'checkpoints' / 'step-000002'}")
+    assert "resumed with a changed setting: optim.lr: 0.001 in the checkpoint, 0.0001 now" \
+        in r.stderr
+    assert "removing the later checkpoints of the continuation it replaces: step-000004" \
+        in r.stderr
+    assert _lrs(r_dir)[3] == pytest.approx(5e-5) and _lrs(r_dir)[4] == pytest.approx(2.5e-5)
