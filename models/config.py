@@ -266,9 +266,11 @@ class Eagle3Config:
         kwargs: dict[str, Any] = {n: d[n] for n in names if n in d}
         if nbf is not None:
             kwargs["norm_before_fc"] = bool(nbf)
-        if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):
+        if not d.get("rope_scaling") and isinstance(d.get("rope_parameters"), dict):
+            # as the engines read it (`models.serving.engine_rope`): rope_scaling when present,
+            # else rope_parameters, whose rope_theta wins over the top-level one
             rp = dict(d["rope_parameters"])
-            kwargs["rope_theta"] = float(rp.pop("rope_theta", 10000.0))
+            kwargs["rope_theta"] = float(rp.pop("rope_theta", d.get("rope_theta", 10000.0)))
             kwargs["rope_scaling"] = rp if rp.get("rope_type", "default") != "default" else None
         missing = [n for n in ("hidden_size", "target_hidden_size", "num_attention_heads",
                                "num_key_value_heads", "intermediate_size", "vocab_size")

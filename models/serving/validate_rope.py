@@ -117,3 +117,24 @@ def _target_rule(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add) -> list[
             "the drafter then sees other relative positions than the target at long context",
             "re-derive the drafter from the target (Eagle3Config.from_target copies its RoPE)")
     return []
+
+
+def rope_legacy_findings(cfg: dict[str, Any]) -> list[Finding]:
+    """ROPE_LEGACY: rope_parameters (transformers 5) without the rope_theta / rope_scaling keys
+    that engines built on transformers 4 read; an error when what they would miss is not the
+    default (theta 10000, no scaling), since they would then serve another rotary embedding."""
+    rp = cfg.get("rope_parameters")
+    if not isinstance(rp, dict):
+        return []
+    scaled = rp.get("rope_type", rp.get("type", "default")) != "default"
+    missing = (["rope_theta"] if "rope_theta" not in cfg else []) + \
+        (["rope_scaling"] if scaled and not cfg.get("rope_scaling") else [])
+    if not missing:
+        return []
+    theta_differs = "rope_theta" not in cfg and rp.get("rope_theta", 10000.0) != 10000.0
+    return [finding("ROPE_LEGACY", ERROR if theta_differs or "rope_scaling" in missing
+                    else WARNING,
+                    f"rope_parameters written without the legacy {' / '.join(missing)}",
+                    "engines built on transformers 4 read rope_theta (default 10000) and "
+                    "rope_scaling (default none: plain RoPE)",
+                    f"also write {' and '.join(missing)} with rope_parameters' values")]

@@ -17,7 +17,7 @@ from eyas.models.serving.contract import (ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
                                           WARNING, Finding, TensorDir, all_finite, config_dims,
                                           expected_shapes, finding, layout_tensors)
 from eyas.models.serving.validate_integrity import INTEGRITY_CODES, magnitude_findings
-from eyas.models.serving.validate_rope import ROPE_CODES, check_rope
+from eyas.models.serving.validate_rope import ROPE_CODES, check_rope, rope_legacy_findings
 from eyas.models.serving.validate_vocab import VOCAB_CODES, check_vocab_map
 
 #: settings that SGLang cannot parse (speculators format) or that one engine reads and the other
@@ -93,13 +93,7 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
         add("TORCH_DTYPE", f"torch_dtype = {dt!r}; expected 'bfloat16'",
             "engines may serve the drafter in this dtype; the DeepSeek fp16 path rescales "
             "hidden states", 'set "torch_dtype": "bfloat16"')
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and "rope_theta" not in cfg:
-        add("ROPE_LEGACY", "rope_parameters written without the legacy rope_theta/rope_scaling",
-            "engines built on transformers 4 read rope_theta (default 10000) and rope_scaling",
-            f"also write rope_theta = {rp.get('rope_theta')!r} (and rope_scaling)",
-            severity=ERROR if rp.get("rope_theta", 10000.0) != 10000.0 else WARNING)
-    return out + check_rope(cfg, tcfg)
+    return out + rope_legacy_findings(cfg) + check_rope(cfg, tcfg)
 
 
 def _config_architecture(cfg: dict[str, Any], add: _Add) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
+from eyas.models.serving.engine_rope import engine_rope_params
 from eyas.data.targets import PRESETS, default_aux_layer_ids, load_target_config, text_config
 
 # (heads, kv heads, head_dim, intermediate) the presets must produce
@@ -91,6 +92,13 @@ def test_from_config_dict_accepts_either_spelling_and_rope_parameters():
     t5["rope_parameters"] = dict(d["rope_scaling"], rope_theta=500000.0)
     back = Eagle3Config.from_config_dict(t5)
     assert back.rope_theta == 500000.0 and back.rope_scaling == d["rope_scaling"]
+    # rope_theta at the top level and the scaling only in rope_parameters: the engines take
+    # the scaling from rope_parameters, and so does the drafter
+    mixed = dict(t5, rope_theta=500000.0)
+    theta, scaling = engine_rope_params(mixed)
+    back = Eagle3Config.from_config_dict(mixed)
+    assert back.rope_scaling == d["rope_scaling"] == {k: v for k, v in scaling.items()}
+    assert back.rope_theta == theta == 500000.0
 
 
 @pytest.mark.parametrize("patch, match", [

@@ -205,6 +205,20 @@ def test_each_fault_has_its_finding(clean, tcfg, tmp_path, case, edit_cfg, edit_
         assert f.message and f.why and f.fix
 
 
+def test_rope_parameters_without_the_legacy_keys_engines_read(tcfg):
+    d = Eagle3Config.from_target(load_target_config("deepseek-v3")).to_config_dict()
+    rp = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
+    both_missing = dict(d, rope_parameters=rp)
+    theta_kept = dict(both_missing, rope_theta=rp["rope_theta"])
+    plain = dict(d, rope_theta=10000.0, rope_parameters={"rope_type": "default",
+                                                           "rope_theta": 10000.0})
+    legacy = [(f.severity, f.message) for c in (both_missing, theta_kept, plain)
+              for f in check_config(c, None) if f.code == "ROPE_LEGACY"]
+    assert legacy == [
+        (ERROR, "rope_parameters written without the legacy rope_theta / rope_scaling"),
+        (ERROR, "rope_parameters written without the legacy rope_scaling")]
+
+
 def test_severities(clean, tcfg, tmp_path):
     nb = validate(rewrite(clean, tmp_path / "a", _cfg(target_hidden_size=None)), tcfg)
     assert [f.severity for f in nb] == [ERROR]
