@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from eyas.data.checksums import verify_checksums
 from eyas.data.deps import require_deepspeed
 from eyas.data.vocab_map import VocabMap
-from eyas.models.serving.contract import (CORE_TENSORS, ExportError, TensorDir, layout_tensors,
+from eyas.models.serving.contract import (ExportError, TensorDir, layout_tensors,
                                           norm_before_fc, read_config, resolve_target_config)
 
 log = logging.getLogger(__name__)
@@ -229,9 +229,8 @@ def _layout_a_from(src: dict[str, Any], layer: dict[str, Any], aux: list[int],
     d = {k: layer[k] for k in _LAYER_FIELDS if layer.get(k) is not None}
     d.update(target_hidden_size=src.get("target_hidden_size") or H,
              draft_vocab_size=draft_vocab_size, eagle_aux_hidden_state_layer_ids=list(aux))
-    if not ("speculators_model_type" in src or "transformer_layer_config" in src):
-        d.update(norm_before_fc=norm_before_fc(src), fc_norm=bool(src.get("fc_norm", False)),
-                 norm_output=bool(src.get("norm_output", False)))      # the EAGLE-3.1 norms
+    d.update(norm_before_fc=norm_before_fc(layer), fc_norm=bool(layer.get("fc_norm", False)),
+             norm_output=bool(layer.get("norm_output", False)))        # the EAGLE-3.1 norms
     unused = sorted(set(layer) - set(_LAYER_FIELDS) - {
         "architectures", "model_type", "num_hidden_layers", "target_hidden_size",
         "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
@@ -251,13 +250,13 @@ def _source_layer(src: dict[str, Any], where: str) -> tuple[dict[str, Any], str]
         if src.get("speculators_model_type") != "eagle3":
             raise ValueError(f"{where}: speculators_model_type "
                              f"{src.get('speculators_model_type')!r} is not an EAGLE-3 drafter")
-        if src.get("norm_before_fc"):
-            raise ValueError(f"{where}: norm_before_fc = true (an extra RMSNorm before fc) is "
-                             f"not part of layout A; this drafter cannot be warm-started as is")
         if "norm_before_residual" not in src:
             log.warning("%s: norm_before_residual absent; assuming false (speculators' default)",
                         where)
         layer = dict(src["transformer_layer_config"])
+        # the EAGLE-3.1 norm flags sit at the top level (vLLM copies them into the layer)
+        layer.update({k: src[k] for k in ("norm_before_fc", "fc_norm", "norm_output")
+                      if k in src})
         fmt = "speculators"
     else:
         arch = src.get("architectures") or []
@@ -334,7 +333,7 @@ def read_drafter_dir(path: str | Path, target_config: dict | str | Path | None =
     where = str(path / "config.json")
     raw = _load_dir_tensors(path)
     layer, fmt = _source_layer(src, where)
-    wanted = layout_tensors(layer) if fmt == "layout-a" else CORE_TENSORS
+    wanted = layout_tensors(layer)
     sd = _layout_a_state_dict(raw, wanted, path)
     d2t, t2d, Vd = _vocab_mapping(src, layer, sd, path, where)
     aux = _aux_ids(src, tcfg, where, fmt == "speculators")

@@ -116,9 +116,10 @@ def load_engine_drafter(drafter_dir: str | Path, target_embedding: Tensor,
     target_embedding: the target's input embedding [V, H]; device: where the drafter computes.
     Errors name the directory.
     """
-    from eyas.models.serving.contract import TensorDir, read_config
+    from eyas.models.serving.contract import TensorDir
+    from eyas.models.serving.validate import served_config
     path = Path(drafter_dir)
-    cfg = read_config(path)
+    cfg = served_config(path)
     tdir = TensorDir(path)
     if not tdir.files:
         raise FileNotFoundError(f"{path}: no *.safetensors files (an exported drafter holds "

@@ -71,6 +71,13 @@ def speculators_findings(cfg: dict[str, Any]) -> tuple[list[Finding], dict[str, 
     return out, flat
 
 
+def served_config(path: str | Path) -> dict[str, Any]:
+    """The layout-A config.json dict of the drafter directory `path` as the engines read it: a
+    speculators-format config flattened (`speculators_findings`), any other as it is."""
+    cfg = read_config(Path(path))
+    return speculators_findings(cfg)[1] if is_speculators_config(cfg) else cfg
+
+
 # ---------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------

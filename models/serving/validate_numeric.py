@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from eyas.data.vocab_map import VocabMap
-from eyas.models.serving.contract import ERROR, Finding, TensorDir, finding, read_config
+from eyas.models.serving.contract import ERROR, Finding, TensorDir, finding
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,9 @@ def check_numeric(path: str | Path, tcfg: dict[str, Any] | None, *,
     `tol` is relative to the largest |logit|; with fp32 on both sides agreement is ~1e-6, so
     any real mismatch (alignment, RoPE, residual, name mapping) is orders of magnitude above it.
     """
+    from eyas.models.serving.validate import served_config
     path = Path(path)
-    cfg = read_config(path)
+    cfg = served_config(path)
     tensors = TensorDir(path).load_all()
     V, H = int(cfg["vocab_size"]), int(cfg["hidden_size"])
     fix = ("report it: the trainer and the engines compute different functions for this config "

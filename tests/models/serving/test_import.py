@@ -153,6 +153,23 @@ def test_eyas_speculators_export_reimports(source, tcfg, tmp_path):
     assert all(torch.equal(sd[k], sd2[k]) for k in sd) and torch.equal(d2t, d2t2)
 
 
+@pytest.mark.parametrize("flags", [{"norm_output": True}, {"fc_norm": True},
+                                   {"norm_before_fc": True, "fc_norm": True, "norm_output": True}])
+def test_eyas_speculators_export_of_an_eagle31_drafter_reimports(tcfg, tmp_path, flags):
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=VD, ttt_steps=3, **flags)
+    torch.manual_seed(1)
+    drafter = Eagle3Drafter(cfg, attention="eager").to(torch.bfloat16)
+    drafter.set_vocab_map(torch.randperm(cfg.vocab_size)[:VD].sort().values - torch.arange(VD))
+    sd = {k: v for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
+    export_drafter(sd, cfg, None, None, tmp_path / "e", speculators=True, verifier="tiny",
+                   target_config=tcfg)
+    cfg2, sd2, _, _ = import_drafter(tmp_path / "e-speculators")
+    assert cfg2.to_config_dict() == cfg.to_config_dict()
+    assert {k: getattr(cfg2, k) for k in flags} == flags
+    assert sd2.keys() == {k for k in sd if k not in ("d2t", "t2d")}
+    assert all(torch.equal(sd[k], sd2[k]) for k in sd2)
+
+
 def test_refusals(source, tmp_path):
     src, _ = source
     c = json.loads((src / "config.json").read_text())

@@ -61,6 +61,27 @@ def test_with_the_real_target_embedding(exported, tcfg):
                     trainer_state_dict=sd) == []
 
 
+@pytest.mark.parametrize("flags", [{}, {"norm_output": True, "fc_norm": True}])
+def test_a_speculators_export_is_checked_numerically_as_vllm_reads_it(tcfg, tmp_path, flags):
+    cfg, sd = make_drafter(tcfg, seed=2, **flags)
+    out = export_drafter(sd, cfg, None, None, tmp_path / "e", target_config=tcfg,
+                         speculators=True, verifier="tiny")
+    spec = tmp_path / "e-speculators"
+    assert [f.code for f in validate(spec, tcfg, numeric=True, trainer_state_dict=sd)] == \
+        ["SPECULATORS_FORMAT"]
+    # decoding loads it with the same engine math as the layout-A export
+    from eyas.models.serving.specdec import load_engine_drafter
+    emb = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    (a, cfg_a), (b, cfg_b) = (load_engine_drafter(d, emb, dtype=torch.float32)
+                              for d in (out, spec))
+    from eyas.models.serving.reference import serve_packed
+    from eyas.models.serving.validate_numeric import _packed_rows
+    rows = _packed_rows(cfg_a, (9, 7), 0)
+    torch.testing.assert_close(serve_packed(a, *rows, 3), serve_packed(b, *rows, 3), rtol=0,
+                               atol=0, equal_nan=True)    # rows past a document's end are NaN
+    assert cfg_b.get("norm_output") == cfg_a.get("norm_output") == flags.get("norm_output")
+
+
 def test_llama3_rope_scaling_agrees(tmp_path):
     # the Llama-3.1 RoPE (scaled frequencies) on tiny shapes: trainer and engine must agree
     llama = load_target_config("llama-3.1-8b")
