@@ -24,9 +24,11 @@ static validator, and renamed into place: a failed export leaves nothing behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.data.checksums import write_checksums
-from eyas.data.lock import writes_directory
+from eyas.data.lock import dir_lock, sibling_lock_path, writes_directory
 from eyas.data.log import HelpFormatter
 from eyas.data.utils import atomic_write_dir, umask_mode
 from eyas.data.vocab_map import VocabMap
@@ -276,8 +278,41 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     if speculators and not verifier:
         raise ExportError("a speculators-format export names its verifier (the target model path "
                           "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
-    for d in (Path(out_dir), Path(f"{out_dir}-speculators")) if speculators else (Path(out_dir),):
-        prepare_out(d, overwrite=overwrite)
+    out = Path(out_dir)
+    spec = Path(f"{out}-speculators") if speculators else None
+    with contextlib.ExitStack() as stack:
+        if spec is not None:   # both halves are checked and locked before either is built
+            stack.enter_context(dir_lock(spec, what="export", path=sibling_lock_path(spec)))
+        for d in (out, spec) if spec is not None else (out,):
+            prepare_out(d, overwrite=overwrite)
+            if d.exists() and not overwrite:
+                raise FileExistsError(f"{d} already exists: {OVERWRITE_HINT}")
+        existed = out.exists()
+        cfg, tensors, meta, tcfg = _export_parts(state_dict_or_checkpoint, config, d2t, t2d,
+                                                 target_config, ttt_steps, training)
+
+        def build(tmp: Path) -> None:
+            _write_files(tmp, cfg, tcfg, tensors, meta, max_shard_bytes=max_shard_bytes,
+                         check=check, provenance=provenance)
+
+        out = atomic_write_dir(out, build, if_exists="replace" if overwrite else "error",
+                               exists_hint=OVERWRITE_HINT)
+        log.info("exported drafter to %s", out)
+        if spec is not None:
+            try:
+                write_speculators_export(
+                    out, spec, verifier=verifier, target_config=tcfg, overwrite=overwrite,
+                    num_speculative_tokens=num_speculative_tokens or meta["ttt_steps"] or 3)
+            except BaseException:
+                if not existed:          # a failed export leaves no half of the pair behind
+                    shutil.rmtree(out, ignore_errors=True)
+                raise
+    return out
+
+
+def _export_parts(state_dict_or_checkpoint, config, d2t, t2d, target_config, ttt_steps,
+                  training) -> tuple[dict, dict, dict, dict | None]:
+    """(layout-A config dict, tensors, eyas_export.json record, target config) of an export."""
     if isinstance(state_dict_or_checkpoint, (str, Path)):
         state_dict = load_state_dict_file(Path(state_dict_or_checkpoint))
     else:
@@ -304,20 +339,7 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
             "aux_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids"),
             "draft_vocab_size": Vd, "vocab_size": V,
             "exported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "training": training or {}}
-
-    def build(tmp: Path) -> None:
-        _write_files(tmp, cfg, tcfg, tensors, meta, max_shard_bytes=max_shard_bytes,
-                     check=check, provenance=provenance)
-
-    out = atomic_write_dir(Path(out_dir), build, if_exists="replace" if overwrite else "error",
-                           exists_hint=OVERWRITE_HINT)
-    log.info("exported drafter to %s", out)
-    if speculators:
-        write_speculators_export(out, Path(f"{out}-speculators"), verifier=verifier,
-                                 target_config=tcfg,
-                                 num_speculative_tokens=num_speculative_tokens or ttt_steps or 3,
-                                 overwrite=overwrite)
-    return out
+    return cfg, tensors, meta, tcfg
 
 
 # ---------------------------------------------------------------------------------------------

@@ -176,6 +176,22 @@ def test_speculators_config_export(drafter, tcfg, tmp_path):
     assert not (tmp_path / "e").exists()
 
 
+def test_a_speculators_export_leaves_no_half_of_the_pair(drafter, tcfg, tmp_path, monkeypatch):
+    cfg, sd = drafter
+    kw = dict(target_config=tcfg, speculators=True, verifier="/models/tiny-llama")
+    (tmp_path / "a-speculators").mkdir()               # taken: refused before anything is built
+    with pytest.raises(FileExistsError, match="a-speculators already exists: .*--overwrite"):
+        export_drafter(sd, cfg, None, None, tmp_path / "a", **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-speculators"]
+
+    def fail(*args, **kwargs):                         # the second half fails once the first
+        raise OSError("No space left on device")       # is in place
+    monkeypatch.setattr("eyas.models.serving.export.write_speculators_export", fail)
+    with pytest.raises(OSError, match="No space left"):
+        export_drafter(sd, cfg, None, None, tmp_path / "b", **kw)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-speculators"]
+
+
 def test_cli_prints_the_serve_commands(drafter, tcfg, tmp_path, capsys):
     cfg, sd = drafter
     ck = tmp_path / "ck"
