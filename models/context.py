@@ -1,8 +1,9 @@
 """τ by context length: acceptance counted per bucket of the position where a round starts.
 
-A bucket is the POSITION in the sequence at which a round starts: offline the chain start t
-(the row whose target argmax is token t+1; `models.metrics`), in real decoding the verified
-position L (the last committed token). Edges e_0 = 0 < e_1 < ... < e_{B-1} make B buckets
+A bucket is the POSITION in the sequence at which a round starts: the chain start t, the
+row whose aux state and next token x_{t+1} the first draft reads (`models.metrics`). Real
+decoding verifies the last committed token at position L and drafts from row L - 1, so its
+round is bucketed by L - 1: the same round lands in the same bucket offline and real. Edges e_0 = 0 < e_1 < ... < e_{B-1} make B buckets
 [e_i, e_{i+1}), the last one open: the default edges 0, 2048, 8192, 16384, 32768 give
 "0-2k", "2k-8k", "8k-16k", "16k-32k" and "32k+".
 
@@ -119,14 +120,15 @@ def context_table(counts: dict[str, Tensor], edges) -> list[dict]:
 
 def rounds_table(rounds: list[tuple[int, int, int]], k: int, edges) -> list[dict]:
     """The `by_context` list of real decoding rounds [(verified position L, accepted drafts n,
-    emitted tokens)]: a round reached draft j iff n >= j and accepted it iff n > j."""
+    emitted tokens)], each bucketed by its chain start L - 1: a round reached draft j iff
+    n >= j and accepted it iff n > j."""
     e = check_edges(edges)
     bounds = torch.tensor(e[1:], dtype=torch.int64)
     n_b = len(e)
     cnt, acc, emitted = [0] * n_b, [0] * n_b, [0] * n_b
     reached, accepted = [[0] * k for _ in e], [[0] * k for _ in e]
     for pos, n, out in rounds:
-        i = int(torch.bucketize(torch.tensor(pos), bounds, right=True))
+        i = int(torch.bucketize(torch.tensor(pos - 1), bounds, right=True))
         cnt[i] += 1
         acc[i] += n
         emitted[i] += out

@@ -60,8 +60,8 @@ draft position, = the TTT step k that drafts it):
                     after a rejected one, so real decoding has no `acc_{k}`.
     accepted_drafts_histogram[n] = rounds that accepted exactly n = 0..K drafts (the bonus token
                     not counted, unlike τ, the acceptance length)
-    by_context    = τ, cond_acc, tokens and rounds per bucket of the verified position L
-                    (`models.context.rounds_table`)
+    by_context    = τ, cond_acc, tokens and rounds per bucket of the chain start L - 1 (L:
+                    the verified position; `models.context.rounds_table`)
     temperature, tau_se = the sampling temperature (0 = greedy) and the standard error of
                     the acceptance length 1 + n over rounds (from the histogram)
 """

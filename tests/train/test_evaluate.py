@@ -187,6 +187,21 @@ def test_tau_by_context_on_a_long_sample():
         ("3000+", tail_tau(n_by_bucket, starts))]
 
 
+def test_a_round_at_a_bucket_edge_is_bucketed_alike_offline_and_in_real_decoding():
+    # the chain that starts at row t reads aux[t] and token x_{t+1}: real decoding runs it as
+    # the round that verifies x_{t+1} at position L = t + 1
+    from eyas.models.context import context_counts, context_table, rounds_table
+    edges = (0, 2048)
+    for t in (2046, 2047, 2048):
+        mask = torch.zeros(1, t + 2, dtype=torch.bool)
+        mask[0, t] = True
+        off = context_table(context_counts(torch.zeros(1, t + 2, dtype=torch.int64), mask,
+                                           torch.arange(t + 2), edges), edges)
+        real = rounds_table([(t + 1, 0, 1)], 1, edges)
+        assert [b["rounds"] for b in off] == [b["rounds"] for b in real] == \
+            ([1, 0] if t < 2048 else [0, 1]), t
+
+
 def tail_tau(n_by_bucket, starts):
     """τ over every start from position 3000 on (the rest of 2k-8k, then the later buckets)."""
     rest = [starts[1] - 952] + starts[2:]

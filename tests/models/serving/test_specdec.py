@@ -173,9 +173,11 @@ def test_scripted_drafter_exact_acceptance(tiny, random_export, pattern):
     if pattern == "perfect":
         assert (rounds, sum(accepted), emitted) == (5, 15, 19)
         assert (out["tau"], out["tau_emitted"]) == (4.0, 3.8)
-    # by context: rounds bucketed by their verified position c, split at P+8
+    # by context: rounds bucketed by their chain start c - 1 (c: the verified position), split
+    # at P+8
     by = summarize([("p", res, res)], K, context_buckets=(0, P + 8))["by_context"]
-    for b, part in zip(by, ([r for r in log if r[0] < P + 8], [r for r in log if r[0] >= P + 8])):
+    for b, part in zip(by, ([r for r in log if r[0] - 1 < P + 8],
+                            [r for r in log if r[0] - 1 >= P + 8])):
         assert b["rounds"] == len(part) and b["tokens"] == sum(r[2] for r in part)
         assert b["tau"] == 1 + sum(r[1] for r in part) / len(part)
         assert b["cond_acc"] == [sum(r[1] > j for r in part) / sum(r[1] >= j for r in part)
