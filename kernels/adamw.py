@@ -138,6 +138,8 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
                      ("exp_avg_sqs", exp_avg_sqs), ("steps", steps)):
         if len(ts) != len(params):
             raise ValueError(f"master_adamw_: {len(params)} params but {len(ts)} {name}")
+    for p, w, m, v in zip(params, masters, exp_avgs, exp_avg_sqs):   # before any update
+        _check_state(p, w, m, v)
     flag = None if skip is None else _skip_flag(skip, params[0].device)
     if flag is None:
         torch._foreach_add_(steps, 1.0)
@@ -146,18 +148,7 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
     block = BLOCK if params[0].is_cuda else 1024
     for seed, (p, g, w, m, v, s) in enumerate(zip(params, grads, masters, exp_avgs,
                                                   exp_avg_sqs, steps), start=first_seed):
-        if not (p.is_contiguous() and w.is_contiguous() and m.is_contiguous()
-                and v.is_contiguous()):
-            raise ValueError("master_adamw_: parameters and optimizer state must be contiguous")
-        compact = w.dtype == torch.int16
-        if compact and p.dtype != torch.bfloat16:
-            raise ValueError(f"master_adamw_: int16 (compact) masters need bf16 parameters, "
-                             f"got {p.dtype}")
-        low = m.dtype == torch.bfloat16
-        if not (compact or w.dtype == torch.float32) or m.dtype != v.dtype \
-                or m.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"master_adamw_: masters must be fp32 or int16 and both moments "
-                             f"fp32 or both bf16, got {w.dtype}, {m.dtype}, {v.dtype}")
+        compact, low = w.dtype == torch.int16, m.dtype == torch.bfloat16
         g = g.contiguous()
         n = p.numel()
         _master_adamw_kernel[(triton.cdiv(n, block),)](
@@ -165,6 +156,21 @@ def master_adamw_(params: list[torch.Tensor], grads: list[torch.Tensor],
             s if flag is None else flag, n, seed, float(lr), float(beta1), float(beta2),
             float(eps), float(weight_decay), BLOCK=block, HAS_SKIP=flag is not None,
             COMPACT=compact, BF16_MOMENTS=low, num_warps=8 if p.is_cuda else 4)
+
+
+def _check_state(p: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+    """ValueError unless a parameter and its state are what `master_adamw_` updates."""
+    if not (p.is_contiguous() and w.is_contiguous() and m.is_contiguous()
+            and v.is_contiguous()):
+        raise ValueError("master_adamw_: parameters and optimizer state must be contiguous")
+    compact = w.dtype == torch.int16
+    if compact and p.dtype != torch.bfloat16:
+        raise ValueError(f"master_adamw_: int16 (compact) masters need bf16 parameters, "
+                         f"got {p.dtype}")
+    if not (compact or w.dtype == torch.float32) or m.dtype != v.dtype \
+            or m.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"master_adamw_: masters must be fp32 or int16 and both moments "
+                         f"fp32 or both bf16, got {w.dtype}, {m.dtype}, {v.dtype}")
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:

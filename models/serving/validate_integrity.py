@@ -46,7 +46,7 @@ def role(name: str) -> str | None:
     """The role of a layout-A tensor name (None: not a float weight with a bound)."""
     if name == "lm_head.weight":
         return "lm_head"
-    if re.search(r"norm\.weight$", name):
+    if re.search(r"norm(\.\d+)?\.weight$", name):          # fc_norm.{0,1,2}.weight too
         return "norm"
     if re.fullmatch(r"fc\.weight|midlayer\.(self_attn|mlp)\.\w+_proj\.weight", name):
         return "projection"

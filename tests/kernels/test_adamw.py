@@ -169,6 +169,19 @@ def test_kernel_skip_must_be_a_scalar():
                       beta2=0.95, eps=1e-8, weight_decay=0.0, skip=torch.zeros(2, dtype=torch.bool))
 
 
+def test_a_refused_call_changes_no_step_counter():
+    params = _params()
+    steps = [torch.zeros((), device=DEV) for _ in params]
+    moments = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    moments[-1] = torch.zeros(7, 5, 3, device=DEV).transpose(0, 2)    # the last one strided
+    with pytest.raises(ValueError, match="contiguous"):
+        master_adamw_(params, [torch.zeros_like(p) for p in params],
+                      [p.detach().float() for p in params], moments,
+                      [torch.zeros_like(p, dtype=torch.float32) for p in params], steps,
+                      lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+    assert [float(s) for s in steps] == [0.0, 0.0, 0.0]
+
+
 # ------------------------------------------------------------------ compact (int16) masters
 def _awkward_fp32(n=4096, seed=0):
     """fp32 values of every sign and scale, plus exact bf16 ties (low 16 bits = 0x8000)."""

@@ -93,6 +93,13 @@ def test_magnitude_bounds_per_role(export, tcfg, tmp_path, name, value):
     assert codes(found) == {"MAGNITUDE"} and name in found[0].message, found
 
 
+def test_every_norm_of_an_eagle31_drafter_has_the_norm_bound():
+    from eyas.models.serving.validate_integrity import role
+    assert [role(n) for n in ("fc_norm.0.weight", "fc_norm.2.weight", "input_norm.weight",
+                              "midlayer.hidden_norm.weight", "norm.weight", "fc.weight",
+                              "d2t")] == ["norm"] * 5 + ["projection", None]
+
+
 def test_truncated_weights_are_one_named_finding(export, tcfg, tmp_path):
     bad = _copy(export, tmp_path / "t")
     f = bad / "model.safetensors"
