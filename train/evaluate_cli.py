@@ -244,6 +244,9 @@ def _offline_acceptance(args):
     from eyas.data.dataset import open_dataset
     n = len(open_dataset(args.data))
     indices, how = scored_samples(args, n, training_record(args.drafter))
+    if indices is not None and len(indices) == 0:
+        raise ValueError(f"--data {args.data}: {how} holds none of its {n} samples; score "
+                         f"every sample with --all, or hold out more with --eval-fraction")
     print(f"scoring {n if indices is None else len(indices)} of {n} samples of {args.data}: "
           f"{how}")
 

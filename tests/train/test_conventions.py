@@ -70,6 +70,14 @@ def test_evaluate_cli_scores_the_held_out_split_and_says_so(tiny_drafter, tiny_l
     assert evaluate_main(base + ["--all"]) == 0
     assert json.loads(f.read_text())["num_samples"] == 24
     assert "scoring 24 of 24 samples" in capsys.readouterr().out
+    # a split that holds no sample is an error, not a table of n/a
+    from eyas.data.shards import write_manifest, write_shard
+    src = open_dataset(tiny_llama_dataset)
+    one = tmp_path / "one"
+    write_manifest(one, dict(src.manifest), [write_shard(one, 0, [src[0]])])
+    with pytest.raises(ValueError, match=r"--data .*one: the held-out split eval_fraction=0.5, "
+                                         r"seed=0 holds none of its 1 samples; .* --all"):
+        evaluate_main(base[:3] + [str(one)] + base[4:] + ["--eval-fraction", "0.5"])
 
 
 class _Rank0:
