@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import mmap
 import os
 import threading
@@ -87,6 +88,18 @@ def shard_meta_from_header(path: Path, header: Header, f) -> tuple[dict[str, Any
     return meta, offsets
 
 
+def _check_buffer(name: str, dst: torch.Tensor, e, dtype: torch.dtype | None, length: int,
+                  path: Path) -> None:
+    """Raise unless `dst` holds >= `length` rows of stored tensor `e`'s row size (and `dtype`)."""
+    row = list(e.shape[1:])
+    if not (dst.dim() and dst.shape[0] >= length and math.prod(dst.shape[1:]) == math.prod(row)
+            and dtype in (None, dst.dtype)):
+        raise DatasetError(f"read_into buffer for field {name!r} is {dst.dtype} {list(dst.shape)} "
+                           f"but the field needs {dtype or 'any dtype'} with >= {length} rows of "
+                           f"{row}; allocate it from Dataset.fields (dtype, per-token shape)",
+                           path=path)
+
+
 class _Shard:
     """One open shard: parsed header, offsets, and a lazily created copy-on-write mapping."""
 
@@ -151,20 +164,24 @@ class _Shard:
         """Copy the first `length` tokens of sample j into out[name][:length] for each field.
 
         Fields stored in their read dtype are read with pread straight into the destination
-        (one copy, no page faults on a mapping); converted fields go through the mapping.
+        (one copy, no page faults on a mapping; the buffer must have that dtype); converted
+        fields go through the mapping. Buffers with too few or wrong-sized rows raise DatasetError.
         """
         lo = int(self.offsets[j])
+        fp8 = self.meta.get("aux_format") == "fp8"
         for name, spec in self.meta["fields"].items():
             dst = out.get(name)
             if dst is None:
                 continue
+            e = self.header.tensors[name]
+            verbatim = spec["dtype"] == spec["stored_dtype"] and not (name == "aux" and fp8)
+            _check_buffer(name, dst, e, e.dtype if verbatim else None, length, self.path)
             dst = dst[:length]
-            if name == "aux" and self.meta.get("aux_format") == "fp8":
+            if name == "aux" and fp8:
                 q = self.tensor(name)[lo:lo + length]
                 dequantize_fp8(q, self.tensor(AUX_SCALE)[lo:lo + length],
                                out=dst.view(q.shape))
-            elif spec["dtype"] == spec["stored_dtype"] and dst.is_contiguous():  # pread path
-                e = self.header.tensors[name]
+            elif verbatim and dst.is_contiguous():  # pread path
                 row = e.nbytes // e.shape[0]
                 buf = memoryview(as_numpy_bytes(dst).reshape(-1).view(np.uint8))
                 _pread_exact(self.file.fileno(), buf, e.begin + lo * row, self.path)

@@ -88,6 +88,10 @@ def _write_plan(out: Path, plan: dict[str, Any]) -> None:
             raise ExtractError(f"{path}: this output directory was started with different "
                                f"settings ({'; '.join(what)}); re-run with the same settings to "
                                f"resume, or choose a new --out")
+        if old.get("tokens_dir") != plan["tokens_dir"]:   # same tokens (checksum), other spelling
+            old["tokens_dir"] = plan["tokens_dir"]
+            old["manifest"]["tokens_dataset"] = plan["manifest"]["tokens_dataset"]
+            atomic_write_json(path, old)
         return
     atomic_write_json(path, plan)
 
@@ -142,8 +146,9 @@ def _plan(tokens, tokens_dir, target, model: nn.Module, n: int, lengths: list[in
     ranges and the manifest the finished dataset gets."""
     src = tokens.manifest
     target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    tokens_dir = str(Path(tokens_dir).resolve())    # found again from any working directory
     return {
-        "format": "eyas-extract-plan", "tokens_dir": str(tokens_dir), "target": str(target),
+        "format": "eyas-extract-plan", "tokens_dir": tokens_dir, "target": str(target),
         "target_dtype": target_dtype,
         "tokens_checksum": json.dumps([s.get("checksum") for s in src.get("shards", [])]),
         "aux_layer_ids": aux_ids, "teacher": teacher, "topk": topk, "aux_format": aux_format,
@@ -158,7 +163,7 @@ def _plan(tokens, tokens_dir, target, model: nn.Module, n: int, lengths: list[in
             "teacher": {"kind": teacher, "last": "post_norm" if teacher != "topk" else None,
                         "topk": topk or None, "target_argmax": True},
             "tokenizer": src.get("tokenizer"), "prepare": src.get("prepare"),
-            "tokens_dataset": {"path": str(tokens_dir), "n_samples": n}},
+            "tokens_dataset": {"path": tokens_dir, "n_samples": n}},
     }
 
 
@@ -225,7 +230,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     """Run `target` over the token dataset at `tokens_dir`; write a hidden dataset to `out_dir`.
 
     Args:
-        layers: aux layer ids (HF hidden_states indices, 1 <= a < b < c < N); None = the
+        layers: aux layer ids (HF hidden_states indices, 2 <= a < b < c < N); None = the
             default [2, N//2, N-3].
         aux_format: "bf16" (exact) or "fp8" (see data/FORMAT.md for the error bound).
         teacher: "last" (post-norm last state), "topk" (top-k ids + logits) or "both";

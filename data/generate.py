@@ -137,7 +137,7 @@ def _generate_batch(model, tokenizer, prompts: list[str], stop: list[int], *, ma
         cut = next((j for j, t in enumerate(row) if t in stops), None)
         toks = row if cut is None else row[:cut + (row[cut] in keep)]
         results.append((tokenizer.decode(toks, skip_special_tokens=False),
-                        "length" if cut is None else "stop", len(toks) + (cut is not None)))
+                        "length" if cut is None else "stop", len(row) if cut is None else cut + 1))
     return results
 
 

@@ -49,21 +49,23 @@ log = logging.getLogger(__name__)
 SOURCES = ("specforge", "speculators")
 
 
+def _torch_load(f: Path) -> Any:
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
 def _natural_key(p: Path) -> tuple:
     nums = re.findall(r"\d+", p.stem)
     return (int(nums[-1]) if nums else -1, str(p))
 
 
 def _target_info(target: str | os.PathLike, layers: list[int] | None) -> dict[str, Any]:
-    from eyas.data.targets import default_aux_layer_ids, load_target_config, text_config
+    from eyas.data.capture import check_aux_layers
+    from eyas.data.targets import load_target_config, text_config
 
     cfg = load_target_config(target)
     tc = text_config(cfg)
     n = int(tc["num_hidden_layers"])
-    ids = list(layers) if layers else default_aux_layer_ids(n)
-    if len(ids) != 3 or sorted(ids) != ids or len(set(ids)) != 3 or not 0 < ids[0] or ids[-1] >= n:
-        raise ValueError(f"aux layer ids must be 3 ascending HF hidden_states indices in "
-                         f"(0, {n}); got {ids}")
+    ids = check_aux_layers(layers or None, n)    # the rule extraction and training apply
     return {"config": cfg, "text": tc, "hidden": int(tc["hidden_size"]), "layers": n,
             "vocab": int(tc["vocab_size"]), "aux_ids": ids}
 
@@ -113,7 +115,36 @@ def _check_sample(path: Path, ids: torch.Tensor, aux: torch.Tensor, last: torch.
     return out
 
 
+def _load_dict(f: Path, load: Callable[[Path], Any], what: str) -> dict[str, Any]:
+    """`load(f)` as a dict; an unreadable file or another object is a one-line DatasetError."""
+    try:
+        d = load(f)
+    except Exception as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise DatasetError(f"unreadable {what} file ({why}); re-create it, or move it out of the "
+                           f"folder to import the others", path=f) from None
+    if not isinstance(d, dict):
+        raise DatasetError(f"holds a {type(d).__name__}, expected a dict of tensors ({what})",
+                           path=f)
+    return d
+
+
+def _need_keys(f: Path, d: dict[str, Any], need: tuple[str, ...], layout: str, *,
+               exact: bool = False) -> None:
+    """A one-line DatasetError naming the keys found and expected unless `d` has all of `need`
+    (`exact`: and no other key)."""
+    missing = [k for k in need if k not in d]
+    if missing or (exact and len(d) != len(need)):
+        lack = f"lack {missing}" if missing else f"are not exactly {list(need)}"
+        raise DatasetError(f"keys {sorted(d)} {lack}: expected {layout}; check the source type "
+                           f"and folder, or re-create the file with that tool", path=f)
+
+
 # ---- SpecForge ---------------------------------------------------------------------------
+
+_SPECFORGE_LAYOUT = ("input_ids, loss_mask and aux_hidden_state (+ hidden_state), or input_ids, "
+                     "loss_mask, hidden_state and target (SpecForge offline hidden states)")
+
 
 def _specforge_samples(src: Path, info: dict[str, Any]) -> Iterator[tuple[Path, dict]]:
     files = sorted(src.rglob("*.ckpt"), key=_natural_key)
@@ -121,18 +152,14 @@ def _specforge_samples(src: Path, info: dict[str, Any]) -> Iterator[tuple[Path, 
         raise DatasetError("no *.ckpt files (SpecForge offline hidden states) below this "
                            "directory", path=src)
     for f in progress(files, desc="importing SpecForge", unit="sample"):
-        try:
-            d = torch.load(f, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise DatasetError(f"unreadable torch.save file ({e})", path=f) from None
+        d = _load_dict(f, _torch_load, "torch.save")
         if "aux_hidden_state" in d:             # on-disk layout of prepare_hidden_states.py
+            _need_keys(f, d, ("input_ids", "loss_mask"), _SPECFORGE_LAYOUT)
             aux, last = d["aux_hidden_state"], d.get("hidden_state")
-        elif "target" in d:                     # the offline dataset's renamed layout
+        else:                                   # the offline dataset's renamed layout
+            _need_keys(f, d, ("input_ids", "loss_mask", "hidden_state", "target"),
+                       _SPECFORGE_LAYOUT)
             aux, last = d["hidden_state"], d["target"]
-        else:
-            raise DatasetError(f"keys {sorted(d)}: expected input_ids, loss_mask and "
-                               f"aux_hidden_state (+ hidden_state) or hidden_state + target",
-                               path=f)
         ids = d["input_ids"].reshape(-1)
         aux = aux.reshape(-1, aux.shape[-1])
         last = None if last is None else last.reshape(-1, last.shape[-1])
@@ -198,10 +225,9 @@ def _speculators_samples(src: Path, info: dict[str, Any], loss_mask: str,
     masks = (_read_loss_masks(src) if files and loss_mask == "dataset" else None)
     for f in progress(files or pt_files, desc="importing speculators", unit="sample"):
         if files:
-            d = load_file(str(f))
-            if set(d) != {"token_ids", "hidden_states"}:
-                raise DatasetError(f"keys {sorted(d)}, expected token_ids + hidden_states",
-                                   path=f)
+            d = _load_dict(f, lambda p: load_file(str(p)), "safetensors")
+            _need_keys(f, d, ("token_ids", "hidden_states"),
+                       "token_ids and hidden_states (speculators hs_<i>.safetensors)", exact=True)
             ids, hs = d["token_ids"].reshape(-1), d["hidden_states"]
             if hs.dim() != 3 or hs.shape[1] not in (3, 4):
                 raise DatasetError(f"hidden_states has shape {list(hs.shape)}, expected "
@@ -211,7 +237,9 @@ def _speculators_samples(src: Path, info: dict[str, Any], loss_mask: str,
             mask = (masks(_natural_key(f)[0], ids) if masks is not None
                     else torch.ones_like(ids, dtype=torch.bool))
         else:
-            d = torch.load(f, map_location="cpu", weights_only=True)
+            d = _load_dict(f, _torch_load, "torch.save")
+            _need_keys(f, d, ("input_ids", "loss_mask", "hidden_states"),
+                       "input_ids, loss_mask and hidden_states (speculators per-sample .pt)")
             states = list(d["hidden_states"])
             if len(states) != 4:
                 raise DatasetError(f"hidden_states holds {len(states)} tensors, expected 4 "

@@ -13,6 +13,7 @@ the codes data.prepare documents.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from collections.abc import Iterator
@@ -57,11 +58,13 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | RecordError]]:
 
 def parse_line(lineno: int, raw: bytes) -> dict | RecordError | None:
     """One raw JSONL line (`iter_jsonl`): the object, a RecordError, or None for a blank line."""
+    bom = len(codecs.BOM_UTF8) if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else 0
     try:
-        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        line = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
-        return RecordError("bad_encoding", f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at "
-                           f"byte {e.start + 1} of the line); re-encode the file as UTF-8")
+        at = bom + e.start                     # offset in the raw line, byte-order mark included
+        return RecordError("bad_encoding", f"not valid UTF-8 (byte 0x{raw[at]:02x} at "
+                           f"byte {at + 1} of the line); re-encode the file as UTF-8")
     if not line.strip():
         return None
     try:

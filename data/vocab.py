@@ -39,15 +39,22 @@ COUNT_MODES = ("auto", "target_argmax", "next_token", "masked_token")
 _counted: dict[tuple, np.ndarray] = {}
 
 
-def _dataset_vocab_size(ds) -> int | None:
+def _dataset_vocab_size(ds, target: str | None = None) -> int | None:
+    """V of the dataset's target: its manifest's target_config (or vocab_size), else the config
+    of `target` (default: the manifest's target). Never the tokenizer length: a target's
+    embedding may have more rows than its tokenizer has tokens (Qwen3: 151936 of 151669)."""
+    from eyas.data.targets import load_target_config, text_config
+
     m = ds.manifest
-    cfg = m.get("target_config") or {}
-    cfg = cfg.get("text_config") or cfg
-    tok = m.get("tokenizer") or {}
-    for v in (cfg.get("vocab_size"), m.get("vocab_size"), tok.get("vocab_size")):
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+    v = text_config(m.get("target_config") or {}).get("vocab_size") or m.get("vocab_size")
+    target = target or m.get("target")
+    if not v and target:
+        try:
+            v = text_config(load_target_config(target)).get("vocab_size")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{ds.root}: cannot read the vocab_size of target {target!r} ({e}); "
+                             f"pass --target-vocab-size V (target_vocab_size=V)") from None
+    return v if isinstance(v, int) and v > 0 else None
 
 
 def count_tokens(dataset, target_vocab_size: int, count: str = "auto") -> np.ndarray:
@@ -113,8 +120,8 @@ def build_vocab(dataset_or_token_counts: Any, size: int = VocabSettings.draft_vo
             or a mapping {id: count}.
         size: Vd. Must be <= V.
         force_ids: ids always selected (special / chat-template / tool tokens), even if unseen.
-        target_vocab_size: V; default: the counts' length or the dataset manifest's target
-            vocabulary size.
+        target_vocab_size: V; default: the counts' length or the vocab_size of the dataset's
+            target (its manifest's target_config, else the named target's config.json).
 
     Selection: forced ids, then the remaining ids by descending count, ties by ascending id.
     Ids never seen have count 0, so when fewer than `size` distinct ids occur the selection is
@@ -271,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", choices=COUNT_MODES, default="auto",
                    help="which tokens are counted (see data.vocab.count_tokens)")
     p.add_argument("--target-vocab-size", type=int, default=None,
-                   help="V, if the dataset manifest does not record it (default: the "
-                        "manifest's)")
+                   help="V (default: the vocab_size of the manifest's target_config, else "
+                        "of the config of --target or the manifest's target)")
     return p
 
 
@@ -292,9 +299,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     else:
         print("forcing no special tokens (" + ("--no-special" if args.no_special else
               "the manifest names no target: pass --target") + ")")
-    V = args.target_vocab_size or _dataset_vocab_size(ds)
+    V = args.target_vocab_size or _dataset_vocab_size(ds, args.target)
     size = min(args.size, V) if V else args.size      # as the trainer caps it
-    d2t, t2d = build_vocab(ds, size, forced, args.target_vocab_size, count=args.count)
+    d2t, t2d = build_vocab(ds, size, forced, V, count=args.count)
     save_vocab(args.out, d2t, t2d)
     print(f"wrote {args.out}: Vd={d2t.numel()} of V={t2d.numel()}")
     return 0

@@ -145,6 +145,27 @@ def test_resume_recomputes_only_the_missing_shard(tmp_path, tokens_dir):
         extract(tokens_dir, "tiny-llama", out, model=model, shard_tokens=70, layers=[2, 3, 5])
 
 
+def test_tokens_path_is_recorded_absolute_and_old_relative_plans_resume(
+        tmp_path, tokens_dir, monkeypatch):
+    model = target("tiny-llama")
+    monkeypatch.chdir(tokens_dir.parent)
+    first = extract("ds", "tiny-llama", tmp_path / "hid", model=model, shard_tokens=70)
+    plan_file, absolute = tmp_path / "hid" / "extract_plan.json", str(tokens_dir.resolve())
+    assert json.loads(plan_file.read_text())["tokens_dir"] == absolute
+    want = {"path": absolute, "n_samples": len(CONVS)}
+    assert open_dataset(tmp_path / "hid").manifest["tokens_dataset"] == want
+    plan = json.loads(plan_file.read_text())        # a plan that recorded the path as typed
+    plan["tokens_dir"] = plan["manifest"]["tokens_dataset"]["path"] = "ds"
+    plan_file.write_text(json.dumps(plan))
+    (tmp_path / "hid" / shard_name(1)).unlink()
+    (tmp_path / "hid" / "manifest.json").unlink()
+    monkeypatch.chdir(tmp_path)
+    again = extract(tokens_dir, "tiny-llama", tmp_path / "hid", model=model, shard_tokens=70)
+    assert again["computed"] == [1] and len(again["resumed"]) == first["shards"] - 1
+    assert json.loads(plan_file.read_text())["tokens_dir"] == absolute
+    assert open_dataset(tmp_path / "hid").manifest["tokens_dataset"] == want
+
+
 def test_data_parallel_ranks_then_finalize(tmp_path, tokens_dir):
     model = target("tiny-llama")
     single = tmp_path / "single"

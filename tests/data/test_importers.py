@@ -2,6 +2,7 @@
 layouts) converted to eyas datasets and compared tensor by tensor."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -70,9 +71,56 @@ def test_specforge_errors(tmp_path):
     torch.save({"input_ids": torch.zeros(3)}, tmp_path / "sf" / "rows_0-5000" / "data_1.ckpt")
     with pytest.raises(DatasetError, match="expected input_ids, loss_mask and aux_hidden_state"):
         import_hidden_states("specforge", tmp_path / "sf", tmp_path / "o3", target="tiny-llama")
-    with pytest.raises(ValueError, match="3 ascending"):
+    with pytest.raises(ValueError, match="three strictly ascending"):
         import_hidden_states("specforge", tmp_path / "sf", tmp_path / "o4", target="tiny-llama",
                              layers=[4, 2, 5])
+
+
+def test_import_applies_the_aux_layer_rule_before_reading(tmp_path):
+    (tmp_path / "sf").mkdir()
+    (tmp_path / "sf" / "data_0.ckpt").write_bytes(b"not a torch.save file")
+    for layers, why in (([1, 4, 5], "the lowest id 1 is below 2"),
+                        ([2, 4, 8], "the highest id 8 is not below the 8 decoder layers")):
+        with pytest.raises(ValueError, match=rf"aux layer ids {re.escape(str(layers))} are "
+                                             rf"invalid for a target with 8 decoder layers: "
+                                             rf"{why}; expected .*\(the default is \[2, 4, 5\]\)"):
+            import_hidden_states("specforge", tmp_path / "sf", tmp_path / "out",
+                                 target="tiny-llama", layers=layers)
+    assert list((tmp_path / "out").iterdir()) == []       # nothing written
+
+
+def test_import_names_file_keys_and_fix(tmp_path, capsys):
+    from eyas.data.log import run_command
+    _write_specforge(tmp_path / "sf", [4])
+    f = tmp_path / "sf" / "rows_0-5000" / "data_0.ckpt"
+    d = torch.load(f)
+    del d["loss_mask"]
+    torch.save(d, f)
+    with pytest.raises(DatasetError) as e:
+        import_hidden_states("specforge", tmp_path / "sf", tmp_path / "o1", target="tiny-llama")
+    assert str(e.value) == (
+        f"{f}: keys ['aux_hidden_state', 'hidden_state', 'input_ids'] lack ['loss_mask']: "
+        f"expected input_ids, loss_mask and aux_hidden_state (+ hidden_state), or input_ids, "
+        f"loss_mask, hidden_state and target (SpecForge offline hidden states); check the source "
+        f"type and folder, or re-create the file with that tool")
+    torch.save({"input_ids": torch.zeros(3), "hidden_states": []}, tmp_path / "v1.pt")
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1.pt").rename(tmp_path / "v1" / "data_0.pt")
+    with pytest.raises(DatasetError, match=r"keys \['hidden_states', 'input_ids'\] lack "
+                                           r"\['loss_mask'\]: expected input_ids, loss_mask and "
+                                           r"hidden_states \(speculators per-sample .pt\)"):
+        import_hidden_states("speculators", tmp_path / "v1", tmp_path / "o2",
+                             target="tiny-llama", keep_prenorm=True)
+    _write_speculators(tmp_path / "spec", [3, 4])
+    hs = tmp_path / "spec" / "hidden_states" / "hs_1.safetensors"
+    hs.write_bytes(hs.read_bytes()[:200])                     # truncated
+    rc = run_command("eyas import", cli_main, [
+        "speculators", str(tmp_path / "spec"), "--out", str(tmp_path / "o3"),
+        "--target", "tiny-llama", "--loss-mask", "all", "--keep-prenorm"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith(f"eyas import: {hs}: unreadable safetensors file (")
+    assert err.endswith("); re-create it, or move it out of the folder to import the others\n")
 
 
 def _local_target(root):
@@ -161,10 +209,10 @@ def test_speculators_v1_pt_layout(tmp_path):
 def test_cli(tmp_path, capsys):
     _write_specforge(tmp_path / "sf", [4, 5])
     assert cli_main(["specforge", str(tmp_path / "sf"), "--out", str(tmp_path / "out"),
-                     "--target", "tiny-llama", "--layers", "1,3,6", "--aux-format", "fp8"]) == 0
+                     "--target", "tiny-llama", "--layers", "2,3,6", "--aux-format", "fp8"]) == 0
     assert "imported 2 samples (9 tokens)" in capsys.readouterr().out
     ds = open_dataset(tmp_path / "out")
-    assert ds.manifest["aux_layer_ids"] == [1, 3, 6] and ds.aux_format == "fp8"
+    assert ds.manifest["aux_layer_ids"] == [2, 3, 6] and ds.aux_format == "fp8"
     with pytest.raises(FileExistsError):
         cli_main(["specforge", str(tmp_path / "sf"), "--out", str(tmp_path / "out"),
                   "--target", "tiny-llama"])

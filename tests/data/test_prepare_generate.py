@@ -220,3 +220,30 @@ def test_static_batches_return_one_answer_per_prompt_and_refuse_what_does_not_fi
                                          r"padded length of 2"):
         _generate_batch(model, tok, ["a long prompt of several words"], rows=1,
                         prompt_tokens=2, **kw)
+
+
+def test_new_token_count_includes_the_stop_token_once():
+    from eyas.data.generate import _generate_batch
+
+    class Tok:
+        padding_side, pad_token_id = "right", 0
+
+        def __call__(self, prompts, **kw):
+            ones = torch.ones(len(prompts), 2, dtype=torch.long)
+            return {"input_ids": ones, "attention_mask": ones}
+
+        def decode(self, ids, **kw):
+            return "".join({5: "a", 6: "b", 10: "\n"}[i] for i in ids)
+
+    class Model:
+        device = "cpu"
+
+        def generate(self, input_ids, **kw):   # prompt, then "a", "b", stop 10, padding
+            new = torch.tensor([[5, 6, 10, 0, 0], [5, 6, 5, 6, 5]])
+            return torch.cat([input_ids, new], 1)
+
+    kw = dict(max_new_tokens=5, temperature=0.0, top_p=1.0)
+    got = _generate_batch(Model(), Tok(), ["x", "y"], [2, 10], **kw)
+    assert got == [("ab", "stop", 3), ("ababa", "length", 5)]
+    got = _generate_batch(Model(), Tok(), ["x", "y"], [2, 10], keep=frozenset({10}), **kw)
+    assert got == [("ab\n", "stop", 3), ("ababa", "length", 5)]

@@ -156,6 +156,16 @@ def test_bom_and_crlf_lines_are_read(tmp_path, tok):
     assert summary["conversations"] == 2 and not summary["skipped"]
 
 
+def test_bad_byte_after_a_bom_is_named_at_its_raw_offset():
+    from eyas.data.records import parse_line
+    msg = "bad_encoding: not valid UTF-8 (byte 0xff at byte {} of the line); re-encode the file " \
+          "as UTF-8"
+    assert str(parse_line(1, b'\xef\xbb\xbf{"a":"\xff"}\n')) == msg.format(10)
+    assert str(parse_line(1, b'{"a":"\xff"}\n')) == msg.format(7)
+    assert str(parse_line(1, b'\xef\xbb\xbf\xfe{}\n')) == msg.replace("0xff", "0xfe").format(4)
+    assert parse_line(1, b'\xef\xbb\xbf{"a": 1}\n') == {"a": 1}
+
+
 def test_synthesize_prompt_files_name_file_line(tmp_path):
     from eyas.data.synthesize import prompt_texts
     good = write_lines(tmp_path / "ok.jsonl", [

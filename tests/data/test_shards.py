@@ -1,6 +1,7 @@
 """Shard writer/reader: round trips, zero-copy views, fp8 bound, atomicity."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -374,6 +375,27 @@ def test_read_into_matches_getitem(tmp_path):
             assert torch.equal(out[k][:6], v[:6]), (fmt, k)
             assert not out[k][6:].any()
     assert np.array_equal(ds.sample_lengths, [5, 7])
+
+
+def test_read_into_rejects_mismatched_buffers(tmp_path):
+    samples, _ = write_dataset(tmp_path, [[3, 3]])
+    ds = open_dataset(tmp_path)
+    bad = {"last": (torch.zeros(3, TH), "is torch.float32 [3, 16] but the field needs "
+                                         "torch.bfloat16 with >= 3 rows of [16]"),
+           "aux": (torch.zeros(2, 3 * TH, dtype=torch.bfloat16),
+                   "is torch.bfloat16 [2, 48] but the field needs torch.bfloat16 with >= 3 rows "
+                   "of [3, 16]"),
+           "topk_ids": (torch.zeros(3, 2, dtype=torch.int64),
+                        "is torch.int64 [3, 2] but the field needs any dtype with >= 3 rows of [4]")}
+    for name, (buf, msg) in bad.items():
+        with pytest.raises(DatasetError, match=rf"field '{name}' {re.escape(msg)}; allocate it "):
+            ds.read_into(0, {name: buf})
+        assert not buf.any(), name                   # nothing was written
+    out = {"last": torch.zeros(3, TH, dtype=torch.bfloat16),
+           "input_ids": torch.zeros(3, dtype=torch.int32)}
+    assert ds.read_into(0, out) == 3                     # converted fields take any dtype
+    assert torch.equal(out["last"], samples[0]["last"])
+    assert out["input_ids"].tolist() == samples[0]["input_ids"].tolist()
 
 
 def test_dataset_pickles_without_open_shards(tmp_path):

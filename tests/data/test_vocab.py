@@ -148,6 +148,29 @@ def test_cli(tmp_path, capsys):
     assert "Vd=4 of V=10" in capsys.readouterr().out
 
 
+def test_cli_v_from_target_config_not_tokenizer(tmp_path, capsys):
+    # a tokens dataset of a target whose embedding (12 rows) is padded past its tokenizer (10)
+    (tmp_path / "padded").mkdir()
+    (tmp_path / "padded" / "config.json").write_text('{"vocab_size": 12}')
+    ss = [{"input_ids": torch.tensor([1, 2, 3]), "loss_mask": torch.tensor([1, 1, 0])}]
+    write_manifest(tmp_path / "tok", {"kind": "tokens", "target": str(tmp_path / "padded"),
+                                      "tokenizer": {"vocab_size": 10}},
+                   [write_shard(tmp_path / "tok", 0, ss)])
+    out = tmp_path / "v.safetensors"
+    args = ["--data", str(tmp_path / "tok"), "--size", "3", "--out", str(out), "--no-special"]
+    assert cli_main(args) == 0
+    d2t, t2d = load_vocab(out)
+    assert t2d.numel() == 12 and t2d.nonzero().flatten().tolist() == [0, 2, 3]
+    assert "Vd=3 of V=12" in capsys.readouterr().out
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"text_config": {"vocab_size": 16}}')
+    assert cli_main(args + ["--target", str(tmp_path / "other")]) == 0
+    assert load_vocab(out)[1].numel() == 16
+    with pytest.raises(ValueError, match=r"cannot read the vocab_size of target '/nowhere' "
+                                         r".*; pass --target-vocab-size V"):
+        cli_main(args + ["--target", "/nowhere"])
+
+
 def test_special_token_ids_smollm2():
     from eyas.data.targets import load_tokenizer
     tok = load_tokenizer("smollm2")
