@@ -1,10 +1,11 @@
 """Check an exported drafter directory against the serving contract, before any server starts.
 
 `validate(dir, target_config)` returns a list of `Finding`s: each names a rule of
-`serving-contract.md` (§2 config.json, §3 model.safetensors) that the export breaks, which engine
-misbehaves and how, and the fix. An empty list means vLLM and SGLang will both load the directory
-and compute the function eyas trained. With ``numeric=True`` it also loads the exported tensors the
-way the engines do and checks that they reproduce the trainer's logits (validate_numeric.py).
+`models/serving/CONTRACT.md` (§1 files, §2 config.json, §3 model.safetensors) that the export
+breaks, which engine misbehaves and how, and the fix. An empty list means vLLM and SGLang will both
+load the directory and compute the function eyas trained. With ``numeric=True`` it also loads the
+exported tensors the way the engines do and checks that they reproduce the trainer's logits
+(validate_numeric.py).
 
 Tensors are read lazily (safetensors headers for names/shapes/dtypes; values only for the vocab
 mapping and a chunked NaN/inf and magnitude scan), so a 10 GB export validates in seconds. The
@@ -127,8 +128,8 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
             log.warning("skipping the numerical check: fix the static errors first")
         else:
             from eyas.models.serving.validate_numeric import check_numeric
-            findings += check_numeric(path, tcfg, target_weights=target_weights, tol=numeric_tol,
-                                      trainer_state_dict=trainer_state_dict)
+            findings += check_numeric(path, tcfg, cfg=cfg, target_weights=target_weights,
+                                      tol=numeric_tol, trainer_state_dict=trainer_state_dict)
     return findings
 
 
@@ -137,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas validate",
         description="Check an exported EAGLE-3 drafter directory against what vLLM and SGLang "
-                    "load (serving-contract.md). Exit 0 = clean, 1 = findings, 2 = usage error (e.g. a "
-                    "mistyped path).")
+                    "load (models/serving/CONTRACT.md). Exit 0 = clean, 1 = findings, "
+                    "2 = usage error (e.g. a mistyped path).")
     p.add_argument("dir", help="the exported drafter directory (config.json + model.safetensors)")
     p.add_argument("--target-config", required=True,
                    help="the target's config.json, its directory, hub id "

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from eyas.data.vocab_map import VocabMap
-from eyas.models.serving.contract import ERROR, Finding, TensorDir, finding
+from eyas.models.serving.contract import ERROR, Finding, TensorDir, finding, read_config
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +108,18 @@ def compare(cfg: dict[str, Any], tensors: Mapping[str, torch.Tensor], embedding:
 
 
 def check_numeric(path: str | Path, tcfg: dict[str, Any] | None, *,
+                  cfg: dict[str, Any] | None = None,
                   target_weights: str | Path | None = None,
                   trainer_state_dict: Mapping[str, torch.Tensor] | None = None,
                   tol: float = 1e-3, ttt_steps: int = 3, seed: int = 0) -> list[Finding]:
     """Findings when the served function differs from the trained one (see module docstring).
 
-    `tol` is relative to the largest |logit|; with fp32 on both sides agreement is ~1e-6, so
+    `cfg`: the layout-A config the engines read (`validate.served_config`: a speculators config
+    flattened); default: the directory's config.json. `tol` is relative to the largest |logit|; with fp32 on both sides agreement is ~1e-6, so
     any real mismatch (alignment, RoPE, residual, name mapping) is orders of magnitude above it.
     """
-    from eyas.models.serving.validate import served_config
     path = Path(path)
-    cfg = served_config(path)
+    cfg = read_config(path) if cfg is None else cfg
     tensors = TensorDir(path).load_all()
     V, H = int(cfg["vocab_size"]), int(cfg["hidden_size"])
     fix = ("report it: the trainer and the engines compute different functions for this config "

@@ -54,7 +54,6 @@ SHARED = {
     ("export", "speculators_config"): "export.speculators_config",
     ("evaluate", "max_new_tokens"): "eval.max_new_tokens",
     ("evaluate", "token_budget"): "data.token_budget",
-    ("evaluate", "seed"): "train.seed",
     ("evaluate", "context_buckets"): "eval.context_buckets",
     ("evaluate", "processes"): "eval.processes",
 }
@@ -72,6 +71,8 @@ DIFFERENT = {
     ("evaluate", "num_prompts"): "default all prompts of --prompts; eval.num_prompts picks from "
                                  "the shipped held-out file",
     ("evaluate", "dtype"): "the drafter's compute dtype in evaluation, not the target's",
+    ("evaluate", "seed"): "unset = the train.seed the drafter's export records, else train.seed's "
+                          "default (test_scored_samples_default_to_the_training_split)",
     ("evaluate", "eval_fraction"): "unset = the trainer's held-out split when --data is the "
                                    "drafter's training set; set = that split fraction",
     ("evaluate", "temperature"): "the speculative-sampling temperature of the evaluation "
