@@ -27,8 +27,8 @@ decoding of the 64 held-out prompts in 8 processes; ~9 minutes on one H200). The
 include `export: <dir>`, `speculative: tau ...` and `tau: <value>`.
 
 Launcher options (processes and nodes only; everything else is a Hydra override):
-  --gpus N          processes = GPUs on this node (default: all visible GPUs; 0 = CPU,
-                    one process unless --cpu N)
+  --gpus N          processes = GPUs on this node (default: the GPUs CUDA_VISIBLE_DEVICES
+                    lists, else all that nvidia-smi lists; 0 = CPU, one process unless --cpu N)
   --cpu N           N CPU processes over gloo, GPUs hidden (default on machines without a
                     GPU: 1)
   --nodes N         number of nodes (env NNODES); each node runs the processes
@@ -66,6 +66,16 @@ EOF
 }
 
 have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+# GPUs this process may use: CUDA_VISIBLE_DEVICES' entries when it is set, else every GPU
+visible_gpus() {
+  if [[ -n "${CUDA_VISIBLE_DEVICES+set}" ]]; then
+    local ids="${CUDA_VISIBLE_DEVICES//[[:space:]]/}"
+    [[ -z "$ids" ]] && { echo 0; return; }
+    local list; IFS=, read -ra list <<< "$ids"; echo "${#list[@]}"
+  else
+    nvidia-smi -L | wc -l
+  fi
+}
 
 # torch on a machine without a GPU: the CPU build from PyTorch's CPU wheel index (PyPI's
 # Linux torch wheels are CUDA builds that pull ~15 nvidia-* packages). Where that index cannot
@@ -172,7 +182,7 @@ if [[ "$gpus" == 0 ]]; then gpus=""; cpus="${cpus:-1}"; fi
 if [[ -n "$cpus" ]]; then
   export CUDA_VISIBLE_DEVICES=""   # CPU processes: a visible GPU would be picked up
 elif [[ -z "$gpus" ]]; then
-  if have_gpu; then gpus=$(nvidia-smi -L | wc -l); else cpus=1; fi
+  if have_gpu && (( $(visible_gpus) > 0 )); then gpus=$(visible_gpus); else cpus=1; fi
 fi
 # No overrides on a GPU: the embedded default sized for it (conf/experiment/gpu_default.yaml,
 # under 10 minutes on one H200); on a CPU the few-minute demonstration of conf/config.yaml.

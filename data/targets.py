@@ -145,7 +145,7 @@ def target_dtype(name: str, device: torch.device | str | None = None) -> torch.d
 
 #: the aux-layer-id rule (`aux_layer_ids_error`) in words, for error messages
 AUX_IDS_RULE = ("three strictly ascending HF hidden_states ids 2 <= a < b < c < N (N = decoder "
-                "layers; vLLM id = SGLang id + 1, serving-contract §2)")
+                "layers; vLLM id = SGLang id + 1, models/serving/CONTRACT.md §2)")
 
 
 def aux_layer_ids_error(ids, num_layers: int | None = None) -> str | None:

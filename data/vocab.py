@@ -2,7 +2,7 @@
 
 The draft vocabulary is a set of Vd target ids sorted ascending; `lm_head` row i is the i-th
 smallest. It is stored as the (d2t offsets, t2d mask) pair of `data.vocab_map.VocabMap`, which
-also holds its validator (serving-contract §3).
+also holds its validator (models/serving/CONTRACT.md §3).
 
 `build_vocab` counts token ids over a dataset, keeps the `size` most frequent (ties: lower id
 first), always includes the forced ids (special and chat-template tokens), and sorts. When
@@ -264,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
         "keep its mapping instead of building a new one.")
     p.add_argument("--data", required=True, help="dataset directory (tokens or hidden)")
     p.add_argument("--size", type=int, default=VocabSettings.draft_vocab_size,
-                   help=field_help(VocabSettings, "draft_vocab_size", "drafter.draft_vocab_size"))
+                   help=field_help(VocabSettings, "draft_vocab_size", "drafter.draft_vocab_size",
+                                   "Target presets may train with another size (smollm2: "
+                                   "8192): pass the run's drafter.draft_vocab_size."))
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--target", "--force-special-from", dest="target", metavar="TARGET",
                    help="force the special and chat-template tokens of TARGET's tokenizer, as "

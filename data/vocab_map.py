@@ -3,9 +3,10 @@
     d2t [Vd] int64   offsets: target_id = i + d2t[i]     (strictly increasing ids)
     t2d [V]  bool    t2d[v] == (v is selected);  t2d.sum() == Vd
 
-(serving-contract §3). `VocabMap.from_d2t` derives t2d from d2t; `VocabMap.validate` checks
-every invariant and raises a ValueError naming the tensor, the entry and the value that break
-it. Builders (data.vocab), the exporter, the importer and the doctor all go through this type.
+(models/serving/CONTRACT.md §3). `VocabMap.from_d2t` derives t2d from d2t;
+`VocabMap.validate` checks every invariant and raises a ValueError naming the tensor, the entry
+and the value that break it. Builders (data.vocab), the exporter, the importer and the doctor
+all go through this type.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class VocabMap:
 
     def validate(self, *, target_vocab_size: int | None = None,
                  draft_vocab_size: int | None = None) -> VocabMap:
-        """Check the serving-contract §3 invariants; raise ValueError saying what is wrong and
-        how to fix it. Returns the map itself when the pair is consistent."""
+        """Check the invariants of models/serving/CONTRACT.md §3; raise ValueError saying what is
+        wrong and how to fix it. Returns the map itself when the pair is consistent."""
         d2t, t2d = self.d2t, self.t2d
         if not isinstance(d2t, torch.Tensor) or d2t.dtype != torch.int64 or d2t.dim() != 1:
             raise ValueError(f"d2t must be an int64 tensor [Vd] of offsets, got {_describe(d2t)}")

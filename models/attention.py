@@ -1,6 +1,7 @@
 """Attention of the TTT unroll: the mask, a flex-attention path and an eager twin.
 
-The query of row t at step k sees (eagle3-training.md §3, serving-contract.md §4)
+The query of row t at step k sees (the mask, defined here; the engines' KV cache holds the same
+keys: models/serving/CONTRACT.md §4)
   * the step-0 keys of rows s <= t of the same document (the accepted prefix), and
   * the keys of row t itself at steps 1..k (the chain drafted so far: the "diagonal").
 Over a KV of length T·(k+1) laid out step-major ([K_0 | K_1 | … | K_k]) that is the boolean

@@ -1,6 +1,6 @@
 """`Eagle3Config`: the drafter's shape, mapping 1:1 onto the exported layout-A config.json.
 
-Layout A (serving-contract.md §2) is a one-layer Llama-style drafter that both vLLM
+Layout A (models/serving/CONTRACT.md §2) is a one-layer Llama-style drafter that both vLLM
 (`LlamaForCausalLMEagle3`) and SGLang load unchanged. Every exported field has a dataclass field
 of the same name, except the aux layer ids, which the file spells twice:
 
@@ -209,7 +209,8 @@ class Eagle3Config:
 
     # ------------------------------------------------------------------ config.json
     def to_config_dict(self) -> dict[str, Any]:
-        """The exact layout-A config.json dict (serving-contract §2); training-only fields omitted."""
+        """The exact layout-A config.json dict (models/serving/CONTRACT.md §2); training-only
+        fields omitted."""
         a, b, c = self.aux_layer_ids
         return {
             "architectures": ["LlamaForCausalLMEagle3"],

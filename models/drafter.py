@@ -1,7 +1,7 @@
 """`Eagle3Drafter`: the layout-A EAGLE-3 drafter and its training-time-test (TTT) unroll.
 
-Parameter names are the exported layout-A names (serving-contract.md §3), so a state dict minus
-`embed_tokens.weight` is the export:
+Parameter names are the exported layout-A names (models/serving/CONTRACT.md §3), so a state
+dict minus `embed_tokens.weight` is the export:
 
     fc.weight                                   [H, 3·tH]   fuses [h_a | h_b | h_c]
     input_norm.weight [3·tH], fc_norm.{0,1,2}.weight [tH]  EAGLE-3.1 aux norms, when configured
@@ -15,7 +15,8 @@ Parameter names are the exported layout-A names (serving-contract.md §3), so a 
     buffers: d2t [Vd] int64 (offsets: target id = i + d2t[i]),  t2d [V] bool
     embed_tokens.weight [V, H]: the target's embedding, frozen, never exported
 
-One step computes exactly serving-contract §4 (`models.serving.reference` re-derives it independently):
+One step computes exactly models/serving/CONTRACT.md §4 (`models.serving.reference` re-derives it
+independently):
 
     x = cat(input_layernorm(embed(tok)), hidden_norm(g))     # [T, 2H], embedding FIRST
     h = g + o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   # residual = g, un-normed
@@ -250,9 +251,9 @@ class Eagle3Drafter(nn.Module):
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor | None = None) -> None:
         """Install a draft vocabulary: d2t [Vd] int64 offsets (target id = i + d2t[i]); t2d [V] bool.
 
-        `data.vocab_map.VocabMap.validate` checks serving-contract §3's invariants (ids strictly
-        increasing, within [0, V), t2d equal to the selected set). t2d is derived from d2t when
-        not given.
+        `data.vocab_map.VocabMap.validate` checks the invariants of models/serving/CONTRACT.md
+        §3 (ids strictly increasing, within [0, V), t2d equal to the selected set). t2d is
+        derived from d2t when not given.
         """
         V, Vd = self.config.vocab_size, self.config.draft_vocab_size
         d2t = torch.as_tensor(d2t).to(torch.int64).cpu()

@@ -1,8 +1,8 @@
 """The drafter's one decoder layer: its modules, and one TTT step cut into the pieces that
 torch.compile fuses (`models.drafter.Eagle3Drafter` runs the unroll).
 
-One step computes exactly serving-contract §4 (`models.serving.reference` re-derives it
-independently):
+One step computes exactly models/serving/CONTRACT.md §4 (`models.serving.reference` re-derives
+it independently):
 
     x = cat(input_layernorm(embed(tok)), hidden_norm(g))     # [T, 2H], embedding FIRST
     h = g + o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   # residual = g, un-normed

@@ -3,10 +3,10 @@
 Counts are int64 tensors computed on the device without host syncs; sum them over micro-batches
 and ranks (all-reduce SUM), then `summarize` once when logging.
 
-Definitions (eagle3-training.md §5). Row (k, t) COUNTS iff mask(k, t) = valid(k, t) ·
-loss_mask[t+1+k] (`models.objective.metric_mask`; no position mask: a target argmax outside the
-draft vocabulary is a miss, never dropped). It is CORRECT iff it counts and the draft argmax
-mapped to a target id equals the target's argmax at index t+1+k:
+Definitions (used by the trainer and by `train.evaluate`). Row (k, t) COUNTS iff mask(k, t) =
+valid(k, t) · loss_mask[t+1+k] (`models.objective.metric_mask`; no position mask: a target argmax
+outside the draft vocabulary is a miss, never dropped). It is CORRECT iff it counts and the draft
+argmax mapped to a target id equals the target's argmax at index t+1+k:
     correct(k, t) = mask(k, t) · [draft_argmax[k, t] + d2t[draft_argmax[k, t]] == target_argmax[t+1+k]]
 
     acc_k       = Σ_t correct(k, t) / Σ_t mask(k, t)

@@ -10,8 +10,8 @@ about masking, step decay and normalisation lives in that [K, T] tensor:
                                                  rate does not move with the masked fraction
                  = T                "specforge": every row of the batch counts (EAGLE/SpecForge)
 
-so that Σ_{k,t} weight(k, t) · CE(k, t) is the training loss (eagle3-training.md §4). Both norms
-are per rank: with data parallelism the gradient is the mean of the per-rank losses.
+so that Σ_{k,t} weight(k, t) · CE(k, t) is the training loss. Both norms are per rank: with
+data parallelism the gradient is the mean of the per-rank losses.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def teacher_probs_reference(last: Tensor, target_head_rows: Tensor) -> Tensor:
 
 def reference_loss(hidden: Tensor, lm_head_weight: Tensor, last: Tensor, target_head_rows: Tensor,
                    row_weight: Tensor) -> Tensor:
-    """Plain fp32 torch loss for parity tests (eagle3-training.md §4); differentiable.
+    """Plain fp32 torch loss for parity tests (the loss of the module docstring); differentiable.
 
     hidden [K, T, H] (normed drafter outputs), lm_head_weight [Vd, H], last [T, tH] (the target's
     post-norm final hidden states, NOT shifted), target_head_rows [Vd, tH] (target lm_head rows

@@ -206,7 +206,8 @@ class TrackerConfig:
     entity: Optional[str] = None
     """wandb entity (team); null = your default."""
     run_name: Optional[str] = None
-    """wandb run name; null = the Hydra job name plus sweep overrides."""
+    """wandb run name; null = the command line's overrides joined (Hydra's override_dirname),
+    or run_name when there are none."""
     group: Optional[str] = None
     """wandb group; null = the sweep directory name under --multirun."""
 
@@ -330,8 +331,9 @@ class EyasConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run_name: str = "eyas"
-    """Name of the run directory runs/<run_name>: $EYAS_RUN_ID when set, else the start time
-    YYYYmmdd-HHMMSS (rank 0's, on every rank of a launch)."""
+    """Name of the run directory runs/<run_name>: run_name=NAME (or an experiment's own) when
+    given, else $EYAS_RUN_ID when set, else the start time YYYYmmdd-HHMMSS (rank 0's, on every
+    rank of a launch)."""
     output_dir: str = MISSING
     """Where this job writes (set by conf/config.yaml to Hydra's run dir)."""
 

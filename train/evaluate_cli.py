@@ -171,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "than bf16 on CPUs without bf16 units; bf16 = the serving numerics. --data "
                    "default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
-                   help="--data: packed tokens per forward (default: data.token_budget, "
-                   f"{DataConfig.token_budget})")
+                   help="--data: packed tokens per forward (default: the schema's "
+                   f"data.token_budget, {DataConfig.token_budget}; target presets may train with "
+                   f"another, e.g. smollm2 with 1024)")
     p.add_argument("--eval-fraction", type=float, default=None, help="--data: score the "
                    "held-out split the trainer makes with this data.eval_fraction (and --seed); "
                    "0 = every sample (default: the drafter's recorded training split when --data "

@@ -242,7 +242,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-sampling", choices=DRAFT_MODES, default="argmax", help="T > 0: "
                    "how drafts are proposed: argmax (what vLLM and SGLang serve by default; q "
                    "one-hot) or sample (drawn from the drafter's softmax at T: vLLM's "
-                   "draft_sample_method probabilistic)")
+                   "draft_sample_method probabilistic); default: argmax")
     p.add_argument("--sampling-seed", type=int, default=0, help="T > 0 with --prompts: seed "
                    "of prompt i's generator is this + i (reproducible runs)")
 

@@ -1,7 +1,7 @@
 """The shared words of the serving contract: findings, the layout, and the tensor-directory reader.
 
 Every module of `models.serving` speaks in these terms: a `Finding` names a broken rule of
-`serving-contract.md` (with a stable code, the engine behaviour behind it and the fix);
+`models/serving/CONTRACT.md` (with a stable code, the engine behaviour behind it and the fix);
 `CORE_TENSORS` / `expected_shapes` say what layout A ships; `TensorDir` reads names, shapes and
 dtypes of a drafter directory from the safetensors headers. This module imports no other part of
 the serving package, so the exporter, importer, validators, engines check and doctor can all

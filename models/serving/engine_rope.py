@@ -6,7 +6,7 @@ formulas below are the engines' Llama rotary classes, read from vLLM 0.33
 `LinearScalingRotaryEmbedding`, `Llama3RotaryEmbedding`, `YaRNScalingRotaryEmbedding`,
 `Phi3LongRoPEScaledRotaryEmbedding`, `DynamicNTKScalingRotaryEmbedding`) and SGLang 0.5.23
 (`srt/layers/rotary_embedding/`: `factory.get_rope`, `yarn.py`, `rope_variant.py`). Where the two
-engines differ, `engine=` picks one (serving-contract notes in models/serving/contract.py):
+engines differ, `engine=` picks one (the RoPE notes in models/serving/contract.py's docstring):
 
     dynamic   vLLM: base θ·((f·L/L_trained) − (f−1))^(d/(d−2)) with L_trained defaulting to L, i.e.
               plain RoPE;  SGLang: base θ·(f² − f + 1)^(d/(d−2)) (static NTK at length f·L)

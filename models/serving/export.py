@@ -12,12 +12,12 @@ CHECKPOINT may be
       (`vocab.safetensors`, or the state dict's `d2t`/`t2d` buffers);
   (c) an exported drafter directory (layout A, or speculators `layers.0.`: re-export/convert).
 
-The output (serving-contract.md §1-§3): `config.json` + `model.safetensors` in bf16 with exactly the
-layout-A names (no `model.` prefix, `midlayer.`, no `embed_tokens`, `lm_head` always, `d2t` int64
-offsets and `t2d` bool iff draft_vocab_size < vocab_size), plus `eyas_export.json` (TTT steps and
-training settings), the model card `README.md` and `eyas_provenance.json` (how the drafter was
-made: models/serving/card.py) and `SHA256SUMS` (every file's SHA-256, `sha256sum -c` format;
-both engines ignore extra files). It is written to a temporary directory, checked with the
+The output (models/serving/CONTRACT.md §1-§3): `config.json` + `model.safetensors` in bf16 with
+exactly the layout-A names (no `model.` prefix, `midlayer.`, no `embed_tokens`, `lm_head` always,
+`d2t` int64 offsets and `t2d` bool iff draft_vocab_size < vocab_size), plus `eyas_export.json` (TTT
+steps and training settings), the model card `README.md` and `eyas_provenance.json` (how the
+drafter was made: models/serving/card.py) and `SHA256SUMS` (every file's SHA-256, `sha256sum -c`
+format; both engines ignore extra files). It is written to a temporary directory, checked with the
 static validator, and renamed into place: a failed export leaves nothing behind.
 """
 
@@ -108,7 +108,7 @@ def _config_dict(config: Any) -> tuple[dict[str, Any], int | None]:
 
 
 def complete_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Fill the fields serving-contract §2 requires that can be derived without guessing.
+    """Fill the fields of models/serving/CONTRACT.md §2 that can be derived without guessing.
 
     Writes `norm_before_residual: false` when absent, the missing spelling of the aux ids
     (vLLM id = SGLang id + 1), `torch_dtype: bfloat16`, and the legacy `rope_theta` /
@@ -391,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(formatter_class=HelpFormatter,
         prog="eyas export",
         description="Write a trained drafter as a directory vLLM and SGLang serve as is "
-                    "(config.json + model.safetensors, serving-contract layout A), with a "
+                    "(config.json + model.safetensors, layout A of "
+                    "models/serving/CONTRACT.md), with a "
                     "model card (README.md) and eyas_provenance.json made from the "
                     "checkpoint's run record: the same card as the run's own export.")
     p.add_argument("checkpoint", help="trainer checkpoint dir (DDP or DeepSpeed, with eyas.json), "

@@ -2,7 +2,7 @@
 
 Written independently of the training code (no import from models.drafter / attention / config):
 it reads a layout-A config.json dict and the exported tensors by name, exactly as the engines do,
-and decodes incrementally with a KV cache (serving-contract.md §4):
+and decodes incrementally with a KV cache (models/serving/CONTRACT.md §4):
 
     prefill: for each processed position i:  g = fc([h_a|h_b|h_c][i]), token = the token at i+1
     step:    g = previous PRE-norm output, token = previous draft (a TARGET id), position + 1
@@ -33,7 +33,7 @@ from torch import Tensor
 from eyas.models.serving.contract import norm_before_fc
 from eyas.models.serving.engine_rope import EngineRope
 
-#: tensor names of a layout-A checkpoint (serving-contract §3)
+#: tensor names of a layout-A checkpoint (models/serving/CONTRACT.md §3)
 REQUIRED_TENSORS = (
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",

@@ -14,7 +14,8 @@ Batch size 1, one sequence at a time, each with its own KV caches. One request r
               accept n = the longest prefix with d_j == y_{j-1}; emit d_1..d_n and the bonus y_n
               target KV cache: drop the K-n rejected rows; drafter KV cache: its draft entries
               were already rolled back, and the next round's step 0 adds rows L..L+n with the
-              target's new aux states paired with x_{L+1}..x_{L+n+1} (serving-contract §4)
+              target's new aux states paired with x_{L+1}..x_{L+n+1}
+              (models/serving/CONTRACT.md §4)
 
 At temperature T > 0 the round is the engines' speculative sampling instead
 (`models.serving.sampling`: drafts proposed by argmax, as vLLM and SGLang do, or sampled from

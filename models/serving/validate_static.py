@@ -1,4 +1,5 @@
-"""The static rules of the serving contract (serving-contract.md §2-§3), one function per file.
+"""The static rules of the serving contract (models/serving/CONTRACT.md §1-§3), one function
+per file.
 
 `check_config(cfg, target_cfg)` reads only the two config dicts; `check_tensors(tdir, cfg,
 target_cfg)` reads safetensors headers, the (small) vocabulary mapping (its rules are in

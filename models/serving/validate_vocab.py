@@ -1,4 +1,5 @@
-"""The vocabulary-mapping rules of the serving contract (serving-contract.md §3): d2t and t2d.
+"""The vocabulary-mapping rules of the serving contract (models/serving/CONTRACT.md §3): d2t
+and t2d.
 
 `check_vocab_map` reads the dtypes from the safetensors headers and loads the two (small)
 mapping tensors; `validate_static.check_tensors` runs it after the name, shape and dtype rules.

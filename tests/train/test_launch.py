@@ -177,3 +177,19 @@ def test_two_nodes_of_one_cpu_process_train_as_one_node_of_two(tmp_path, tiny_ll
     assert want.keys() == got.keys() and len(want) > 5
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+def test_launch_sh_counts_the_gpus_cuda_visible_devices_lists(tmp_path):
+    import re
+    fn = re.search(r"^visible_gpus\(\) \{.*?^\}", (ROOT / "launch.sh").read_text(),
+                   re.S | re.M).group(0)
+    fake = tmp_path / "nvidia-smi"                 # four GPUs on the machine
+    fake.write_text("#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: H200\"; done\n")
+    fake.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    base["PATH"] = f"{tmp_path}:{base['PATH']}"
+    for visible, count in ((None, 4), ("0,1", 2), ("2, 5 ,7", 3), ("", 0)):
+        env = base if visible is None else dict(base, CUDA_VISIBLE_DEVICES=visible)
+        r = subprocess.run(["bash", "-c", fn + "\nvisible_gpus"], env=env, capture_output=True,
+                           text=True, timeout=30)
+        assert r.stdout.strip() == str(count), (visible, r.stdout, r.stderr)

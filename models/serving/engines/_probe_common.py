@@ -1,6 +1,6 @@
 """Helpers shared by the engine probes. Runs INSIDE an engine venv: stdlib + torch only.
 
-Neither engine reports what it did not load (serving-contract §3, engine-loaders.md): vLLM's and
+Neither engine reports what it did not load (models/serving/CONTRACT.md §3): vLLM's and
 SGLang's EAGLE-3 `load_weights` silently skip names they cannot place and never check for
 parameters left unwritten (those keep `torch.empty` garbage). A probe therefore
   1. fills every parameter with a sentinel value before loading (`Sentinels`),

@@ -2,14 +2,14 @@
 
     <sglang-venv>/bin/python -I probe_sglang.py JOBS.json OUT.jsonl
 
-The call sequence is SGLang's draft-worker path (engine-loaders.md §SGLang): ServerArgs(target,
-speculative_algorithm="EAGLE3", draft) → publish the runtime context → init the parallel runtime
-(gloo, once per process) → ModelConfig.from_server_args(is_draft_model=True) → get_model, which
-builds the class named by the draft's `architectures` and runs its `load_weights`. One
-substitution: the rotary layer is told it runs on CPU (otherwise it imports `vllm._custom_ops`).
-`SGLANG_USE_CPU_ENGINE` must stay unset (the CUDA sgl-kernel then wants libcuda). Around the
-engine's `DefaultModelLoader.load_weights_only` the probe sentinel-fills the parameters and
-records which checkpoint tensor reached which parameter (_probe_common.py).
+The call sequence is SGLang's draft-worker path: ServerArgs(target, speculative_algorithm="EAGLE3",
+draft) → publish the runtime context → init the parallel runtime (gloo, once per process) →
+ModelConfig.from_server_args(is_draft_model=True) → get_model, which builds the class named by the
+draft's `architectures` and runs its `load_weights`. One substitution: the rotary layer is told it
+runs on CPU (otherwise it imports `vllm._custom_ops`). `SGLANG_USE_CPU_ENGINE` must stay unset (the
+CUDA sgl-kernel then wants libcuda). Around the engine's `DefaultModelLoader.load_weights_only` the
+probe sentinel-fills the parameters and records which checkpoint tensor reached which parameter
+(_probe_common.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from sglang.srt.model_loader.loader import DefaultModelLoader  # noqa: E402
 from sglang.srt.model_loader.weight_utils import default_weight_loader  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
-rotary_base._is_cpu = True  # engine-loaders.md §SGLang 5
+rotary_base._is_cpu = True  # the one substitution (module docstring): no vllm._custom_ops
 
 # ---- instrumentation around the engine's own weight loading -----------------------------------
 _job: dict[str, Any] = {}

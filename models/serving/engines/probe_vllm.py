@@ -2,9 +2,9 @@
 
     <vllm-venv>/bin/python -I probe_vllm.py JOBS.json OUT.jsonl
 
-The call sequence is vLLM's drafter-loading path (engine-loaders.md §vLLM): ModelConfig(target)
-→ SpeculativeConfig(method="eagle3", model=draft) → VllmConfig → get_model(draft config),
-which builds `Eagle3LlamaForCausalLM`, runs its `load_weights` over the safetensors and then
+The call sequence is vLLM's drafter-loading path: ModelConfig(target) →
+SpeculativeConfig(method="eagle3", model=draft) → VllmConfig → get_model(draft config), which
+builds `Eagle3LlamaForCausalLM`, runs its `load_weights` over the safetensors and then
 `process_weights_after_loading`. Two substitutions make it run without a GPU or vLLM's CPU build:
 the post-load CPU GEMM repacking is replaced by its plain `F.linear` fallback, and
 `torch.accelerator.empty_cache()` (raises without a device) becomes a no-op. Around the engine's
@@ -41,7 +41,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
 
 
-# ---- substitutions (engine-loaders.md §vLLM 5) -------------------------------------------------
+# ---- the two substitutions of the module docstring ---------------------------------------------
 def _plain_cpu_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
     layer.cpu_linear = torch.nn.functional.linear
 

@@ -38,7 +38,7 @@ from eyas.data.utils import atomic_write_dir
 log = logging.getLogger(__name__)
 
 ENGINES = ("vllm", "sglang")
-#: engine versions the probes were written against (engine-loaders.md)
+#: engine versions the probes' call sequences follow (probe_vllm.py, probe_sglang.py)
 DEFAULT_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
 #: extra requirements per engine: uv resolves an old cuda-python for vLLM that fails at import
 #: (`cuda.bindings.runtime` has no `cudaLibrary_t`); pip resolves a working one

@@ -7,7 +7,8 @@ table is written to $EYAS_ENGINE_VERDICTS when set (benchmarks/engine_verdicts.m
 Clean exports (SmolLM2 drafter built like a training run's, real-shape Llama-3.1-8B and
 Kimi-K2.5 drafters with random weights, the validator tests' tiny one) must load cleanly in
 both engines; each deliberately broken export of tests/models/serving/test_validate.py gets the two
-engines' verdicts, and the faults engine-loaders.md documents must be caught the documented way.
+engines' verdicts, and each fault must be caught the way RAISES / PROBE / SILENT below say
+(benchmarks/engine_verdicts.md is the table these verdicts regenerate).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def rope_target(name: str) -> dict:
     return dict(load_target_config("tiny-llama"), rope_scaling=ROPE_TARGETS[name],
                 max_position_embeddings=8192)
 
-# engine-loaders.md "What each engine's own code catches": the engine raises while loading
+# caught by the engine's own code: it raises while loading (the **raises** cells of
+# benchmarks/engine_verdicts.md)
 RAISES = {
     "vllm": {"extra_tensor", "model_prefix", "embed_other_width", "target_hidden_mismatch",
              "lm_head_rows", "q_proj_input_h", "target_hidden_null"},
