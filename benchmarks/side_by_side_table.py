@@ -5,7 +5,9 @@ Reads what `benchmarks/side_by_side.sh` leaves in its output folder: eyas's
 (`**/speculators_bench.json`, `**/specforge_bench.json`, ../shared/peers/README.md), groups
 every timed row by T, and prints one markdown table per T: step ms, tokens/s, µs/token, MFU with
 the SpecForge-compatible count (and eyas's own count for eyas's rows), peak GiB, and each row's
-speed against speculators and SpecForge of the same folder. Rows that failed or ran out of
+speed against speculators and SpecForge of the same folder. Every step time is a synchronised
+wall time (a device sync before and after the step): train_step.py's for eyas, the harnesses'
+`median_ms.wall` for the peers (their CUDA-event sums only in files without it). Rows that failed or ran out of
 their time budget are listed with the reason, never left out.
 
 Usage:
@@ -47,8 +49,14 @@ def peer_rows(path: Path) -> list[dict]:
             row["error"] = str(r.get("error") or r.get("skipped") or "no timed step")
         else:
             mfu = r.get("MFU_vs_989_sfformula", r.get("MFU_vs_989"))
-            row.update(step_ms=r["median_ms"]["total"], tokens_per_s=r["tokens_per_s"],
-                       mfu_sf=mfu, mfu_eyas=None, peak_gib=r.get("peak_mem_GiB"))
+            # the synchronised wall time of a step, as train_step.py times eyas's; the sum of
+            # the harness's CUDA-event intervals only where no wall time was recorded
+            wall = r["median_ms"].get("wall")
+            tps = r.get("tokens_per_s_wall") if wall else None
+            row.update(step_ms=wall or r["median_ms"]["total"],
+                       tokens_per_s=tps or r["tokens_per_s"], clock="wall" if wall else "events",
+                       mfu_sf=mfu and mfu * (tps or r["tokens_per_s"]) / r["tokens_per_s"],
+                       mfu_eyas=None, peak_gib=r.get("peak_mem_GiB"))
         rows.append(row)
     return rows
 

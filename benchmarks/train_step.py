@@ -32,8 +32,8 @@ the embedding table on the GPU), async-fp32m (async with full fp32 master copies
 threads leave them, sent with each step: the trainer's default with CUDA),
 async-host-qkv-per-step (async-host with drafter.embedding_qkv_once=false: the embedding half
 of q/k/v projected in every step, the step before that option),
-async-host-autotune (async-host with the step graphs compiled in torch.compile's
-"max-autotune-no-cudagraphs" mode: Triton GEMM templates tried against cuBLAS, with their
+async-host-autotune (async-host with every step graph, flex attention and the merge included,
+compiled in torch.compile's "max-autotune-no-cudagraphs" mode: Triton GEMM templates tried against cuBLAS, with their
 epilogues fused, and tuned element-wise kernels; a long first compile),
 fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears in the
 default drafter.fp8_layers, all but fc), fp8-host (fp8 with the host embedding), fp8-all (fp8
@@ -56,6 +56,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
@@ -250,9 +251,14 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
         if c.vmap_mask:                    # the attention module looks the builder up per batch
             stack.enter_context(mock.patch.object(attention, "step0_block_mask",
                                                   attention.reference_block_mask))
-        if c.compile_mode:                 # the drafter looks `compiled` up in every forward
+        if c.compile_mode:   # every step graph: layer pieces, flex attention and the merge
             stack.enter_context(mock.patch.object(drafter_module, "compiled",
                                                   compiled_with_mode(c.compile_mode)))
+            from torch.nn.attention.flex_attention import flex_attention
+            for name, fn, dyn in (("_COMPILED_FLEX", flex_attention, False),
+                                  ("_COMPILED_MERGE", attention._merge_and_cast, None)):
+                stack.enter_context(mock.patch.object(attention, name, torch.compile(
+                    fn, dynamic=dyn, mode=c.compile_mode)))
         return _run_case(cfg, case, T, K, iters, warmup, device, profile_steps, diagnose_steps)
 
 
@@ -392,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
             except torch.OutOfMemoryError as e:
                 r = dict(case=case, tokens=T, ttt_steps=args.ttt, error=f"OOM: {e}"[:300])
                 torch.cuda.empty_cache()
+            except Exception as e:      # a compiler or library error: this case's row, not the run
+                traceback.print_exc()
+                r = dict(case=case, tokens=T, ttt_steps=args.ttt,
+                         error=f"{type(e).__name__}: {' '.join(str(e).split())}"[:300])
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             if "error" not in r:
                 mean_doc = statistics.mean(n for ls in r["doc_lengths"] for n in ls)
                 f_e = flops_per_token(cfg, args.ttt, mean_doc)
@@ -410,37 +422,10 @@ def main(argv: list[str] | None = None) -> int:
                     target=args.target, config=cfg.to_dict(), torch=torch.__version__,
                     device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     results=rows), indent=1))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))   # run as a script or loaded
+    from train_step_table import format_table
     print(format_table(args.target, cfg, rows))
     return 0
-
-
-def format_table(target: str, cfg: Eagle3Config, rows: list[dict]) -> str:
-    head = ("| T | case | step ms | stream ms | fwd / bwd / opt ms | tokens/s | stream tokens/s "
-            "| µs/token | MFU sf | MFU eyas | peak GiB | static GiB |")
-    lines = [f"{target}: H={cfg.hidden_size} heads={cfg.num_attention_heads}/"
-             f"{cfg.num_key_value_heads} I={cfg.intermediate_size} Vd={cfg.draft_vocab_size} "
-             f"V={cfg.vocab_size}", head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['tokens']} | {r['case']} | {r['error'][:60]} |")
-            continue
-        split = (f"{r['fwd_ms']:.1f} / {r['bwd_ms']:.1f} / {r['opt_ms']:.1f}"
-                 if "fwd_ms" in r else "–")
-        lines.append(f"| {r['tokens']} | {r['case']} | {r['step_ms']:.1f} | "
-                     f"{r['stream_ms']:.1f} | {split} | {r['tokens_per_s']:.0f} | "
-                     f"{r['stream_tokens_per_s']:.0f} | {r['us_per_token']:.2f} | "
-                     f"{100 * r['mfu_sf']:.1f}% | {100 * r['mfu_eyas']:.1f}% | "
-                     f"{r['peak_gib']:.2f} | {r['static_gib']:.2f} |")
-    for r in rows:
-        if r.get("host"):
-            from benchmarks.host_overhead import format_diagnosis
-            lines.append(format_diagnosis(f"T={r['tokens']} {r['case']}", r["host"]))
-        if r.get("profile"):
-            p = r["profile"]
-            lines.append(f"profile T={r['tokens']} {r['case']}: " + ", ".join(
-                f"{k} {v:.1f} ms ({100 * v / p['step_ms']:.0f}%)"
-                for k, v in p["per_step_ms"].items()))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -32,9 +32,10 @@ def test_real_eyas_rows_and_peer_records_give_per_length_ratios(tmp_path):
                             "--cases", "base", "--device", "cpu", "--iters", "1",
                             "--warmup", "1", "--json", str(tmp_path / "eyas-T128.json")]) == 0
     eyas = json.loads((tmp_path / "eyas-T128.json").read_text())["results"][0]
-    _peer(tmp_path / "sp-T128" / "speculators_bench.json", [
-        dict(mode="fused_adamw", T=128, median_ms=dict(total=50.0), tokens_per_s=2560.0,
-             MFU_vs_989_sfformula=0.25, peak_mem_GiB=3.5),
+    _peer(tmp_path / "sp-T128" / "speculators_bench.json", [    # wall time: what eyas's is
+        dict(mode="fused_adamw", T=128, median_ms=dict(total=40.0, wall=50.0),
+             tokens_per_s=3200.0, tokens_per_s_wall=2560.0, MFU_vs_989_sfformula=0.3125,
+             peak_mem_GiB=3.5),
         dict(mode="fused_adamw", T=4096, skipped="time budget")])
     _peer(tmp_path / "sf-T128" / "specforge_bench.json", [
         dict(optimizer="fused_adamw", T=128, median_ms=dict(total=80.0), tokens_per_s=1600.0,
@@ -49,6 +50,9 @@ def test_real_eyas_rows_and_peer_records_give_per_length_ratios(tmp_path):
     assert mine["vs_speculators"] == pytest.approx(eyas["tokens_per_s"] / 2560.0, rel=1e-12)
     assert mine["vs_SpecForge"] == pytest.approx(eyas["tokens_per_s"] / 1600.0, rel=1e-12)
     assert rows["SpecForge"]["vs_speculators"] == pytest.approx(0.625)
+    assert (rows["speculators"]["step_ms"], rows["speculators"]["clock"]) == (50.0, "wall")
+    assert rows["speculators"]["mfu_sf"] == pytest.approx(0.25)       # at the wall-time rate
+    assert rows["SpecForge"]["clock"] == "events"          # a file without wall times
     assert rows["speculators"]["vs_SpecForge"] == pytest.approx(1.6)
     assert by_t[4096] == [dict(who="speculators", name="speculators", T=4096,
                                source=str(tmp_path / "sp-T128" / "speculators_bench.json"),
@@ -79,3 +83,22 @@ def test_a_folder_without_results_is_a_one_line_error(tmp_path):
         table.collect(tmp_path)
     with pytest.raises(SystemExit, match="no such folder"):
         table.collect(tmp_path / "missing")
+
+
+def test_a_case_that_raises_becomes_its_own_error_row(tmp_path, monkeypatch):
+    train_step = _load("train_step")
+    real = train_step.run_case
+
+    def flaky(cfg, case, *args, **kwargs):
+        if case == "compile":
+            raise RuntimeError("inductor: no valid\n  config")
+        return real(cfg, case, *args, **kwargs)
+    monkeypatch.setattr(train_step, "run_case", flaky)
+    out = tmp_path / "eyas.json"
+    assert train_step.main(["--target", "tiny-llama", "--tokens", "128", "--ttt", "2",
+                            "--cases", "compile,base", "--device", "cpu", "--iters", "1",
+                            "--warmup", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in rows] == ["compile", "base"]       # the later case still ran
+    assert rows[0]["error"] == "RuntimeError: inductor: no valid config"
+    assert "error" not in rows[1] and rows[1]["step_ms"] > 0
