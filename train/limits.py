@@ -17,6 +17,7 @@ a K that cannot fit (`ttt_activation_bytes`).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from eyas.models.context import check_edges
@@ -226,6 +227,10 @@ def check_eval(ev, fail: Fail) -> None:
     if ev.num_prompts < 1:
         fail("eval.num_prompts", ev.num_prompts, "an integer >= 1 (held-out prompts to "
              "decode; eval.speculative=false turns real decoding off)", "eval.num_prompts=8")
+    if ev.prompts and (ev.speculative or ev.heldout_offline) \
+            and not Path(ev.prompts).expanduser().is_file():
+        fail("eval.prompts", ev.prompts, "an existing messages JSONL file, or null (the "
+             "shipped held-out prompts)", "eval.prompts=null")
     if ev.processes < 1:
         fail("eval.processes", ev.processes, "an integer >= 1", "eval.processes=1")
     if ev.max_new_tokens < 1:

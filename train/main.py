@@ -77,7 +77,7 @@ def _run_claimed(cfg, composed: DictConfig, resolved, accelerator, out: Path) ->
                      "output_dir": str(out)}
     _write_rank_record(out, accelerator, cfg)
     if not cfg.train.dry_run:
-        summary.update(_train(cfg, resolved, accelerator))
+        _train(cfg, resolved, accelerator, summary)
     else:
         accelerator.wait_for_everyone()  # every rank's record is written
     if accelerator.is_main_process:
@@ -88,9 +88,11 @@ def _run_claimed(cfg, composed: DictConfig, resolved, accelerator, out: Path) ->
     return summary
 
 
-def _train(cfg, resolved, accelerator) -> dict:
+def _train(cfg, resolved, accelerator, summary: dict) -> None:
     """The dataset (built by rank 0, then found by the others), the training, and on rank 0 the
-    checks of the export; what they add to the summary."""
+    checks of the export; what they find goes into `summary`. Rank 0 writes summary.json once
+    the export exists, before the checks: a check that fails cannot lose the training's record
+    (nor leave an earlier run's in place)."""
     from eyas.train import pipeline
 
     def dataset():
@@ -109,12 +111,13 @@ def _train(cfg, resolved, accelerator) -> dict:
     with _timed(stages, "train"):
         found.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
     _release_gpu_memory(accelerator, "train")
-    if accelerator.is_main_process and found.get("export"):
-        found.update(_checks(cfg, found["export"], stages))
-        _record_checks(found["export"], found)
     found["stage_seconds"] = stages
+    summary.update(found)
+    if accelerator.is_main_process and found.get("export"):
+        _write_summary(Path(cfg.output_dir), summary)
+        summary.update(_checks(cfg, found["export"], stages))
+        _record_checks(found["export"], summary)
     log.info("stages: %s", ", ".join(f"{k} {v:.0f} s" for k, v in stages.items()))
-    return found
 
 
 def _release_gpu_memory(accelerator, stage: str) -> None:

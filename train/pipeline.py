@@ -34,13 +34,18 @@ class DatasetPaths:
     conversations: Path | None = None
 
 
-def _embedded_key(data: DataConfig, target: TargetConfig, seed: int) -> str:
-    """The dataset's directory name: a hash of every setting that changes its bytes."""
+def _embedded_key(data: DataConfig, target: TargetConfig, seed: int, target_dtype) -> str:
+    """The dataset's directory name: a hash of every setting that changes its bytes.
+    target_dtype: what target.dtype resolved to; target.dtype=auto is keyed by it unless it is
+    float32 (the resolution the keys of existing caches were made with)."""
     ids = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
     # str(enum) is "AuxFormat.bf16": the spelling the keys of existing caches were made with
     fields = [target.name, target.dtype, ids, data.num_prompts, data.max_new_tokens,
               data.max_length, str(data.aux_format), str(data.teacher), seed]
     fields += _answer_extras(data)
+    resolved = str(target_dtype).removeprefix("torch.")
+    if target.dtype == "auto" and resolved != "float32":
+        fields += ["auto", resolved]
     if data.extract_pad_batches:
         fields += ["pad_batches"]
     if data.endpoint:                 # answers from a served target
@@ -68,6 +73,8 @@ def _answer_extras(data: DataConfig) -> list:
         fields += [data.samples_per_prompt, data.temperature, data.top_p]
     if KVCache(data.generation_cache) != KVCache.dynamic and not data.endpoint:
         fields += ["cache", KVCache(data.generation_cache).value]   # its answers differ
+    if data.samples_per_prompt > 1 and not data.endpoint:
+        fields += ["batch", data.generation_batch_size]   # chunk c of answers is seeded by c
     if data.synthetic_prompts > 0:
         fields += ["synthetic", data.synthetic_prompts, data.synthetic_temperature,
                    data.generation_batch_size]   # batch b of prompts is seeded by b
@@ -180,7 +187,7 @@ def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
     (data/lock.py) while it is written, so a second training building the same one at the same
     time fails at once naming the first. A complete cache is only read, without the lock."""
     from eyas.data.lock import dir_lock
-    root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed)
+    root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed, target_dtype)
     if (root / "hidden" / "manifest.json").is_file():
         return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
     with dir_lock(root, what="embedded dataset cache"):
@@ -196,7 +203,7 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     target_dtype: the torch dtype the target runs in (`Resolved.target_dtype`).
     """
     from eyas.data import extract
-    root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed)
+    root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed, target_dtype)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
     if (hidden / "manifest.json").is_file():

@@ -140,6 +140,28 @@ class MetricsLogger:
             self.acc.log({k: v for k, v in clean.items()
                           if v is not None and not isinstance(v, (list, dict))}, step=step)
 
+    def keep_through(self, step: int) -> int:
+        """Drop the records after `step` (rank 0), before a run continues from it: they belong
+        to a continuation it replaces (steps past a resumed checkpoint, a killed run's torn last
+        line). Rewritten atomically; returns how many records were dropped."""
+        if self._fh is None or not self.path.stat().st_size:
+            return 0
+        from eyas.data.utils import atomic_write_bytes
+        kept, dropped = [], 0
+        for line in self.path.read_text().splitlines():
+            try:
+                ok = int(json.loads(line)["step"]) <= step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            kept += [line] if ok else []
+            dropped += not ok
+        if dropped:
+            self._fh.close()
+            atomic_write_bytes(self.path, "".join(f"{x}\n" for x in kept).encode())
+            self._fh = open(self.path, "a", buffering=1)
+            log.info("metrics.jsonl: dropped %d record(s) after step %d", dropped, step)
+        return dropped
+
     def close(self) -> None:
         if self._fh:
             self._fh.close()

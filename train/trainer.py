@@ -269,6 +269,7 @@ def fit(t: Trainer) -> dict[str, Any]:
     objective = ckpt.objective_record(cfg, acc.num_processes)
     step, nonfinite, best = _resume(t, objective)
     start = step
+    logger.keep_through(step)       # what was logged past it belongs to a replaced continuation
     skipped = SkippedSteps(cfg.train.max_nonfinite_steps, acc.device, done=nonfinite)
     peak = (cfg.train.peak_tflops * 1e12 if cfg.train.peak_tflops
             else default_peak_flops(acc.device))

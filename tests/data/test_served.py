@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.ports import free_port
 
@@ -317,7 +318,8 @@ def test_main_job_data_stage_takes_answers_from_the_endpoint(server, tmp_path):
     for c in (local, cfg):
         c.output_dir = "unused"
     local, c = OmegaConf.to_object(local), OmegaConf.to_object(cfg)
-    assert _embedded_key(c.data, c.target, 0) != _embedded_key(local.data, local.target, 0)
+    assert _embedded_key(c.data, c.target, 0, torch.float32) != \
+        _embedded_key(local.data, local.target, 0, torch.float32)
     paths = build_embedded_dataset(c.data, c.target, seed=c.train.seed,
                                    target_dtype=resolve(c, default_device()).target_dtype)
     recs = lines(paths.conversations)

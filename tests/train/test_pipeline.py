@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -31,9 +32,9 @@ def _typed(cfg):
     return OmegaConf.to_object(cfg)
 
 
-def _key(cfg) -> str:
+def _key(cfg, target_dtype=torch.float32) -> str:
     c = _typed(cfg)
-    return _embedded_key(c.data, c.target, c.train.seed)
+    return _embedded_key(c.data, c.target, c.train.seed, target_dtype)
 
 
 def _build(cfg):
@@ -78,6 +79,19 @@ def test_key_unchanged_for_one_sample_and_distinct_for_several():
                      "data.generation_cache=dynamic")) == _old_key(one)
     served = ["data.num_prompts=3", "data.endpoint=http://127.0.0.1:1/v1"]   # no local cache
     assert _key(_cfg(*served, "data.generation_cache=static")) == _key(_cfg(*served))
+
+
+def test_the_key_follows_what_auto_resolves_to_and_the_batch_that_seeds_sampled_answers():
+    one = _cfg("data.num_prompts=3", "data.max_new_tokens=8")
+    assert _key(one, torch.float32) == _old_key(one)          # existing CPU caches keep theirs
+    assert _key(one, torch.bfloat16) != _key(one, torch.float32)
+    explicit = _cfg("data.num_prompts=3", "data.max_new_tokens=8", "target.dtype=bfloat16")
+    assert _key(explicit, torch.bfloat16) == _key(explicit, torch.float32)
+    sampled = ["data.num_prompts=3", "data.max_new_tokens=8", "data.samples_per_prompt=2"]
+    assert _key(_cfg(*sampled, "data.generation_batch_size=16")) != \
+        _key(_cfg(*sampled, "data.generation_batch_size=64"))
+    assert _key(_cfg("data.num_prompts=3", "data.max_new_tokens=8",
+                     "data.generation_batch_size=16")) == _old_key(one)   # greedy: unchanged
 
 
 def test_samples_per_prompt_appends_sampled_answers(tmp_path):

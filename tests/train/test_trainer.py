@@ -420,3 +420,24 @@ def test_logged_rates_resume_settings_and_a_resume_at_the_last_step(tmp_path,
     assert "removing the later checkpoints of the continuation it replaces: step-000004" \
         in r.stderr
     assert _lrs(r_dir)[3] == pytest.approx(5e-5) and _lrs(r_dir)[4] == pytest.approx(2.5e-5)
+    # the replaced continuation's records are gone: each step is logged once, by this run
+    recs = [json.loads(x) for x in (r_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs if "train/lr" in x] == [1, 2, 3, 4]
+
+
+def test_a_check_that_fails_after_training_keeps_the_runs_summary(tmp_path, tiny_llama_dataset):
+    empty = tmp_path / "prompts.jsonl"
+    empty.write_text("")
+    r_dir = tmp_path / "r"
+    r = run(r_dir, tiny_llama_dataset, "target=tiny_llama", "train.max_steps=2",
+            "eval.speculative=true", f"eval.prompts={empty}", check=False)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "no prompt records" in r.stderr
+    summary = _strict_json(r_dir / "summary.json")         # the training's record survives
+    assert summary["steps"] == 2 and summary["export"] == str(r_dir / "export")
+    assert "speculative" not in summary
+    # a path that does not exist is refused before anything runs
+    r = run(tmp_path / "r2", tiny_llama_dataset, "target=tiny_llama", "eval.speculative=true",
+            f"eval.prompts={tmp_path / 'nope.jsonl'}", check=False)
+    assert r.returncode == 2 and "eval.prompts=" in r.stderr and "Fix: eval.prompts=null" in r.stderr
+    assert not (tmp_path / "r2" / "checkpoints").exists()
