@@ -26,6 +26,7 @@ for a checkpoint saved before eyas recorded it)
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -78,14 +79,24 @@ def select_checkpoint(root: Path, select: str, step: int, last_eval: dict[str, A
         return {**rec, "exported": "last", "step": step, "checkpoint": None,
                 "reason": "export.select=last"}
     if best is None:
-        why = ("no held-out data to evaluate on (data.eval_fraction=0 and no data.eval_dataset)"
-               if not has_eval else "no eval gave a finite decoder-walk tau")
+        why = ("no held-out samples to evaluate on (data.eval_fraction and data.eval_dataset "
+               "left none)" if not has_eval else _no_best_why(root))
         log.info("export.select=best: %s; exporting the final step %d instead", why, step)
         return {**rec, "exported": "last", "step": step, "checkpoint": None,
                 "reason": f"export.select=best fell back to the final step: {why}"}
     path = None if best["step"] == step else str(root / best["checkpoint"])
     return {**rec, "exported": "best", "step": best["step"], "checkpoint": path,
             "reason": "export.select=best: the highest eval decoder-walk tau"}
+
+
+def _no_best_why(root: Path) -> str:
+    """Why a run with held-out data has no best checkpoint to export."""
+    try:
+        named = json.loads((root / "best.json").read_text())["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no eval gave a finite decoder-walk tau"
+    log.warning("%s names %s, which is not a complete checkpoint", root / "best.json", named)
+    return f"best.json names {named}, which is not a complete checkpoint"
 
 
 def describe(sel: dict[str, Any]) -> str:

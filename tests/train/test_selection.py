@@ -97,8 +97,8 @@ def test_without_held_out_data_best_falls_back_to_the_last_step(tmp_path, tiny_l
             "data.eval_fraction=0")
     sel = json.loads((d / "summary.json").read_text())["checkpoint_selection"]
     assert sel["exported"] == "last" and sel["step"] == 2 and sel["best"] is None
-    assert "no held-out data" in sel["reason"]
-    assert "export.select=best: no held-out data to evaluate on" in r.stderr
+    assert "no held-out samples" in sel["reason"]
+    assert "export.select=best: no held-out samples to evaluate on" in r.stderr
     assert not (d / "checkpoints" / "best").exists()
 
 
@@ -168,3 +168,19 @@ def test_a_resumed_run_keeps_its_best(tmp_path, tiny_llama_dataset):
     best = _drafter_tensors(read_trainer_checkpoint(d / "checkpoints" / f"step-{peak:06d}")
                             .state_dict)
     assert all(_same(exported, best, n) for n in set(exported) & set(best))
+
+
+def test_a_best_json_naming_a_missing_checkpoint_is_the_reason_given(tmp_path, caplog):
+    from eyas.train.selection import select_checkpoint
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    (root / "best.json").write_text('{"checkpoint": "step-000004", "tau_trajectory": 1.5}')
+    with caplog.at_level("WARNING"):
+        sel = select_checkpoint(root, "best", 8, {}, has_eval=True)
+    assert (sel["exported"], sel["step"]) == ("last", 8)
+    assert sel["reason"] == ("export.select=best fell back to the final step: best.json names "
+                             "step-000004, which is not a complete checkpoint")
+    assert "not a complete checkpoint" in caplog.text
+    (root / "best.json").unlink()
+    assert select_checkpoint(root, "best", 8, {}, has_eval=True)["reason"].endswith(
+        "no eval gave a finite decoder-walk tau")
