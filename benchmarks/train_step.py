@@ -32,12 +32,14 @@ the embedding table on the GPU), async-fp32m (async with full fp32 master copies
 threads leave them, sent with each step: the trainer's default with CUDA),
 async-host-qkv-per-step (async-host with drafter.embedding_qkv_once=false: the embedding half
 of q/k/v projected in every step, the step before that option),
-async-host-autotune (async-host with every step graph, flex attention and the merge included,
-compiled in torch.compile's "max-autotune-no-cudagraphs" mode: Triton GEMM templates tried against cuBLAS, with their
-epilogues fused, and tuned element-wise kernels; a long first compile),
-fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8 linears in the
-default drafter.fp8_layers, all but fc), fp8-host (fp8 with the host embedding), fp8-all (fp8
-with fc's GEMMs in FP8 too: the default before fc was kept in bf16).
+async-host-autotune (async-host with every step graph, flex attention and the merge
+included, compiled in torch.compile's "max-autotune-no-cudagraphs" mode: Triton GEMM templates
+tried against cuBLAS, with their epilogues fused, and tuned element-wise kernels; a long first
+compile), fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8
+linears in the default drafter.fp8_layers, all but fc), fp8-host (fp8 with the host
+embedding), fp8-host-split (fp8-host with drafter.fp8_split_qkv: the embedding half of q/k/v
+in bf16 once per unroll, the hidden half in FP8), fp8-all (fp8 with fc's GEMMs in FP8 too:
+the default before fc was kept in bf16).
 
 The real trainer end to end (accelerate + DeepSpeed ZeRO-2 on shards on disk): see
 benchmarks/train_e2e.py (`python benchmarks/train_step.py --trainer ...` forwards to it).
@@ -98,6 +100,7 @@ class Case(NamedTuple):
     vmap_mask: bool = False     # the step-0 BlockMask through create_block_mask (the T² vmap)
     fp8_layers: tuple = DEFAULT_FP8_LAYERS  # drafter.fp8_layers: which linears run FP8 GEMMs
     compile_mode: str | None = None  # torch.compile mode of the step graphs (None: torch's default)
+    fp8_split: bool = False     # drafter.fp8_split_qkv
 
 
 CASES = {
@@ -127,6 +130,8 @@ CASES = {
                 compact=True),
     "fp8-host": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
                      compact=True, host_embed=True),
+    "fp8-host-split": Case(True, "triton", False, False, True, norm_sync=False,
+                           fp8="tensorwise", compact=True, host_embed=True, fp8_split=True),
     "fp8-rowwise": Case(True, "triton", False, False, True, norm_sync=False, fp8="rowwise",
                         compact=True),
     "fp8-all": Case(True, "triton", False, False, True, norm_sync=False, fp8="tensorwise",
@@ -174,7 +179,8 @@ def build(cfg: Eagle3Config, case: str, device, K: int, seed: int = 0):
     with torch.device(device):
         drafter = Eagle3Drafter(cfg, attention="flex" if on_cuda else "eager",
                                 compile_flex=on_cuda, compile_layer=c.compile_layer and on_cuda,
-                                checkpoint_mlp=c.ckpt, embedding_qkv_once=c.qkv_once)
+                                checkpoint_mlp=c.ckpt, embedding_qkv_once=c.qkv_once,
+                                fp8_split_qkv=c.fp8_split and c.fp8 != "off" and on_cuda)
     dtype = torch.bfloat16 if on_cuda else torch.float32
     drafter.to(dtype)
     convert_drafter_to_float8(drafter, c.fp8 if on_cuda else "off", c.fp8_layers)

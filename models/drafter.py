@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from eyas.data.vocab_map import VocabMap
 from eyas.models.attention import ATTENTION_KINDS, TTTAttention
 from eyas.models.config import Eagle3Config
+from eyas.models.fp8 import is_float8_linear
 from eyas.models.layer import (MLP, Midlayer, RMSNorm, attention_inputs,  # noqa: F401 (MLP)
                                attention_inputs_split, attention_residual, compiled,
                                embedding_qkv, layer_output, mlp_residual)
@@ -73,11 +74,15 @@ class Eagle3Drafter(nn.Module):
     `compile_flex`). checkpoint_mlp: recompute each step's MLP in the backward (less memory).
     embedding_qkv_once: project the embedding half of q/k/v once for the whole unroll
     (`embedding_qkv`; step k reads rows shifted by k) instead of once per step.
+    fp8_split_qkv: with float8 training q/k/v projections (`models.fp8`), keep that split: the
+    embedding half in bf16 once per unroll, the hidden half in FP8 each step (its own scales);
+    without it, such projections take the whole [T, 2H] input in FP8 every step.
     """
 
     def __init__(self, config: Eagle3Config, *, attention: str = "flex", compile_flex: bool = True,
                  flex_block_size: int = 128, compile_layer: bool | None = None,
-                 checkpoint_mlp: bool = False, embedding_qkv_once: bool = True):
+                 checkpoint_mlp: bool = False, embedding_qkv_once: bool = True,
+                 fp8_split_qkv: bool = False):
         super().__init__()
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention={attention!r}; choose one of {ATTENTION_KINDS} "
@@ -87,6 +92,7 @@ class Eagle3Drafter(nn.Module):
         self.compile_layer = compile_flex if compile_layer is None else bool(compile_layer)
         self.checkpoint_mlp = bool(checkpoint_mlp)
         self.embedding_qkv_once = bool(embedding_qkv_once)
+        self.fp8_split_qkv = bool(fp8_split_qkv)
         self._rope_cache: dict[tuple, tuple[Tensor, float]] = {}
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.embed_tokens = nn.Embedding(V, H)
@@ -191,14 +197,16 @@ class Eagle3Drafter(nn.Module):
     def _qkv_halves(self) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
         """(embedding halves, hidden halves) of the q/k/v weights [n·d, 2H] with
         `embedding_qkv_once`, else None; also None for projections that must run their own
-        forward: float8 training linears, and weights partitioned by DeepSpeed ZeRO-3 (`ds_id`),
-        which are gathered only inside it. Taken once per unroll: the K steps' weight
-        gradients add up in the halves before reaching the weight."""
+        forward: float8 training linears (unless `fp8_split_qkv`), and weights partitioned by
+        DeepSpeed ZeRO-3 (`ds_id`), which are gathered only inside it. Taken once per unroll:
+        the K steps' weight gradients add up in the halves before reaching the weight."""
         a = self.midlayer.self_attn
         projections = (a.q_proj, a.k_proj, a.v_proj)
-        if not self.embedding_qkv_once or any(type(p) is not nn.Linear
-                                               or hasattr(p.weight, "ds_id")
-                                               for p in projections):
+
+        def split(p) -> bool:
+            return (type(p) is nn.Linear or self.fp8_split_qkv and is_float8_linear(p)) \
+                and not hasattr(p.weight, "ds_id")
+        if not self.embedding_qkv_once or not all(split(p) for p in projections):
             return None
         H = self.config.hidden_size
         return (tuple(p.weight[:, :H] for p in projections),

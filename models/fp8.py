@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -86,3 +87,21 @@ def convert_drafter_to_float8(drafter: nn.Module, recipe: str,
                                module_filter_fn=lambda module, name: fp8_layer(name, layers))
     log.info("FP8 training (%s): %s", recipe, ", ".join(names))
     return names
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether `module` is a torchao float8 training linear (`convert_drafter_to_float8`)."""
+    return type(module).__name__ == "Float8Linear" and isinstance(module, nn.Linear)
+
+
+def fp8_linear(x, weight, like: nn.Module):
+    """x @ weightᵀ computed as the linear module `like` computes its own: with its FP8 GEMMs
+    (forward and both backward GEMMs, dynamic scales of x and of `weight` itself) when it is a
+    float8 training linear, else a plain `F.linear`. `weight` may be part of `like.weight`,
+    e.g. the hidden half of a q/k/v projection (`models.layer.attention_inputs_split`).
+
+    torchao's own float8 matmul is called as `Float8Linear.forward` calls it, on this weight."""
+    if not is_float8_linear(like):
+        return F.linear(x, weight)
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+    return matmul_with_hp_or_float8_args.apply(x, weight.t(), like.linear_mm_config, like.config)

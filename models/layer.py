@@ -31,6 +31,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from eyas.models.config import Eagle3Config
+from eyas.models.fp8 import fp8_linear
 from eyas.models.rope import apply_rope
 
 
@@ -166,8 +167,12 @@ def attention_inputs_split(layer: Midlayer, embed_qkv: tuple[Tensor, ...], g: Te
     The same function as the concatenated input; in bf16 the two halves are rounded before
     their sum."""
     x = layer.hidden_norm(g)
-    q, k, v = (e + F.linear(x, w) for e, w in zip(embed_qkv, weights))
-    return _heads(layer.self_attn, q, k, v, positions, inv_freq, rope_factor)
+    a = layer.self_attn
+    # with float8 training projections (`drafter.fp8_split_qkv`) the hidden half runs their
+    # FP8 GEMMs; the embedding half stayed bf16 (`embedding_qkv`)
+    q, k, v = (e + fp8_linear(x, w, proj)
+               for e, w, proj in zip(embed_qkv, weights, (a.q_proj, a.k_proj, a.v_proj)))
+    return _heads(a, q, k, v, positions, inv_freq, rope_factor)
 
 
 def _heads(a: Attention, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, inv_freq: Tensor,

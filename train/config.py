@@ -66,6 +66,12 @@ class DrafterConfig(DrafterShape):
     fc, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj. Default: all but fc,
     which reads the target's raw states: within 0.2 % of bf16's held-out τ, at the speed of
     all eight (models/fp8.py)."""
+    fp8_split_qkv: bool = False
+    """With drafter.fp8 on q/k/v and embedding_qkv_once: project the embedding half of q/k/v
+    in bf16 once per unroll and only the hidden half in FP8 each step (scales of that half
+    alone), instead of the whole [T, 2H] input in FP8 every step (`models.fp8.fp8_linear`).
+    Fewer FP8 GEMM FLOPs and casts; other numerics than the default FP8 path, whose quality
+    is the one measured (benchmarks/README.md)."""
     init_lm_head_from_target: bool = True
     """Initialise draft lm_head row i from the target head row of token i + d2t[i]."""
     warm_start: Optional[str] = None

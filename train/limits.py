@@ -80,6 +80,12 @@ def check_drafter(drafter, fail: Fail) -> None:
     if why is not None:
         fail("drafter.fp8_layers", list(drafter.fp8_layers), why,
              f"drafter.fp8_layers=[{','.join(DEFAULT_FP8_LAYERS)}] (the default)")
+    fp8_qkv = str(getattr(drafter.fp8, "value", drafter.fp8)) != "off" and any(
+        n in drafter.fp8_layers for n in ("q_proj", "k_proj", "v_proj"))
+    if drafter.fp8_split_qkv and not (fp8_qkv and drafter.embedding_qkv_once):
+        fail("drafter.fp8_split_qkv", True, "only with drafter.fp8 on, q/k/v among "
+             "drafter.fp8_layers and drafter.embedding_qkv_once=true (it splits their FP8 "
+             "GEMMs)", "drafter.fp8_split_qkv=false, or drafter.fp8=tensorwise")
 
 
 def check_loop(train, export, fail: Fail) -> None:

@@ -179,7 +179,8 @@ def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: Data
                          f"{','.join(map(str, config.aux_layer_ids))}")
     drafter = Eagle3Drafter(config, attention=resolved.attention, compile_flex=resolved.compile,
                             checkpoint_mlp=bool(drafter_cfg.checkpoint_mlp),
-                            embedding_qkv_once=bool(drafter_cfg.embedding_qkv_once))
+                            embedding_qkv_once=bool(drafter_cfg.embedding_qkv_once),
+                            fp8_split_qkv=bool(drafter_cfg.fp8_split_qkv))
     embed, head = load_embedding_and_head(target.name, data_cfg.cache_dir)
     drafter.load_target_embedding(embed)
     if warm is not None:

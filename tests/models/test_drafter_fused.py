@@ -100,3 +100,26 @@ def test_embedding_qkv_once_compiled_in_bf16_stays_within_rounding_on_cuda():
         for n in g_ref:
             rel = ((g[n] - g_ref[n]).norm() / g_ref[n].norm().clamp_min(1e-12)).item()
             assert rel < 0.05, (once, n, rel)
+
+
+@pytest.mark.gpu
+def test_fp8_split_qkv_compiled_stays_as_close_to_fp32_as_the_default_fp8_on_cuda():
+    """drafter.fp8_split_qkv through the compiled step graphs on the GPU's FP8 GEMMs: as far
+    from the fp32 unroll as the default FP8 path (which quantises the embedding half too)."""
+    pytest.importorskip("torchao.float8")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA device with FP8 GEMMs (sm_89+)")
+    from eyas.models.fp8 import convert_drafter_to_float8
+    batch = _batch("cuda", T=256)
+    h_ref, g_ref = _run(_drafter("cuda", torch.float32, attention="flex", compile_layer=False),
+                        batch)
+    err = {}
+    for split in (False, True):
+        d = _drafter("cuda", torch.bfloat16, attention="flex", compile_layer=True,
+                     fp8_split_qkv=split)
+        convert_drafter_to_float8(d, "tensorwise")
+        assert (d._qkv_halves() is not None) == split
+        h, g = _run(d, batch)
+        err[split] = ((h - h_ref).norm() / h_ref.norm()).item()
+        assert g.keys() == g_ref.keys()
+    assert err[True] < 1.5 * err[False] + 1e-3, err

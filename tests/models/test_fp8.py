@@ -94,3 +94,41 @@ def test_fp8_layers_keeps_the_others_in_bf16_and_refuses_unknown_names():
     for bad in (("fc", "lm_head"), (), ("fc", "fc")):
         with pytest.raises(ValueError, match=r"drafter.fp8_layers=.*non-empty list of distinct"):
             convert_drafter_to_float8(_drafter(), "tensorwise", bad)
+
+
+def _split(**kw):
+    """tiny drafters with q/k/v alone in FP8: the default path, the split one, and bf16 math"""
+    from eyas.models.fp8 import convert_drafter_to_float8 as convert
+    whole, split, plain = _drafter(**kw), _drafter(**kw), _drafter(**kw)
+    split.fp8_split_qkv = True
+    for d in (whole, split):
+        convert(d, "tensorwise", ("q_proj", "k_proj", "v_proj"))
+    return whole, split, plain
+
+
+def test_fp8_split_qkv_keeps_the_embedding_half_exact():
+    pytest.importorskip("torchao.float8")
+    whole, split, plain = _split()
+    H = plain.config.hidden_size
+    for d in (whole, split, plain):                 # the hidden halves contribute nothing
+        for p in (d.midlayer.self_attn.q_proj, d.midlayer.self_attn.k_proj,
+                  d.midlayer.self_attn.v_proj):
+            p.weight.data[:, H:] = 0
+    with torch.no_grad():
+        assert torch.equal(_loss(split), _loss(plain))   # the embedding half stayed in bf16 math
+        assert not torch.equal(_loss(whole), _loss(plain))   # the default quantises it too
+
+
+def test_fp8_split_qkv_trains_close_to_the_plain_drafter():
+    pytest.importorskip("torchao.float8")
+    whole, split, plain = _split()
+    assert split._qkv_halves() is not None and whole._qkv_halves() is None
+    a, b, c = _loss(plain), _loss(split), _loss(whole)
+    assert b.item() != a.item() and b.item() != c.item()    # FP8 GEMMs, not the default's
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=0)
+    a.backward()
+    b.backward()
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        if p.grad is not None:
+            rel = (q.grad - p.grad).norm() / p.grad.norm()
+            assert rel < 0.15, f"{name}: FP8-split gradient {rel:.3f} from the plain one"

@@ -261,6 +261,18 @@ def test_surprising_values_are_refused_naming_key_range_and_fix(override, accept
     assert "\n" not in msg
 
 
+def test_fp8_split_qkv_needs_fp8_projections_to_split():
+    for bad in (["drafter.fp8_split_qkv=true"],
+                ["drafter.fp8_split_qkv=true", "drafter.fp8=tensorwise",
+                 "drafter.embedding_qkv_once=false"],
+                ["drafter.fp8_split_qkv=true", "drafter.fp8=tensorwise",
+                 "drafter.fp8_layers=[o_proj,down_proj]"]):
+        with pytest.raises(ConfigError, match=r"^drafter.fp8_split_qkv=True: expected only with "
+                                              r"drafter.fp8 on.*Fix: drafter.fp8_split_qkv=false"):
+            check(_compose(bad))
+    check(_compose(["drafter.fp8_split_qkv=true", "drafter.fp8=tensorwise"]))
+
+
 @pytest.mark.parametrize("override", [
     "train.save_every=0", "train.eval_every=0", "export.every=0", "optim.clip_grad_norm=0",
     "optim.warmup_steps=0", "train.max_steps=1", "train.log_every=1", "drafter.ttt_steps=64",

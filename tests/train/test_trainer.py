@@ -331,6 +331,7 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
 
 
 @pytest.mark.parametrize("option", ["drafter.fp8=tensorwise",
+                                    "drafter.fp8=tensorwise drafter.fp8_split_qkv=true",
                                     "drafter.host_embedding=true data.device_prefetch=true",
                                     "optim.moments=bf16 train.param_dtype=bf16 "
                                     "drafter.checkpoint_mlp=true"])
