@@ -27,7 +27,8 @@ from typing import Any, Mapping
 from eyas.data.checksums import CHECKSUMS_NAME, file_sha256, read_checksums
 from eyas.data.provenance import software_record
 from eyas.data.utils import atomic_write_bytes
-from eyas.models.serving.card_render import render_card
+from eyas.models.serving.card_render import render_card, render_speculators_card
+from eyas.models.serving.contract import is_speculators_config
 
 CARD = "README.md"
 PROVENANCE = "eyas_provenance.json"
@@ -70,10 +71,38 @@ def _drafter(cfg: Mapping[str, Any], meta: Mapping[str, Any],
            "aux_layer_ids": cfg.get("eagle_aux_hidden_state_layer_ids"),
            "aux_layer_ids_sglang": ec.get("eagle_aux_hidden_state_layer_ids"),
            "draft_vocab_size": cfg.get("draft_vocab_size"), "vocab_size": cfg.get("vocab_size"),
-           "ttt_steps": meta.get("ttt_steps"),
+           "ttt_steps": trained_k(meta, run),
            **{k: cfg[k] for k in keys if cfg.get(k) is not None}}
     out["vocab_coverage"] = (run.get("drafter") or {}).get("vocab_coverage")
     return out
+
+
+def speculative_tokens(spec: Mapping[str, Any]) -> int | None:
+    """K of a speculators config: `speculative_tokens` of its default proposal method (vLLM
+    takes the first method's)."""
+    methods = (spec.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = methods[0].get("speculative_tokens") if isinstance(methods[0], Mapping) else None
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+
+def trained_k(meta: Mapping[str, Any] | None, run: Mapping[str, Any] | None,
+              export_dir: str | Path | None = None) -> int | None:
+    """The TTT depth a drafter was trained with: its eyas_export.json's `ttt_steps` (`meta`),
+    else its provenance's `drafter.ttt_steps` (`run`: an export without eyas_export.json, such
+    as a speculators directory), else the `speculative_tokens` of the speculators config.json
+    in `export_dir`."""
+    for k in ((meta or {}).get("ttt_steps"), ((run or {}).get("drafter") or {}).get("ttt_steps")):
+        if k is not None:
+            return k
+    spec = _speculators_config(export_dir) if export_dir is not None else None
+    return None if spec is None else speculative_tokens(spec)
+
+
+def _speculators_config(d: str | Path) -> dict[str, Any] | None:
+    """The config.json in directory `d` when it is a speculators-format one, else None."""
+    f = Path(d) / "config.json"
+    cfg = json.loads(f.read_text()) if f.is_file() else {}
+    return cfg if isinstance(cfg, dict) and is_speculators_config(cfg) else None
 
 
 def _validator(findings: list[Any] | None, where: Path | None) -> dict[str, Any] | None:
@@ -118,12 +147,24 @@ def _write(path: Path, text: str) -> None:
 
 
 def write_card(export_dir: str | Path, prov: Mapping[str, Any]) -> None:
-    """README.md and eyas_provenance.json of `prov` into `export_dir` (before its SHA256SUMS)."""
+    """README.md and eyas_provenance.json of `prov` into `export_dir` (before its SHA256SUMS).
+
+    A speculators-format directory (its config.json) gets the vLLM-only card: its architecture,
+    its verifier and K = its `speculative_tokens`; its eyas_provenance.json is the layout-A
+    export's record, unchanged."""
     d = Path(export_dir)
     _write(d / PROVENANCE, json.dumps(prov, indent=1, allow_nan=False) + "\n")
     k = (prov.get("drafter") or {}).get("ttt_steps") or 3
     target = (prov.get("target") or {}).get("name") or "TARGET"
-    _write(d / CARD, render_card(prov, serve_commands(DRAFTER_PLACEHOLDER, target, k)))
+    spec = _speculators_config(d)
+    if spec is None:
+        _write(d / CARD, render_card(prov, serve_commands(DRAFTER_PLACEHOLDER, target, k)))
+        return
+    k = speculative_tokens(spec) or k
+    verifier = ((spec.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    vllm, _ = serve_commands(DRAFTER_PLACEHOLDER, verifier or target, k)
+    arch = (spec.get("architectures") or ["Eagle3Speculator"])[0]
+    _write(d / CARD, render_speculators_card(prov, arch, k, vllm))
 
 
 def read_provenance(path: str | Path) -> dict[str, Any] | None:
@@ -145,7 +186,12 @@ def read_provenance(path: str | Path) -> dict[str, Any] | None:
 
 def record_checks(export_dir: str | Path, **checks: Any) -> dict[str, Any]:
     """Add results learnt after the export (engine loaders, real decoding) to its provenance
-    and card, and re-record the two files' SHA-256 in its SHA256SUMS."""
+    and card, and re-record the two files' SHA-256 in its SHA256SUMS.
+
+    Only `export_dir` changes. The `<export>-speculators/` directory written beside a layout-A
+    export keeps the record of export time: the checks recorded here are of the layout-A
+    directory (SGLang cannot load the other). Called on a speculators directory, it re-renders
+    that directory's own vLLM-only card."""
     d = Path(export_dir)
     prov = read_provenance(d)
     if prov is None:

@@ -45,8 +45,9 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return out + ["| " + " | ".join(_fmt(c) for c in r) + " |" for r in rows] + [""]
 
 
-def front_matter(prov: Mapping[str, Any]) -> str:
-    """YAML front matter: `base_model`, tags, and the headline facts under `eyas:`."""
+def front_matter(prov: Mapping[str, Any], **extra: Any) -> str:
+    """YAML front matter: `base_model`, tags, and the headline facts (and `extra`) under
+    `eyas:`."""
     dr, ev, tr = prov.get("drafter") or {}, prov.get("eval") or {}, prov.get("training") or {}
     sel = prov.get("selected") or {}
     facts = {"target": (prov.get("target") or {}).get("name"),
@@ -57,19 +58,19 @@ def front_matter(prov: Mapping[str, Any]) -> str:
              "selected_step": sel.get("step"), "tau": ev.get("tau"),
              "tau_trajectory": ev.get("tau_trajectory"),
              "datasets": [{"path": ds.get("path"), "manifest_sha256": ds.get("manifest_sha256")}
-                          for ds in prov.get("datasets") or []]}
+                          for ds in prov.get("datasets") or []], **extra}
     meta = {"tags": ["eagle3", "speculative-decoding", "eyas"], "eyas": facts}
     if facts["target"]:
         meta = {"base_model": facts["target"], **meta}
     return "---\n" + yaml.safe_dump(meta, sort_keys=False, default_flow_style=None) + "---\n"
 
 
-def _drafter_section(prov: Mapping[str, Any]) -> list[str]:
+def _drafter_section(prov: Mapping[str, Any], sglang: bool = True) -> list[str]:
     dr = prov.get("drafter") or {}
     cov = dr.get("vocab_coverage")
     rows = [["architecture", dr.get("architecture")],
             ["aux layer ids (vLLM / HF hidden_states)", dr.get("aux_layer_ids")],
-            ["aux layer ids (SGLang)", dr.get("aux_layer_ids_sglang")],
+            *([["aux layer ids (SGLang)", dr.get("aux_layer_ids_sglang")]] if sglang else []),
             ["hidden size / target hidden size",
              f"{_fmt(dr.get('hidden_size'))} / {_fmt(dr.get('target_hidden_size'))}"],
             ["attention heads / KV heads",
@@ -89,6 +90,17 @@ def _serving_section(commands: tuple[str, str]) -> list[str]:
             "Replace `DRAFTER_DIR` with this directory's path (or its hub id).", "",
             "vLLM:", "", "```bash", vllm, "```", "", "SGLang:", "", "```bash", sglang, "```",
             ""]
+
+
+def _vllm_serving_section(vllm: str, k: int) -> list[str]:
+    return ["## Serving", "",
+            "Replace `DRAFTER_DIR` with this directory's path (or its hub id). SGLang does not "
+            "load the speculators format: serve SGLang the layout-A export this directory was "
+            "written from.", "",
+            f"vLLM, {k} speculative tokens (`speculative_tokens` of config.json):", "",
+            "```bash", vllm, "```", "",
+            "With a verifier named by a hub id, `vllm serve DRAFTER_DIR` alone also works: "
+            "vLLM then takes the verifier and K from config.json.", ""]
 
 
 def _positions(ev: Mapping[str, Any]) -> list[list[Any]]:
@@ -183,10 +195,10 @@ def _data_section(prov: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _checks_section(prov: Mapping[str, Any]) -> list[str]:
+def _checks_section(prov: Mapping[str, Any], of: str = "") -> list[str]:
     checks = prov.get("checks") or {}
     v = checks.get("validator")
-    out = ["## Checks", ""]
+    out = ["## Checks", ""] + ([of, ""] if of else [])
     if v is None:
         out.append("- static validator: not run")
     else:
@@ -227,3 +239,24 @@ def render_card(prov: Mapping[str, Any], commands: tuple[str, str]) -> str:
                     _checks_section(prov), _software_section(prov)):
         lines += section
     return front_matter(prov) + "\n" + "\n".join(lines).rstrip() + "\n"
+
+
+def render_speculators_card(prov: Mapping[str, Any], architecture: str, k: int,
+                            vllm: str) -> str:
+    """The README.md text of a speculators-format export (vLLM only) written from the layout-A
+    export with provenance `prov`: its `architecture`, its `k` speculative tokens and the `vllm`
+    command that serves it. The checks shown are those recorded for the layout-A export."""
+    dr = dict(prov.get("drafter") or {}, architecture=architecture, aux_layer_ids_sglang=None)
+    view = {**prov, "drafter": dr}
+    target = (prov.get("target") or {}).get("name") or "its target"
+    lines = [f"# EAGLE-3 drafter for {target} (speculators format, vLLM only)", "",
+             "A speculative-decoding drafter trained with eyas, in the speculators format: vLLM "
+             "loads this directory as is, SGLang does not. Every figure below is also in "
+             "`eyas_provenance.json`.", ""]
+    of = "Recorded for the layout-A export this directory was written from:"
+    for section in (_drafter_section(view, sglang=False), _vllm_serving_section(vllm, k),
+                    _acceptance_section(view), _training_section(view), _data_section(view),
+                    _checks_section(view, of), _software_section(view)):
+        lines += section
+    return (front_matter(view, speculative_tokens=k) + "\n" + "\n".join(lines).rstrip()
+            + "\n")

@@ -99,29 +99,80 @@ def _check_ttt(report: Report, meta: dict[str, Any] | None, k: int | None) -> No
         report.checked.append(f"{k} speculative tokens <= {ttt} TTT steps trained")
 
 
-def _check_aux_ids(report: Report, manifest: dict[str, Any], cfg: dict[str, Any]) -> None:
-    """The aux layers the features came from vs the ids the export tells the engines."""
-    ids = manifest.get("aux_layer_ids")
+def _ints(ids: Any) -> list[int] | None:
+    return [int(i) for i in ids] if isinstance(ids, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids) else None
+
+
+def engine_aux_ids(cfg: dict[str, Any], n_layers: int | None
+                   ) -> dict[str, tuple[list[int] | None, str, bool]]:
+    """engine -> (the hidden_states ids it captures for this config, where they come from, whether
+    they come from the engine's own key). vLLM reads the top-level ids, else eagle_config's ids as
+    is, else its default 2, N//2, N-3; SGLang reads eagle_config's ids + 1, else the same default.
+    The ids are None when they cannot be known (a default of a target of unknown depth, or ids
+    that are not a list of ints: the validator names those)."""
     vl = cfg.get("eagle_aux_hidden_state_layer_ids")
-    sg = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ec = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+    sg = ec.get("eagle_aux_hidden_state_layer_ids")
+    default = [2, n_layers // 2, n_layers - 3] if n_layers else None
+    absent = "no {} in config.json: its default 2, N//2, N-3"
+    if vl:
+        vllm = (_ints(vl), "top-level eagle_aux_hidden_state_layer_ids", True)
+    elif sg:
+        vllm = (_ints(sg), "no top-level eagle_aux_hidden_state_layer_ids: it reads "
+                           "eagle_config's (SGLang-spelled) ids as is", False)
+    else:
+        vllm = (default, absent.format("aux layer ids"), False)
+    if sg is not None:
+        sg_ids = _ints(sg)
+        sglang = (None if sg_ids is None else [i + 1 for i in sg_ids],
+                  "eagle_config.eagle_aux_hidden_state_layer_ids + 1", True)
+    else:
+        sglang = (default, absent.format("eagle_config.eagle_aux_hidden_state_layer_ids"), False)
+    return {"vLLM": vllm, "SGLang": sglang}
+
+
+def _check_aux_ids(report: Report, manifest: dict[str, Any], cfg: dict[str, Any],
+                   tcfg: dict[str, Any] | None) -> None:
+    """The aux layers the features came from vs the layers each engine will capture."""
+    ids = manifest.get("aux_layer_ids")
     conv = manifest.get("convention", "hf_hidden_states")
     if ids is None:
         report.not_checked.append("aux layers: the dataset manifest records no aux_layer_ids")
-    elif conv != "hf_hidden_states":
+        return
+    if conv != "hf_hidden_states":
         report.not_checked.append(f"aux layers: the manifest uses convention {conv!r}")
-    elif vl is not None and list(ids) != list(vl):
+        return
+    ids = list(ids)
+    engines = engine_aux_ids(cfg, (tcfg or {}).get("num_hidden_layers")
+                             or manifest.get("num_layers"))
+    wrong = {e: (got, src) for e, (got, src, _) in engines.items()
+             if got is not None and sorted(set(got)) != sorted(ids)}
+    if wrong:
+        sg = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         hint = (" — the dataset's ids equal the export's SGLang spelling: the export is off by "
-                "one" if sg is not None and list(ids) == list(sg) else "")
+                "one" if cfg.get("eagle_aux_hidden_state_layer_ids") and sg == ids else "")
         report.add("DATA_AUX_IDS", ERROR,
-                   f"the drafter was trained on hidden_states{list(ids)} but the export tells "
-                   f"the engines to capture hidden_states{list(vl)} (vLLM ids; SGLang's "
-                   f"eagle_config spells them {sg}){hint}",
+                   f"the drafter was trained on hidden_states{ids} but " + "; ".join(
+                       f"{e} captures hidden_states{got} ({src})"
+                       for e, (got, src) in wrong.items()) + hint,
                    "fc was fitted to the features of the training layers; fed other layers it "
                    "drafts near-random tokens (reported: position-0 acceptance ~10% instead of "
                    "~45%); nothing fails at load time",
-                   f"export with aux ids {list(ids)} (vLLM) and {[i - 1 for i in ids]} (SGLang)")
-    else:
-        report.checked.append(f"dataset aux layers {list(ids)} = the export's vLLM ids")
+                   f"export with aux ids {ids} (vLLM, top-level "
+                   f"eagle_aux_hidden_state_layer_ids) and {[i - 1 for i in ids]} (SGLang, "
+                   f"eagle_config.eagle_aux_hidden_state_layer_ids)")
+    for e, (got, src, keyed) in engines.items():
+        if got is None:
+            report.not_checked.append(f"aux layers ({e}): {src}; the ids it captures are not "
+                                      f"known here (pass the target's config)")
+        elif not keyed and e not in wrong:
+            report.not_checked.append(f"aux layers ({e}): {src}, which happen to be the "
+                                      f"dataset's hidden_states{ids}: write the key so that "
+                                      f"no fallback decides")
+    if not wrong and all(keyed and got is not None for got, _, keyed in engines.values()):
+        report.checked.append(f"dataset aux layers {ids} = the layers vLLM (top-level ids) and "
+                              f"SGLang (eagle_config ids + 1) capture")
 
 
 def _check_data_target(report: Report, manifest: dict[str, Any],
@@ -186,9 +237,18 @@ def _check_tokenizer(report: Report, tok: dict[str, Any], tcfg: dict[str, Any] |
 def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any],
                     tcfg: dict[str, Any] | None, target_dir: Path | None) -> None:
     """The dataset manifest vs the export and the target: aux layers, target, tokenizer."""
-    _check_aux_ids(report, manifest, cfg)
+    _check_aux_ids(report, manifest, cfg, tcfg)
     _check_data_target(report, manifest, tcfg)
     _check_tokenizer(report, manifest.get("tokenizer") or {}, tcfg, target_dir)
+
+
+def _in_vocab(t2d: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """t2d[ids]; ids past the end of t2d (a dataset of a target with a larger vocabulary) are
+    outside the draft vocabulary."""
+    known = (ids >= 0) & (ids < t2d.numel())
+    out = torch.zeros(ids.shape, dtype=torch.bool)
+    out[known] = t2d[ids[known]]
+    return out
 
 
 def vocab_coverage(dataset: Any, t2d: torch.Tensor, max_samples: int = 2000) -> dict[str, Any]:
@@ -209,11 +269,11 @@ def vocab_coverage(dataset: Any, t2d: torch.Tensor, max_samples: int = 2000) -> 
         s = dataset.sample(i, fields)
         mask = s["loss_mask"].bool()
         ids = s["input_ids"][mask]
-        tok_in += int(t2d[ids].sum())
+        tok_in += int(_in_vocab(t2d, ids).sum())
         tok_all += int(ids.numel())
         if has_argmax:
             pred = s["target_argmax"][:-1][mask[1:]]   # the target's choice for each trained token
-            arg_in += int(t2d[pred].sum())
+            arg_in += int(_in_vocab(t2d, pred).sum())
             arg_all += int(pred.numel())
             agree += int((pred == s["input_ids"][1:][mask[1:]]).sum())
     return {"samples": len(idx), "tokens": tok_all,
@@ -222,36 +282,19 @@ def vocab_coverage(dataset: Any, t2d: torch.Tensor, max_samples: int = 2000) -> 
             "target_agreement": agree / arg_all if arg_all else None}
 
 
-def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tensor | None,
-                tcfg: dict[str, Any] | None, target_dir: Path | None, max_samples: int) -> None:
-    mf = Path(data) / "manifest.json"
-    if not mf.is_file():
-        report.not_checked.append(f"dataset: {mf} does not exist")
-        return
-    manifest = json.loads(mf.read_text())
-    _check_manifest(report, manifest, cfg, tcfg, target_dir)
-    try:
-        from eyas.data.shards import open_dataset
-    except ImportError as e:
-        report.not_checked.append(f"draft vocabulary coverage: the dataset reader is not "
-                                  f"available ({e})")
-        return
-    if t2d is None:
-        report.checked.append("draft vocabulary = the full target vocabulary (coverage 100%)")
-        return
-    cov = vocab_coverage(open_dataset(data), t2d, max_samples)
-    report.stats["coverage"] = cov
-    if cov["token_coverage"] is None:
-        report.not_checked.append("draft vocabulary coverage: the dataset has no loss-masked "
-                                  "tokens")
-        return
-    # what a greedy target emits at serving is its own choice: that coverage bounds acceptance
-    key = cov["argmax_coverage"] if cov["argmax_coverage"] is not None else cov["token_coverage"]
-    text = (f"the draft vocabulary covers {cov['token_coverage']:.1%} of {cov['tokens']} "
-            f"assistant tokens" + (f" and {cov['argmax_coverage']:.1%} of the target's own "
-                                   f"choices for them" if cov["argmax_coverage"] is not None
-                                   else "") + f" ({cov['samples']} samples)")
-    agreement = cov["target_agreement"]
+def require_dataset(data: str | Path) -> Path:
+    """`data` as a finished dataset directory (with its manifest.json), or the usage error
+    (exit 2) a command reports for a wrong path."""
+    d = require_dir(data, "dataset directory")
+    if not (d / "manifest.json").is_file():
+        raise FileNotFoundError(f"{d}: no manifest.json in this dataset directory (--data); a "
+                                f"finished `eyas extract` output directory has one: pass that "
+                                f"directory, or run the extraction to its end")
+    return d
+
+
+def _check_agreement(report: Report, agreement: float | None) -> None:
+    """Whether the trained tokens are the target's own greedy choices (target-written data)."""
     if agreement is not None and agreement < AGREEMENT_WARN:
         report.add("DATA_OFF_POLICY", WARNING,
                    f"only {agreement:.1%} of the trained tokens are the target's own greedy "
@@ -264,6 +307,38 @@ def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tens
     elif agreement is not None:
         report.checked.append(f"{agreement:.1%} of the trained tokens are the target's own "
                               f"greedy choice (target-generated data)")
+
+
+def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tensor | None,
+                tcfg: dict[str, Any] | None, target_dir: Path | None, max_samples: int) -> None:
+    """The dataset vs the export; `t2d` None: the draft vocabulary is the full target's."""
+    manifest = json.loads((require_dataset(data) / "manifest.json").read_text())
+    _check_manifest(report, manifest, cfg, tcfg, target_dir)
+    try:
+        from eyas.data.shards import open_dataset
+    except ImportError as e:
+        report.not_checked.append(f"draft vocabulary coverage: the dataset reader is not "
+                                  f"available ({e})")
+        return
+    full = t2d is None
+    if full:   # every target token can be drafted; the off-policy check still runs
+        t2d = torch.ones(int(cfg["vocab_size"]), dtype=torch.bool)
+    cov = vocab_coverage(open_dataset(data), t2d, max_samples)
+    report.stats["coverage"] = cov
+    if cov["token_coverage"] is None:
+        report.not_checked.append("draft vocabulary coverage: the dataset has no loss-masked "
+                                  "tokens")
+        return
+    _check_agreement(report, cov["target_agreement"])
+    if full:
+        report.checked.append("draft vocabulary = the full target vocabulary (coverage 100%)")
+        return
+    # what a greedy target emits at serving is its own choice: that coverage bounds acceptance
+    key = cov["argmax_coverage"] if cov["argmax_coverage"] is not None else cov["token_coverage"]
+    text = (f"the draft vocabulary covers {cov['token_coverage']:.1%} of {cov['tokens']} "
+            f"assistant tokens" + (f" and {cov['argmax_coverage']:.1%} of the target's own "
+                                   f"choices for them" if cov["argmax_coverage"] is not None
+                                   else "") + f" ({cov['samples']} samples)")
     if key < COVERAGE_WARN:
         report.add("VOCAB_COVERAGE", WARNING, text,
                    f"a token outside the draft vocabulary can never be drafted: every position "
@@ -280,6 +355,8 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
              max_samples: int = 2000, check_values: bool = True) -> Report:
     """Everything the doctor can tell offline about an export's acceptance (see module doc)."""
     export_dir = Path(export_dir)
+    if data is not None:
+        data = require_dataset(data)   # a wrong --data is a usage error, before any work
     report = Report()
     report.findings += validate(export_dir, target_config, check_values=check_values)
     if any(f.code == "CONFIG_MISSING" for f in report.findings):
@@ -299,7 +376,7 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
         elif "d2t" in tdir.names:
             from eyas.data.vocab_map import VocabMap
             t2d = VocabMap.from_d2t(tdir.load("d2t"), int(cfg["vocab_size"])).t2d
-        _check_data(report, Path(data), cfg, t2d, tcfg, _target_dir(target_config), max_samples)
+        _check_data(report, data, cfg, t2d, tcfg, _target_dir(target_config), max_samples)
     else:
         report.not_checked.append("training data (aux layers, tokenizer, vocabulary coverage): "
                                   "pass --data DATASET_DIR")
@@ -336,8 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's config.json, its directory (also gives its chat template), "
                         "hub id (org/name[@revision]) or preset name")
     p.add_argument("--data", default=None, help="the hidden-state dataset the drafter was "
-                   "trained on (its manifest and tokens; default: none, the data checks are "
-                   "skipped)")
+                   "trained on: a finished `eyas extract` output directory, with its "
+                   "manifest.json (default: none, the data checks are skipped)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K you serve with (vLLM num_speculative_tokens, SGLang "
                         "speculative-num-steps; default: none, the TTT steps "
@@ -353,7 +430,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
     if args.data is not None:
-        require_dir(args.data, "dataset directory")
+        require_dataset(args.data)   # a wrong or unfinished one: exit 2, one line
     report = diagnose(args.dir, args.target_config, data=args.data,
                       num_speculative_tokens=args.num_speculative_tokens,
                       max_samples=args.max_samples)

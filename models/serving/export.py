@@ -43,7 +43,7 @@ from eyas.data.log import HelpFormatter
 from eyas.data.utils import atomic_write_dir, umask_mode
 from eyas.data.vocab_map import VocabMap
 from eyas.models.serving.card import (build_provenance, read_provenance, serve_commands,
-                                      write_card)
+                                      trained_k, write_card)
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
                                           TensorDir, all_finite, expected_shapes, layout_tensors,
                                           format_findings, resolve_target_config)
@@ -367,9 +367,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
         cfg, sd, d2t, t2d, fmt = read_drafter_dir(checkpoint, target_config)
         meta_file = checkpoint / EXPORT_META
         meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
-        kwargs.setdefault("ttt_steps", meta.get("ttt_steps"))
-        kwargs.setdefault("training", dict(meta.get("training") or {}, source_format=fmt))
         kwargs.setdefault("provenance", _provenance(checkpoint))
+        kwargs.setdefault("ttt_steps", trained_k(meta, kwargs["provenance"], checkpoint))
+        kwargs.setdefault("training", dict(meta.get("training") or {}, source_format=fmt))
         return export_drafter(sd, config if config is not None else cfg, d2t, t2d, out_dir,
                               target_config=target_config, **kwargs)
     ck = read_trainer_checkpoint(checkpoint)  # (a) file, (b) DDP / DeepSpeed directory

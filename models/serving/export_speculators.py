@@ -16,6 +16,7 @@ from typing import Any
 
 from eyas.data.checksums import write_checksums
 from eyas.data.utils import atomic_write_dir
+from eyas.models.serving.card import read_provenance, write_card
 from eyas.models.serving.contract import OVERWRITE_HINT, ExportError, norm_before_fc
 
 
@@ -67,8 +68,9 @@ def speculators_config(cfg: dict[str, Any], *, verifier: str,
 def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str | None,
                              target_config: dict | None, num_speculative_tokens: int,
                              overwrite: bool = False) -> Path:
-    """`out_dir` = speculators config.json + the layout-A weights (hard-linked when possible)
-    and model card."""
+    """`out_dir` = speculators config.json + the layout-A weights (hard-linked when possible),
+    the layout-A eyas_provenance.json and a model card of its own (vLLM only, K =
+    `num_speculative_tokens`: models/serving/card.py `write_card`), then its SHA256SUMS."""
     if not verifier:
         raise ExportError("a speculators-format export names its verifier (the target model path "
                           "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
@@ -80,13 +82,14 @@ def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str
     def build(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
         for f in Path(layout_a_dir).iterdir():
-            if f.name in ("README.md", "eyas_provenance.json"):   # the model card travels along
-                shutil.copy2(f, tmp / f.name)
-            elif f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
+            if f.suffix == ".safetensors" or f.name == "model.safetensors.index.json":
                 try:
                     os.link(f, tmp / f.name)
                 except OSError:
                     shutil.copy2(f, tmp / f.name)
+        prov = read_provenance(layout_a_dir)    # the run record travels along, as it is
+        if prov is not None:                    # README.md: this directory's own card
+            write_card(tmp, prov)
         write_checksums(tmp)
 
     out = atomic_write_dir(out_dir, build, if_exists="replace" if overwrite else "error",

@@ -229,7 +229,8 @@ def _check_aux_ids(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) 
             "SGLang then picks its default layers, not necessarily the trained ones", fix)
     if vl is None:
         add("AUX_IDS_MISSING", "top-level eagle_aux_hidden_state_layer_ids is absent",
-            "vLLM then picks its default layers, not necessarily the trained ones", fix)
+            "vLLM then reads eagle_config's ids as they are (one layer below SGLang's) or, "
+            "without them, its default layers: not the trained ones", fix)
     lists = {}
     for key, ids in (("eagle_aux_hidden_state_layer_ids", vl),
                      ("eagle_config.eagle_aux_hidden_state_layer_ids", sg)):

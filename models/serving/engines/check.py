@@ -14,7 +14,8 @@ Finding codes (all errors except ENGINE_EMBED_SOURCE, a warning):
   ENGINE_NONFINITE      NaN/inf in a loaded parameter
   ENGINE_SMOKE          logits not finite or of the wrong width, no or out-of-range id mapping
   ENGINE_AUX_LAYERS     the engine feeds other target layers than trained (eyas_export.json),
-                        none, ones past the target's depth, or the two engines differ
+                        none, ones past the target's depth, or the two engines differ; or its
+                        own code raised while resolving them
   ENGINE_NORM_BEFORE_RESIDUAL  vLLM applies the flag, SGLang does not: different functions
   ENGINE_EMBED_SOURCE   one engine uses the shipped embedding, the other the target's
   ENGINE_UNAVAILABLE    the engine's venv could not be created or the probe failed (no verdict)
@@ -260,12 +261,20 @@ def _smoke_findings(rep: EngineReport, err: dict | None, name: str) -> None:
 
 
 def _aux_findings(rep: EngineReport, name: str, trained_aux: list[int] | None) -> None:
-    """The aux layers the engine feeds: none, past the target's depth, or not the trained ones."""
+    """The aux layers the engine feeds: unresolvable, none, past the target's depth, or not the
+    trained ones."""
     aux = rep.resolved.get("aux_layer_ids")
     n_layers = rep.resolved.get("target_num_layers")
+    add = rep.findings.append
+    if rep.resolved.get("aux_layer_ids_error"):
+        add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} raised while resolving the target "
+                    f"layers it captures: {rep.resolved['aux_layer_ids_error']}",
+                    f"{name} runs the same code when it starts serving: it fails there, or "
+                    "feeds the drafter layers it was not trained on",
+                    "check that the target's architecture supports EAGLE-3 in "
+                    f"{name} and eagle_config.eagle_aux_hidden_state_layer_ids; {_FIX}"))
     if not rep.loaded or aux is None:
         return
-    add = rep.findings.append
     if not aux:
         add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} feeds no aux layers "
                     "(use_aux_hidden_state is false): fc is skipped",

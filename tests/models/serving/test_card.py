@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eyas.data.checksums import read_checksums
+from eyas.data.checksums import file_sha256, read_checksums
 from eyas.data.targets import load_target_config
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
@@ -123,3 +123,42 @@ def test_a_damaged_provenance_record_is_one_line_naming_it(drafter, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert str(ck / PROVENANCE) in err[-1] and "not valid JSON" in err[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_speculators_directory_has_its_own_vllm_only_card(drafter, tcfg, tmp_path):
+    cfg, sd = drafter                                               # trained with 2 TTT steps
+    out = export_drafter(sd, cfg, None, None, tmp_path / "out", target_config=tcfg,
+                         speculators=True, verifier="org/tiny", num_speculative_tokens=3)
+    spec = tmp_path / "out-speculators"
+    facts = front_matter(spec / CARD)["eyas"]
+    assert (facts["architecture"], facts["speculative_tokens"], facts["ttt_steps"]) == (
+        "Eagle3Speculator", 3, 2)
+    text = (spec / CARD).read_text()
+    vllm, sglang = serve_commands("DRAFTER_DIR", "org/tiny", 3)
+    assert vllm in text and "sglang.launch_server" not in text
+    assert "LlamaForCausalLMEagle3" not in text and "aux layer ids (SGLang)" not in text
+    assert "vLLM loads this directory as is, SGLang does not" in text
+    assert (spec / PROVENANCE).read_bytes() == (out / PROVENANCE).read_bytes()
+    assert read_checksums(spec) == {p.name: file_sha256(p) for p in spec.iterdir()
+                                    if p.name != "SHA256SUMS"}
+    record_checks(spec, engines={"vllm": "ok"})             # re-rendered as its own card
+    assert "Eagle3Speculator" in (spec / CARD).read_text()
+    assert "- engine loaders: vllm ok" in (spec / CARD).read_text()
+    assert [f.code for f in validate(spec, tcfg)] == ["SPECULATORS_FORMAT"]
+
+
+def test_a_re_export_without_eyas_export_json_keeps_the_trained_k(drafter, tcfg, tmp_path):
+    cfg, sd = drafter                                               # trained with 2 TTT steps
+    export_drafter(sd, cfg, None, None, tmp_path / "out", target_config=tcfg,
+                   speculators=True, verifier="org/tiny", num_speculative_tokens=3)
+    spec = tmp_path / "out-speculators"                             # has no eyas_export.json
+    # a re-export of it keeps the trained K: from its provenance ...
+    again = export_checkpoint(spec, tmp_path / "again", target_config=tcfg)
+    assert json.loads((again / "eyas_export.json").read_text())["ttt_steps"] == 2
+    assert front_matter(again / CARD)["eyas"]["ttt_steps"] == 2
+    assert serve_commands("DRAFTER_DIR", "TARGET", 2)[0] in (again / CARD).read_text()
+    # ... else from its speculators config's speculative_tokens
+    (spec / PROVENANCE).unlink()
+    bare = export_checkpoint(spec, tmp_path / "bare", target_config=tcfg)
+    assert json.loads((bare / "eyas_export.json").read_text())["ttt_steps"] == 3
+    assert front_matter(bare / CARD)["eyas"]["ttt_steps"] == 3

@@ -17,6 +17,7 @@ from eyas.models.serving.doctor import cli_main, diagnose, format_report
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.data.targets import load_target_config
+from eyas.train.cli import main
 
 VD = 256
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
@@ -159,3 +160,82 @@ def test_off_by_one_hint_and_degraded_checks(tcfg, draft_ids, tmp_path):
     assert bare.findings == []
     assert any("TTT depth" in s for s in bare.not_checked)
     assert any("--data" in s for s in bare.not_checked)
+
+
+def test_a_dataset_of_a_larger_vocabulary_is_a_finding_not_a_crash(tcfg, draft_ids, tmp_path):
+    out = export(tcfg, draft_ids, tmp_path / "export")
+    V = tcfg["vocab_size"]
+    ids = torch.cat([draft_ids[:12], V + torch.arange(12)])     # 12 ids past the target's vocab
+    data = tmp_path / "data"
+    data.mkdir()
+    meta = write_shard(data, 0, [{"input_ids": ids, "loss_mask": torch.ones(24, dtype=torch.bool),
+                                  "aux": torch.zeros(24, 3, 64, dtype=torch.bfloat16),
+                                  "target_argmax": torch.roll(ids, -1)}])
+    write_manifest(data, {"kind": "hidden", "target": "other", "aux_layer_ids": [2, 4, 5],
+                          "convention": "hf_hidden_states", "hidden_size": 64, "num_layers": 8,
+                          "vocab_size": 60000}, [meta])
+    report = diagnose(out, tcfg, data=data)
+    assert {f.code for f in report.findings} == {"DATA_TARGET", "VOCAB_COVERAGE"}
+    cov = report.stats["coverage"]           # 12 of 24 tokens inside; 11 of the 23 choices
+    assert cov["tokens"] == 24 and cov["token_coverage"] == pytest.approx(12 / 24)
+    assert cov["argmax_coverage"] == pytest.approx(11 / 23)
+    assert cov["target_agreement"] == 1.0
+
+
+def test_a_full_vocabulary_export_still_gets_the_off_policy_check(tcfg, draft_ids, tmp_path):
+    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=tcfg["vocab_size"], ttt_steps=3)
+    torch.manual_seed(0)
+    out = export_drafter(Eagle3Drafter(cfg, attention="eager").state_dict(), cfg, None, None,
+                         tmp_path / "export", target_config=tcfg)
+    data, samples = dataset(tmp_path / "data", draft_ids, outside=0.6, aux_ids=[2, 4, 5],
+                            template_sha=None, target_written=False)
+    report = diagnose(out, tcfg, data=data)
+    assert {f.code for f in report.findings} == {"DATA_OFF_POLICY"}, format_report(report, out)
+    agree = [int(s["target_argmax"][t - 1] == s["input_ids"][t])
+             for s in samples for t in range(1, len(s["input_ids"])) if s["loss_mask"][t]]
+    cov = report.stats["coverage"]
+    assert cov["target_agreement"] == pytest.approx(sum(agree) / len(agree))
+    assert cov["token_coverage"] == 1.0 and cov["argmax_coverage"] == 1.0
+    assert "draft vocabulary = the full target vocabulary (coverage 100%)" in report.checked
+
+
+def test_absent_aux_keys_are_judged_as_each_engine_reads_them(tcfg, draft_ids, tmp_path):
+    out = export(tcfg, draft_ids, tmp_path / "export")               # ids [2, 4, 5] / [1, 3, 4]
+    data, _ = dataset(tmp_path / "data", draft_ids, outside=0.0, aux_ids=[2, 4, 5],
+                      template_sha=None)
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["eagle_aux_hidden_state_layer_ids"]       # vLLM then reads eagle_config's ids as is
+    (out / "config.json").write_text(json.dumps(cfg))
+    write_checksums(out)
+    report = diagnose(out, tcfg, data=data)
+    aux = [f for f in report.findings if f.code == "DATA_AUX_IDS"]
+    assert len(aux) == 1 and aux[0].message == (
+        "the drafter was trained on hidden_states[2, 4, 5] but vLLM captures hidden_states"
+        "[1, 3, 4] (no top-level eagle_aux_hidden_state_layer_ids: it reads eagle_config's "
+        "(SGLang-spelled) ids as is)")
+    assert not [c for c in report.checked if "aux layers" in c]
+    # no ids at all: both engines fall back to 2, N//2, N-3 = [2, 4, 5] of the 8-layer target
+    del cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(cfg))
+    write_checksums(out)
+    report = diagnose(out, tcfg, data=data)
+    assert "DATA_AUX_IDS" not in {f.code for f in report.findings}
+    assert not [c for c in report.checked if "aux layers" in c]
+    assert [c.split(":")[0] for c in report.not_checked if "happen to be" in c] == [
+        "aux layers (vLLM)", "aux layers (SGLang)"]
+
+
+def test_data_without_a_manifest_is_a_usage_error(tcfg, draft_ids, tmp_path, capsys):
+    out = export(tcfg, draft_ids, tmp_path / "export")
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        diagnose(out, tcfg, data=unfinished)
+    assert main(["doctor", str(out), "--target-config", "tiny-llama", "--data",
+                 str(unfinished)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert captured.err.strip().splitlines()[-1] == (
+        f"eyas doctor: {unfinished}: no manifest.json in this dataset directory (--data); a "
+        f"finished `eyas extract` output directory has one: pass that directory, or run the "
+        f"extraction to its end")
