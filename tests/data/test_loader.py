@@ -95,14 +95,20 @@ def test_truncation_counted_and_logged(tmp_path, caplog):
 def test_batches_match_dataset(tmp_path, fmt):
     ds, _ = make_dataset(tmp_path, [[5, 17, 9, 30], [12, 1, 25]], aux_format=fmt)
     loader = PackedLoader(ds, 32, 0, 1, seed=3, num_workers=2)
-    for b, docs in zip(loader, loader.plan(0)):
+    plan, batches = loader.plan(0), list(loader)
+    assert len(batches) == len(plan) > 1
+    assert sorted(i for docs in plan for i in docs) == list(range(len(ds)))  # each sample once
+    for b, docs in zip(batches, plan, strict=True):
         check_batch(b, docs, ds, 32)
 
 
 def test_tokens_dataset_batches(tmp_path):
     ds, _ = make_dataset(tmp_path, [[4, 6, 5]], tokens_only=True)
     loader = PackedLoader(ds, 16, 0, 1, seed=0)
-    for b, docs in zip(loader, loader.plan(0)):
+    plan, batches = loader.plan(0), list(loader)
+    assert len(batches) == len(plan) == 1             # 4 + 6 + 5 tokens fit one budget of 16
+    assert sorted(i for docs in plan for i in docs) == list(range(len(ds)))  # each sample once
+    for b, docs in zip(batches, plan, strict=True):
         assert b.aux is None and b.last is None and b.target_argmax is None
         check_batch(b, docs, ds, 16)
     with pytest.raises(ValueError, match="no field"):
@@ -227,7 +233,7 @@ def test_split_indices():
     assert np.array_equal(ev, ev2) and not np.array_equal(ev, split_indices(103, 0.1, 5)[1])
     assert len(split_indices(5, 0.01, 0)[1]) == 1 and len(split_indices(2, 0.9, 0)[0]) == 1
     assert len(split_indices(10, 0.0, 0)[1]) == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"eval_fraction must be in \[0, 1\), got 1\.0"):
         split_indices(10, 1.0, 0)
 
 

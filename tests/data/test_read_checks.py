@@ -52,8 +52,13 @@ def test_checks_pass_clean_data_and_batches_are_exact(tmp_path):
     ds.enable_read_checks()
     loader = PackedLoader(ds, 64, 0, 1, seed=0, num_workers=2)
     for epoch in range(2):                                    # second epoch: nothing re-checked
-        for docs, b in zip(loader.plan(epoch), loader):
+        plan, batches = loader.plan(epoch), list(loader)
+        assert len(batches) == len(plan) > 1
+        assert sorted(i for docs in plan for i in docs) == list(range(len(ds)))
+        for docs, b in zip(plan, batches, strict=True):
             check_batch(b, docs, ds, 64)
+    assert loader.epoch == 2
+    assert ds.num_shards == 2 and sorted(ds.read_checks._done) == [0, 1]   # every shard checked
     assert all(d.all() for d in ds.read_checks._done.values())
 
 

@@ -88,7 +88,8 @@ def test_save_load_round_trip(tmp_path):
               str(tmp_path / "z.safetensors"))
     with pytest.raises(ValueError, match="z.safetensors: d2t and t2d disagree"):
         load_vocab(tmp_path / "z.safetensors")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"t2d selects 90 ids but d2t has Vd = 10 rows; they "
+                                         r"must describe the same set"):
         save_vocab(tmp_path / "never.safetensors", d2t, ~t2d)
     assert not (tmp_path / "never.safetensors").exists()
 

@@ -347,5 +347,7 @@ def test_cli_offline_and_speculative(tiny_drafter, tiny_llama_dataset, tmp_path,
     assert res["by_context"][0]["rounds"] == res["decode_rounds"]
     assert res["by_context"][0]["tau"] == pytest.approx(res["tau"])
     assert "speedup" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         cli_main(["--drafter", str(out), "--prompts", "x.jsonl", "--k", "2", "--out", "y"])
+    assert e.value.code == 2
+    assert "error: --prompts needs --target" in capsys.readouterr().err

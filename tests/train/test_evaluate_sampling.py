@@ -129,8 +129,11 @@ def test_cli_temperatures(sampled_case, tmp_path, capsys):
     args = ["--drafter", str(export), "--target", "tiny-llama", "--prompts",
             str(prompts_path("heldout")), "--k", str(K), "--out", str(f), "--max-new-tokens", "6",
             "--num-prompts", "2", "--draft-sampling", "sample"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         cli_main(args + ["--temperatures", "0,-1"])
+    assert e.value.code == 2
+    assert "error: argument --temperatures: --temperatures '0,-1': expected distinct " \
+        "comma-separated numbers >= 0" in capsys.readouterr().err
     assert cli_main(args + ["--temperatures", "1.0,0", "--data", str(root / "hidden"),
                             "--all", "--token-budget", "1024"]) == 0
     res = json.loads(f.read_text())

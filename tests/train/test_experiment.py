@@ -99,5 +99,6 @@ def test_the_experiment_runs_every_stage_and_continues(tmp_path):
     summary2 = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary2["steps"] == 4
     assert "embedded dataset: cached at" in log2 and "held-out offline check: answering" not in log2
-    assert "resum" in log2.lower()
+    resumed = f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-000002'} (step 2)"
+    assert log2.count(resumed) == 1                   # not "no checkpoint ...; starting fresh"
     assert summary2["heldout_offline"]["num_samples"] == 2

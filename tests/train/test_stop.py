@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.ports import free_port
-from tests.train.test_trainer import SMALL, _cmd, _env, _export_tensors, run
+from tests.train.test_trainer import SMALL, _cmd, _env, _export_tensors, assert_resumed, run
 
 COMMON = ["target=tiny_llama", "train.max_steps=12", "train.deterministic=true",
           "train.eval_every=0", "train.save_every=0"]
@@ -57,7 +57,7 @@ def test_sigterm_saves_exits_143_and_resumes_bitwise(tmp_path, tiny_llama_datase
     assert "step-000003" <= saved < "step-000012"
     assert not (b / "export").exists() and not (b / "summary.json").exists()
     r = run(b, tiny_llama_dataset, *COMMON, "train.resume=latest", nproc=nproc)
-    assert "resum" in (r.stdout + r.stderr).lower()
+    assert_resumed(r, b, int(saved.removeprefix("step-")))
     ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
     assert ta.keys() == tb.keys() and len(ta) > 5
     for name in ta:
@@ -111,7 +111,8 @@ def test_a_signal_to_one_rank_stops_both_at_the_next_log_boundary(tmp_path, tiny
     assert step in (4, 8, 12)
     assert (b / "checkpoints" / "latest").read_text().strip() == f"step-{step:06d}"
     assert not (b / "summary.json").exists()
-    run(b, tiny_llama_dataset, *COMMON, *every, "train.resume=latest", nproc=2)
+    r = run(b, tiny_llama_dataset, *COMMON, *every, "train.resume=latest", nproc=2)
+    assert_resumed(r, b, step)
     ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
     for name in ta:
         assert torch.equal(ta[name], tb[name]), f"{name} differs after a stop at step {step}"

@@ -97,6 +97,15 @@ def test_two_process_deepspeed_zero2(tmp_path, smollm2_dataset):
     assert list((tmp_path / "r" / "checkpoints").glob("step-*/pytorch_model/*optim_states.pt"))
 
 
+def assert_resumed(r: subprocess.CompletedProcess, run_dir: Path, step: int) -> None:
+    """The run `r` really resumed from checkpoint `step` of `run_dir`: the line
+    train/checkpoint.py logs once the state is loaded, on stderr and in the run's train.log
+    (a run that starts fresh logs "no checkpoint ... starting fresh" instead)."""
+    line = f"resumed from {run_dir / 'checkpoints' / f'step-{step:06d}'} (step {step})"
+    assert r.stderr.count(line) == 1, r.stderr[-4000:]
+    assert (run_dir / "train.log").read_text().count(line) == 1
+
+
 def _export_tensors(run_dir: Path) -> dict:
     return load_file(str(run_dir / "export" / "model.safetensors"))
 
@@ -125,7 +134,8 @@ def test_kill9_then_resume_matches_uninterrupted_run_bitwise(tmp_path, tiny_llam
     killed_at = latest.read_text().strip()
     assert killed_at < "step-000010"
     assert not (b / "export").exists()
-    run(b, tiny_llama_dataset, *common, "train.save_every=1", "train.resume=latest")
+    r = run(b, tiny_llama_dataset, *common, "train.save_every=1", "train.resume=latest")
+    assert_resumed(r, b, int(killed_at.removeprefix("step-")))
     ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
     assert ta.keys() == tb.keys()
     for name in ta:
@@ -346,7 +356,7 @@ def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_
         "export.enabled=false")
     r = run(b, tiny_llama_dataset, *common, "train.max_steps=6", "train.save_every=1",
             "train.resume=latest")
-    assert "resum" in (r.stdout + r.stderr).lower()
+    assert_resumed(r, b, 3)
     ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
     assert ta.keys() == tb.keys() and len(ta) > 5
     for name in ta:

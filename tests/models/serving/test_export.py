@@ -114,15 +114,19 @@ def test_full_vocabulary_ships_no_mapping(tcfg, tmp_path):
 
 def test_refusals_leave_nothing_behind(drafter, tcfg, tmp_path):
     cfg, sd = drafter
-    cases = {
-        "bias": (dict(sd, **{"midlayer.self_attn.q_proj.bias": torch.zeros(64)}), None),
-        "shape": (dict(sd, **{"fc.weight": torch.zeros(64, 64)}), None),
+    cases = {  # name -> (state dict, d2t passed in, the refusal's message)
+        "bias": (dict(sd, **{"midlayer.self_attn.q_proj.bias": torch.zeros(64)}), None,
+                 r"checkpoint tensors outside layout A: \['midlayer\.self_attn\.q_proj\.bias'\]"),
+        "shape": (dict(sd, **{"fc.weight": torch.zeros(64, 64)}), None,
+                  r"fc\.weight has shape \[64, 64\] but the config implies \[64, 192\]"),
         "absolute": ({k: v for k, v in sd.items() if k not in ("d2t", "t2d")},
-                     torch.arange(VD) + sd["d2t"]),
-        "missing": ({k: v for k, v in sd.items() if k != "norm.weight"}, None),
+                     torch.arange(VD) + sd["d2t"],
+                     r"vocab map: i \+ d2t\[i\] leaves \[0, 49152\): d2t must hold offsets"),
+        "missing": ({k: v for k, v in sd.items() if k != "norm.weight"}, None,
+                    r"checkpoint lacks \['norm\.weight'\]: not a complete EAGLE-3 drafter"),
     }
-    for name, (state, d2t) in cases.items():
-        with pytest.raises(ExportError):
+    for name, (state, d2t, message) in cases.items():
+        with pytest.raises(ExportError, match=message):
             export_drafter(state, cfg, d2t, None, tmp_path / name, target_config=tcfg)
         assert not (tmp_path / name).exists()
     # a rebuilt mapping that disagrees with the checkpoint's own buffer is refused

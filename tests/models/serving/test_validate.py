@@ -273,8 +273,11 @@ def test_cli_exit_codes(clean, tmp_path, capsys):
     assert "LM_HEAD_MISSING" in capsys.readouterr().out
     assert cli_main([str(broken), "--target-config", "tiny-llama", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)[0]["code"] == "LM_HEAD_MISSING"
-    with pytest.raises(SystemExit):  # --target-config is required
+    with pytest.raises(SystemExit) as e:  # --target-config is required
         cli_main([str(clean)])
+    assert e.value.code == 2
+    assert "error: the following arguments are required: --target-config" in \
+        capsys.readouterr().err
 
 
 def test_speculators_format_export(clean, tcfg, tmp_path):
