@@ -231,6 +231,7 @@ def test_data_without_a_manifest_is_a_usage_error(tcfg, draft_ids, tmp_path, cap
     unfinished.mkdir()
     with pytest.raises(FileNotFoundError, match="no manifest.json"):
         diagnose(out, tcfg, data=unfinished)
+    capsys.readouterr()                   # what the export logged: only the command's output
     assert main(["doctor", str(out), "--target-config", "tiny-llama", "--data",
                  str(unfinished)]) == 2
     captured = capsys.readouterr()
