@@ -32,6 +32,17 @@ def _loss(d, seed=1):
     return (d.draft_logits(out.hidden).logsumexp(-1) * out.valid).sum()
 
 
+def _assert_trains_close(plain, fp8, a, b):
+    """Losses a (plain) and b (FP8) within FP8's tolerance, and every gradient within 15 %."""
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=0)
+    a.backward()
+    b.backward()
+    for (name, p), q in zip(plain.named_parameters(), fp8.parameters()):
+        if p.grad is not None:
+            rel = (q.grad - p.grad).norm() / p.grad.norm()
+            assert rel < 0.15, f"{name}: FP8 gradient {rel:.3f} from the plain one"
+
+
 def test_fp8_drafter_keeps_names_and_trains_close_to_the_plain_one():
     pytest.importorskip("torchao.float8")
     from torchao.float8.float8_linear import Float8Linear
@@ -45,13 +56,7 @@ def test_fp8_drafter_keeps_names_and_trains_close_to_the_plain_one():
     assert fp8.state_dict().keys() == plain.state_dict().keys()  # checkpoints and export as before
     a, b = _loss(plain), _loss(fp8)
     assert a.item() != b.item()                                  # the GEMMs really ran in FP8
-    torch.testing.assert_close(b, a, rtol=2e-2, atol=0)
-    a.backward()
-    b.backward()
-    for (name, p), q in zip(plain.named_parameters(), fp8.parameters()):
-        if p.grad is not None:
-            rel = (q.grad - p.grad).norm() / p.grad.norm()
-            assert rel < 0.15, f"{name}: FP8 gradient {rel:.3f} from the plain one"
+    _assert_trains_close(plain, fp8, a, b)
 
 
 def test_off_is_a_no_op_and_bad_input_is_refused(monkeypatch):
@@ -125,10 +130,4 @@ def test_fp8_split_qkv_trains_close_to_the_plain_drafter():
     assert split._qkv_halves() is not None and whole._qkv_halves() is None
     a, b, c = _loss(plain), _loss(split), _loss(whole)
     assert b.item() != a.item() and b.item() != c.item()    # FP8 GEMMs, not the default's
-    torch.testing.assert_close(b, a, rtol=2e-2, atol=0)
-    a.backward()
-    b.backward()
-    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
-        if p.grad is not None:
-            rel = (q.grad - p.grad).norm() / p.grad.norm()
-            assert rel < 0.15, f"{name}: FP8-split gradient {rel:.3f} from the plain one"
+    _assert_trains_close(plain, split, a, b)
