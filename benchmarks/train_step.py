@@ -34,8 +34,8 @@ async-host-qkv-per-step (async-host with drafter.embedding_qkv_once=false: the e
 of q/k/v projected in every step, the step before that option),
 async-host-autotune (async-host with every step graph, flex attention and the merge
 included, compiled in torch.compile's "max-autotune-no-cudagraphs" mode: Triton GEMM templates
-tried against cuBLAS, with their epilogues fused, and tuned element-wise kernels; a long first
-compile), fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8
+tried against cuBLAS, with their epilogues fused, and tuned element-wise kernels; its first
+compile took over 6 minutes at T = 4096 on an H200: run it alone in a call), fp8 / fp8-rowwise (async with drafter.fp8=tensorwise / rowwise: torchao float8
 linears in the default drafter.fp8_layers, all but fc), fp8-host (fp8 with the host
 embedding), fp8-host-split (fp8-host with drafter.fp8_split_qkv: the embedding half of q/k/v
 in bf16 once per unroll, the hidden half in FP8), fp8-all (fp8 with fc's GEMMs in FP8 too:
