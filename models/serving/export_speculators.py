@@ -65,6 +65,19 @@ def speculators_config(cfg: dict[str, Any], *, verifier: str,
     }
 
 
+def verifier_reference(verifier: str) -> str:
+    """How config.json names the verifier: `vllm serve DIR` loads `name_or_path` as given, from
+    the server's working directory, and (as Hugging Face does) a local directory of that name
+    wins over a hub id. A relative path to a directory that exists here is therefore written
+    absolute; anything else (a hub id, an absolute path, a path of the serving machine) as is."""
+    path = Path(verifier).expanduser()
+    if not path.is_absolute() and path.is_dir():
+        resolved = str(path.resolve())
+        log.info("speculators export: verifier %r written as %s", verifier, resolved)
+        return resolved
+    return verifier
+
+
 def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str | None,
                              target_config: dict | None, num_speculative_tokens: int,
                              overwrite: bool = False) -> Path:
@@ -74,6 +87,7 @@ def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str
     if not verifier:
         raise ExportError("a speculators-format export names its verifier (the target model path "
                           "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
+    verifier = verifier_reference(verifier)
     cfg = json.loads((Path(layout_a_dir) / "config.json").read_text())
     spec = speculators_config(cfg, verifier=verifier,
                               verifier_architectures=(target_config or {}).get("architectures"),

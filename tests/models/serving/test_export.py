@@ -182,6 +182,22 @@ def test_speculators_config_export(drafter, tcfg, tmp_path):
     assert not (tmp_path / "e").exists()
 
 
+def test_a_relative_local_verifier_is_written_absolute(drafter, tcfg, tmp_path, monkeypatch):
+    """vLLM reads name_or_path from the server's working directory: a relative local path
+    would name another directory (or none) there."""
+    cfg, sd = drafter
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    for verifier, written in [("models/tiny", str(tmp_path / "models" / "tiny")),
+                              ("org/not-here", "org/not-here"),      # a hub id stays as is
+                              ("/srv/llama", "/srv/llama")]:         # so does an absolute path
+        out = tmp_path / verifier.replace("/", "_")
+        export_drafter(sd, cfg, None, None, out, target_config=tcfg, speculators=True,
+                       verifier=verifier)
+        spec = json.loads((tmp_path / f"{out.name}-speculators" / "config.json").read_text())
+        assert spec["speculators_config"]["verifier"]["name_or_path"] == written
+
+
 def test_a_speculators_export_leaves_no_half_of_the_pair(drafter, tcfg, tmp_path, monkeypatch):
     cfg, sd = drafter
     kw = dict(target_config=tcfg, speculators=True, verifier="/models/tiny-llama")
