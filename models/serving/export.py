@@ -409,8 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write OUT_DIR-speculators/ (vLLM-only speculators format)")
     p.add_argument("--verifier", default=None,
                    help="target path or hub id for the speculators config and the printed serve "
-                        "commands (needed with --speculators-config; a relative local path is "
-                        "recorded absolute)")
+                        "commands (default: none; needed with --speculators-config; a relative "
+                        "local path is recorded absolute)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K for the printed commands (default: the TTT steps trained, else 3)")
     p.add_argument("--overwrite", action="store_true",

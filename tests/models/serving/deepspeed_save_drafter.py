@@ -61,6 +61,9 @@ def main(out: Path, stage: int) -> None:
                  "objective": {"drafter.ttt_steps": cfg.ttt_steps, "world_size": 2}}
         (out / "ckpt" / "eyas_state.json").write_text(json.dumps(state))
     acc.wait_for_everyone()
+    # as the trainer does: a gloo group still alive at interpreter exit can abort the process
+    # ("terminate called without an active exception", SIGABRT) after everything is written
+    acc.end_training()
 
 
 if __name__ == "__main__":
