@@ -75,17 +75,17 @@ class MetricsWindow:
                                res.metric_mask)
         self.counts = add_counts(self.counts, {k: v * ok for k, v in counts.items()})
 
-    def flush(self, accelerator, flops_per_token: float, peak: float | None,
-              lr: float) -> dict[str, float]:
-        """The record of this window, summed over ranks; the host syncs happen here. `lr`: the
-        rate the window's last step trained at (read before the scheduler advanced)."""
+    def flush(self, accelerator, flops_per_token: float, peak: float | None) -> dict[str, float]:
+        """The record of this window, summed over ranks; the host syncs happen here. Its `lr` is
+        `self.lr`: the rate the window's last step trained at (read before the scheduler
+        advanced)."""
         dt = time.perf_counter() - self.t0
         dev = accelerator.device
         n = accelerator.reduce(torch.as_tensor(self.n, dtype=torch.float32, device=dev), "sum")
         loss = accelerator.reduce(torch.as_tensor(self.loss, dtype=torch.float32, device=dev),
                                   "sum")
         tokens = accelerator.reduce(torch.tensor(float(self.tokens), device=dev), "sum")
-        rec = {"loss": float(loss / n), "lr": lr,        # NaN if no micro-batch was finite
+        rec = {"loss": float(loss / n), "lr": self.lr,   # NaN if no micro-batch was finite
                "tokens_per_s": float(tokens) / dt, "data_wait": self.wait / dt,
                # wall time per optimizer step, padding included (and any eval, checkpoint
                # or export of the previous log step): compare with benchmarks/train_step.py

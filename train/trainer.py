@@ -295,7 +295,7 @@ def fit(t: Trainer) -> dict[str, Any]:
             done = step >= t.total_steps
             if _every(step, cfg.train.log_every) or done:
                 skipped.read(step)
-                rec = window.flush(acc, t.flops_per_token, peak, window.lr)
+                rec = window.flush(acc, t.flops_per_token, peak)
                 logger.log(step, rec)
                 bar.report(step, rec)   # the bar on a terminal, a log line otherwise
             is_eval = _every(step, cfg.train.eval_every) or done

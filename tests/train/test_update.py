@@ -123,9 +123,9 @@ def test_the_window_reports_step_time_and_the_packing_fill(setup):
     for tokens in (T, T - 2, 1):                  # three micro-batches, 9 of 18 rows padding
         res = s.module(torch.randn(3, 8, dtype=torch.bfloat16).to(acc.device))
         window.add(res, _batch(acc.device, tokens), s.module.drafter.d2t)
-    window.steps = 2
-    rec = window.flush(acc, 1.0, None, 0.1)
-    assert rec["fill"] == (2 * T - 1) / (3 * T)
+    window.steps, window.lr = 2, 0.1
+    rec = window.flush(acc, 1.0, None)
+    assert rec["fill"] == (2 * T - 1) / (3 * T) and rec["lr"] == 0.1
     assert rec["tokens_per_s"] * rec["step_ms"] * 2 / 1e3 == pytest.approx(2 * T - 1)
     assert window.steps == 0 and window.slots == 0         # the next window starts afresh
 
