@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 from eyas.data.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME,
-                         OFFSETS, SAMPLE_CRC, SHARD_FORMAT, DatasetError, Header, as_numpy_bytes,
-                         crc32_rows, dequantize_fp8, dtype_from_name, nonfinite_tokens,
-                         parse_header, table_checksum)
+                         OFFSETS, SAMPLE_CRC, DatasetError, as_numpy_bytes, crc32_rows,
+                         dequantize_fp8, dtype_from_name, nonfinite_tokens, parse_header,
+                         pread_exact, shard_meta_from_header, table_checksum)
 from eyas.data.utils import progress
 from eyas.data.read_checks import ReadChecks
 
@@ -38,54 +38,6 @@ log = logging.getLogger(__name__)
 
 VERIFY_LEVELS = ("none", "header", "checksum")
 NONFINITE_MODES = ("error", "skip")
-
-
-def _pread_exact(fd: int, buf: memoryview, offset: int, path: Path) -> None:
-    """Fill `buf` from file offset `offset` (loops: one read syscall caps at ~2 GiB)."""
-    done = 0
-    while done < len(buf):
-        n = os.preadv(fd, [buf[done:]], offset + done)
-        if n <= 0:
-            raise DatasetError(f"unexpected end of file at byte {offset + done} (truncated?)",
-                               path=path)
-        done += n
-
-
-def shard_meta_from_header(path: Path, header: Header, f) -> tuple[dict[str, Any], np.ndarray]:
-    """(meta, offsets [n+1] int64) of an eyas shard; checks the header against its own meta."""
-    raw = header.metadata.get("eyas")
-    if raw is None:
-        raise DatasetError("not an eyas shard (no 'eyas' entry in the safetensors metadata)",
-                           path=path)
-    try:
-        meta = json.loads(raw)
-        n, T, fields = int(meta["n_samples"]), int(meta["n_tokens"]), meta["fields"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise DatasetError(f"garbled shard metadata ({e!r})", path=path) from None
-    if meta.get("format") != SHARD_FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise DatasetError(f"shard format {meta.get('format')!r} v{meta.get('format_version')} "
-                           f"is not {SHARD_FORMAT!r} v{FORMAT_VERSION}; re-create it with this "
-                           f"eyas version", path=path)
-    expect = {OFFSETS: (torch.int64, (n + 1,)), SAMPLE_CRC: (torch.int64, (n,))}
-    for name, spec in fields.items():
-        expect[name] = (dtype_from_name(spec["stored_dtype"]), (T, *spec["shape"]))
-    if meta.get("aux_format") == "fp8":
-        expect[AUX_SCALE] = (torch.float32, (T, 3))
-    for name, (dtype, shape) in expect.items():
-        e = header.tensors.get(name)
-        if e is None:
-            raise DatasetError(f"tensor {name!r} is missing from the shard", path=path)
-        if e.dtype != dtype or e.shape != shape:
-            raise DatasetError(f"tensor {name!r} is {e.dtype} {list(e.shape)} but the shard "
-                               f"metadata says {dtype} {list(shape)}", path=path)
-    e = header.tensors[OFFSETS]
-    buf = bytearray(e.nbytes)
-    _pread_exact(f.fileno(), memoryview(buf), e.begin, path)
-    offsets = np.frombuffer(buf, dtype=np.int64)
-    if offsets[0] != 0 or offsets[-1] != T or (np.diff(offsets) <= 0).any():
-        raise DatasetError(f"offsets table is not strictly increasing from 0 to n_tokens={T}",
-                           path=path)
-    return meta, offsets
 
 
 def _check_buffer(name: str, dst: torch.Tensor, e, dtype: torch.dtype | None, length: int,
@@ -184,7 +136,7 @@ class _Shard:
             elif verbatim and dst.is_contiguous():  # pread path
                 row = e.nbytes // e.shape[0]
                 buf = memoryview(as_numpy_bytes(dst).reshape(-1).view(np.uint8))
-                _pread_exact(self.file.fileno(), buf, e.begin + lo * row, self.path)
+                pread_exact(self.file.fileno(), buf, e.begin + lo * row, self.path)
             else:
                 dst.copy_(self.tensor(name)[lo:lo + length].reshape(dst.shape))
 

@@ -1,7 +1,8 @@
 """Low-level pieces of the eyas dataset format: dtypes, header parsing, checksums, errors.
 
 The format itself is documented in data/FORMAT.md (format version `FORMAT_VERSION`).
-This module knows nothing about datasets or loaders; `data.shards` builds on it.
+This module knows nothing about datasets or loaders; `data.shards` and `data.dataset` build on
+it (a shard's own metadata is checked here: `shard_meta_from_header`).
 """
 
 from __future__ import annotations
@@ -247,3 +248,51 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor,
 
 def json_meta(meta: dict[str, Any]) -> str:
     return json.dumps(meta, separators=(",", ":"), allow_nan=False)
+
+
+def pread_exact(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill `buf` from file offset `offset` (loops: one read syscall caps at ~2 GiB)."""
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise DatasetError(f"unexpected end of file at byte {offset + done} (truncated?)",
+                               path=path)
+        done += n
+
+
+def shard_meta_from_header(path: Path, header: Header, f) -> tuple[dict[str, Any], np.ndarray]:
+    """(meta, offsets [n+1] int64) of an eyas shard; checks the header against its own meta."""
+    raw = header.metadata.get("eyas")
+    if raw is None:
+        raise DatasetError("not an eyas shard (no 'eyas' entry in the safetensors metadata)",
+                           path=path)
+    try:
+        meta = json.loads(raw)
+        n, T, fields = int(meta["n_samples"]), int(meta["n_tokens"]), meta["fields"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DatasetError(f"garbled shard metadata ({e!r})", path=path) from None
+    if meta.get("format") != SHARD_FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise DatasetError(f"shard format {meta.get('format')!r} v{meta.get('format_version')} "
+                           f"is not {SHARD_FORMAT!r} v{FORMAT_VERSION}; re-create it with this "
+                           f"eyas version", path=path)
+    expect = {OFFSETS: (torch.int64, (n + 1,)), SAMPLE_CRC: (torch.int64, (n,))}
+    for name, spec in fields.items():
+        expect[name] = (dtype_from_name(spec["stored_dtype"]), (T, *spec["shape"]))
+    if meta.get("aux_format") == "fp8":
+        expect[AUX_SCALE] = (torch.float32, (T, 3))
+    for name, (dtype, shape) in expect.items():
+        e = header.tensors.get(name)
+        if e is None:
+            raise DatasetError(f"tensor {name!r} is missing from the shard", path=path)
+        if e.dtype != dtype or e.shape != shape:
+            raise DatasetError(f"tensor {name!r} is {e.dtype} {list(e.shape)} but the shard "
+                               f"metadata says {dtype} {list(shape)}", path=path)
+    e = header.tensors[OFFSETS]
+    buf = bytearray(e.nbytes)
+    pread_exact(f.fileno(), memoryview(buf), e.begin, path)
+    offsets = np.frombuffer(buf, dtype=np.int64)
+    if offsets[0] != 0 or offsets[-1] != T or (np.diff(offsets) <= 0).any():
+        raise DatasetError(f"offsets table is not strictly increasing from 0 to n_tokens={T}",
+                           path=path)
+    return meta, offsets

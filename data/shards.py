@@ -26,7 +26,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from eyas.data.dataset import Dataset, open_dataset, shard_meta_from_header
+from eyas.data.dataset import Dataset, open_dataset
+from eyas.data.format import shard_meta_from_header
 from eyas.data.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOAT_FIELDS, FORMAT_VERSION,
                          ID_FIELDS, INDEX_NAME, KINDS, MANIFEST_NAME, OFFSETS, READ_DTYPES,
                          RESERVED, SAMPLE_CRC, SHARD_FORMAT, DatasetError, as_numpy_bytes,
