@@ -48,7 +48,7 @@ from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, E
                                           TensorDir, all_finite, expected_shapes, layout_tensors,
                                           format_findings, resolve_target_config)
 from eyas.models.serving.export_dir import prepare_out
-from eyas.models.serving.export_speculators import write_speculators_export
+from eyas.models.serving.export_speculators import verifier_reference, write_speculators_export
 from eyas.models.serving.importer import (find_key, load_state_dict_file, read_drafter_dir,
                                           read_trainer_checkpoint)
 from eyas.models.serving.validate_static import check_config, check_tensors
@@ -278,6 +278,7 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
     if speculators and not verifier:
         raise ExportError("a speculators-format export names its verifier (the target model path "
                           "or hub id vLLM serves): pass verifier=… (--verifier PATH)")
+    verifier = verifier_reference(verifier) if speculators else verifier
     out = Path(out_dir)
     spec = Path(f"{out}-speculators") if speculators else None
     with contextlib.ExitStack() as stack:
@@ -410,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier", default=None,
                    help="target path or hub id for the speculators config and the printed serve "
                         "commands (default: none; needed with --speculators-config; a relative "
-                        "local path is recorded absolute)")
+                        "or ~ path that exists here is recorded absolute)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="K for the printed commands (default: the TTT steps trained, else 3)")
     p.add_argument("--overwrite", action="store_true",

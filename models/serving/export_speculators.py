@@ -66,16 +66,24 @@ def speculators_config(cfg: dict[str, Any], *, verifier: str,
 
 
 def verifier_reference(verifier: str) -> str:
-    """How config.json names the verifier: `vllm serve DIR` loads `name_or_path` as given, from
-    the server's working directory, and (as Hugging Face does) a local directory of that name
-    wins over a hub id. A relative path to a directory that exists here is therefore written
-    absolute; anything else (a hub id, an absolute path, a path of the serving machine) as is."""
-    path = Path(verifier).expanduser()
-    if not path.is_absolute() and path.is_dir():
-        resolved = str(path.resolve())
-        log.info("speculators export: verifier %r written as %s", verifier, resolved)
-        return resolved
-    return verifier
+    """How config.json names the verifier. `vllm serve DIR` loads `name_or_path` verbatim, from
+    the server's working directory, and (as Hugging Face does) a local path of that name wins
+    over a hub id. So a relative or `~` path that exists here is written absolute
+    (`os.path.abspath`: symlinked names kept); anything else (a hub id, an absolute path, a path
+    of the serving machine) as given."""
+    try:
+        expanded = os.path.expanduser(verifier)
+    except RuntimeError as e:                  # `~user/...` of an unknown user
+        raise ExportError(f"--verifier {verifier!r}: {e}") from None
+    if os.path.isabs(verifier) or not (expanded != verifier or os.path.exists(expanded)):
+        return verifier
+    if not os.path.exists(expanded):
+        raise ExportError(f"--verifier {verifier!r}: {expanded} does not exist; pass the "
+                          f"target's path on the serving machine as an absolute path, or a hub id")
+    absolute = os.path.abspath(expanded)
+    log.warning("speculators export: verifier %r is a local path here, written as %s (serving "
+                "elsewhere? pass that machine's absolute path or the hub id)", verifier, absolute)
+    return absolute
 
 
 def write_speculators_export(layout_a_dir: Path, out_dir: Path, *, verifier: str | None,

@@ -183,19 +183,27 @@ def test_speculators_config_export(drafter, tcfg, tmp_path):
 
 
 def test_a_relative_local_verifier_is_written_absolute(drafter, tcfg, tmp_path, monkeypatch):
-    """vLLM reads name_or_path from the server's working directory: a relative local path
-    would name another directory (or none) there."""
+    """vLLM reads name_or_path verbatim from the server's working directory: a relative or `~`
+    local path would name another path (or none) there."""
     cfg, sd = drafter
     (tmp_path / "models" / "tiny").mkdir(parents=True)
+    (tmp_path / "models" / "t.gguf").write_bytes(b"")
     monkeypatch.chdir(tmp_path)
-    for verifier, written in [("models/tiny", str(tmp_path / "models" / "tiny")),
-                              ("org/not-here", "org/not-here"),      # a hub id stays as is
-                              ("/srv/llama", "/srv/llama")]:         # so does an absolute path
-        out = tmp_path / verifier.replace("/", "_")
-        export_drafter(sd, cfg, None, None, out, target_config=tcfg, speculators=True,
-                       verifier=verifier)
-        spec = json.loads((tmp_path / f"{out.name}-speculators" / "config.json").read_text())
-        assert spec["speculators_config"]["verifier"]["name_or_path"] == written
+    monkeypatch.setenv("HOME", str(tmp_path / "models"))
+    cases = [("models/tiny", str(tmp_path / "models" / "tiny")),
+             ("models/t.gguf", str(tmp_path / "models" / "t.gguf")),   # a file is a path too
+             ("~/tiny", str(tmp_path / "models" / "tiny")),
+             ("org/not-here", "org/not-here"),                         # a hub id stays as is
+             ("/srv/llama", "/srv/llama")]                             # so does an absolute path
+    for i, (verifier, written) in enumerate(cases):
+        export_drafter(sd, cfg, None, None, tmp_path / f"o{i}", target_config=tcfg,
+                       speculators=True, verifier=verifier)
+        spec = json.loads((tmp_path / f"o{i}-speculators" / "config.json").read_text())
+        assert spec["speculators_config"]["verifier"]["name_or_path"] == written, verifier
+    with pytest.raises(ExportError, match=r"--verifier '~/missing': .*missing does not exist"):
+        export_drafter(sd, cfg, None, None, tmp_path / "bad", target_config=tcfg,
+                       speculators=True, verifier="~/missing")
+    assert not (tmp_path / "bad").exists()         # refused before anything is built
 
 
 def test_a_speculators_export_leaves_no_half_of_the_pair(drafter, tcfg, tmp_path, monkeypatch):
