@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eyas.models.context import check_edges
-from eyas.train.choices import TRACKER_PACKAGES, WandbMode
+from eyas.train.choices import TRACKER_PACKAGES, FP8Recipe, WandbMode
 
 Fail = Callable[[str, Any, str, str], None]
 
@@ -80,7 +80,7 @@ def check_drafter(drafter, fail: Fail) -> None:
     if why is not None:
         fail("drafter.fp8_layers", list(drafter.fp8_layers), why,
              f"drafter.fp8_layers=[{','.join(DEFAULT_FP8_LAYERS)}] (the default)")
-    fp8_qkv = str(getattr(drafter.fp8, "value", drafter.fp8)) != "off" and any(
+    fp8_qkv = FP8Recipe(drafter.fp8) != FP8Recipe.off and any(
         n in drafter.fp8_layers for n in ("q_proj", "k_proj", "v_proj"))
     if drafter.fp8_split_qkv and not (fp8_qkv and drafter.embedding_qkv_once):
         fail("drafter.fp8_split_qkv", True, "only with drafter.fp8 on, q/k/v among "

@@ -65,6 +65,12 @@ def _answers_key(data: DataConfig, target: TargetConfig, seed: int, target_dtype
     return _hash(data, fields)
 
 
+def _embedded_root(data: DataConfig, target: TargetConfig, seed: int, target_dtype) -> Path:
+    """The embedded dataset's cache directory (`_embedded_key`)."""
+    return Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed,
+                                                                          target_dtype)
+
+
 def _answer_extras(data: DataConfig) -> list:
     """The key fields of the optional generation settings, each appended only when it is not
     the default, so caches built before it existed keep their key."""
@@ -187,7 +193,7 @@ def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
     (data/lock.py) while it is written, so a second training building the same one at the same
     time fails at once naming the first. A complete cache is only read, without the lock."""
     from eyas.data.lock import dir_lock
-    root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed, target_dtype)
+    root = _embedded_root(data, target, seed, target_dtype)
     if (root / "hidden" / "manifest.json").is_file():
         return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
     with dir_lock(root, what="embedded dataset cache"):
@@ -203,7 +209,7 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     target_dtype: the torch dtype the target runs in (`Resolved.target_dtype`).
     """
     from eyas.data import extract
-    root = Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed, target_dtype)
+    root = _embedded_root(data, target, seed, target_dtype)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
     if (hidden / "manifest.json").is_file():

@@ -312,7 +312,7 @@ def _check_agreement(report: Report, agreement: float | None) -> None:
 def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tensor | None,
                 tcfg: dict[str, Any] | None, target_dir: Path | None, max_samples: int) -> None:
     """The dataset vs the export; `t2d` None: the draft vocabulary is the full target's."""
-    manifest = json.loads((require_dataset(data) / "manifest.json").read_text())
+    manifest = json.loads((data / "manifest.json").read_text())   # diagnose: require_dataset
     _check_manifest(report, manifest, cfg, tcfg, target_dir)
     try:
         from eyas.data.shards import open_dataset
@@ -429,8 +429,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
-    if args.data is not None:
-        require_dataset(args.data)   # a wrong or unfinished one: exit 2, one line
+    # a wrong or unfinished --data is refused by diagnose first (require_dataset): exit 2
     report = diagnose(args.dir, args.target_config, data=args.data,
                       num_speculative_tokens=args.num_speculative_tokens,
                       max_samples=args.max_samples)

@@ -75,9 +75,11 @@ def verifier_reference(verifier: str) -> str:
         expanded = os.path.expanduser(verifier)
     except RuntimeError as e:                  # `~user/...` of an unknown user
         raise ExportError(f"--verifier {verifier!r}: {e}") from None
-    if os.path.isabs(verifier) or not (expanded != verifier or os.path.exists(expanded)):
+    if os.path.isabs(verifier):
         return verifier
     if not os.path.exists(expanded):
+        if expanded == verifier:               # a hub id, or a path of the serving machine
+            return verifier
         raise ExportError(f"--verifier {verifier!r}: {expanded} does not exist; pass the "
                           f"target's path on the serving machine as an absolute path, or a hub id")
     absolute = os.path.abspath(expanded)
