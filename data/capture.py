@@ -9,7 +9,8 @@
 - ``chunked_argmax_topk``: the argmax (and top-k) of ``lm_head(h)`` over the full vocabulary in
   row and vocabulary chunks, so ``[T, V]`` logits never exist.
 - ``target_fingerprint``: a hash of a sample of the target's weights, recorded in the manifest so
-  a dataset names the exact weights it came from (`eyas verify` compares it).
+  a dataset names the exact weights it came from (`eyas verify` compares it);
+  ``files_fingerprint`` the same hash read from the checkpoint files (engine capture).
 
 `data.extract` runs these over a token dataset; `models.serving.specdec` uses them while decoding.
 """
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -103,12 +105,13 @@ class Capture:
             h.remove()
 
 
-def target_fingerprint(model: nn.Module, values: int = 64) -> str:
+def target_fingerprint(model: nn.Module, values: int = 64, read=None) -> str:
     """'sha256:<hex>' over every parameter's name, shape and first `values` values (as float32).
 
     Cheap for any size (a few KiB read per tensor, nothing moved but those values) and
     independent of the precision the target runs in when its checkpoint holds bf16 weights.
-    Parameters on the meta device (offloaded) contribute their name and shape only.
+    Parameters on the meta device (offloaded) contribute their name and shape only, unless
+    `read(name, p, values)` gives their first values (`files_fingerprint`).
     """
     import hashlib
     h = hashlib.sha256()
@@ -116,7 +119,47 @@ def target_fingerprint(model: nn.Module, values: int = 64) -> str:
         h.update(f"{name}:{list(p.shape)};".encode())
         if p.device.type != "meta":
             h.update(p.detach().reshape(-1)[:values].float().cpu().numpy().tobytes())
+        elif read is not None:
+            h.update(read(name, p, values).float().numpy().tobytes())
     return "sha256:" + h.hexdigest()
+
+
+def files_fingerprint(meta_model: nn.Module, weights: "WeightFiles", values: int = 64) -> str:
+    """`target_fingerprint` of the model a checkpoint loads into, read from its safetensors files:
+    `meta_model` (built on the meta device in the dtype the target runs in) gives the names and
+    shapes, the files the first values of each (the few rows that hold them)."""
+    def read(name: str, p: torch.Tensor, n: int) -> torch.Tensor:
+        rows = n if p.dim() < 2 else -(-n // max(1, p[0].numel()))
+        return weights.first_rows(name, rows).to(p.dtype).reshape(-1)[:n]
+    return target_fingerprint(meta_model, values, read)
+
+
+class WeightFiles:
+    """Tensors of a safetensors checkpoint by name (one file or an index), memory-mapped."""
+
+    def __init__(self, path: Path):
+        import json
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            from safetensors import safe_open
+            self.where = {}
+            for f in sorted(path.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as sf:
+                    self.where.update({k: f for k in sf.keys()})
+        if not self.where:
+            raise ExtractError(f"{path}: no *.safetensors weights")
+
+    def first_rows(self, name: str, rows: int) -> torch.Tensor:
+        from safetensors import safe_open
+        with safe_open(str(self.where[name]), framework="pt") as sf:
+            return sf.get_slice(name)[:rows]
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+        with safe_open(str(self.where[name]), framework="pt") as sf:
+            return sf.get_tensor(name)
 
 
 # ---------------------------------------------------------------------------------------------

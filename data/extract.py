@@ -40,7 +40,6 @@ CPU works with one process (the default).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -56,64 +55,18 @@ from eyas.data.capture import (Capture, ExtractError, check_aux_layers, find_tex
 from eyas.data.forward import (DTYPES, TEACHERS, default_shard_tokens, length_groups,  # noqa: F401
                                load_model, plan_shards, run_batch)
 from eyas.data.lock import lock_for_ranks, writes_directory
-from eyas.data.log import HelpFormatter
+from eyas.data.extract_args import build_parser, parse_max_memory  # noqa: F401
+from eyas.data.extract_plan import (finalize, hf_capture_source, make_plan, pending_shards,
+                                    write_plan)
 from eyas.data.parent import exit_with_launcher
-from eyas.data.outdir import PLAN_NAME, check_extract_out
-from eyas.data.settings import (DTYPE_CHOICES, AuxFormat, ExtractionSettings, TargetSettings,
-                                default, field_help)
+from eyas.data.outdir import check_extract_out
+from eyas.data.settings import ExtractionSettings
 from eyas.data.targets import target_dtype_name
 
 log = logging.getLogger(__name__)
 
-# plan keys that must match for a re-run to resume into an existing output directory
-_RESUME_KEYS = ("target", "target_dtype", "aux_layer_ids", "teacher", "topk", "aux_format",
-                "shards", "tokens_checksum")
-
-
 # ---------------------------------------------------------------------------------------------
 # Plan, run, finalize
-
-
-def _write_plan(out: Path, plan: dict[str, Any]) -> None:
-    from eyas.data.utils import atomic_write_json
-    path = out / PLAN_NAME
-    if path.exists():
-        old = json.loads(path.read_text())
-        old.setdefault("target_dtype", plan["target_dtype"])   # plans written before it existed
-        diff = [k for k in _RESUME_KEYS if old.get(k) != plan.get(k)]
-        if diff:
-            what = [f"{k}: {old.get(k)!r} -> {plan.get(k)!r}" for k in diff if k != "shards"]
-            if "shards" in diff:
-                what.append("the shard plan (shard_tokens / max_samples)")
-            raise ExtractError(f"{path}: this output directory was started with different "
-                               f"settings ({'; '.join(what)}); re-run with the same settings to "
-                               f"resume, or choose a new --out")
-        if old.get("tokens_dir") != plan["tokens_dir"]:   # same tokens (checksum), other spelling
-            old["tokens_dir"] = plan["tokens_dir"]
-            old["manifest"]["tokens_dataset"] = plan["manifest"]["tokens_dataset"]
-            atomic_write_json(path, old)
-        return
-    atomic_write_json(path, plan)
-
-
-def _pending_shards(out: Path, ranges: list[list[int]], rank: int, world_size: int
-                    ) -> tuple[list[int], list[int]]:
-    """(shards this rank must compute, shards already complete) among i = rank (mod world)."""
-    from eyas.data.shards import read_shard_meta, shard_name
-    todo, resumed = [], []
-    for j in range(rank, len(ranges), world_size):
-        path, want = out / shard_name(j), ranges[j][1] - ranges[j][0]
-        if path.exists():
-            got = read_shard_meta(path)["n_samples"]
-            if got == want:
-                resumed.append(j)
-                continue
-            log.warning("%s holds %d samples, the plan says %d: recomputing it", path, got, want)
-        todo.append(j)
-    if resumed:
-        log.info("rank %d: %d shard(s) already complete, %d to compute", rank, len(resumed),
-                 len(todo))
-    return todo, resumed
 
 
 def _write(out: Path, j: int, samples: list[dict], aux_format: str) -> tuple[int, int]:
@@ -137,34 +90,6 @@ def _check_settings(teacher: str, topk: int, vocab_chunk: int, rank: int,
         raise ExtractError(f"topk must be in [1, vocab_chunk={vocab_chunk}], got {topk}")
     if not 0 <= rank < world_size:
         raise ExtractError(f"rank {rank} is not in [0, world_size={world_size})")
-
-
-def _plan(tokens, tokens_dir, target, model: nn.Module, n: int, lengths: list[int],
-          shard_tokens: int, *, aux_ids: list[int], teacher: str, topk: int, aux_format: str,
-          hidden: int, vocab: int, num_layers: int) -> dict[str, Any]:
-    """The extraction plan (`extract_plan.json`): the settings a resume must match, the shard
-    ranges and the manifest the finished dataset gets."""
-    src = tokens.manifest
-    target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    tokens_dir = str(Path(tokens_dir).resolve())    # found again from any working directory
-    return {
-        "format": "eyas-extract-plan", "tokens_dir": tokens_dir, "target": str(target),
-        "target_dtype": target_dtype,
-        "tokens_checksum": json.dumps([s.get("checksum") for s in src.get("shards", [])]),
-        "aux_layer_ids": aux_ids, "teacher": teacher, "topk": topk, "aux_format": aux_format,
-        "shards": plan_shards(lengths, shard_tokens),
-        "manifest": {
-            "kind": "hidden", "target": str(target),
-            "target_config": json.loads(model.config.to_json_string()),
-            "target_fingerprint": target_fingerprint(model),
-            "aux_layer_ids": aux_ids, "convention": "hf_hidden_states",
-            "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
-            "target_dtype": target_dtype,
-            "teacher": {"kind": teacher, "last": "post_norm" if teacher != "topk" else None,
-                        "topk": topk or None, "target_argmax": True},
-            "tokenizer": src.get("tokenizer"), "prepare": src.get("prepare"),
-            "tokens_dataset": {"path": tokens_dir, "n_samples": n}},
-    }
 
 
 def _run_shards(model: nn.Module, found: tuple, tokens, tokens_dir, out: Path,
@@ -279,14 +204,18 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     if shard_tokens is None:
         shard_tokens = default_shard_tokens(hidden, aux_format, teacher, topk, shard_bytes)
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
-    plan = _plan(tokens, tokens_dir, target, model, n, lengths, shard_tokens, aux_ids=aux_ids,
-                 teacher=teacher, topk=topk, aux_format=aux_format, hidden=hidden, vocab=vocab,
-                 num_layers=num_layers)
+    target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    plan = make_plan(tokens, tokens_dir, target, n, lengths, shard_tokens,
+                     target_config=json.loads(model.config.to_json_string()),
+                     fingerprint=target_fingerprint(model), target_dtype=target_dtype,
+                     capture=hf_capture_source(target_dtype), aux_ids=aux_ids, teacher=teacher,
+                     topk=topk, aux_format=aux_format, hidden=hidden, vocab=vocab,
+                     num_layers=num_layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_plan(out, plan)
+    write_plan(out, plan)
 
-    todo, resumed = _pending_shards(out, plan["shards"], rank, world_size)
+    todo, resumed = pending_shards(out, plan["shards"], rank, world_size)
     t0 = time.perf_counter()
     done_tokens = _run_shards(model, found, tokens, tokens_dir, out, plan["shards"], todo, lengths,
                               aux_ids=aux_ids, rank=rank, teacher=teacher, topk=topk,
@@ -304,98 +233,6 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     return summary
 
 
-@writes_directory("out_dir", what="hidden-state dataset")
-def finalize(out_dir: str | Path) -> dict[str, Any]:
-    """Write the manifest of an extraction whose planned shards all exist (metas from headers)."""
-    from eyas.data.shards import read_shard_meta, shard_name, write_manifest
-    out = Path(out_dir)
-    path = out / PLAN_NAME
-    if not path.exists():
-        raise ExtractError(f"{out} has no {PLAN_NAME}: not an extraction output directory")
-    plan = json.loads(path.read_text())
-    metas, missing = [], []
-    for j, (a, b) in enumerate(plan["shards"]):
-        f = out / shard_name(j)
-        if not f.exists():
-            missing.append(j)
-            continue
-        meta = read_shard_meta(f)
-        if meta["n_samples"] != b - a:
-            raise ExtractError(f"{f} holds {meta['n_samples']} samples, the plan says {b - a}; "
-                               f"delete it and re-run extract")
-        metas.append(meta)
-    if missing:
-        raise ExtractError(f"{out}: {len(missing)} planned shard(s) missing (first: "
-                           f"{missing[:8]}); re-run extract with the same settings (it resumes)")
-    return write_manifest(out, plan["manifest"], metas)
-
-
-def parse_max_memory(text: str | None) -> dict | None:
-    """`0=60GiB,cpu=200GiB` -> {0: "60GiB", "cpu": "200GiB"} (None stays None)."""
-    if not text:
-        return None
-    out: dict = {}
-    for item in text.split(","):
-        dev, sep, size = item.partition("=")
-        dev, size = dev.strip(), size.strip()
-        if not sep or not dev or not size:
-            raise ExtractError(f"--max-memory {text!r}: expected DEVICE=SIZE pairs separated by "
-                               f"commas, e.g. 0=60GiB,cpu=200GiB")
-        out[int(dev) if dev.isdigit() else dev] = size
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `eyas extract` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas extract", description="Run the target over a token dataset and store the "
-        "EAGLE-3 training features (aux states, teacher, target argmax). Resumable; launch with "
-        "`accelerate launch --num_processes G` for data parallel over G GPUs.")
-    p.add_argument("--tokens", required=True, help="token dataset (from eyas prepare)")
-    p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--out", default=None,
-                   help="output hidden-state dataset directory (none with --estimate, required "
-                        "otherwise; locked while written; resumes its own run, refuses other "
-                        "data and --tokens itself)")
-    p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
-                   help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids"))
-    ex = ExtractionSettings
-    p.add_argument("--aux-format", choices=[f.value for f in AuxFormat],
-                   default=default(ex, "aux_format"),
-                   help=field_help(ex, "aux_format", "data.aux_format"))
-    p.add_argument("--teacher", choices=TEACHERS, default=default(ex, "teacher"),
-                   help=field_help(ex, "teacher", "data.teacher", "both: the two."))
-    p.add_argument("--topk", type=int, default=32, help="k of the top-k teacher")
-    p.add_argument("--max-samples", type=int, default=None,
-                   help="use only the first N samples of the token dataset (default: all)")
-    p.add_argument("--batch-tokens", type=int, default=8192,
-                   help="tokens per forward (a longer sample runs alone)")
-    p.add_argument("--pad-batches", action="store_true", default=ex.extract_pad_batches,
-                   help=field_help(ex, "extract_pad_batches", "data.extract_pad_batches"))
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=TargetSettings.dtype,
-                   help=field_help(TargetSettings, "dtype", "target.dtype",
-                                   "Match the precision the target is served in."))
-    p.add_argument("--shard-tokens", type=int, default=None,
-                   help="tokens per output shard (default: about 1 GiB of features per shard)")
-    p.add_argument("--device", default="auto", help="auto (cuda:<local rank> if available), "
-                   "cpu, cuda:0, ...")
-    p.add_argument("--device-map", default=None,
-                   help="'auto': one large target across GPUs (default: none, the whole target "
-                        "on --device)")
-    p.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...",
-                   help="(none: no cap) with --device-map, the most memory per device, e.g. "
-                        "0=60GiB,cpu=200GiB; what does not fit the GPUs stays in host memory")
-    p.add_argument("--finalize-only", action="store_true",
-                   help="only write the manifest from the shards present")
-    p.add_argument("--estimate", action="store_true",
-                   help="capture nothing: print the bytes on disk of every storage mode and the "
-                        "expected time (a few timed forwards of the target on this device)")
-    p.add_argument("--estimate-batches", type=int, default=3, metavar="N",
-                   help="with --estimate: forwards timed after one warm-up")
-    p.add_argument("--tokens-per-s", type=float, default=None, metavar="RATE",
-                   help="with --estimate: a stated capture rate instead of timing the target "
-                        "(default: none, the target is loaded and timed)")
-    return p
 
 
 def cli_main(argv: list[str] | None = None) -> int:
@@ -409,6 +246,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("the following arguments are required: --out (or --estimate)")
     exit_with_launcher()  # a rank of `accelerate launch -m eyas.data.extract` ends with it
+    if args.engine or args.endpoint:
+        return _extract_engine(args, parser)
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
         return 0
@@ -424,6 +263,23 @@ def cli_main(argv: list[str] | None = None) -> int:
     finally:
         if lock is not None:
             lock.release()
+    return 0
+
+
+def _extract_engine(args, parser) -> int:
+    from eyas.data.engine_capture import extract_engine
+    if args.engine and args.endpoint:
+        parser.error("--engine and --endpoint exclude each other: the engine runs here or is "
+                     "a server")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    summary = extract_engine(args.tokens, args.target, args.out, endpoint=args.endpoint,
+                             model=args.served_model,
+                             layers=[int(x) for x in args.layers.split(",")] if args.layers
+                             else None, aux_format=args.aux_format, teacher=args.teacher,
+                             topk=args.topk, shard_tokens=args.shard_tokens,
+                             max_samples=args.max_samples,
+                             dtype=target_dtype_name(args.dtype, device))
+    print(json.dumps(summary, indent=1))
     return 0
 
 

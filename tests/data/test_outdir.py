@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from eyas.data.extract import PLAN_NAME, extract
+from eyas.data.extract import extract
+from eyas.data.outdir import PLAN_NAME
 from eyas.data.prepare import prepare
 from eyas.data.shards import write_manifest, write_shard
 from eyas.train.cli import main

@@ -29,7 +29,7 @@ def __getattr__(name: str) -> Any:  # lazy: `eyas --help` must not import torch
         from eyas.models.serving.engines import check
         return getattr(check, name)
     if name in ("ensure_venv", "DEFAULT_VERSIONS", "ENGINES", "EngineSetupError"):
-        from eyas.models.serving.engines import venvs
+        from eyas.data.engine import venvs
         return getattr(venvs, name)
     raise AttributeError(name)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from eyas.models.serving.engines.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, ensure_venv,
+from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, ensure_venv,
                                   venv_python)
 from eyas.models.serving.contract import ERROR, WARNING, Finding, finding
 
@@ -365,7 +365,7 @@ def check_engines_many(exports: Sequence[tuple[str | Path, dict | str | Path]],
             try:
                 venv = ensure_venv(engine, version, root=venv_root) if setup else None
                 if venv is None:
-                    from eyas.models.serving.engines.venvs import ready_info, venv_dir
+                    from eyas.data.engine.venvs import ready_info, venv_dir
                     venv = venv_dir(engine, version, venv_root)
                     if ready_info(venv) is None:
                         raise EngineSetupError(f"no venv at {venv} (run `eyas engines setup`)")

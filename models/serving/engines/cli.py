@@ -8,7 +8,7 @@ import sys
 import time
 
 from eyas.data.log import HelpFormatter
-from eyas.models.serving.engines.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, default_root,
+from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, default_root,
                                   disk_usage, ensure_venv, ready_info, venv_dir)
 
 

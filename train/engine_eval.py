@@ -1,0 +1,94 @@
+"""`eyas evaluate --engine vllm`: serve the export with vLLM's speculative decoding and read the
+engine's own acceptance counters.
+
+The prompts eyas decodes itself (train.evaluate.speculative_eval) are decoded again by a real
+vLLM engine (data/engine: its own venv, a worker process), twice: with the export as its EAGLE-3
+drafter at K, and without speculation (the engine's own greedy output and its tokens/s). The
+counters are vLLM's (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
+`_num_accepted_tokens_per_pos`), differenced around the call; vLLM's per-position counts are
+unconditional (draft j accepted in a round), the same quantity as eyas's `counts.accepted[j]`,
+and its drafts are eyas's decode rounds. Requests run one at a time (`max_num_seqs` 1), as eyas
+decodes, so at temperature 0 in fp32 the two counts are comparable count for count.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from eyas.data.engine.runner import Engine
+from eyas.data.targets import resolve_target
+
+log = logging.getLogger(__name__)
+
+ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+_SPEC = "vllm:spec_decode_num_"
+
+
+def _run(job: dict[str, Any], prompts, *, max_new_tokens: int, temperature: float, seed: int,
+         log_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the engine's start info, its generate reply) for one engine run over every prompt."""
+    with Engine(job, log_path=log_path) as engine:
+        reply = engine.request({"op": "generate", "prompts": [[n, p] for n, p in prompts],
+                                "max_tokens": max_new_tokens, "temperature": temperature,
+                                "seed": seed})
+        return engine.info | {"build": engine.engine}, reply
+
+
+def engine_counts(metrics: dict[str, Any], k: int) -> dict[str, Any]:
+    """The acceptance counts of one engine run from vLLM's counter deltas."""
+    drafts = int(metrics.get(f"{_SPEC}drafts", 0))
+    accepted = int(metrics.get(f"{_SPEC}accepted_tokens", 0))
+    per_pos = [int(x) for x in metrics.get(f"{_SPEC}accepted_tokens_per_pos", [])][:k]
+    return {"drafts": drafts, "draft_tokens": int(metrics.get(f"{_SPEC}draft_tokens", 0)),
+            "accepted": accepted, "accepted_per_position": per_pos + [0] * (k - len(per_pos)),
+            "tau": 1 + accepted / drafts if drafts else math.nan}
+
+
+def engine_eval(drafter: str | Path, target: str | Path, prompts: list[tuple[str, list[int]]],
+                *, k: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
+                dtype: str = "fp32", log_path: str | Path, baseline: bool = True
+                ) -> dict[str, Any]:
+    """The `"engine"` object of `eyas evaluate --engine vllm` (see the module docstring)."""
+    job = {"target": str(resolve_target(target)), "dtype": ENGINE_DTYPES[dtype],
+           "max_num_seqs": 1, "seed": seed,
+           "max_model_len": max(len(p) for _, p in prompts) + max_new_tokens + k + 8}
+    opts = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                log_path=Path(log_path))
+    info, spec = _run(job | {"speculative": {"drafter": str(Path(drafter).resolve()), "k": k}},
+                      prompts, **opts)
+    out = {"name": "vllm", "build": info["build"], "version": info["vllm"],
+           "aux_layers": info.get("aux_layers"), "k": k, "temperature": temperature,
+           "dtype": dtype, **engine_counts(spec["metrics"], k)}
+    gen = sum(len(t) for _, t, _ in spec["outputs"])
+    out.update(tokens_generated=gen, tokens_per_s=gen / spec["seconds"],
+               per_prompt=[{"prompt": n, "tokens": len(t), "finish": f}
+                           for n, t, f in spec["outputs"]])
+    out["outputs"] = {n: t for n, t, _ in spec["outputs"]}
+    if baseline:
+        _, base = _run(job, prompts, **opts)
+        base_gen = sum(len(t) for _, t, _ in base["outputs"])
+        out["tokens_per_s_without_speculation"] = base_gen / base["seconds"]
+        same = [t == b for (_, t, _), (_, b, _) in zip(spec["outputs"], base["outputs"])]
+        out["tokens_identical_to_engine_greedy"] = all(same) if temperature == 0 else None
+        out["prompts_identical_to_engine_greedy"] = sum(same)
+    return out
+
+
+def compare_with_eyas(engine: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
+    """How the engine's counts stand against eyas's real decoding of the same prompts: at
+    temperature 0, equal count for count (`counts_equal`); at T > 0, the τ difference in
+    standard errors of eyas's τ (the two runs sample independently: √2 · se)."""
+    k = engine["k"]
+    ours = {"drafts": res["decode_rounds"], "draft_tokens": res["decode_rounds"] * k,
+            "accepted_per_position": list(res["counts"]["accepted"][:k])}
+    theirs = {key: engine[key] for key in ours}
+    out: dict[str, Any] = {"eyas": ours, "engine": theirs, "counts_equal": ours == theirs}
+    out["lengths_equal"] = ([p["tokens"] for p in res.get("per_prompt", [])]
+                            == [p["tokens"] for p in engine["per_prompt"]])
+    if engine["temperature"] > 0 and res.get("tau_se"):
+        out["tau_difference_se"] = (engine["tau"] - res["tau"]) / (math.sqrt(2) * res["tau_se"])
+    out["tau_eyas"], out["tau_engine"] = res["tau"], engine["tau"]
+    return out
