@@ -124,10 +124,20 @@ def target_fingerprint(model: nn.Module, values: int = 64, read=None) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def files_fingerprint(meta_model: nn.Module, weights: "WeightFiles", values: int = 64) -> str:
+def files_fingerprint(meta_model: nn.Module, weights: "WeightFiles", values: int = 64
+                      ) -> str | None:
     """`target_fingerprint` of the model a checkpoint loads into, read from its safetensors files:
     `meta_model` (built on the meta device in the dtype the target runs in) gives the names and
-    shapes, the files the first values of each (the few rows that hold them)."""
+    shapes, the files the first values of each (the few rows that hold them). None when a
+    parameter has no tensor of its name in the files (transformers converts some layouts on
+    load, e.g. per-expert MoE weights into one fused tensor): the manifest then records none."""
+    names = {n for n, _ in meta_model.named_parameters()}
+    missing = sorted(names - set(weights.where))
+    if missing:
+        log.info("no weight fingerprint: %d parameter(s) have no tensor of their name in the "
+                 "checkpoint (first: %s)", len(missing), missing[0])
+        return None
+
     def read(name: str, p: torch.Tensor, n: int) -> torch.Tensor:
         rows = n if p.dim() < 2 else -(-n // max(1, p[0].numel()))
         return weights.first_rows(name, rows).to(p.dtype).reshape(-1)[:n]

@@ -84,7 +84,7 @@ class TargetHead:
         module.load_state_dict(state, strict=True)
         return module.eval().requires_grad_(False)
 
-    def fingerprint(self) -> str:
+    def fingerprint(self) -> str | None:
         return files_fingerprint(self.meta, self.weights)
 
 
@@ -260,12 +260,12 @@ def extract_engine(tokens_dir: str | Path, target: str | Path, out_dir: str | Pa
         write_plan(out, plan)
         todo, resumed = pending_shards(out, plan["shards"], 0, 1)
         t0 = time.perf_counter()
-        done = _capture_shards(source, tokens, tokens_dir, out, plan["shards"], todo, lengths,
+        done = _resumable(source, out, len(plan["shards"]), lambda: _capture_shards(source, tokens, tokens_dir, out, plan["shards"], todo, lengths,
                                lambda s, name: sample_features(
                                    read_states(s), tokens.sample(name), head,
                                    name=f"{tokens_dir} sample {name}", n_aux=len(aux_ids),
                                    teacher=teacher, topk=topk),
-                               aux_format=aux_format, batch_samples=batch_samples)
+                               aux_format=aux_format, batch_samples=batch_samples))
     dt = time.perf_counter() - t0
     shutil.rmtree(storage, ignore_errors=True)
     finalize(out)
@@ -305,6 +305,27 @@ def _capture_shards(source, tokens, tokens_dir, out: Path, shards: list[list[int
     finally:
         bar.close()
     return done
+
+
+class CaptureStopped(RuntimeError):
+    """The engine or server went away mid-run; what is written stays and a rerun resumes."""
+
+    exit_status = 3
+
+
+def _resumable(source, out: Path, n_shards: int, run: Callable[[], int]) -> int:
+    """`run()`, with an engine that died or a server that stopped answering turned into one
+    line naming it, what is kept and how to resume."""
+    from eyas.data.endpoint import EndpointError
+    from eyas.data.engine.runner import EngineError
+    try:
+        return run()
+    except (EngineError, EndpointError) as e:
+        from eyas.data.shards import shard_name
+        kept = sum((out / shard_name(j)).is_file() for j in range(n_shards))
+        raise CaptureStopped(f"{str(e).splitlines()[0]}; {kept} of {n_shards} shard(s) of {out} "
+                             f"are complete and kept: run the same `eyas extract` command again "
+                             f"to resume") from e
 
 
 def _remove(path: str) -> None:

@@ -50,8 +50,12 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-        hidden_act="silu", routed_scaling_factor=2.5, norm_topk_prob=True),
+        # vLLM's CPU MLA kernels take only real MLA head sizes (kv_lora_rank 512, rope dim 64:
+        # "Head dimension 24 is not supported by MLA" otherwise), and vLLM reads the router's
+        # e_score_correction_bias (which transformers saves) only with topk_method noaux_tc
+        q_lora_rank=32, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=8, v_head_dim=16,
+        topk_method="noaux_tc", hidden_act="silu", routed_scaling_factor=2.5,
+        norm_topk_prob=True),
     "llama-3.1-8b": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -266,10 +270,20 @@ def resolve_target(target: str | Path, cache_dir: str | Path | None = None,
     if name not in LOADABLE:
         raise ValueError(f"target {name!r} is {config_only_error(name)}")
     final = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "targets" / name
-    if (final / "config.json").is_file():
+    if (final / "config.json").is_file() and not _stale(final, name):
         return final
     builder = _build_smollm2 if name == "smollm2" else (lambda out: _build_tiny(name, out))
-    return atomic_write_dir(final, builder, if_exists="keep")  # a racing process may win
+    # a racing process may win; a preset whose shapes changed is rebuilt
+    return atomic_write_dir(final, builder, if_exists="replace" if final.exists() else "keep")
+
+
+def _stale(built: Path, name: str) -> bool:
+    """Whether a materialised random preset was built from other shapes than today's."""
+    if name not in _CONFIGS:
+        return False
+    have = json.loads((built / "config.json").read_text())
+    return any(have.get(k) != v for k, v in _CONFIGS[name].items()
+               if isinstance(v, (int, str)) and k not in ("architectures",))
 
 
 def load_tokenizer(target: str | Path, cache_dir: str | Path | None = None):

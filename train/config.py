@@ -99,6 +99,10 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
     """Held-out hidden-state dataset; null = split eval_fraction off `dataset`."""
     prompts: Optional[str] = None
     """Prompts for the embedded default (messages JSONL); null = the shipped prompts."""
+    capture: str = "hf"
+    """Who captures the embedded default's hidden states: hf (transformers, forward hooks) or
+    vllm (a vLLM engine in its own venv, `eyas engines setup --runtime`; its
+    extract_hidden_states method, the path a target too large for transformers takes)."""
     endpoint: Optional[str] = None
     """OpenAI-compatible server (http://HOST:PORT/v1: vLLM, SGLang, transformers serve) that
     writes the embedded default's answers instead of transformers.generate (data.served); the
@@ -295,6 +299,10 @@ class EvalConfig:
     """How many held-out prompts to decode."""
     engines: bool = True
     """Load the export with vLLM's and SGLang's own loaders when their venvs exist."""
+    engine_serve: bool = True
+    """After real decoding, serve the export with a real vLLM engine on the same prompts when
+    its venv exists (`eyas engines setup --runtime`) and compare vLLM's acceptance counters
+    with eyas's (`eyas evaluate --engine vllm`)."""
     max_new_tokens: int = 64
     """Tokens generated per prompt; the trainer's eval also walks each eval-split answer's first
     max_new_tokens tokens (`tau_trajectory_capped`), to compare with real decoding's τ."""

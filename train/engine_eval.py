@@ -92,3 +92,47 @@ def compare_with_eyas(engine: dict[str, Any], res: dict[str, Any]) -> dict[str, 
         out["tau_difference_se"] = (engine["tau"] - res["tau"]) / (math.sqrt(2) * res["tau_se"])
     out["tau_eyas"], out["tau_engine"] = res["tau"], engine["tau"]
     return out
+
+
+def served_summary(engine: dict[str, Any]) -> dict[str, Any]:
+    """The flat figures of a served check (summary.json's `served`, the model card)."""
+    cmp = engine["against_eyas"]
+    return {"build": engine["build"], "version": engine["version"], "k": engine["k"],
+            "tau": engine["tau"], "drafts": engine["drafts"],
+            "accepted_per_position": engine["accepted_per_position"],
+            "counts_equal": cmp["counts_equal"], "tau_eyas": cmp["tau_eyas"],
+            "tokens_per_s": engine["tokens_per_s"],
+            "tokens_per_s_without_speculation": engine.get("tokens_per_s_without_speculation"),
+            "tokens_identical_to_engine_greedy": engine.get("tokens_identical_to_engine_greedy")}
+
+
+def is_mla(target_config: dict[str, Any]) -> bool:
+    """An MLA target (DeepSeek-V2/V3, Kimi-K2.5): its KV layout is not a Llama drafter's."""
+    return bool(target_config.get("kv_lora_rank"))
+
+
+def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict | None, *,
+                     k: int, prompts_file: str | Path) -> dict[str, Any] | None:
+    """The main job's served check (eval.engine_serve): the export served by vLLM on the
+    prompts real decoding used, when the engine venv exists; None when it does not run."""
+    from eyas.data.engine.venvs import ready_info, runtime_engine, venv_dir
+    from eyas.data.targets import load_target_config, load_tokenizer, text_config
+    from eyas.train.evaluate import load_prompts
+    if not eval_cfg.engine_serve or not spec:
+        return None
+    engine = runtime_engine()
+    if ready_info(venv_dir(engine)) is None:
+        log.info("served check skipped: no %s venv (`eyas engines setup --runtime` builds it)",
+                 engine)
+        return None
+    if engine == "vllm-cpu" and is_mla(text_config(load_target_config(target))):
+        log.info("served check skipped: vLLM's CPU build cannot run EAGLE-3 beside an MLA "
+                 "target (no common KV block size); it needs vLLM's GPU build (docs/engine.md)")
+        return None
+    prompts = load_prompts(prompts_file, load_tokenizer(target), num_prompts=eval_cfg.num_prompts)
+    res = engine_eval(export_dir, target, prompts, k=k, max_new_tokens=eval_cfg.max_new_tokens,
+                      dtype=spec["dtype"], log_path=Path(export_dir).parent / "engine_serve.log")
+    res["against_eyas"] = compare_with_eyas(res, spec)
+    log.info("served by %s %s: tau %.3f (eyas %.3f), counts equal to eyas's: %s", res["build"],
+             res["version"], res["tau"], spec["tau"], res["against_eyas"]["counts_equal"])
+    return served_summary(res)

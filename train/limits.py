@@ -32,6 +32,8 @@ def check_data(data, fail: Fail) -> None:
     """The data group: read checks, budget, eval split, embedded-default sampling, endpoint."""
     if data.nonfinite not in ("raise", "skip"):
         fail("data.nonfinite", data.nonfinite, "raise or skip", "data.nonfinite=raise")
+    if data.capture not in ("hf", "vllm"):
+        fail("data.capture", data.capture, "hf or vllm", "data.capture=hf")
     if data.token_budget < 16:
         fail("data.token_budget", data.token_budget, ">= 16", "data.token_budget=2048")
     if not 0.0 <= data.eval_fraction < 1.0:

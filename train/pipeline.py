@@ -50,6 +50,8 @@ def _embedded_key(data: DataConfig, target: TargetConfig, seed: int, target_dtyp
         fields += ["pad_batches"]
     if data.endpoint:                 # answers from a served target
         fields += ["endpoint", data.endpoint, data.endpoint_model]
+    if data.capture != "hf":          # states captured by the engine
+        fields += ["capture", data.capture]
     return _hash(data, fields)
 
 
@@ -244,9 +246,15 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
                  data.samples_per_prompt, root)
         _answer_and_tokenise(data, target, seed, root, lines, prompts, model, tokenizer)
     atomic_write_bytes(root / _ANSWERS_KEY_FILE, (akey + "\n").encode())
-    extract.extract(tokens, target.name, hidden,
-                    layers=None if target.aux_layer_ids is None else list(target.aux_layer_ids),
-                    **data.extract_kwargs(), model=model, device=device)
+    layers = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
+    if data.capture == "vllm":
+        from eyas.data.engine_capture import extract_engine
+        kw = data.extract_kwargs()
+        extract_engine(tokens, target.name, hidden, layers=layers, aux_format=kw["aux_format"],
+                       teacher=kw["teacher"], dtype=str(target_dtype).removeprefix("torch."))
+    else:
+        extract.extract(tokens, target.name, hidden, layers=layers, **data.extract_kwargs(),
+                        model=model, device=device)
     return DatasetPaths(train=hidden, eval=None, conversations=conversations)
 
 
@@ -305,12 +313,17 @@ def run_speculative_check(eval_cfg: EvalConfig, target: str, export_dir: str | P
     if not eval_cfg.speculative:
         return None
     from eyas.train import evaluate
-    prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
+    prompts = heldout_prompts(eval_cfg)
     return evaluate.speculative_eval(export_dir, target, prompts, k=k,
                                      num_prompts=eval_cfg.num_prompts,
                                      max_new_tokens=eval_cfg.max_new_tokens,
                                      device=eval_device(eval_cfg),
                                      processes=eval_cfg.processes)
+
+
+def heldout_prompts(eval_cfg: EvalConfig) -> Path:
+    """The prompts real decoding (and the served check) decodes."""
+    return Path(eval_cfg.prompts or prompts_path("heldout"))
 
 
 def eval_device(eval_cfg: EvalConfig) -> str:
@@ -412,8 +425,8 @@ def run_engine_check(eval_cfg: EvalConfig, target: str,
     """
     if not eval_cfg.engines:
         return None
-    from eyas.data.engine.venvs import DEFAULT_VERSIONS, ready_info, venv_dir
-    present = [e for e in DEFAULT_VERSIONS if ready_info(venv_dir(e))]
+    from eyas.data.engine.venvs import ENGINES, ready_info, venv_dir
+    present = [e for e in ENGINES if ready_info(venv_dir(e))]
     if not present:
         log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
         return None

@@ -215,6 +215,12 @@ def _checks_section(prov: Mapping[str, Any], of: str = "") -> list[str]:
     if isinstance(spec, Mapping) and spec.get("tau") is not None:
         out.append(f"- real speculative decoding on held-out prompts: τ {_fmt(spec.get('tau'))}, "
                    f"identical to the target alone: {_fmt(spec.get('tokens_identical'))}")
+    served = checks.get("served")
+    if isinstance(served, Mapping) and served.get("tau") is not None:
+        out.append(f"- served by {served.get('build')} {served.get('version')} (speculative "
+                   f"decoding, K={served.get('k')}, the same prompts): τ {_fmt(served.get('tau'))} "
+                   f"by vLLM's own counters; eyas's counts equal: "
+                   f"{_fmt(served.get('counts_equal'))}")
     return out + [""]
 
 

