@@ -11,10 +11,6 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eyas.data.checkout import keep_checkout_last
-
-keep_checkout_last()    # before anything imports transformers (eyas.data.checkout says why)
-
 if TYPE_CHECKING:
     import torch
 

@@ -111,6 +111,12 @@ def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.float(), b.float())
 
 
+def triton_available() -> bool:
+    """Whether Triton is installed (the fused kernels need it; their torch twins do not)."""
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
 def auto_chunk_size(vocab: int, rows: int) -> int:
     """Logit rows per chunk: the fp32 z buffer near ``Z_BYTES``, a multiple of 128 (≥ 128)."""
     c = max(128, Z_BYTES // (vocab * 4) // 128 * 128)

@@ -2,10 +2,6 @@
 
 import os
 
-# `python -m pytest` puts the checkout first on sys.path; importing eyas.data moves it after
-# the installed packages before a test imports transformers (eyas.data.checkout says why)
-import eyas.data  # noqa: E402,F401
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")          # no hub: a lookup would spend ~50 s failing
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")

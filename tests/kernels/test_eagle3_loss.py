@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eyas import kernels
-from eyas.kernels import eagle3_loss
+from eyas.kernels.loss import eagle3_loss
 
 triton = pytest.importorskip("triton")
 from eyas.kernels import fused_loss  # noqa: E402

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from eyas.kernels import eagle3_loss, teacher_probs
+from eyas.kernels.loss import eagle3_loss
+from eyas.kernels.teacher import teacher_probs
 
 pytestmark = pytest.mark.gpu
 GRAD_TOL = 1e-2      # project target: gradients within 1e-2 (norm-wise) of the fp32 reference

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from eyas.kernels import eagle3_loss, teacher_from_topk, teacher_probs
+from eyas.kernels.loss import eagle3_loss
+from eyas.kernels.teacher import teacher_from_topk, teacher_probs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -200,7 +200,7 @@ def test_every_target_preset_builds_a_drafter_on_meta(preset, preset_hub_cache):
 def test_resolve_decides_every_auto_by_one_device_rule():
     import torch
 
-    from eyas.kernels import triton_available
+    from eyas.kernels.loss import triton_available
     from eyas.train.config import load
     from eyas.train.resolve import resolve
     cfg = load(_compose(["output_dir=unused"]))
