@@ -43,16 +43,31 @@ def _peak_gib() -> float:
 
 
 def compare(a: Path, b: Path) -> dict:
+    """Engine dataset `a` against HF dataset `b`: ids and argmax agreement, and per aux layer
+    (and `last`) the largest absolute error and the error's rms relative to the state's rms."""
     x, y = open_dataset(a), open_dataset(b)
-    worst, argmax_equal, ids_equal = 0.0, 0, 0
+    ids = x.manifest["aux_layer_ids"]
+    err = {str(k): [0.0, 0.0, 0.0] for k in ids} | {"last": [0.0, 0.0, 0.0]}   # max, Σd², Σv²
+    argmax_equal = ids_equal = tokens = 0
     for i in range(len(x)):
         u, v = x.sample(i), y.sample(i)
         ids_equal += int(torch.equal(u["input_ids"], v["input_ids"]))
-        argmax_equal += int(torch.equal(u["target_argmax"], v["target_argmax"]))
-        err = (u["aux"].float() - v["aux"].float()).abs().max() / v["aux"].float().abs().max()
-        worst = max(worst, float(err))
-    return {"samples": len(x), "ids_equal": ids_equal, "argmax_equal": argmax_equal,
-            "aux_max_rel_err": worst}
+        argmax_equal += int((u["target_argmax"] == v["target_argmax"]).sum())
+        tokens += int(u["input_ids"].numel())
+        pairs = [(str(k), u["aux"][:, j].float(), v["aux"][:, j].float())
+                 for j, k in enumerate(ids)]
+        if "last" in u and "last" in v:
+            pairs.append(("last", u["last"].float(), v["last"].float()))
+        for name, p, q in pairs:
+            d = p - q
+            e = err[name]
+            e[0] = max(e[0], float(d.abs().max()))
+            e[1] += float((d * d).sum())
+            e[2] += float((q * q).sum())
+    layers = {name: {"max_abs": e[0], "rel_rms": (e[1] / e[2]) ** 0.5 if e[2] else None}
+              for name, e in err.items() if e[2]}
+    return {"samples": len(x), "tokens": tokens, "ids_equal": ids_equal,
+            "argmax_equal_tokens": argmax_equal, "per_layer": layers}
 
 
 def main() -> None:
@@ -70,11 +85,13 @@ def main() -> None:
         n_tokens = int(open_dataset(tokens).sample_lengths.sum())
         rows = {}
         t0 = time.perf_counter()
-        s = extract(tokens, args.target, work / "hf", dtype=args.dtype, device="cpu")
+        s = extract(tokens, args.target, work / "hf", dtype=args.dtype, device="cpu",
+                    teacher="both")
         rows["hf"] = {"wall_s": time.perf_counter() - t0, "capture_tok_s": s["tokens_per_s"]}
         rows["hf"]["peak_rss_gib"] = _peak_gib()
         t0 = time.perf_counter()
-        s = extract_engine(tokens, args.target, work / "engine", dtype=args.dtype)
+        s = extract_engine(tokens, args.target, work / "engine", dtype=args.dtype,
+                           teacher="both")
         rows["engine"] = {"wall_s": time.perf_counter() - t0,
                           "capture_tok_s": s["tokens_per_s"]}
         rows["engine"]["peak_rss_gib"] = _peak_gib()

@@ -7,7 +7,7 @@ Methods, on the same inputs, side by side:
              step; it recomputes the teacher from (last, W_teacher) every step
   specforge  SpecForge-style: materialised fp32 logits + fp32 target_p, a loss-only Triton
              kernel writing the gradient in place, argmax as an extra torch pass
-  eyas       kernels.eagle3_loss(impl="triton"), one call for all K steps (+accept: with_accept);
+  eyas       eagle3_loss(impl="triton"), one call for all K steps (+accept: with_accept);
              eyas+rows lists the weighted rows (known on the host in training), so the GEMMs
              skip masked rows; its floor is the 3-GEMM floor scaled by the listed fraction
 Reported: median ms, peak extra memory (GiB, over the inputs; gradients included), relative
@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from eyas import kernels
+from eyas.kernels.loss import auto_chunk_size, eagle3_loss
+from eyas.kernels.teacher import teacher_probs
 from eyas.kernels import fused_loss
 
 VD = 32000
@@ -47,7 +48,7 @@ def make_inputs(N, H, K, dist, seed=0):
     W = (torch.randn(VD, H, device=DEV, generator=g) * s * H ** -0.5).bfloat16()
     last = torch.randn(N, H, device=DEV, generator=g).bfloat16()
     Wt = (torch.randn(VD, H, device=DEV, generator=g) * s * H ** -0.5).bfloat16()
-    teacher = kernels.teacher_probs(last, Wt)               # [N, VD] bf16
+    teacher = teacher_probs(last, Wt)               # [N, VD] bf16
     t = torch.arange(N, device=DEV)
     idx = torch.stack([(t + k).clamp(max=N - 1) for k in range(K)])          # [K, N]
     mask = (torch.rand(K, N, device=DEV, generator=g) > 0.15) & (t + torch.arange(
@@ -162,7 +163,7 @@ def run_specforge(x):
 def run_eyas(x, with_accept=False, chunk_size=None, listed=False):
     h = x["h"].detach().requires_grad_()
     W = x["W"].detach().requires_grad_()
-    out = kernels.eagle3_loss(h, W, x["teacher"], x["w"], impl="triton",
+    out = eagle3_loss(h, W, x["teacher"], x["w"], impl="triton",
                               with_accept=with_accept, chunk_size=chunk_size,
                               rows=x["rows"] if listed else None)
     out.loss.backward()
@@ -377,7 +378,7 @@ def main(argv=None):
     if args.sweep:
         out["sweep"] = sweep()
     print(f"block={fused_loss.MAX_BLOCK_V} warps={fused_loss.NUM_WARPS} "
-          f"chunk(Vd={VD})={kernels.auto_chunk_size(VD, 1 << 30)}")
+          f"chunk(Vd={VD})={auto_chunk_size(VD, 1 << 30)}")
     methods = args.methods.split(",")
     configs = ([(16384, 4096, k, d) for k in (1, 7) for d in ("peaked", "flat")] if args.quick
                else list(itertools.product((4096, 16384, 32768), (4096, 7168), (1, 7),

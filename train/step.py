@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from eyas import kernels
+from eyas.kernels.loss import eagle3_loss
+from eyas.kernels.teacher import teacher_from_topk, teacher_probs
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.objective import metric_mask, metric_rows, row_weights
 from eyas.train.config import Normalisation
@@ -75,13 +76,13 @@ class TrainingModule(nn.Module):
         """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1."""
         d = self.drafter
         if last is not None:
-            p = kernels.teacher_probs(last.to(self.target_head_rows.dtype), self.target_head_rows)
+            p = teacher_probs(last.to(self.target_head_rows.dtype), self.target_head_rows)
         elif topk_ids is not None:
             V = d.config.vocab_size
             t2d_index = torch.full((V,), -1, dtype=torch.int64, device=topk_ids.device)
             ids = torch.arange(d.config.draft_vocab_size, device=topk_ids.device) + d.d2t
             t2d_index[ids] = torch.arange(ids.numel(), device=topk_ids.device)
-            p = kernels.teacher_from_topk(topk_ids, topk_logits, t2d_index,
+            p = teacher_from_topk(topk_ids, topk_logits, t2d_index,
                                           d.config.draft_vocab_size)
         else:
             raise ValueError("the batch has no teacher: neither `last` nor `topk_ids` is present "
@@ -106,7 +107,7 @@ class TrainingModule(nn.Module):
                         position_mask=self.position_mask)                     # [K, T] fp32
         with record_function("eyas.loss"):
             teacher = self.teacher(last, topk_ids, topk_logits)               # [T, Vd]
-            res = kernels.eagle3_loss(out.hidden, d.lm_head.weight, teacher, w,
+            res = eagle3_loss(out.hidden, d.lm_head.weight, teacher, w,
                                       impl=self.loss_impl, chunk_size=self.chunk_size, rows=rows)
         return StepOutput(loss=res.loss, draft_argmax=res.draft_argmax, step_loss=res.step_loss,
                           metric_mask=metric_mask(out.valid, loss_mask))

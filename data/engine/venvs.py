@@ -78,7 +78,8 @@ class EngineSetupError(RuntimeError):
 
 
 def default_root() -> Path:
-    return DEFAULT_ROOT.expanduser()
+    """Where the engine venvs live: $EYAS_ENGINES_ROOT, else ~/.cache/eyas/engines."""
+    return Path(os.environ.get("EYAS_ENGINES_ROOT") or DEFAULT_ROOT).expanduser()
 
 
 def venv_dir(engine: str, version: str | None = None, root: str | Path | None = None) -> Path:

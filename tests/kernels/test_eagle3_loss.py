@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from eyas import kernels
+import eyas.kernels.loss as loss_module
 from eyas.kernels.loss import eagle3_loss
 
 triton = pytest.importorskip("triton")
@@ -94,8 +94,8 @@ def test_matches_fp32_reference(impl, dtype, teacher_dtype):
 @pytest.mark.parametrize("chunk,group", [(4, 8), (3, 3), (8, 16), (5, 40)])
 def test_chunks_and_gemm_groups_partition_rows(impl, chunk, group, monkeypatch):
     """K·N = 21 rows in z chunks of C rows and dh/dW groups of G rows (partial last ones)."""
-    monkeypatch.setattr(kernels.loss, "DZ_BYTES", group * 300 * 2)
-    assert kernels.loss._group_rows(chunk, 300, 21) == min(group, 21)
+    monkeypatch.setattr(loss_module, "DZ_BYTES", group * 300 * 2)
+    assert loss_module._group_rows(chunk, 300, 21) == min(group, 21)
     h, W, p, w = make_inputs(K=3, N=7, V=300, seed=6)
     out, dh, dW, (rows, am, acc, dh_ref, dW_ref) = run_both(
         impl, h, W, p, w, chunk_size=chunk, with_accept=True)
@@ -282,9 +282,9 @@ def test_bad_inputs_raise_clear_errors(monkeypatch):
 
 def test_chunk_and_group_sizes():
     from eyas.kernels.loss import _group_rows
-    assert kernels.auto_chunk_size(32000, 10**6) == 1024      # 128 MiB fp32 z buffer
-    assert kernels.auto_chunk_size(163840, 10**6) == 128
-    assert kernels.auto_chunk_size(32000, 100) == 100
+    assert loss_module.auto_chunk_size(32000, 10**6) == 1024      # 128 MiB fp32 z buffer
+    assert loss_module.auto_chunk_size(163840, 10**6) == 128
+    assert loss_module.auto_chunk_size(32000, 100) == 100
     assert _group_rows(1024, 32000, 10**6) == 6144            # 384 MiB bf16 dz buffer
     assert _group_rows(1000, 32000, 10**6) == 6000
     assert _group_rows(1024, 32000, 1500) == 1500
@@ -306,7 +306,7 @@ def test_listed_rows_skip_unlisted_rows(impl, chunk, group, monkeypatch):
     """Only listed rows enter the GEMMs; results equal the full computation on those rows and
     unlisted rows read loss 0, argmax −1, accept 0, dh 0. Small groups keep dh in z's buffer,
     large ones need a separate one."""
-    monkeypatch.setattr(kernels.loss, "DZ_BYTES", group * 300 * 2)
+    monkeypatch.setattr(loss_module, "DZ_BYTES", group * 300 * 2)
     h, W, p, w = make_inputs(K=3, N=7, H=64, V=300, seed=8)
     rows = listed_rows(w)
     assert 0 < len(rows) < w.numel()

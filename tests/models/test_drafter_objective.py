@@ -41,7 +41,7 @@ def test_rows_with_nothing_to_learn_give_zero_weights_not_nan():
 
 
 def test_reference_loss_by_definition_and_against_the_fused_entry_point():
-    kernels = pytest.importorskip("eyas.kernels")
+    kernels = pytest.importorskip("eyas.kernels.loss")
     g = torch.Generator().manual_seed(0)
     K, T, H, tH, Vd = 3, 11, 16, 12, 37
     hidden = torch.randn(K, T, H, generator=g, requires_grad=True)

@@ -77,6 +77,8 @@ DIFFERENT = {
                                    "drafter's training set; set = that split fraction",
     ("evaluate", "temperature"): "the speculative-sampling temperature of the evaluation "
                                  "(0 = greedy); data.temperature is the answer generator's",
+    ("extract", "endpoint"): "a vllm serve that captures hidden states (extract_hidden_states); "
+                             "data.endpoint is a server that writes answers",
     ("vocab", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default",
     ("evaluate", "prompts"): "required choice of mode, no default",
     ("evaluate", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default "
