@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.capture import Capture, find_text_model, logit_transform
-from eyas.data.estimate import estimate_bytes
-from eyas.data.extract import extract
-from eyas.data.forward import run_batch
-from eyas.data.log import setup_logging
-from eyas.data.shards import open_dataset, write_manifest, write_shard
-from eyas.data.targets import load_target_config, text_config
+from eyas.data.common.capture import Capture, find_text_model, logit_transform
+from eyas.data.build.estimate import estimate_bytes
+from eyas.data.build.extract import extract
+from eyas.data.build.forward import run_batch
+from eyas.data.common.log import setup_logging
+from eyas.data.store.shards import open_dataset, write_manifest, write_shard
+from eyas.data.common.targets import load_target_config, text_config
 
 AUX = [2, 3, 4]
 MODES = {"bf16+last": ("bf16", "last"), "fp8+last": ("fp8", "last"), "fp8+top32": ("fp8", "topk")}

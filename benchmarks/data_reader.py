@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eyas.data.inspect import summarize
-from eyas.data.loader import PackedLoader
-from eyas.data.shards import open_dataset, write_manifest, write_shard
+from eyas.data.store.inspect import summarize
+from eyas.data.store.loader import PackedLoader
+from eyas.data.store.shards import open_dataset, write_manifest, write_shard
 
 
 def make_hidden(root: Path, gib: float, tH: int, *, aux_format="bf16", teacher="last", k=32,

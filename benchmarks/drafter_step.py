@@ -28,7 +28,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 
 GIB = 1 << 30
 

@@ -31,11 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import make_tokens  # noqa: E402
 
-from eyas.data.dataset import open_dataset  # noqa: E402
-from eyas.data.engine_capture import extract_engine  # noqa: E402
-from eyas.data.extract import extract  # noqa: E402
-from eyas.data.log import setup_logging  # noqa: E402
-from eyas.data.targets import load_tokenizer  # noqa: E402
+from eyas.data.store.dataset import open_dataset  # noqa: E402
+from eyas.data.build.engine_capture import extract_engine  # noqa: E402
+from eyas.data.build.extract import extract  # noqa: E402
+from eyas.data.common.log import setup_logging  # noqa: E402
+from eyas.data.common.targets import load_tokenizer  # noqa: E402
 
 
 def _peak_gib() -> float:

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.extract import extract, length_groups
-from eyas.data.log import setup_logging
-from eyas.data.prepare import prepare
-from eyas.data.prompts import prompts_path
-from eyas.data.shards import open_dataset
-from eyas.data.targets import load_target
+from eyas.data.build.extract import extract, length_groups
+from eyas.data.common.log import setup_logging
+from eyas.data.build.prepare import prepare
+from eyas.data.build.prompts import prompts_path
+from eyas.data.store.shards import open_dataset
+from eyas.data.common.targets import load_target
 
 FILLER = ("The answer depends on a few simple ideas. First, look at what is given and what is "
           "asked. Then work through the steps one at a time, checking each result before moving "

@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from eyas.data.utils import atomic_write_json
+from eyas.data.common.utils import atomic_write_json
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+import eyas.kernels.loss as kl_loss
 from eyas.kernels.loss import auto_chunk_size, eagle3_loss
 from eyas.kernels.teacher import teacher_probs
 from eyas.kernels import fused_loss
@@ -316,7 +317,7 @@ def sweep(N=16384, H=4096, K=7):
     C = 2048
     z = torch.randn(C, VD, device=DEV)
     dz = torch.empty(C, VD, device=DEV, dtype=torch.bfloat16)
-    st = kernels.loss.RowStats.empty(K * N, DEV, True)
+    st = kl_loss.RowStats.empty(K * N, DEV, True)
     w = x["w"].reshape(-1).contiguous()
     tsum = x["teacher"].sum(1, dtype=torch.float32)
 
@@ -373,8 +374,8 @@ def main(argv=None):
         return 2
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "block_v": fused_loss.MAX_BLOCK_V,
-           "num_warps": fused_loss.NUM_WARPS, "z_bytes": kernels.loss.Z_BYTES,
-           "dz_bytes": kernels.loss.DZ_BYTES}
+           "num_warps": fused_loss.NUM_WARPS, "z_bytes": kl_loss.Z_BYTES,
+           "dz_bytes": kl_loss.DZ_BYTES}
     if args.sweep:
         out["sweep"] = sweep()
     print(f"block={fused_loss.MAX_BLOCK_V} warps={fused_loss.NUM_WARPS} "

@@ -4,7 +4,7 @@ one (`data.generation_cache`), on the same prompts in one process.
 
     python benchmarks/generate_stage.py --prompts 16384 --out generate_stage.json   # H200
 
-The prompts are the shipped ones (`data/prompts/default.jsonl`), repeated under new ids to
+The prompts are the shipped ones (`data/build/prompts/default.jsonl`), repeated under new ids to
 --prompts records, answered greedily with at most --new tokens at --batch rows per call (the
 quality recipe's 256 and 4096). Each cache answers all of them into its own file; the static
 one pays its decoding step's compile inside its time, as a recipe would. Prints one row per
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.generate import generate_conversations
-from eyas.data.log import setup_logging
-from eyas.data.prompts import prompts_path
-from eyas.data.targets import load_target
+from eyas.data.build.generate import generate_conversations
+from eyas.data.common.log import setup_logging
+from eyas.data.build.prompts import prompts_path
+from eyas.data.common.targets import load_target
 
 
 def write_prompts(path: Path, n: int) -> Path:

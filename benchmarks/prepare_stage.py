@@ -30,8 +30,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
 
-    from eyas.data.prepare import prepare
-    from eyas.data.targets import load_tokenizer
+    from eyas.data.build.prepare import prepare
+    from eyas.data.common.targets import load_tokenizer
     tok = load_tokenizer(args.target)
     rows, first = [], None
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:

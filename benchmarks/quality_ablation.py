@@ -280,7 +280,7 @@ def run(args) -> list[dict]:
     for r in rows:
         r["train_tau"] = train_curve(run_dir(args, r["name"]) / "metrics.jsonl")
     rows = with_ratios(rows)
-    from eyas.data.utils import atomic_write_bytes
+    from eyas.data.common.utils import atomic_write_bytes
     record = {"common": args.common, "launcher": args.launcher, "rows": rows}
     atomic_write_bytes(out / "ablation.json", (json.dumps(record, indent=1) + "\n").encode())
     print(table(rows))

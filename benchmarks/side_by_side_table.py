@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     by_t = collect(args.out_dir)
     print(format_tables(by_t))
     if args.json:
-        from eyas.data.utils import atomic_write_json
+        from eyas.data.common.utils import atomic_write_json
         atomic_write_json(args.json, {str(T): rows for T, rows in by_t.items()})
     return 0
 

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 
-from eyas.data.prompts import prompts_path
+from eyas.data.build.prompts import prompts_path
 from eyas.models.serving.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
                             summarize)
-from eyas.data.targets import TARGET_DTYPES, load_target
+from eyas.data.common.targets import TARGET_DTYPES, load_target
 from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, load_prompts, offline_eval
 
 
@@ -41,7 +41,7 @@ def random_drafter(model, out: Path, k: int) -> Path:
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
     from eyas.models.serving.export import export_drafter
-    from eyas.data.targets import default_aux_layer_ids
+    from eyas.data.common.targets import default_aux_layer_ids
     tcfg = model.config.to_dict()
     vd = min(32000, tcfg["vocab_size"])
     cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=vd,
@@ -55,8 +55,8 @@ def random_drafter(model, out: Path, k: int) -> Path:
 
 def hidden_dataset(model, target: str, prompts, answers, root: Path) -> Path:
     """prompt + target answer per record → token dataset → hidden-state dataset (extract)."""
-    from eyas.data.extract import extract
-    from eyas.data.shards import write_manifest, write_shard
+    from eyas.data.build.extract import extract
+    from eyas.data.store.shards import write_manifest, write_shard
     samples = [{"input_ids": torch.tensor(p + a),
                 "loss_mask": torch.tensor([False] * len(p) + [True] * len(a))}
                for p, a in zip(prompts, answers) if a]

@@ -26,8 +26,8 @@ py=${PYTHON:-python3}
 eyas() { "$py" -m eyas.train.cli "$@"; }
 modes=(bf16 fp8 fp8k)
 mkdir -p "$out"
-heldout=$("$py" -c "from eyas.data.prompts import prompts_path; print(prompts_path('heldout'))")
-shipped=$("$py" -c "from eyas.data.prompts import prompts_path; print(prompts_path('default'))")
+heldout=$("$py" -c "from eyas.data.build.prompts import prompts_path; print(prompts_path('heldout'))")
+shipped=$("$py" -c "from eyas.data.build.prompts import prompts_path; print(prompts_path('default'))")
 
 extract_args() {
   case $1 in
@@ -108,7 +108,7 @@ table() {
   "$py" - "$out" "${modes[@]}" <<'EOF'
 import json, sys
 from pathlib import Path
-from eyas.data.dataset import open_dataset
+from eyas.data.store.dataset import open_dataset
 out, modes = Path(sys.argv[1]), sys.argv[2:]
 hidden = int(open_dataset(out / "bf16/hidden").manifest["hidden_size"])
 rows = {}

@@ -39,8 +39,8 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from eyas.data.shards import write_manifest, write_shard
-from eyas.data.targets import default_aux_layer_ids, load_target_config, text_config
+from eyas.data.store.shards import write_manifest, write_shard
+from eyas.data.common.targets import default_aux_layer_ids, load_target_config, text_config
 
 
 def _randn(shape, device, g) -> torch.Tensor:

@@ -66,7 +66,7 @@ from unittest import mock
 import torch
 
 
-from eyas.data.loader import Batch
+from eyas.data.store.loader import Batch
 from eyas.models import attention
 from eyas.models import drafter as drafter_module
 from eyas.models.config import Eagle3Config
@@ -74,10 +74,10 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS, FP8_LAYERS, convert_drafter_to_float8
 from eyas.models.metrics import accept_counts
 from eyas.models.objective import metric_rows
-from eyas.data.targets import load_target_config, text_config
+from eyas.data.common.targets import load_target_config, text_config
 from eyas.train.config import LossConfig, OptimConfig, Schedule
 from eyas.train.optim import MasterAdamW, build_scheduler
-from eyas.models.ttt import embedding_ids
+from eyas.data.store.packing import embedding_ids
 from eyas.train.step import TrainingModule, batch_inputs, send
 from eyas.train.tracking import flops_per_token
 from eyas.train.update import poisoned

@@ -1,6 +1,6 @@
 """eyas data layer: token and hidden-state datasets, packed loading, draft vocabularies.
 
-Formats and I/O only (no distributed code). The on-disk format is documented in data/FORMAT.md.
+Formats and I/O only (no distributed code). The on-disk format is documented in data/store/FORMAT.md.
 Submodules are imported lazily so `import eyas.data` stays cheap.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from eyas.data.dataset import Dataset
+    from eyas.data.store.dataset import Dataset
 
 __all__ = ["load_sample", "open_cached"]
 
@@ -24,8 +24,8 @@ _OPEN_LOCK = threading.Lock()
 
 def open_cached(dataset_dir: str | os.PathLike) -> "Dataset":
     """`open_dataset(dataset_dir)`, cached per resolved path and manifest modification time."""
-    from eyas.data.dataset import open_dataset
-    from eyas.data.format import MANIFEST_NAME
+    from eyas.data.store.dataset import open_dataset
+    from eyas.data.store.format import MANIFEST_NAME
 
     root = Path(dataset_dir).resolve()
     try:
@@ -46,5 +46,5 @@ def open_cached(dataset_dir: str | os.PathLike) -> "Dataset":
 
 def load_sample(dataset_dir: str | os.PathLike, index: int) -> "dict[str, torch.Tensor]":
     """Sample `index` of the dataset in `dataset_dir` as a dict of CPU tensors (zero-copy views
-    where the stored dtype allows; see data/FORMAT.md). The opened dataset is cached."""
+    where the stored dtype allows; see data/store/FORMAT.md). The opened dataset is cached."""
     return open_cached(dataset_dir)[index]

@@ -20,8 +20,8 @@ import logging
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
-from eyas.data.settings import VocabSettings
-from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, default_aux_layer_ids
+from eyas.data.common.settings import VocabSettings
+from eyas.data.common.targets import AUX_IDS_RULE, aux_layer_ids_error, default_aux_layer_ids
 from eyas.models.rope import SUPPORTED_ROPE_TYPES, rope_type, target_rope_scaling  # noqa: F401
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from eyas.data.vocab_map import VocabMap
+from eyas.data.store.vocab_map import VocabMap
 from eyas.models.attention import ATTENTION_KINDS, TTTAttention
 from eyas.models.config import Eagle3Config
 from eyas.models.fp8 import is_float8_linear
@@ -47,7 +47,8 @@ from eyas.models.layer import (MLP, Midlayer, RMSNorm, attention_inputs,  # noqa
                                attention_inputs_split, attention_residual, compiled,
                                embedding_qkv, layer_output, mlp_residual)
 from eyas.models.rope import apply_rope, rope_inv_freq, rope_parameters  # noqa: F401 (re-export)
-from eyas.models.ttt import embedding_ids, step_positions, structural_valid
+from eyas.data.store.packing import embedding_ids
+from eyas.models.ttt import step_positions, structural_valid
 
 log = logging.getLogger(__name__)
 

@@ -51,12 +51,6 @@ def step_tokens(input_ids: torch.Tensor, step: int) -> torch.Tensor:
     return shift_left(input_ids, 1 + step, 0)
 
 
-def embedding_ids(input_ids: torch.Tensor, ttt_steps: int) -> torch.Tensor:
-    """[T + K] input_ids followed by K padding ids (0): rows 1+k .. k+T are `step_tokens(input_ids,
-    k)`, so one embedding lookup of these serves all K steps as slices."""
-    return torch.cat([input_ids, input_ids.new_zeros(ttt_steps)])
-
-
 def step_positions(positions: torch.Tensor, step: int) -> torch.Tensor:
     """[T] RoPE positions at TTT step `step`: positions[t] + step."""
     return positions + step

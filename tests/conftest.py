@@ -92,7 +92,7 @@ def _tiny_llama_drafter(cfg_dict, vocab=4096, seed=0):
     values rounded to bf16 as an export stores them (so a directory round trip is exact)."""
     import torch
 
-    from eyas.data.targets import load_embedding_and_head
+    from eyas.data.common.targets import load_embedding_and_head
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
     cfg = Eagle3Config.from_target(cfg_dict, draft_vocab_size=vocab, aux_layer_ids=[2, 4, 5])
@@ -120,7 +120,7 @@ def _full_vocab_export(model, out):
     exported to `out` (layout A); returns the export directory."""
     import torch
 
-    from eyas.data.targets import default_aux_layer_ids
+    from eyas.data.common.targets import default_aux_layer_ids
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
     from eyas.models.serving.export import export_drafter
@@ -141,7 +141,7 @@ def full_vocab_export():
 
 _HOLD = """
 import sys
-from eyas.data.lock import DirLock
+from eyas.data.common.lock import DirLock
 lock = DirLock(sys.argv[1], what="test holder", path=sys.argv[2] or None).acquire()
 print("held", flush=True)
 sys.stdin.read()
@@ -151,7 +151,7 @@ sys.stdin.read()
 @pytest.fixture
 def lock_holder():
     """`lock_holder(directory, path=None)`: a real process that holds the directory's lock
-    (data/lock.py) until it is killed or its stdin closes; returns its Popen once it holds it.
+    (data/common/lock.py) until it is killed or its stdin closes; returns its Popen once it holds it.
     Every holder still running at the end of the test is killed."""
     import subprocess
     import sys

@@ -52,7 +52,7 @@ MARKER = "memorised.json"
 STARTED = "memorised.settings.json"   # the arguments of the attempt whose stages root holds
 
 #: short chat prompts whose answers run long (a long answer has many full rounds of K drafts);
-#: the first n_prompts are used when no prompts file is given, then data/prompts/default.jsonl
+#: the first n_prompts are used when no prompts file is given, then data/build/prompts/default.jsonl
 PROMPTS = [
     "Give me three tips for staying focused while studying.",
     "Explain how a car engine works.",
@@ -84,7 +84,7 @@ def _prompt_lines(prompts: Path | None, n: int) -> list[str]:
         lines = [json.dumps({"id": f"memo-{i}", "messages": [{"role": "user", "content": p}]})
                  for i, p in enumerate(PROMPTS)]
         if n > len(lines):
-            from eyas.data.prompts import prompts_path
+            from eyas.data.build.prompts import prompts_path
             lines += [x for x in prompts_path("default").read_text(encoding="utf-8").splitlines()
                       if x.strip()]
     if not 1 <= n <= len(lines):
@@ -137,7 +137,7 @@ def memorised_drafter(root: Path, *, prompts: Path | None = None, n_prompts: int
     made with others is an error. Each stage is bounded by `timeout` seconds; a failing stage
     raises RuntimeError naming its log.
     """
-    from eyas.data.utils import atomic_write_bytes, atomic_write_json
+    from eyas.data.common.utils import atomic_write_bytes, atomic_write_json
 
     root = Path(root).expanduser().resolve()
     lines = _prompt_lines(prompts, n_prompts)
@@ -172,7 +172,7 @@ def memorised_drafter(root: Path, *, prompts: Path | None = None, n_prompts: int
     if not (hidden / "manifest.json").is_file():
         _stage("extract", [*eyas, "extract", "--tokens", str(tokens), "--target", "smollm2",
                            "--out", str(hidden), "--dtype", "float32"], logs, timeout, seconds)
-    from eyas.data.dataset import open_dataset
+    from eyas.data.store.dataset import open_dataset
     lengths = open_dataset(hidden).sample_lengths     # reads the index, not the shards
     # every sample in one packed micro-batch; past MAX_BUDGET tokens several, each at least as
     # long as the longest sample (the loader would cut a longer one)

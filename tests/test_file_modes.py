@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.data.shards import write_manifest, write_shard
-from eyas.data.targets import load_target_config
+from eyas.data.store.shards import write_manifest, write_shard
+from eyas.data.common.targets import load_target_config
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter

@@ -6,13 +6,18 @@ becomes an arrow from its file to the files it names. A relative import is resol
 file's package; ``from eyas.data import x`` is an arrow to ``data/__init__.py`` and, when ``x``
 is a submodule, to ``data/x.py`` too. A bare ``import name`` of a sibling file (the engine probe
 scripts, which run outside eyas) is an arrow to that sibling unless `name` is a standard-library
-module (data/settings.py's ``import inspect`` is not data/inspect.py). The rules (zero
+module (data/common/settings.py's ``import inspect`` is not data/store/inspect.py). The rules (zero
 exceptions):
 
 - data/ imports nothing of eyas.models, eyas.kernels, eyas.train;
 - models/ and kernels/ never import eyas.train; kernels/ imports nothing of the project;
 - the network part of models/ (everything outside models/serving/) never imports
   eyas.models.serving;
+- data/ is three rooms and the runtime engine: data/common/ (the common base) imports nothing
+  of eyas outside it; data/store/ (the dataset format and its readers) imports only the common
+  base; data/engine/ (vLLM in its own venv) imports only the common base; data/build/ (the
+  stages that build datasets) may import all three. models/ (network and serving) never
+  imports the build stages;
 - no file loads a project module by string (``importlib.import_module``, ``__import__``,
   ``importlib.util``): every arrow is an ``import`` statement;
 - no file imports the bare folder names (``data``, ``models``, …) instead of ``eyas.…``;
@@ -36,6 +41,13 @@ FORBIDDEN = {
     "models": (f"{PACKAGE}.train",),
     "kernels": (f"{PACKAGE}.data", f"{PACKAGE}.models", f"{PACKAGE}.train", f"{PACKAGE}.conf"),
 }
+#: file path prefix -> project packages it must not import: the rooms of data/
+ROOMS = {
+    ("data", "common"): (f"{PACKAGE}.data.store", f"{PACKAGE}.data.build", f"{PACKAGE}.data.engine"),
+    ("data", "store"): (f"{PACKAGE}.data.build", f"{PACKAGE}.data.engine"),
+    ("data", "engine"): (f"{PACKAGE}.data.store", f"{PACKAGE}.data.build"),
+    ("models",): (f"{PACKAGE}.data.build",),
+}
 _LOADERS = {"import_module", "__import__", "spec_from_file_location", "find_spec",
             "module_from_spec", "spec_from_loader", "SourceFileLoader"}
 
@@ -44,12 +56,12 @@ _LOADERS = {"import_module", "__import__", "spec_from_file_location", "find_spec
 class Arrow:
     src: Path       # the importing file
     line: int
-    target: str     # dotted module name it imports (eyas.data.utils), or a sibling script
+    target: str     # dotted module name it imports (eyas.data.common.utils), or a sibling script
     dst: Path | None  # the project file behind `target`, when there is one
 
 
 def modules(root: Path) -> dict[str, Path]:
-    """Dotted name (eyas.data.utils, eyas.data for data/__init__.py) -> file, for every folder."""
+    """Dotted name (eyas.data.common.utils, eyas.data for data/__init__.py) -> file, for every folder."""
     out: dict[str, Path] = {}
     for folder in FOLDERS:
         for f in sorted((root / folder).rglob("*.py")):
@@ -176,6 +188,12 @@ def violations(root: Path) -> list[str]:
             for bad in FORBIDDEN.get(folder, ()):
                 if _is_under(a.target, bad):
                     out.append(f"{where}: {folder}/ must not import {bad} ({a.target})")
+            for prefix, banned in ROOMS.items():
+                if rel.parts[:len(prefix)] == prefix:
+                    for bad in banned:
+                        if _is_under(a.target, bad):
+                            out.append(f"{where}: {'/'.join(prefix)}/ must not import {bad} "
+                                       f"({a.target})")
             if network and _is_under(a.target, SERVING):
                 out.append(f"{where}: the network (models/ outside serving/) must not import "
                            f"the serving contract ({a.target})")
@@ -220,7 +238,17 @@ def test_checker_reports_a_violating_tree(tmp_path):
     _write(tmp_path, "train/y.py", "def g():\n    from eyas.train import x\n")
     _write(tmp_path, "train/z.py", "import importlib\nimportlib.import_module('eyas.train.x')\n"
                                    "import models.drafter\n")
+    _write(tmp_path, "data/store/__init__.py", "")
+    _write(tmp_path, "data/store/reader.py", "from eyas.data.build import stage\n")
+    _write(tmp_path, "data/build/__init__.py", "")
+    _write(tmp_path, "data/build/stage.py", "")
+    _write(tmp_path, "data/common/__init__.py", "")
+    _write(tmp_path, "data/common/base.py", "import eyas.data.store.reader\n")
+    _write(tmp_path, "models/serving/uses_build.py", "from eyas.data.build.stage import x\n")
     found = "\n".join(violations(tmp_path))
+    assert "data/store/reader.py:1: data/store/ must not import eyas.data.build" in found
+    assert "data/common/base.py:1: data/common/ must not import eyas.data.store" in found
+    assert "models/serving/uses_build.py:1: models/ must not import eyas.data.build" in found
     assert "data/a.py:2: data/ must not import eyas.models" in found
     assert "models/drafter.py:1: the network" in found
     assert "kernels/k.py:1: kernels/ must not import eyas.data" in found

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
-from eyas.data.loader import Batch, PackedLoader
+from eyas.data.store.loader import Batch, PackedLoader
 from eyas.train.step import to_device
 
 

@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 from safetensors import SafetensorError
 
-from eyas.data.checksums import CHECKSUMS_NAME, verify_checksums, write_checksums
-from eyas.data.utils import atomic_write_bytes, atomic_write_json
+from eyas.data.common.checksums import CHECKSUMS_NAME, verify_checksums, write_checksums
+from eyas.data.common.utils import atomic_write_bytes, atomic_write_json
 
 log = logging.getLogger(__name__)
 

@@ -28,21 +28,21 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
     """The `cli_main` of subcommand `name`, imported only when it runs (so `eyas --help` stays
     fast), each by a plain import."""
     if name == "prepare":
-        from eyas.data.prepare import cli_main
+        from eyas.data.build.prepare import cli_main
     elif name == "generate":
-        from eyas.data.served_cli import cli_main
+        from eyas.data.build.served_cli import cli_main
     elif name == "synthesize":
-        from eyas.data.synthesize import cli_main
+        from eyas.data.build.synthesize import cli_main
     elif name == "extract":
-        from eyas.data.extract import cli_main
+        from eyas.data.build.extract import cli_main
     elif name == "import":
-        from eyas.data.importers import cli_main
+        from eyas.data.build.importers import cli_main
     elif name == "vocab":
-        from eyas.data.vocab import cli_main
+        from eyas.data.build.vocab import cli_main
     elif name == "inspect":
-        from eyas.data.inspect import cli_main
+        from eyas.data.store.inspect import cli_main
     elif name == "verify":
-        from eyas.data.verify import cli_main
+        from eyas.data.build.verify import cli_main
     elif name == "export":
         from eyas.models.serving.export import cli_main
     elif name == "validate":
@@ -80,7 +80,7 @@ def _cpu_threads() -> None:
     OMP_NUM_THREADS is set: OpenMP threads spin-wait on busy cores."""
     import os
 
-    from eyas.data.targets import fast_device
+    from eyas.data.common.targets import fast_device
     from eyas.train.dist import set_cpu_threads
     if not fast_device() and "OMP_NUM_THREADS" not in os.environ:
         set_cpu_threads(None, processes_per_node=1)
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"eyas: unknown command {name!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    from eyas.data.log import run_command, setup_logging
+    from eyas.data.common.log import run_command, setup_logging
     setup_logging()
     # help runs nothing: no thread line before it; `generate` only sends requests (no torch)
     if not {"-h", "--help"} & set(rest) and name != "generate":

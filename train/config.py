@@ -15,10 +15,10 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from eyas.data.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSettings,
+from eyas.data.common.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSettings,
                                 GenerationSettings, SeedSettings, SynthesisSettings,
                                 TargetSettings, TokenizeSettings)
-from eyas.data.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
+from eyas.data.common.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
 from eyas.models.config import DrafterShape
 from eyas.models.context import DEFAULT_EDGES
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from eyas.data.targets import TARGET_DTYPES
+from eyas.data.common.targets import TARGET_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def load_pair(job: dict[str, Any], model=None, tokenizer=None):
     from eyas.models.serving.specdec import load_engine_drafter
     dtype = TARGET_DTYPES[job["dtype"]]
     if model is None or tokenizer is None:
-        from eyas.data.targets import load_target
+        from eyas.data.common.targets import load_target
         model, tokenizer = load_target(job["target"], dtype=dtype, cache_dir=job["cache_dir"],
                                        device=job["device"])
     elif next(model.parameters()).dtype != dtype:

@@ -22,8 +22,8 @@ import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration
 
-from eyas.data import deps
-from eyas.data.targets import fast_device
+from eyas.data.common import deps
+from eyas.data.common.targets import fast_device
 from eyas.train.config import ConfigError, DistBackend
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class MissingDependency(ConfigError, deps.MissingDependency):
     cannot be imported; the message is one line with the fix."""
 
 
-# wandb and deepspeed are imported only on the paths that use them (data/deps.py: these
+# wandb and deepspeed are imported only on the paths that use them (data/common/deps.py: these
 # config checks, train/trackers.py's wandb artifact, train/step.py under ZeRO-3, and the ZeRO
 # checkpoint reader of models/serving/importer.py), so a broken or absent one costs only those
 # paths.

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.data.engine.runner import Engine
-from eyas.data.targets import resolve_target
+from eyas.data.common.targets import resolve_target
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict |
     """The main job's served check (eval.engine_serve): the export served by vLLM on the
     prompts real decoding used, when the engine venv exists; None when it does not run."""
     from eyas.data.engine.venvs import ready_info, runtime_engine, venv_dir
-    from eyas.data.targets import load_target_config, load_tokenizer, text_config
+    from eyas.data.common.targets import load_target_config, load_tokenizer, text_config
     from eyas.train.evaluate import load_prompts
     if not eval_cfg.engine_serve or not spec:
         return None

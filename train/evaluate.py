@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eyas.data.targets import fast_device, target_dtype
+from eyas.data.common.targets import fast_device, target_dtype
 from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
@@ -50,7 +50,7 @@ def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: boo
     `offline_eval` the drafter's own (`draft_argmax`). d2t [Vd] on the device. A rank without a
     batch adds zeros, so the one collective still matches.
     """
-    from eyas.data.utils import progress
+    from eyas.data.common.utils import progress
     counts, tokens = None, 0
     batches = progress(loader, total=len(loader), desc="offline eval", unit="batch") \
         if show_progress else loader
@@ -103,9 +103,9 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
     attention: TTT attention kind (default: "flex" on CUDA, "lse-eager" on CPU).
     """
     from eyas.models.drafter import Eagle3Drafter
-    from eyas.data.vocab_map import t2d_from_d2t
+    from eyas.data.store.vocab_map import t2d_from_d2t
     from eyas.models.serving.importer import import_drafter
-    from eyas.data.targets import load_embedding_and_head
+    from eyas.data.common.targets import load_embedding_and_head
     dev = torch.device(device)
     imp = import_drafter(drafter_dir)
     cfg = imp.config
@@ -159,8 +159,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     only (`tau_trajectory_capped`). Returns `models.metrics.summarize` and `tau_curves`
     of the counts, `by_context`, the counts themselves and run information.
     """
-    from eyas.data.dataset import open_dataset
-    from eyas.data.loader import PackedLoader
+    from eyas.data.store.dataset import open_dataset
+    from eyas.data.store.loader import PackedLoader
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     edges = check_edges(context_buckets)
@@ -216,8 +216,8 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
     Trailing assistant messages are dropped (the target answers the last user turn itself);
     the target's chat template is applied with add_generation_prompt=True.
     """
-    from eyas.data.records import RecordError, iter_jsonl, normalise_record
-    from eyas.data.templates import for_template
+    from eyas.data.build.records import RecordError, iter_jsonl, normalise_record
+    from eyas.data.common.templates import for_template
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompts file (JSONL with OpenAI `messages`)")
@@ -307,7 +307,7 @@ def _decode(job: dict[str, Any], prompts_path, num_prompts: int | None, *, seed:
     `processes` processes, or in `pool`."""
     from eyas.models.serving.specdec import decode_prompts, stop_token_ids
     if processes > 1 or pool is not None:
-        from eyas.data.targets import load_tokenizer
+        from eyas.data.common.targets import load_tokenizer
         if pool is not None:
             pool.check(job)
         prompts = load_prompts(prompts_path, load_tokenizer(job["target"], job["cache_dir"]),

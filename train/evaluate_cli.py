@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from eyas.data.log import HelpFormatter
-from eyas.data.targets import TARGET_DTYPES
+from eyas.data.common.log import HelpFormatter
+from eyas.data.common.targets import TARGET_DTYPES
 from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
 from eyas.train.decode_pool import decode_job
 from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, offline_eval, speculative_eval
@@ -109,7 +109,7 @@ def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
     """(dataset indices to score or None for all, how they were chosen) for `eyas evaluate
     --data`: by default the held-out split the trainer made when the dataset is the training
     set, so training samples are never scored without saying so."""
-    from eyas.data.packing import split_indices
+    from eyas.data.store.packing import split_indices
     from eyas.train.config import DataConfig
     if args.all or args.eval_fraction == 0:
         return None, "every sample (--all), training samples included"
@@ -230,7 +230,7 @@ def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack
             args.drafter, args.target, dtype=dtype, cache_dir=args.cache_dir,
             device=args.device, k=args.k, max_new_tokens=args.max_new_tokens), args.processes))
     else:
-        from eyas.data.targets import load_target
+        from eyas.data.common.targets import load_target
         model, tok = load_target(args.target, dtype=TARGET_DTYPES[dtype],
                                  cache_dir=args.cache_dir, device=args.device)
 
@@ -247,7 +247,7 @@ def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack
 
 def _engine_serve(args, res: dict[str, Any]) -> dict[str, Any]:
     """The `engine` object: the export served by vLLM, its counters against eyas's."""
-    from eyas.data.targets import load_tokenizer
+    from eyas.data.common.targets import load_tokenizer
     from eyas.train.engine_eval import compare_with_eyas, engine_eval
     from eyas.train.evaluate import load_prompts
     prompts = load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
@@ -274,7 +274,7 @@ def format_engine(e: dict[str, Any]) -> str:
 
 def _offline_acceptance(args):
     """`offline_at(temperature)` of --data, over the samples `scored_samples` picks."""
-    from eyas.data.dataset import open_dataset
+    from eyas.data.store.dataset import open_dataset
     n = len(open_dataset(args.data))
     indices, how = scored_samples(args, n, training_record(args.drafter))
     if indices is not None and len(indices) == 0:
@@ -316,7 +316,7 @@ def cli_main(argv: list[str] | None = None) -> int:
                                     offline_at, table=bool(args.temperatures))
         if args.engine:
             res["engine"] = _engine_serve(args, res)
-    from eyas.data.utils import atomic_write_json
+    from eyas.data.common.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
     if "engine" in res:
@@ -332,5 +332,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from eyas.data.log import run_main
+    from eyas.data.common.log import run_main
     run_main(cli_main)

@@ -123,9 +123,9 @@ def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperatu
     teacher needs none). Returns tau, tau_se, tau_by_k, cond_acc_{k}, chain_starts and the
     run settings; the keys match the greedy offline result where they mean the same.
     """
-    from eyas.data.dataset import open_dataset
-    from eyas.data.loader import PackedLoader
-    from eyas.data.targets import text_config
+    from eyas.data.store.dataset import open_dataset
+    from eyas.data.store.loader import PackedLoader
+    from eyas.data.common.targets import text_config
     check_sampling(temperature, draft)
     if temperature == 0:
         raise ValueError("temperature 0 is the exact greedy evaluation (offline_eval)")
@@ -171,8 +171,8 @@ def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperatu
 def offline_at_temperature(args, indices, temperature: float) -> dict[str, Any]:
     """`eyas evaluate --data` at temperature > 0 (the exported drafter imported onto the device
     with the target's embedding, as `train.evaluate.offline_eval` does)."""
-    from eyas.data.dataset import open_dataset
-    from eyas.data.targets import TARGET_DTYPES, load_embedding_and_head
+    from eyas.data.store.dataset import open_dataset
+    from eyas.data.common.targets import TARGET_DTYPES, load_embedding_and_head
     ds = open_dataset(args.data)
     dev = torch.device(args.device)
     dtype = TARGET_DTYPES[args.dtype] if args.dtype else None

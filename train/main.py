@@ -24,9 +24,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from eyas.data.parent import exit_with_launcher
-from eyas.data.targets import default_device
-from eyas.data.log import (EXIT_USAGE, current_rank, error_exit_status, error_message,
+from eyas.data.common.parent import exit_with_launcher
+from eyas.data.common.targets import default_device
+from eyas.data.common.log import (EXIT_USAGE, current_rank, error_exit_status, error_message,
                            setup_logging)
 from eyas.train.config import ConfigError, load, register
 from eyas.train.resolve import resolve
@@ -231,7 +231,7 @@ def _write_summary(out: Path, summary: dict) -> None:
     """summary.json: everything the job prints, as strict JSON (NaN/inf → null), atomically."""
     import json
 
-    from eyas.data.utils import atomic_write_bytes
+    from eyas.data.common.utils import atomic_write_bytes
     from eyas.train.evaluate import json_safe
     text = json.dumps(json_safe(summary), indent=1, allow_nan=False, default=str) + "\n"
     atomic_write_bytes(out / "summary.json", text.encode())
@@ -240,7 +240,7 @@ def _write_summary(out: Path, summary: dict) -> None:
 def _write_config_record(out: Path, composed: DictConfig) -> None:
     """config.resolved.yaml, and Hydra's .hydra/ record (config, hydra, overrides) once the run
     dir is this run's (conf/config.yaml turns Hydra's own, earlier, writing off)."""
-    from eyas.data.utils import atomic_write_bytes
+    from eyas.data.common.utils import atomic_write_bytes
     atomic_write_bytes(out / "config.resolved.yaml",
                        OmegaConf.to_yaml(composed, resolve=True).encode())
     from hydra.core.hydra_config import HydraConfig
@@ -342,11 +342,11 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """`python train/main.py`: Hydra's main with eyas's exit statuses (data/log.py). Hydra
+    """`python train/main.py`: Hydra's main with eyas's exit statuses (data/common/log.py). Hydra
     reports a bad override or config group itself and exits 1 before any job starts: that is a
     usage error, 2. With EYAS_EXIT_FILE set (launch.sh), a failing status is also appended to
     that file, because `accelerate launch` exits 1 whatever its processes returned. A rank
-    started by a launcher ends when the launcher does (data/parent.py)."""
+    started by a launcher ends when the launcher does (data/common/parent.py)."""
     exit_with_launcher()
     try:
         main()

@@ -19,9 +19,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.data.prompts import prompts_path
-from eyas.data.settings import KVCache
-from eyas.data.utils import atomic_path, atomic_write_bytes, atomic_write_dir
+from eyas.data.build.prompts import prompts_path
+from eyas.data.common.settings import KVCache
+from eyas.data.common.utils import atomic_path, atomic_write_bytes, atomic_write_dir
 from eyas.train.config import ConfigError, DataConfig, EvalConfig, TargetConfig
 
 log = logging.getLogger(__name__)
@@ -158,7 +158,7 @@ def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer
                        prompts: Path) -> list[str]:
     """`data.synthetic_prompts` prompts sampled from the target (cached in root), as JSONL lines;
     none repeats a shipped prompt or a held-out one."""
-    from eyas.data.synthesize import prompt_openers, prompt_texts, synthesize_prompts
+    from eyas.data.build.synthesize import prompt_openers, prompt_texts, synthesize_prompts
     path = root / "prompts.synthetic.jsonl"
     words, shots = data.synthetic_opener_words, data.synthetic_examples
     if not path.is_file():
@@ -176,7 +176,7 @@ def _served_answers(data: DataConfig, root: Path, subset: Path, sampled: Path | 
                     conversations: Path, seed: int) -> None:
     """The embedded default's answers from `data.endpoint` (data.served): answer 0 greedy into
     `conversations` (with its data card), answers 1.. sampled into a second file appended to it."""
-    from eyas.data.served import generate_from_endpoint
+    from eyas.data.build.served import generate_from_endpoint
     kw = dict(model=data.endpoint_model, max_tokens=data.max_new_tokens, seed=seed,
               concurrency=data.endpoint_concurrency, api_key_env=data.endpoint_api_key_env)
     if sampled is None:
@@ -192,9 +192,9 @@ def _served_answers(data: DataConfig, root: Path, subset: Path, sampled: Path | 
 def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
                            target_dtype) -> DatasetPaths:
     """The embedded dataset (`_build_embedded_dataset`); its cache directory is locked
-    (data/lock.py) while it is written, so a second training building the same one at the same
+    (data/common/lock.py) while it is written, so a second training building the same one at the same
     time fails at once naming the first. A complete cache is only read, without the lock."""
-    from eyas.data.lock import dir_lock
+    from eyas.data.common.lock import dir_lock
     root = _embedded_root(data, target, seed, target_dtype)
     if (root / "hidden" / "manifest.json").is_file():
         return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
@@ -210,7 +210,7 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
     target_dtype: the torch dtype the target runs in (`Resolved.target_dtype`).
     """
-    from eyas.data import extract
+    from eyas.data.build import extract
     root = _embedded_root(data, target, seed, target_dtype)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
@@ -227,7 +227,7 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     prompts = Path(data.prompts or prompts_path("default"))
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     lines = lines[:data.num_prompts]
-    from eyas.data.targets import default_device, load_target
+    from eyas.data.common.targets import default_device, load_target
     device = default_device().type
     model, tokenizer = load_target(target.name, dtype=target_dtype, device=device)
     tokens = root / "tokens"
@@ -248,7 +248,7 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     atomic_write_bytes(root / _ANSWERS_KEY_FILE, (akey + "\n").encode())
     layers = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
     if data.capture == "vllm":
-        from eyas.data.engine_capture import extract_engine
+        from eyas.data.build.engine_capture import extract_engine
         kw = data.extract_kwargs()
         extract_engine(tokens, target.name, hidden, layers=layers, aux_format=kw["aux_format"],
                        teacher=kw["teacher"], dtype=str(target_dtype).removeprefix("torch."))
@@ -262,7 +262,7 @@ def _answer_and_tokenise(data: DataConfig, target: TargetConfig, seed: int, root
                          lines: list[str], prompts: Path, model, tokenizer) -> None:
     """The prompts (shipped, then synthesized), the target's answers to them (greedy, then
     sampled; each step resumable) and their tokens, into `root`."""
-    from eyas.data import generate, prepare
+    from eyas.data.build import generate, prepare
     samples, conversations = data.samples_per_prompt, root / "conversations.jsonl"
     subset = root / "prompts.jsonl"
     if not subset.is_file():
@@ -330,7 +330,7 @@ def eval_device(eval_cfg: EvalConfig) -> str:
     """eval.target_device with "auto" decided: the GPU when there is one."""
     if eval_cfg.target_device != "auto":
         return eval_cfg.target_device
-    from eyas.data.targets import default_device
+    from eyas.data.common.targets import default_device
     return default_device().type
 
 
@@ -366,7 +366,7 @@ def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetCo
     it (HELDOUT_WAIT_S), then reads it."""
     if not eval_cfg.heldout_offline:
         return None
-    from eyas.data.lock import dir_lock
+    from eyas.data.common.lock import dir_lock
     from eyas.train import evaluate
     prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
     root = (Path(data.cache_dir).expanduser() / "heldout"
@@ -396,8 +396,8 @@ def _build_heldout(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
     """Answer, tokenise and extract the held-out prompts into root (`run_heldout_offline`)."""
     import torch
 
-    from eyas.data import extract, generate, prepare
-    from eyas.data.targets import load_target
+    from eyas.data.build import extract, generate, prepare
+    from eyas.data.common.targets import load_target
     log.info("held-out offline check: answering %d prompts of %s (<= %d tokens, float32, "
              "cached in %s)", eval_cfg.num_prompts, prompts.name, heldout_length(eval_cfg), root)
     model, tokenizer = load_target(target.name, dtype=torch.float32, device=device)
@@ -431,7 +431,7 @@ def run_engine_check(eval_cfg: EvalConfig, target: str,
         log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
         return None
     from eyas.models.serving.engines import check_engines
-    from eyas.data.targets import load_target_config
+    from eyas.data.common.targets import load_target_config
     reports = check_engines(export_dir, load_target_config(target), engines=present,
                             setup=False)
     return {e: ("ok" if r.ok else (r.findings[0].code if r.findings else "failed"))

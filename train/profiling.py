@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from eyas.data.utils import atomic_path, atomic_write_bytes
+from eyas.data.common.utils import atomic_path, atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

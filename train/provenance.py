@@ -5,7 +5,7 @@
 The export builds its model card and `eyas_provenance.json` from this record
 (models/serving/card.py), so the run's final export and `eyas export` of a checkpoint render
 the same card. It holds the resolved config, the datasets with their manifests' SHA-256 and
-lineage (data/provenance.py), the capture contract of the training set, the software, the
+lineage (data/common/provenance.py), the capture contract of the training set, the software, the
 steps and tokens trained, the eval record of `step` and which checkpoint the export is.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Mapping
 
 import torch
 
-from eyas.data.provenance import capture_contract, dataset_record, software_record
-from eyas.data.vocab import count_tokens
+from eyas.data.common.provenance import capture_contract, dataset_record, software_record
+from eyas.data.build.vocab import count_tokens
 from eyas.train.config import to_plain
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from enum import Enum
 
 import torch
 
-from eyas.data.targets import fast_device, target_dtype
+from eyas.data.common.targets import fast_device, target_dtype
 from eyas.kernels.loss import triton_available
 from eyas.train.config import ConfigError, EyasConfig
 

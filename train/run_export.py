@@ -17,7 +17,7 @@ from typing import Any
 
 from accelerate.utils import broadcast_object_list
 
-from eyas.data.vocab import save_vocab
+from eyas.data.build.vocab import save_vocab
 from eyas.train.plots import write_run_plots
 from eyas.train.provenance import run_record
 from eyas.train.selection import describe, select_checkpoint
@@ -46,7 +46,7 @@ def write_export_meta(t, path: Path, step: int, evaluated: dict | None) -> None:
     the run record its export's model card is made from (train/provenance.py)."""
     if not t.accelerator.is_main_process:
         return
-    from eyas.data.utils import atomic_write_json
+    from eyas.data.common.utils import atomic_write_json
     from eyas.models.serving.card import PROVENANCE, json_clean
     atomic_write_json(path / PROVENANCE, json_clean(run_record(t, step, evaluated)))
     m = t.model

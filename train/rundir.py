@@ -14,7 +14,7 @@ summary and tracker logs are removed, and the removal logged; files eyas does no
 kept). Every rank gets rank 0's verdict, so no rank writes into a directory another one
 refused.
 
-Rank 0 holds the directory's lock (data/lock.py, `<run>/.eyas.lock`) from `claim` to the end
+Rank 0 holds the directory's lock (data/common/lock.py, `<run>/.eyas.lock`) from `claim` to the end
 of the run: a second training, resumed or not, in the same directory fails at once naming the
 holder. Once the directory is the run's, rank 0 removes what killed earlier runs left there
 (`checkpoint.clean_leftovers`).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from accelerate.utils import broadcast_object_list
 
-from eyas.data.lock import LOCK_NAME, DirectoryLocked, DirLock
+from eyas.data.common.lock import LOCK_NAME, DirectoryLocked, DirLock
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import ConfigError
 

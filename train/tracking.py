@@ -146,7 +146,7 @@ class MetricsLogger:
         line). Rewritten atomically; returns how many records were dropped."""
         if self._fh is None or not self.path.stat().st_size:
             return 0
-        from eyas.data.utils import atomic_write_bytes
+        from eyas.data.common.utils import atomic_write_bytes
         kept, dropped = [], 0
         for line in self.path.read_text().splitlines():
             try:
@@ -207,7 +207,7 @@ class Progress:
                              tau=f"{rec['tau']:.2f}")
         if not self.enabled:
             return
-        from eyas.data.log import PROGRESS
+        from eyas.data.common.log import PROGRESS
         now = time.perf_counter()
         since, start = self.first or (self.t0, self.initial)
         done = step - start

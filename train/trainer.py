@@ -30,18 +30,18 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import Tensor, nn
 
-from eyas.data.dataset import open_dataset
-from eyas.data.format import DatasetError
-from eyas.data.loader import PackedLoader
-from eyas.data.packing import split_indices
-from eyas.data.read_checks import contract_mismatch
-from eyas.data.vocab import build_vocab, load_vocab, save_vocab
+from eyas.data.store.dataset import open_dataset
+from eyas.data.store.format import DatasetError
+from eyas.data.store.loader import PackedLoader
+from eyas.data.store.packing import split_indices
+from eyas.data.store.read_checks import contract_mismatch
+from eyas.data.build.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.fp8 import convert_drafter_to_float8
 from eyas.models.context import context_scalars, context_table
 from eyas.models.metrics import summarize
-from eyas.data.targets import load_embedding_and_head, load_target_config, text_config
+from eyas.data.common.targets import load_embedding_and_head, load_target_config, text_config
 from eyas.train import checkpoint as ckpt
 from eyas.train.trackers import init_trackers
 from eyas.train.config import (ConfigError, DataConfig, DistBackend, DrafterConfig, EyasConfig,
@@ -145,7 +145,7 @@ def build_vocab_map(data_cfg: DataConfig, target: TargetConfig, draft_vocab_size
         return load_vocab(data_cfg.vocab)
     path = out / "vocab.safetensors"
     if accelerator.is_main_process:
-        from eyas.data.vocab import forced_special_ids
+        from eyas.data.build.vocab import forced_special_ids
         force = forced_special_ids(target.name, data_cfg.cache_dir)
         size = min(int(draft_vocab_size), vocab_size)
         d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=vocab_size)

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from eyas.data.utils import atomic_write_dir
+from eyas.data.common.utils import atomic_write_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ READY = ".eyas-ready.json"
 class EngineSetupError(RuntimeError):
     """An engine venv could not be created; the message carries the installer's output."""
 
-    exit_status = 3  # a stage that cannot run on this machine (data/log.py)
+    exit_status = 3  # a stage that cannot run on this machine (data/common/log.py)
 
 
 def default_root() -> Path:

@@ -6,7 +6,7 @@
 
 `run` is what the trainer knows of the run (train/provenance.py writes it into every checkpoint
 as `eyas_provenance.json`, so `eyas export CHECKPOINT` renders the same card as the run's own
-export): the resolved config, the datasets with their manifests' SHA-256 (data/provenance.py),
+export): the resolved config, the datasets with their manifests' SHA-256 (data/common/provenance.py),
 the capture contract, the software, the training steps and tokens, the eval record of the
 exported step and which checkpoint was selected. The export adds what it knows itself: the
 drafter's shape from config.json, the static validator's verdict and the serving commands.
@@ -24,9 +24,9 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from eyas.data.checksums import CHECKSUMS_NAME, file_sha256, read_checksums
-from eyas.data.provenance import software_record
-from eyas.data.utils import atomic_write_bytes
+from eyas.data.common.checksums import CHECKSUMS_NAME, file_sha256, read_checksums
+from eyas.data.common.provenance import software_record
+from eyas.data.common.utils import atomic_write_bytes
 from eyas.models.serving.card_render import render_card, render_speculators_card
 from eyas.models.serving.contract import is_speculators_config
 
@@ -143,7 +143,7 @@ def build_provenance(run: Mapping[str, Any] | None, cfg: Mapping[str, Any],
 
 
 def _write(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))   # keeps the user's umask (data/utils.py)
+    atomic_write_bytes(path, text.encode("utf-8"))   # keeps the user's umask (data/common/utils.py)
 
 
 def write_card(export_dir: str | Path, prov: Mapping[str, Any]) -> None:

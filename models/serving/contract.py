@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import torch
 from safetensors import safe_open
 
-from eyas.data.format import ST_TO_TORCH
+from eyas.data.store.format import ST_TO_TORCH
 
 ERROR, WARNING = "error", "warning"
 
@@ -91,7 +91,7 @@ def layout_tensors(cfg: dict[str, Any]) -> tuple[str, ...]:
     return CORE_TENSORS + eagle31_tensors(cfg)
 
 LAYOUT_A_ARCH = "LlamaForCausalLMEagle3"
-#: safetensors header dtype names of the float torch dtypes (`eyas.data.format.ST_TO_TORCH`)
+#: safetensors header dtype names of the float torch dtypes (`eyas.data.store.format.ST_TO_TORCH`)
 FLOAT_DTYPES = tuple(k for k, v in ST_TO_TORCH.items() if v.is_floating_point)
 
 
@@ -303,7 +303,7 @@ def resolve_target_config(target_config: dict[str, Any] | str | Path | None) -> 
     """A target config.json dict (its text part) from a dict, a preset name, a file or a dir."""
     if target_config is None:
         return None
-    from eyas.data.targets import load_target_config, text_config
+    from eyas.data.common.targets import load_target_config, text_config
     cfg = target_config if isinstance(target_config, dict) else load_target_config(target_config)
     return text_config(cfg)
 

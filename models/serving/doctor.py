@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from eyas.data.log import HelpFormatter
+from eyas.data.common.log import HelpFormatter
 from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
                                           read_config, require_dir, resolve_target_config)
 from eyas.models.serving.doctor_capture import check_capture, check_served
@@ -59,7 +59,7 @@ def _target_dir(target_config: Any) -> Path | None:
             return p
         if p.is_file():
             return p.parent
-        from eyas.data.targets import DEFAULT_CACHE_DIR, LOADABLE
+        from eyas.data.common.targets import DEFAULT_CACHE_DIR, LOADABLE
         cached = DEFAULT_CACHE_DIR / "targets" / str(target_config)
         if str(target_config) in LOADABLE and (cached / "config.json").is_file():
             return cached
@@ -220,7 +220,7 @@ def _check_tokenizer(report: Report, tok: dict[str, Any], tcfg: dict[str, Any] |
         report.not_checked.append("chat template: no target directory with a tokenizer at "
                                   "hand (pass --target-config as the target's directory)")
         return
-    from eyas.data.templates import template_sha256
+    from eyas.data.common.templates import template_sha256
     sha = template_sha256(template)
     if tok["chat_template_sha256"] != sha:
         report.add("DATA_TEMPLATE", WARNING,
@@ -317,7 +317,7 @@ def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tens
     manifest = json.loads((data / "manifest.json").read_text())   # diagnose: require_dataset
     _check_manifest(report, manifest, cfg, tcfg, target_dir)
     try:
-        from eyas.data.shards import open_dataset
+        from eyas.data.store.shards import open_dataset
     except ImportError as e:
         report.not_checked.append(f"draft vocabulary coverage: the dataset reader is not "
                                   f"available ({e})")
@@ -377,7 +377,7 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
         if "t2d" in tdir.names:
             t2d = tdir.load("t2d").bool()
         elif "d2t" in tdir.names:
-            from eyas.data.vocab_map import VocabMap
+            from eyas.data.store.vocab_map import VocabMap
             t2d = VocabMap.from_d2t(tdir.load("d2t"), int(cfg["vocab_size"])).t2d
         _check_data(report, data, cfg, t2d, tcfg, _target_dir(target_config), max_samples)
     else:
@@ -441,5 +441,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from eyas.data.log import run_main
+    from eyas.data.common.log import run_main
     run_main(cli_main)

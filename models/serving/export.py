@@ -37,11 +37,11 @@ from typing import Any, Mapping
 import torch
 from safetensors.torch import save_file
 
-from eyas.data.checksums import write_checksums
-from eyas.data.lock import dir_lock, sibling_lock_path, writes_directory
-from eyas.data.log import HelpFormatter
-from eyas.data.utils import atomic_write_dir, umask_mode
-from eyas.data.vocab_map import VocabMap
+from eyas.data.common.checksums import write_checksums
+from eyas.data.common.lock import dir_lock, sibling_lock_path, writes_directory
+from eyas.data.common.log import HelpFormatter
+from eyas.data.common.utils import atomic_write_dir, umask_mode
+from eyas.data.store.vocab_map import VocabMap
 from eyas.models.serving.card import (build_provenance, read_provenance, serve_commands,
                                       trained_k, write_card)
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
@@ -429,7 +429,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config = json.loads(Path(args.drafter_config).read_text()) if args.drafter_config else None
     # ExportError, a missing checkpoint or an existing OUT_DIR: one line and exit 2 from
-    # the `eyas` command (data/log.py run_command)
+    # the `eyas` command (data/common/log.py run_command)
     out = export_checkpoint(
         args.checkpoint, args.out_dir, config=config, target_config=args.target_config,
         speculators=args.speculators_config, verifier=args.verifier,
@@ -449,5 +449,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from eyas.data.log import run_main
+    from eyas.data.common.log import run_main
     run_main(cli_main)

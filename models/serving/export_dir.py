@@ -1,8 +1,8 @@
 """The directory an export is written to: its lock, the leftovers of killed exports, and what
 `--overwrite` may replace.
 
-An export is built in a temporary sibling and renamed into place (data/utils.py
-`atomic_write_dir`), so its lock lives beside it, `<parent>/.<name>.lock` (data/lock.py): the
+An export is built in a temporary sibling and renamed into place (data/common/utils.py
+`atomic_write_dir`), so its lock lives beside it, `<parent>/.<name>.lock` (data/common/lock.py): the
 exported directory itself holds only what the engines load. Holding that lock, the exporter
 removes the temporary siblings a killed export left (`.tmp-<name>.*`), and refuses to replace
 an existing directory that holds files an export does not write: `--overwrite` replaces an
@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 from pathlib import Path
 
-from eyas.data.utils import remove_leftover_dirs
+from eyas.data.common.utils import remove_leftover_dirs
 from eyas.models.serving.contract import ExportError
 
 #: what an export (layout A, or the speculators format beside it) writes into its directory

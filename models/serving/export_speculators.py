@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from eyas.data.checksums import write_checksums
-from eyas.data.utils import atomic_write_dir
+from eyas.data.common.checksums import write_checksums
+from eyas.data.common.utils import atomic_write_dir
 from eyas.models.serving.card import read_provenance, write_card
 from eyas.models.serving.contract import OVERWRITE_HINT, ExportError, norm_before_fc
 

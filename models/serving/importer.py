@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eyas.data.checksums import verify_checksums
-from eyas.data.deps import require_deepspeed
-from eyas.data.vocab_map import VocabMap
+from eyas.data.common.checksums import verify_checksums
+from eyas.data.common.deps import require_deepspeed
+from eyas.data.store.vocab_map import VocabMap
 from eyas.models.serving.contract import (ExportError, TensorDir, layout_tensors,
                                           norm_before_fc, read_config, resolve_target_config)
 
@@ -209,7 +209,7 @@ def _aux_ids(src: dict[str, Any], tcfg: dict[str, Any] | None, where: str,
     if tcfg is None:
         raise ValueError(f"{where} names no aux layer ids: pass the target config so the "
                          f"engines' default (2, N//2, N-3) can be used")
-    from eyas.data.targets import default_aux_layer_ids
+    from eyas.data.common.targets import default_aux_layer_ids
     ids = default_aux_layer_ids(tcfg["num_hidden_layers"])
     log.warning("%s names no aux layer ids; assuming the engines' default %s", where, ids)
     return ids

@@ -99,7 +99,7 @@ def drafter_aux_layer_ids(cfg: dict, num_target_layers: int) -> list[int]:
         sg = cfg["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
         ids = None if sg is None else [int(i) + 1 for i in sg]
     if ids is None:
-        from eyas.data.targets import default_aux_layer_ids
+        from eyas.data.common.targets import default_aux_layer_ids
         ids = default_aux_layer_ids(num_target_layers)
         log.warning("drafter config names no aux layer ids; using the engines' default %s", ids)
     ids = [int(i) for i in ids]
@@ -145,7 +145,7 @@ class TargetRunner:
     """
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None):
-        from eyas.data.capture import Capture, find_text_model
+        from eyas.data.common.capture import Capture, find_text_model
         self.model = model
         self.text, layers, norm, self.head = find_text_model(model)
         self.capture = Capture(layers, list(aux_layer_ids), norm) if aux_layer_ids else None
@@ -367,7 +367,7 @@ def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: li
     prompts: token id lists (chat template already applied). Returns [(name, greedy, spec)].
     A short warm-up of both paths runs first (first calls allocate and pick kernels).
     """
-    from eyas.data.utils import progress as bar
+    from eyas.data.common.utils import progress as bar
     n_layers = int(model.config.get_text_config().num_hidden_layers)
     aux_ids = drafter_aux_layer_ids(drafter_cfg, n_layers)
     plain, verifier = TargetRunner(model), TargetRunner(model, aux_ids)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from eyas.data.log import HelpFormatter
+from eyas.data.common.log import HelpFormatter
 from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, finding, format_findings, is_speculators_config,
                                           read_config, require_dir, resolve_target_config)
 from eyas.models.serving.validate_integrity import checksum_findings, open_tensors
@@ -180,5 +180,5 @@ def cli_main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from eyas.data.log import run_main
+    from eyas.data.common.log import run_main
     run_main(cli_main)

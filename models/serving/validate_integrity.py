@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.checksums import CHECKSUMS_NAME, ChecksumError, unlisted, verify_checksums
+from eyas.data.common.checksums import CHECKSUMS_NAME, ChecksumError, unlisted, verify_checksums
 from eyas.models.serving.contract import ERROR, WARNING, Finding, TensorDir, finding
 
 INTEGRITY_CODES = {"CHECKSUM_MISMATCH": ERROR, "CHECKSUM_MISSING_FILE": ERROR,

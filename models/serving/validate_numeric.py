@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from eyas.data.vocab_map import VocabMap
+from eyas.data.store.vocab_map import VocabMap
 from eyas.models.serving.contract import ERROR, Finding, TensorDir, finding, read_config
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eyas.data.capture import ExtractError, target_fingerprint
-from eyas.data.engine_capture import TargetHead, sample_features
-from eyas.data.targets import load_target, resolve_target
+from eyas.data.common.capture import ExtractError, target_fingerprint
+from eyas.data.build.engine_capture import TargetHead, sample_features
+from eyas.data.common.targets import load_target, resolve_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 AUX = [2, 4, 5]

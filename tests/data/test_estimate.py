@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from eyas.data.estimate import estimate, estimate_bytes
-from eyas.data.extract import extract
-from eyas.data.prepare import prepare
-from eyas.data.shards import open_dataset
-from eyas.data.targets import load_target, load_tokenizer
+from eyas.data.build.estimate import estimate, estimate_bytes
+from eyas.data.build.extract import extract
+from eyas.data.build.prepare import prepare
+from eyas.data.store.shards import open_dataset
+from eyas.data.common.targets import load_target, load_tokenizer
 from eyas.train.cli import main
 
 CONVS = [("Name a fruit.", "Apple."), ("What is 2+2?", "4."), ("Hi", "Hello! How can I help?"),
@@ -50,7 +50,7 @@ def test_bytes_are_exactly_the_files_extract_writes(tmp_path, tokens_dir, tiny, 
     assert want["index_bytes"] == (out / "index.safetensors").stat().st_size
     ds = open_dataset(out)
     assert want["shard_bytes"] == ds.manifest["bytes"] and want["tokens"] == ds.num_tokens
-    from eyas.data.inspect import summarize
+    from eyas.data.store.inspect import summarize
     assert want["payload_bytes_per_token"] == summarize(out)["payload_bytes_per_token"]
 
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from eyas.data.capture import ExtractError, check_aux_layers, chunked_argmax_topk, find_text_model
-from eyas.data.extract import extract, finalize
-from eyas.data.prepare import prepare
-from eyas.data.shards import open_dataset, shard_name
-from eyas.data.targets import load_target, load_tokenizer
+from eyas.data.common.capture import ExtractError, check_aux_layers, chunked_argmax_topk, find_text_model
+from eyas.data.build.extract import extract, finalize
+from eyas.data.build.prepare import prepare
+from eyas.data.store.shards import open_dataset, shard_name
+from eyas.data.common.targets import load_target, load_tokenizer
 
 CONVS = [
     [("Name a fruit.", "Apple.")],
@@ -215,7 +215,7 @@ class Wrapper(nn.Module):
 
 def test_multimodal_wrapper_finds_the_text_model(tmp_path, tokens_dir):
     lm = target("tiny-llama")
-    from eyas.data.targets import build_random_target
+    from eyas.data.common.targets import build_random_target
     wrapper = Wrapper(lm, build_random_target("tiny-llama", seed=1).model)
     text, layers, norm, head = find_text_model(wrapper)
     assert text is lm.model and layers is lm.model.layers and head is lm.lm_head
@@ -268,7 +268,7 @@ def test_float32_target_is_recorded_and_guards_resume(tmp_path, tokens_dir):
 def test_cli_dtype_auto_is_the_trainers_rule(tmp_path, tokens_dir):
     """`eyas extract --dtype` defaults to target.dtype's auto: float32 on the CPU (as the
     trainer extracts there); an explicit alias such as bf16 is kept."""
-    from eyas.data.extract import cli_main
+    from eyas.data.build.extract import cli_main
     base = ["--tokens", str(tokens_dir), "--target", "tiny-llama", "--device", "cpu"]
     assert cli_main(base + ["--out", str(tmp_path / "auto")]) == 0
     assert open_dataset(tmp_path / "auto").manifest["target_dtype"] == "float32"

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from eyas.data.capture import ExtractError
-from eyas.data.extract import cli_main, extract, parse_max_memory
-from eyas.data.prepare import prepare
-from eyas.data.shards import open_dataset
-from eyas.data.targets import load_tokenizer
+from eyas.data.common.capture import ExtractError
+from eyas.data.build.extract import cli_main, extract, parse_max_memory
+from eyas.data.build.prepare import prepare
+from eyas.data.store.shards import open_dataset
+from eyas.data.common.targets import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "tiny-deepseek-v3"

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from eyas.data import hub
-from eyas.data.targets import (load_embedding_and_head, load_target, load_target_config,
+from eyas.data.common import hub
+from eyas.data.common.targets import (load_embedding_and_head, load_target, load_target_config,
                                load_tokenizer, resolve_target, weights_error)
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eyas.data.format import DatasetError
-from eyas.data.importers import cli_main, import_hidden_states
-from eyas.data.shards import open_dataset
-from eyas.data.targets import load_target_config
+from eyas.data.store.format import DatasetError
+from eyas.data.build.importers import cli_main, import_hidden_states
+from eyas.data.store.shards import open_dataset
+from eyas.data.common.targets import load_target_config
 
 TH = 64          # tiny-llama hidden size (real: 4096 for Llama-3.1-8B)
 LAYERS = [2, 4, 5]  # default_aux_layer_ids(8)
@@ -90,7 +90,7 @@ def test_import_applies_the_aux_layer_rule_before_reading(tmp_path):
 
 
 def test_import_names_file_keys_and_fix(tmp_path, capsys):
-    from eyas.data.log import run_command
+    from eyas.data.common.log import run_command
     _write_specforge(tmp_path / "sf", [4])
     f = tmp_path / "sf" / "rows_0-5000" / "data_0.ckpt"
     d = torch.load(f)

@@ -2,13 +2,13 @@
 
 Fixed conversations (system + user + assistant; a two-turn one; for Qwen3 also an assistant turn
 with `reasoning_content`, with thinking on and off) are prepared with each shipped template
-(`data/templates/`) and with SmolLM2's own, then rendered as `eyas inspect` shows them: decoded
+(`data/common/templates/`) and with SmolLM2's own, then rendered as `eyas inspect` shows them: decoded
 run by run, trained runs in ``[[ ]]``. The templates' own tokenizers (Llama-3.1, Qwen3,
 DeepSeek-V3) are not available offline, so every case uses the real SmolLM2 tokenizer; its bos
 token is ``<|im_start|>`` (hence the one the Llama and DeepSeek templates write first) and it
 tokenises ``<think>`` as plain text.
 
-What the goldens show, by `data/prepare.py`'s rule: each ``[[ ]]`` holds exactly what the model
+What the goldens show, by `data/build/prepare.py`'s rule: each ``[[ ]]`` holds exactly what the model
 generates in one assistant turn (reasoning, content, end-of-turn marker), never the system or
 user text or the assistant header; the newline Qwen3 writes after ``<|im_end|>`` is outside.
 Qwen3 with thinking off puts ``<think>\\n\\n</think>\\n\\n`` in the generation prompt, so that
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data.dataset import open_dataset
-from eyas.data.inspect import cli_main
-from eyas.data.prepare import prepare
-from eyas.data.render import ANSI_ON, render_samples
-from eyas.data.shards import write_manifest, write_shard
-from eyas.data.targets import load_tokenizer
+from eyas.data.store.dataset import open_dataset
+from eyas.data.store.inspect import cli_main
+from eyas.data.build.prepare import prepare
+from eyas.data.store.render import ANSI_ON, render_samples
+from eyas.data.store.shards import write_manifest, write_shard
+from eyas.data.common.targets import load_tokenizer
 
 GOLDEN = Path(__file__).parent / "golden"
 SYSTEM, USER, USER2 = "You are terse.", "Capital of France?", "And of Italy?"
@@ -107,7 +107,7 @@ def test_markers_removed_give_the_rendered_conversation(tmp_path, tok):
     """The rendering loses nothing: without its markers it is the template's own text."""
     _, samples = _prepare(tmp_path, tok, TWO_TURNS, "llama-3.1", {})
     body = render_samples(tok, samples).split("\n", 1)[1].rsplit("\n", 1)[0]
-    from eyas.data.templates import load_template
+    from eyas.data.common.templates import load_template
     want = tok.apply_chat_template(TWO_TURNS["messages"], tokenize=False,
                                    chat_template=load_template("llama-3.1"))
     assert body.replace("[[", "").replace("]]", "") == want

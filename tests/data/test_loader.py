@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from eyas.data.loader import Batch, PackedLoader, split_indices
-from eyas.data.packing import build_plan
-from eyas.data.shards import open_dataset, write_manifest, write_shard
+from eyas.data.store.loader import Batch, PackedLoader, split_indices
+from eyas.data.store.packing import build_plan
+from eyas.data.store.shards import open_dataset, write_manifest, write_shard
 
 TH = 8  # target hidden (real: 4096)
 REPO = Path(__file__).resolve().parents[2]
@@ -199,8 +199,8 @@ def test_workers_do_not_change_batches(tmp_path):
 
 _WORKER = textwrap.dedent("""
     import json, sys
-    from eyas.data.shards import open_dataset
-    from eyas.data.loader import PackedLoader
+    from eyas.data.store.shards import open_dataset
+    from eyas.data.store.loader import PackedLoader
     root, rank, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     loader = PackedLoader(open_dataset(root), 40, rank, 2, seed=11, num_workers=2)
     rows = [[b.num_tokens, int(b.input_ids.sum()), float(b.aux.float().sum())] for b in loader]
@@ -278,7 +278,7 @@ def test_buffer_reuse_never_overwrites_held_batches(tmp_path):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_attached_embedding_fills_each_batchs_rows(tmp_path, workers):
-    from eyas.models.ttt import embedding_ids
+    from eyas.data.store.packing import embedding_ids
     ds, _ = make_dataset(tmp_path / "ds", [[5, 9, 3], [7, 11]])
     table = torch.randn(1000, 8).bfloat16()                     # ids are drawn below 1000
     loader = PackedLoader(ds, 16, 0, 1, seed=0, num_workers=workers)

@@ -1,4 +1,4 @@
-"""One writer per directory (data/lock.py) against real processes: a live holder is named and
+"""One writer per directory (data/common/lock.py) against real processes: a live holder is named and
 refused, a SIGKILLed one is reported as stale and taken over."""
 
 import json
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from eyas.data.lock import DirectoryLocked, DirLock, dir_lock, lock_path
+from eyas.data.common.lock import DirectoryLocked, DirLock, dir_lock, lock_path
 from eyas.train.cli import main
 
 

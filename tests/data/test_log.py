@@ -9,9 +9,9 @@ import re
 import pytest
 
 from eyas.data import log as eyas_log
-from eyas.data.format import DatasetError
-from eyas.data.targets import target_dtype_name
-from eyas.data.log import (PROGRESS, error_exit_status, error_message, run_command,
+from eyas.data.store.format import DatasetError
+from eyas.data.common.targets import target_dtype_name
+from eyas.data.common.log import (PROGRESS, error_exit_status, error_message, run_command,
                            setup_logging)
 
 STAMP = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} ")
@@ -100,7 +100,7 @@ def test_progress_records_to_a_closed_stream_are_dropped_not_raised():
     import io
     import logging
 
-    from eyas.data.log import PROGRESS, TerminalProgressFilter
+    from eyas.data.common.log import PROGRESS, TerminalProgressFilter
     stream = io.StringIO()
     f = TerminalProgressFilter(stream)
     rec = logging.LogRecord("eyas.x", logging.INFO, __file__, 1, "done %d", (1,), None)
@@ -111,7 +111,7 @@ def test_progress_records_to_a_closed_stream_are_dropped_not_raised():
 
 
 def test_log_every_is_due_once_per_interval(monkeypatch):
-    from eyas.data import utils
+    from eyas.data.common import utils
     now = [100.0]
     monkeypatch.setattr(utils.time, "perf_counter", lambda: now[0])
     every = utils.LogEvery()

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from eyas.data.extract import extract
-from eyas.data.outdir import PLAN_NAME
-from eyas.data.prepare import prepare
-from eyas.data.shards import write_manifest, write_shard
+from eyas.data.build.extract import extract
+from eyas.data.build.outdir import PLAN_NAME
+from eyas.data.build.prepare import prepare
+from eyas.data.store.shards import write_manifest, write_shard
 from eyas.train.cli import main
 
 from tests.ports import free_port
@@ -71,7 +71,7 @@ def test_prepare_refuses_hidden_shards_without_a_plan(tmp_path):
 
 
 def test_prepare_still_clears_its_own_unfinished_run(tmp_path):
-    from eyas.data.targets import load_tokenizer
+    from eyas.data.common.targets import load_tokenizer
     out = tmp_path / "tok"
     write_shard(out, 5, [{"input_ids": torch.arange(3, dtype=torch.int32),
                           "loss_mask": torch.ones(3, dtype=torch.bool)}])
@@ -124,7 +124,7 @@ def test_extract_refuses_its_own_input(tmp_path, monkeypatch, capsys, spelling):
 
 @pytest.mark.slow
 def test_a_two_rank_extract_is_one_writer(tmp_path, lock_holder):
-    """`accelerate launch -m eyas.data.extract` with 2 CPU ranks: rank 0 takes the lock for
+    """`accelerate launch -m eyas.data.build.extract` with 2 CPU ranks: rank 0 takes the lock for
     both; a held directory stops both ranks at once with the holder's line, none writes."""
     import subprocess
     import sys
@@ -134,7 +134,7 @@ def test_a_two_rank_extract_is_one_writer(tmp_path, lock_holder):
     env.pop("TRITON_INTERPRET", None)
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu",
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "eyas.data.extract",
+           "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", "eyas.data.build.extract",
            "--tokens", str(tokens), "--target", "tiny-llama", "--out", str(out),
            "--device", "cpu", "--shard-tokens", "8"]
     holder = lock_holder(out)

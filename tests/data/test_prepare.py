@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from eyas.data.prepare import PrepareError, prepare
-from eyas.data.shards import open_dataset
-from eyas.data.templates import available_templates, load_template, template_sha256
-from eyas.data.targets import load_tokenizer
+from eyas.data.build.prepare import PrepareError, prepare
+from eyas.data.store.shards import open_dataset
+from eyas.data.common.templates import available_templates, load_template, template_sha256
+from eyas.data.common.targets import load_tokenizer
 
 
 @pytest.fixture(scope="module")

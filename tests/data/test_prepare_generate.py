@@ -6,10 +6,10 @@ import logging
 import pytest
 import torch
 
-from eyas.data.generate import generate_conversations, scan_done
-from eyas.data.prepare import PrepareError, prepare
-from eyas.data.shards import open_dataset
-from eyas.data.targets import load_target
+from eyas.data.build.generate import generate_conversations, scan_done
+from eyas.data.build.prepare import PrepareError, prepare
+from eyas.data.store.shards import open_dataset
+from eyas.data.common.targets import load_target
 
 PROMPTS = [
     {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
@@ -59,8 +59,8 @@ def test_every_user_turn_answered_in_order(tmp_path, tiny):
 
 def test_progress_is_logged_per_generate_call_with_turns_of_the_total(tmp_path, tiny, caplog,
                                                                         monkeypatch):
-    monkeypatch.setattr("eyas.data.utils.PROGRESS_LOG_EVERY_S", 0.0)
-    with caplog.at_level(logging.INFO, logger="eyas.data.generate"):
+    monkeypatch.setattr("eyas.data.common.utils.PROGRESS_LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="eyas.data.build.generate"):
         gen(tmp_path, tiny, tmp_path / "conv.jsonl", batch_size=2)
     done = [m.split(" turns")[0].split(": ")[1] for m in caplog.messages
             if m.startswith("generate: ")]
@@ -71,10 +71,10 @@ def test_progress_is_logged_per_generate_call_with_turns_of_the_total(tmp_path, 
 def test_progress_counts_the_turns_an_empty_answer_drops(tmp_path, tiny, caplog, monkeypatch):
     """Every token stops generation, so every answer is empty: b's second turn is never asked,
     and the last line says so and has nothing left to wait for."""
-    monkeypatch.setattr("eyas.data.utils.PROGRESS_LOG_EVERY_S", 0.0)
+    monkeypatch.setattr("eyas.data.common.utils.PROGRESS_LOG_EVERY_S", 0.0)
     vocab = tiny[0].config.vocab_size
-    monkeypatch.setattr("eyas.data.generate._stop_ids", lambda model, tok: list(range(vocab)))
-    with caplog.at_level(logging.INFO, logger="eyas.data.generate"):
+    monkeypatch.setattr("eyas.data.build.generate._stop_ids", lambda model, tok: list(range(vocab)))
+    with caplog.at_level(logging.INFO, logger="eyas.data.build.generate"):
         out = gen(tmp_path, tiny, tmp_path / "conv.jsonl", batch_size=3)
     progress = [m for m in caplog.messages if m.startswith("generate: ")]
     assert len(progress) == 1 and progress[0].startswith("generate: 3/4 turns answered (1 dropped)")
@@ -89,12 +89,12 @@ def test_time_left_leaves_out_the_dropped_turns(monkeypatch, caplog, counts, lef
     """Of 4 turns, 2 answered in 30 s: 2 left take 30 s; with 1 of them dropped, 15 s."""
     from collections import Counter
 
-    from eyas.data import generate
+    from eyas.data.build import generate
     now = [0.0]
     monkeypatch.setattr(generate.time, "perf_counter", lambda: now[0])
     progress = generate._Progress(4, Counter(counts))
     now[0] = 30.0
-    with caplog.at_level(logging.INFO, logger="eyas.data.generate"):
+    with caplog.at_level(logging.INFO, logger="eyas.data.build.generate"):
         progress()
     assert caplog.messages[-1].endswith(f"about {left} s left")
 
@@ -106,7 +106,7 @@ def test_resume_skips_done_ids_and_discards_partial_line(tmp_path, tiny, caplog)
                                                             "content": "KEPT"}])
     partial = json.dumps(ref[1])[:40]                     # a crash in the middle of line 2
     out.write_text(json.dumps(kept) + "\n" + partial)
-    with caplog.at_level(logging.WARNING, logger="eyas.data.generate"):
+    with caplog.at_level(logging.WARNING, logger="eyas.data.build.generate"):
         gen(tmp_path, tiny, out)
     assert "discarding a partial last line" in caplog.text
     got = lines(out)
@@ -156,7 +156,7 @@ def test_prepare_generate_end_to_end(tmp_path, tiny):
 
 def test_answer_sampling_of_mixed_records(tmp_path):
     """Records answered at different settings are counted per setting; others not at all."""
-    from eyas.data.targets import load_tokenizer
+    from eyas.data.common.targets import load_tokenizer
     recs = [{"id": str(i), "messages": [{"role": "user", "content": "Hi."},
                                         {"role": "assistant", "content": "Hello."}],
              **({"generation": {"temperature": t, "top_p": 0.9}} if t is not None else {})}
@@ -210,7 +210,7 @@ def test_static_cache_answers_match_the_dynamic_ones_on_smollm2(tmp_path, monkey
 
 
 def test_static_batches_return_one_answer_per_prompt_and_refuse_what_does_not_fit(tiny):
-    from eyas.data.generate import _generate_batch
+    from eyas.data.build.generate import _generate_batch
     model, tok = tiny
     kw = dict(stop=[0], max_new_tokens=2, temperature=0.0, top_p=1.0, cache="static")
     assert len(_generate_batch(model, tok, ["a b", "c"], rows=4, prompt_tokens=64, **kw)) == 2
@@ -223,7 +223,7 @@ def test_static_batches_return_one_answer_per_prompt_and_refuse_what_does_not_fi
 
 
 def test_new_token_count_includes_the_stop_token_once():
-    from eyas.data.generate import _generate_batch
+    from eyas.data.build.generate import _generate_batch
 
     class Tok:
         padding_side, pad_token_id = "right", 0

@@ -12,9 +12,9 @@ import multiprocessing
 
 import pytest
 
-from eyas.data import encoding
-from eyas.data.prepare import PrepareError, build_parser, prepare
-from eyas.data.targets import load_tokenizer
+from eyas.data.build import encoding
+from eyas.data.build.prepare import PrepareError, build_parser, prepare
+from eyas.data.common.targets import load_tokenizer
 
 from tests.data.test_prepare import BAD, GOOD, TWO_TURNS, chat, write_jsonl
 
@@ -73,8 +73,8 @@ def test_pool_writes_the_same_dataset_as_one_process(tmp_path, tok, small_chunks
 
 def test_replayed_logs_once_only_events_once_and_the_rest_each_time(caplog):
     renderer = type("R", (), {"reasoning_dropped": 1})()
-    once = ("eyas.data.templates", logging.WARNING, "first seen in %s", "first seen in a:1", True)
-    every = ("eyas.data.records", logging.WARNING, "line %d", "line 7", False)
+    once = ("eyas.data.common.templates", logging.WARNING, "first seen in %s", "first seen in a:1", True)
+    every = ("eyas.data.build.records", logging.WARNING, "line %d", "line 7", False)
     seen: set = set()
     with caplog.at_level(logging.WARNING, logger="eyas"):
         for n in (2, 3):

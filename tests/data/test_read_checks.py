@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from eyas.data.format import DatasetError, parse_header
-from eyas.data.loader import PackedLoader
-from eyas.data.shards import open_dataset, shard_name, write_manifest, write_shard
+from eyas.data.store.format import DatasetError, parse_header
+from eyas.data.store.loader import PackedLoader
+from eyas.data.store.shards import open_dataset, shard_name, write_manifest, write_shard
 
 from tests.data.test_loader import check_batch, make_dataset
 

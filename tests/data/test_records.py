@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from eyas.data.prepare import PrepareError, prepare
-from eyas.data.shards import open_dataset
-from eyas.data.targets import load_tokenizer
+from eyas.data.build.prepare import PrepareError, prepare
+from eyas.data.store.shards import open_dataset
+from eyas.data.common.targets import load_tokenizer
 from eyas.train.cli import main
 
 
@@ -157,7 +157,7 @@ def test_bom_and_crlf_lines_are_read(tmp_path, tok):
 
 
 def test_bad_byte_after_a_bom_is_named_at_its_raw_offset():
-    from eyas.data.records import parse_line
+    from eyas.data.build.records import parse_line
     msg = "bad_encoding: not valid UTF-8 (byte 0xff at byte {} of the line); re-encode the file " \
           "as UTF-8"
     assert str(parse_line(1, b'\xef\xbb\xbf{"a":"\xff"}\n')) == msg.format(10)
@@ -167,7 +167,7 @@ def test_bad_byte_after_a_bom_is_named_at_its_raw_offset():
 
 
 def test_synthesize_prompt_files_name_file_line(tmp_path):
-    from eyas.data.synthesize import prompt_texts
+    from eyas.data.build.synthesize import prompt_texts
     good = write_lines(tmp_path / "ok.jsonl", [
         msgs("Why is the sky blue?"), {"conversations": [{"from": "human", "value": "Hi there"}]}])
     assert prompt_texts(good) == ["Why is the sky blue?", "Hi there"]
@@ -180,7 +180,7 @@ def test_synthesize_prompt_files_name_file_line(tmp_path):
 def test_generate_reads_prompts_the_same_way(tmp_path, caplog):
     """`eyas prepare --generate`'s reader: file:line in raise mode, counted in skip mode (with
     nothing left to answer, no model is loaded)."""
-    from eyas.data.generate import generate_conversations
+    from eyas.data.build.generate import generate_conversations
     src = write_lines(tmp_path / "p.jsonl", [BAD["not_utf8"][1], BAD["reasoning_int"][1]])
     with pytest.raises(PrepareError, match=r"p\.jsonl:1: bad_encoding: "):
         generate_conversations(src, "no-such-target", tmp_path / "g.jsonl")

@@ -88,7 +88,7 @@ def smollm2_dir():
     problem = _serve_problem()
     if problem:
         pytest.skip(problem)
-    from eyas.data.targets import resolve_target
+    from eyas.data.common.targets import resolve_target
     try:
         return resolve_target("smollm2")
     except FileNotFoundError as e:
@@ -174,7 +174,7 @@ def test_answers_every_prompt_with_card_and_prepare_reads_it(server, tmp_path):
     assert r.returncode == 2 and "temperature=0.0" in r.stderr and "temperature=0.7" in r.stderr
     assert out.read_bytes() == before
 
-    from eyas.data.prepare import prepare
+    from eyas.data.build.prepare import prepare
     summary = prepare(out, "smollm2", tmp_path / "tokens")
     assert summary["conversations"] == 4
     manifest = json.loads((tmp_path / "tokens" / "manifest.json").read_text())
@@ -210,7 +210,7 @@ def test_kill9_then_resume_writes_each_record_once(server, tmp_path):
 
 
 def test_assistant_message_keeps_reasoning_and_tool_calls_as_returned():
-    from eyas.data.served import _assistant_message
+    from eyas.data.build.served import _assistant_message
     call = [{"id": "c1", "type": "function",
              "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]
     got = _assistant_message({"role": "assistant", "content": None, "reasoning_content": "hm",
@@ -223,7 +223,7 @@ def test_assistant_message_keeps_reasoning_and_tool_calls_as_returned():
 
 
 def test_prepare_refuses_an_unfinished_output(tmp_path):
-    from eyas.data.prepare import PrepareError, prepare
+    from eyas.data.build.prepare import PrepareError, prepare
     partial = tmp_path / "conv.jsonl.partial"
     partial.write_text(json.dumps({"id": "a", "messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
@@ -234,7 +234,7 @@ def test_prepare_refuses_an_unfinished_output(tmp_path):
 def test_a_second_writer_of_one_output_is_refused(tmp_path):
     import fcntl
 
-    from eyas.data.served import lock_path
+    from eyas.data.build.served import lock_path
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:1])
     out = tmp_path / "conv.jsonl"
     with open(lock_path(out), "w") as held:   # as a running `eyas generate` holds it
@@ -304,7 +304,7 @@ def test_main_job_data_stage_takes_answers_from_the_endpoint(server, tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from eyas.data.targets import default_device
+    from eyas.data.common.targets import default_device
     from eyas.train.config import register
     from eyas.train.pipeline import _embedded_key, build_embedded_dataset
     from eyas.train.resolve import resolve
@@ -333,12 +333,12 @@ def test_main_job_data_stage_takes_answers_from_the_endpoint(server, tmp_path):
 
 def test_progress_lines_come_on_a_clock_with_the_time_left(monkeypatch, caplog):
     """A line at most every PROGRESS_LOG_EVERY_S (30 s) and one at the end, not per tenth."""
-    from eyas.data import served
+    from eyas.data.build import served
     now = [0.0]
     monkeypatch.setattr(served.time, "perf_counter", lambda: now[0])
     progress = served._Progress(4)
     rec = {"generation": {"usage": [{"completion_tokens": 10}], "truncated": False}}
-    with caplog.at_level(logging.INFO, logger="eyas.data.served"):
+    with caplog.at_level(logging.INFO, logger="eyas.data.build.served"):
         for t in (10.0, 30.0, 40.0, 50.0):
             now[0] = t
             progress.add(rec)

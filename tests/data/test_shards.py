@@ -9,9 +9,9 @@ import safetensors.torch
 import torch
 
 from eyas import data
-from eyas.data import shards
-from eyas.data.format import MANIFEST_NAME
-from eyas.data.shards import (DatasetError, open_dataset, read_shard_meta, shard_name, write_manifest,
+from eyas.data.store import shards
+from eyas.data.store.format import MANIFEST_NAME
+from eyas.data.store.shards import (DatasetError, open_dataset, read_shard_meta, shard_name, write_manifest,
                          write_shard)
 
 TH = 16  # target hidden size (real: 4096 for Llama-3.1-8B)
@@ -84,7 +84,7 @@ def test_fp8_round_trip_within_bound(tmp_path):
     _, metas16 = write_dataset(tmp_path / "bf16", [[6, 11]])
     assert metas[0]["fields"]["aux"]["stored_dtype"] == "float8_e4m3fn"
     # aux payload halves: 3*tH bytes per token fewer, plus a 12-byte fp32 scale per token
-    from eyas.data.format import parse_header
+    from eyas.data.store.format import parse_header
     payload = {fmt: {n: e.nbytes for n, e in parse_header(tmp_path / fmt / shard_name(0))
                      .tensors.items()} for fmt in ("fp8", "bf16")}
     T = 17
@@ -326,7 +326,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_atomic_write_helpers(tmp_path):
-    from eyas.data.utils import atomic_write_dir, atomic_write_json
+    from eyas.data.common.utils import atomic_write_dir, atomic_write_json
     p = atomic_write_json(tmp_path / "a" / "x.json", {"b": [1, 2]})
     assert json.loads(p.read_text()) == {"b": [1, 2]}
     with pytest.raises(ValueError):
@@ -347,7 +347,7 @@ def test_atomic_write_helpers(tmp_path):
 def test_atomic_write_dir_modes(tmp_path):
     import os
 
-    from eyas.data.utils import atomic_write_dir
+    from eyas.data.common.utils import atomic_write_dir
     old = os.umask(0o027)
     try:
         d = atomic_write_dir(tmp_path / "d", lambda t: (t / "f").write_text("1"))
@@ -411,7 +411,7 @@ def test_dataset_pickles_without_open_shards(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
                                    torch.float64, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_nonfinite_rows_match_an_elementwise_check(dtype):
-    from eyas.data.format import nonfinite_tokens
+    from eyas.data.store.format import nonfinite_tokens
     x = torch.randn(40, 3, 8, dtype=torch.float64) * 100
     x[0] = torch.finfo(dtype).max                     # the largest finite values stay finite
     x[1] = -torch.finfo(dtype).max

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from eyas.data.format import MANIFEST_NAME
-from eyas.data.inspect import cli_main, summarize
-from eyas.data.shards import write_manifest, write_shard
+from eyas.data.store.format import MANIFEST_NAME
+from eyas.data.store.inspect import cli_main, summarize
+from eyas.data.store.shards import write_manifest, write_shard
 
 TH = 16  # target hidden (real: 4096)
 

@@ -8,10 +8,10 @@ import torch
 
 import random
 
-from eyas.data.synthesize import (LIST_HEADER, _end_of_line, _fold, example_list, line_break_ids,
+from eyas.data.build.synthesize import (LIST_HEADER, _end_of_line, _fold, example_list, line_break_ids,
                                   prompt_openers, prompt_texts, synthesize_prompts,
                                   user_turn_prefix)
-from eyas.data.targets import load_target
+from eyas.data.common.targets import load_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,8 +52,8 @@ def test_distinct_reproducible_prompts_and_exclusion(tmp_path, smollm2):
 
 def test_progress_lines_count_kept_prompts_and_batches(tmp_path, smollm2, caplog, monkeypatch):
     model, tok = smollm2
-    monkeypatch.setattr("eyas.data.utils.PROGRESS_LOG_EVERY_S", 0.0)
-    with caplog.at_level(logging.INFO, logger="eyas.data.synthesize"):
+    monkeypatch.setattr("eyas.data.common.utils.PROGRESS_LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="eyas.data.build.synthesize"):
         synthesize_prompts(model, tok, 5, tmp_path / "a.jsonl", max_new_tokens=40, batch_size=4,
                            seed=3)
     lines = [m for m in caplog.messages if m.startswith("synthesize: ")]

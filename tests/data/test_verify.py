@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-from eyas.data.extract import extract
-from eyas.data.prepare import prepare
-from eyas.data.shards import open_dataset, write_manifest, write_shard
-from eyas.data.targets import build_random_target, load_target, load_tokenizer
-from eyas.data.verify import verify
-from eyas.data.verify_checks import state_check
+from eyas.data.build.extract import extract
+from eyas.data.build.prepare import prepare
+from eyas.data.store.shards import open_dataset, write_manifest, write_shard
+from eyas.data.common.targets import build_random_target, load_target, load_tokenizer
+from eyas.data.build.verify import verify
+from eyas.data.build.verify_checks import state_check
 from eyas.train.cli import main
 
 # token lengths 38 38 39 39 41 40 38: with shard_tokens=80 the hidden shards are

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from eyas.data.shards import open_dataset, write_manifest, write_shard
-from eyas.data.vocab import (build_vocab, cli_main, count_tokens, load_vocab, save_vocab,
+from eyas.data.store.shards import open_dataset, write_manifest, write_shard
+from eyas.data.build.vocab import (build_vocab, cli_main, count_tokens, load_vocab, save_vocab,
                              special_token_ids)
-from eyas.data.vocab_map import VocabMap
+from eyas.data.store.vocab_map import VocabMap
 
 
 def test_selection_ties_and_forced():
@@ -173,7 +173,7 @@ def test_cli_v_from_target_config_not_tokenizer(tmp_path, capsys):
 
 
 def test_special_token_ids_smollm2():
-    from eyas.data.targets import load_tokenizer
+    from eyas.data.common.targets import load_tokenizer
     tok = load_tokenizer("smollm2")
     ids = special_token_ids(tok)
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])

@@ -8,7 +8,7 @@ import torch
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.engine_rope import engine_rope_params
-from eyas.data.targets import PRESETS, default_aux_layer_ids, load_target_config, text_config
+from eyas.data.common.targets import PRESETS, default_aux_layer_ids, load_target_config, text_config
 
 # (heads, kv heads, head_dim, intermediate) the presets must produce
 EXPECTED_SHAPE = {

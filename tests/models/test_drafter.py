@@ -5,7 +5,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter, apply_rope, rope_inv_freq
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 from eyas.models.ttt import shifted_for_steps, step_positions, step_tokens, structural_valid
 
 # 6-token packed batch: document 0 = (10 11 12), document 1 = (20 21), one padding row
@@ -106,7 +106,7 @@ def test_bf16_parameters_run_and_stay_close_to_fp32():
 
 
 def test_forward_batch_uses_loader_batch():
-    from eyas.data.loader import Batch
+    from eyas.data.store.loader import Batch
     drafter = _tiny()
     ids, aux, doc, pos = _packed(seed=4)
     batch = Batch(input_ids=ids, loss_mask=torch.ones(30, dtype=torch.bool), doc_ids=doc,

@@ -6,7 +6,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 
 
 def _drafter(device="cpu", dtype=torch.float32, **kw):

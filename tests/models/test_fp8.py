@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.fp8 import FP8_LAYERS, convert_drafter_to_float8

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.data.shards import write_manifest, write_shard
-from eyas.data.targets import default_aux_layer_ids, load_target, load_target_config
+from eyas.data.store.shards import write_manifest, write_shard
+from eyas.data.common.targets import default_aux_layer_ids, load_target, load_target_config
 
 PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts" / "default.jsonl"
 
@@ -68,7 +68,7 @@ def tiny_llama_dataset(tmp_path_factory):
 @pytest.fixture(scope="session")
 def nan_dataset(tmp_path_factory, tiny_llama_dataset):
     """The tiny dataset with NaN aux states in every sample (written without the finite check)."""
-    from eyas.data.dataset import open_dataset
+    from eyas.data.store.dataset import open_dataset
     src = open_dataset(tiny_llama_dataset)
     out = tmp_path_factory.mktemp("hs") / "nan"
     samples = []
@@ -87,7 +87,7 @@ def preset_hub_cache(hub_cache):
     safetensors index naming two shards, and (a stub of) the one with the embedding and the
     lm_head: what the config check of a training-only job asks for, as a partial download of
     a large model leaves it (the other shard, the decoder layers, is absent)."""
-    from eyas.data.targets import HUB_IDS
+    from eyas.data.common.targets import HUB_IDS
     for preset, repo in HUB_IDS.items():
         index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "s1.safetensors",
                                                 "lm_head.weight": "s1.safetensors",

@@ -4,8 +4,8 @@ point that excludes the batch held ahead, across epoch boundaries."""
 import pytest
 import torch
 
-from eyas.data.loader import PackedLoader
-from eyas.data.shards import open_dataset, write_manifest, write_shard
+from eyas.data.store.loader import PackedLoader
+from eyas.data.store.shards import open_dataset, write_manifest, write_shard
 from eyas.train.batches import DeviceBatches
 
 from tests.train.test_epochs import _dataset

@@ -15,9 +15,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from eyas.data.dataset import open_dataset
-from eyas.data.shards import write_manifest, write_shard
-from eyas.data.vocab import count_tokens
+from eyas.data.store.dataset import open_dataset
+from eyas.data.store.shards import write_manifest, write_shard
+from eyas.data.build.vocab import count_tokens
 from eyas.models.serving.card import CARD, PROVENANCE, serve_commands
 from eyas.models.serving.validate import validate
 from eyas.train.cli import main

@@ -11,8 +11,8 @@ from enum import Enum
 
 import pytest
 
-from eyas.data import extract, importers, prepare, served_cli, synthesize, vocab
-from eyas.data.settings import GenerationSettings
+from eyas.data.build import extract, importers, prepare, served_cli, synthesize, vocab
+from eyas.data.common.settings import GenerationSettings
 from eyas.models.serving import doctor, export, validate
 from eyas.models.serving.engines.cli import build_check_parser
 from eyas.train import evaluate_cli as evaluate
@@ -135,5 +135,5 @@ def test_embedded_default_overrides_only_the_answer_shape():
 def test_unset_cache_dir_is_the_schema_default():
     from pathlib import Path
 
-    from eyas.data.targets import DEFAULT_CACHE_DIR
+    from eyas.data.common.targets import DEFAULT_CACHE_DIR
     assert DEFAULT_CACHE_DIR == Path(EyasConfig(output_dir="x").data.cache_dir).expanduser()

@@ -11,7 +11,7 @@ import pytest
 
 from eyas.data import (extract, importers, inspect, prepare, served_cli, synthesize, verify,
                        vocab)
-from eyas.data.log import HelpFormatter
+from eyas.data.common.log import HelpFormatter
 from eyas.models.serving import doctor, export, validate
 from eyas.models.serving.engines import cli as engines_cli
 from eyas.train import evaluate_cli as evaluate
@@ -43,7 +43,7 @@ WRONG_PATH = {
 def clean_export(tmp_path_factory):
     import torch
 
-    from eyas.data.targets import load_target_config
+    from eyas.data.common.targets import load_target_config
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
     from eyas.models.serving.export import export_drafter

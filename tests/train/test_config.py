@@ -114,10 +114,10 @@ def test_bf16_moments_are_refused_where_no_master_weight_update_runs():
 
 
 @pytest.mark.parametrize("path,suffix", [("train/config.py", "Config"),
-                                         ("data/settings.py", "Settings")])
+                                         ("data/common/settings.py", "Settings")])
 def test_every_field_is_documented(path, suffix):
     """Each schema field carries a docstring line right under it (train/config.py and the
-    data-side settings it extends, data/settings.py)."""
+    data-side settings it extends, data/common/settings.py)."""
     import ast
     tree = ast.parse((ROOT / path).read_text())
     missing = []
@@ -177,7 +177,7 @@ def test_every_target_preset_builds_a_drafter_on_meta(preset, preset_hub_cache):
 
     from eyas.models.config import Eagle3Config
     from eyas.models.drafter import Eagle3Drafter
-    from eyas.data.targets import load_target_config, text_config
+    from eyas.data.common.targets import load_target_config, text_config
 
     cfg = _compose([f"target={preset}", "data.dataset=/data/hs", "eval.speculative=false"])
     check(cfg)

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eyas.data.dataset import open_dataset
-from eyas.data.packing import split_indices
-from eyas.data.targets import load_target_config
-from eyas.data.vocab import cli_main as vocab_main, load_vocab
+from eyas.data.store.dataset import open_dataset
+from eyas.data.store.packing import split_indices
+from eyas.data.common.targets import load_target_config
+from eyas.data.build.vocab import cli_main as vocab_main, load_vocab
 from eyas.models.serving.export import export_drafter
 from eyas.train.config import DataConfig, TargetConfig
 from eyas.train.evaluate_cli import cli_main as evaluate_main, scored_samples
@@ -71,7 +71,7 @@ def test_evaluate_cli_scores_the_held_out_split_and_says_so(tiny_drafter, tiny_l
     assert json.loads(f.read_text())["num_samples"] == 24
     assert "scoring 24 of 24 samples" in capsys.readouterr().out
     # a split that holds no sample is an error, not a table of n/a
-    from eyas.data.shards import write_manifest, write_shard
+    from eyas.data.store.shards import write_manifest, write_shard
     src = open_dataset(tiny_llama_dataset)
     one = tmp_path / "one"
     write_manifest(one, dict(src.manifest), [write_shard(one, 0, [src[0]])])

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.data.dataset import open_dataset
+from eyas.data.store.dataset import open_dataset
 from eyas.data.engine.venvs import ready_info, runtime_engine, venv_dir
 
 pytestmark = [pytest.mark.engine_run, pytest.mark.slow]
@@ -87,8 +87,8 @@ def test_served_counts_equal_eyas(memorised, tmp_path, k):
 @pytest.fixture(scope="module")
 def captured(memorised, tmp_path_factory):
     """(tokens, engine dataset, HF dataset) of the memorised run's token dataset, two shards."""
-    from eyas.data.engine_capture import extract_engine
-    from eyas.data.extract import extract
+    from eyas.data.build.engine_capture import extract_engine
+    from eyas.data.build.extract import extract
     root, _, _ = memorised
     tokens = root / "tokens"
     base = tmp_path_factory.mktemp("capture")
@@ -123,8 +123,8 @@ def test_engine_capture_equals_hf(captured):
 
 
 def test_verify_passes_and_a_planted_off_by_one_fails(captured, tmp_path):
-    from eyas.data.engine_capture import extract_engine
-    from eyas.data.verify import verify
+    from eyas.data.build.engine_capture import extract_engine
+    from eyas.data.build.verify import verify
     tokens, engine, _ = captured
     assert verify(engine, "smollm2", samples=4)["ok"]
     planted = tmp_path / "planted"     # the engine's layer k + 1 stored as layer k
@@ -153,7 +153,7 @@ def _alive(pid: int) -> bool:
 
 def _start_capture(tokens: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "eyas.data.extract", "--tokens", str(tokens), "--target",
+        [sys.executable, "-m", "eyas.data.build.extract", "--tokens", str(tokens), "--target",
          "smollm2", "--out", str(out), "--engine", "vllm", "--dtype", "float32",
          "--teacher", "both", "--topk", "8", "--shard-tokens", "200"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
@@ -197,7 +197,7 @@ def test_kill_minus_9_then_resume(captured, tmp_path, victim):
         last = err.strip().splitlines()[-1]
         assert "vllm" in last and "exited with status -9" in last and "resume" in last, last
     assert not (out / "manifest.json").exists()
-    from eyas.data.shards import read_shard_meta
+    from eyas.data.store.shards import read_shard_meta
     kept = sorted(out.glob("shard-*.safetensors"))
     assert kept and all(read_shard_meta(f)["n_samples"] > 0 for f in kept)   # none torn
     again = _start_capture(tokens, out)
@@ -213,8 +213,8 @@ def test_kill_minus_9_then_resume(captured, tmp_path, victim):
 
 def test_deepseek_v3_miniature(memorised, tmp_path):
     """MLA + MoE through the engine: capture, verify against transformers, train, decode."""
-    from eyas.data.engine_capture import extract_engine
-    from eyas.data.verify import verify
+    from eyas.data.build.engine_capture import extract_engine
+    from eyas.data.build.verify import verify
     root, _, _ = memorised
     ds = tmp_path / "ds"
     extract_engine(root / "tokens", "tiny-deepseek-v3", ds, dtype="float32")

@@ -2,8 +2,8 @@
 
 import torch
 
-from eyas.data.loader import PackedLoader
-from eyas.data.shards import open_dataset, write_manifest, write_shard
+from eyas.data.store.loader import PackedLoader
+from eyas.data.store.shards import open_dataset, write_manifest, write_shard
 from eyas.train.batches import one_pass
 
 

@@ -8,14 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eyas.data.dataset import open_dataset
-from eyas.data.loader import PackedLoader
-from eyas.data.prompts import prompts_path
+from eyas.data.store.dataset import open_dataset
+from eyas.data.store.loader import PackedLoader
+from eyas.data.build.prompts import prompts_path
 from eyas.models.serving.export import export_drafter
 from eyas.models.context import DEFAULT_EDGES, context_scalars, context_table
 from eyas.models.metrics import COUNT_KEYS, accept_counts, chain_counts, summarize, tau_curves
 from eyas.models.objective import metric_mask
-from eyas.data.targets import load_embedding_and_head, load_target_config
+from eyas.data.common.targets import load_embedding_and_head, load_target_config
 from eyas.models.ttt import structural_valid
 from eyas.train.evaluate import draft_argmax, offline_eval
 from eyas.train.evaluate_cli import cli_main

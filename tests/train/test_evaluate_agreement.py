@@ -35,18 +35,18 @@ What must agree, and why they may differ:
 import pytest
 import torch
 
-from eyas.data.dataset import open_dataset
-from eyas.data.extract import extract
-from eyas.data.loader import PackedLoader
-from eyas.data.prompts import prompts_path
-from eyas.data.shards import write_manifest, write_shard
+from eyas.data.store.dataset import open_dataset
+from eyas.data.build.extract import extract
+from eyas.data.store.loader import PackedLoader
+from eyas.data.build.prompts import prompts_path
+from eyas.data.store.shards import write_manifest, write_shard
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.models.objective import metric_mask
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, speculative_decode, stop_token_ids)
-from eyas.data.targets import default_aux_layer_ids, load_target
+from eyas.data.common.targets import default_aux_layer_ids, load_target
 from eyas.train.evaluate import load_prompts, load_training_drafter, offline_eval
 from eyas.train.evaluate_sampling import offline_sampling_eval
 

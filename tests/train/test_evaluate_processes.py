@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from eyas.data.targets import load_target
+from eyas.data.common.targets import load_target
 from eyas.models.serving.specdec import decode_prompts, load_engine_drafter, stop_token_ids
 from eyas.train.decode_pool import DecodePool, decode_in_processes, decode_job
 from eyas.train.evaluate import json_safe, load_prompts, speculative_eval
@@ -127,7 +127,7 @@ def test_a_worker_that_cannot_load_reports_the_loading_error(tmp_path, prompts_f
 
 _OWNER = """
 import sys
-from eyas.data.targets import load_tokenizer
+from eyas.data.common.targets import load_tokenizer
 from eyas.train.decode_pool import DecodePool, decode_job
 if __name__ == "__main__":
     tok = load_tokenizer("tiny-llama")

@@ -17,11 +17,11 @@ import json
 import pytest
 import torch
 
-from eyas.data.dataset import open_dataset
-from eyas.data.extract import extract
-from eyas.data.prompts import prompts_path
-from eyas.data.shards import write_manifest, write_shard
-from eyas.data.targets import load_embedding_and_head, load_target
+from eyas.data.store.dataset import open_dataset
+from eyas.data.build.extract import extract
+from eyas.data.build.prompts import prompts_path
+from eyas.data.store.shards import write_manifest, write_shard
+from eyas.data.common.targets import load_embedding_and_head, load_target
 from eyas.models.expected_tau import ratio_se_of
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                                          load_engine_drafter, speculative_decode)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data.format import parse_header
-from eyas.data.checksums import CHECKSUMS_NAME
-from eyas.data.shards import open_dataset, shard_name, write_manifest, write_shard
+from eyas.data.store.format import parse_header
+from eyas.data.common.checksums import CHECKSUMS_NAME
+from eyas.data.store.shards import open_dataset, shard_name, write_manifest, write_shard
 from eyas.models.serving.contract import ExportError
 from eyas.models.serving.export import export_checkpoint
 from eyas.train import checkpoint as ckpt

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 from eyas.models.config import Eagle3Config
 from eyas.train.limits import ttt_activation_bytes, ttt_memory_error
 from eyas.train.resolve import Resolved

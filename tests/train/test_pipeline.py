@@ -9,9 +9,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from eyas.data.prompts import prompts_path
-from eyas.data.shards import open_dataset
-from eyas.data.targets import default_device
+from eyas.data.build.prompts import prompts_path
+from eyas.data.store.shards import open_dataset
+from eyas.data.common.targets import default_device
 from eyas.train.config import ConfigError, check, register
 from eyas.train.resolve import resolve
 from eyas.train.pipeline import _embedded_key, build_embedded_dataset
@@ -124,7 +124,7 @@ def test_sampled_ids_without_record_ids_follow_generate(tmp_path):
     src = tmp_path / "mine.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
                            for q in ("Say hi.", "Name a color.")))
-    from eyas.data import prepare
+    from eyas.data.build import prepare
     from eyas.train.pipeline import _sampled_prompts
     out = [json.loads(x) for x in _sampled_prompts(prepare, src, 2)]
     assert [r["id"] for r in out] == ["mine.jsonl:1#s1", "mine.jsonl:1#s2",
@@ -166,7 +166,7 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
     first = json.loads(prompts_path("default").read_text().splitlines()[0])["id"]
     assert sorted(recs) == sorted([first, "synth-000000", "synth-000001"])
     held = {" ".join(t.lower().split()) for t in
-            __import__("eyas.data.synthesize", fromlist=["x"]).prompt_texts(prompts_path("heldout"))}
+            __import__("eyas.data.build.synthesize", fromlist=["x"]).prompt_texts(prompts_path("heldout"))}
     for rid in ("synth-000000", "synth-000001"):
         user, answer = recs[rid]["messages"][-2:]
         assert user["role"] == "user" and user["content"].strip()
@@ -176,7 +176,7 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
 
 
 def test_generation_cache_reaches_the_greedy_answers(tmp_path, monkeypatch):
-    from eyas.data import generate
+    from eyas.data.build import generate
     seen, real = [], generate.generate_conversations
 
     def recording(*args, **kw):
@@ -193,7 +193,7 @@ def test_generation_cache_reaches_the_greedy_answers(tmp_path, monkeypatch):
 def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, caplog):
     """Other aux layers are a dataset of their own (its own key and hidden states), but the
     prompts, answers and tokens are copied from the finished one, not generated again."""
-    from eyas.data import generate
+    from eyas.data.build import generate
     base = ["data.num_prompts=3", "data.max_new_tokens=8", f"data.cache_dir={tmp_path}"]
     first = _build(_cfg(*base))
     mark = first.train.parent / "answers.key"
@@ -232,7 +232,7 @@ def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, 
 def _heldout_setup(tmp_path, full_vocab_export, *, prompts: int):
     """A tiny-llama export and the overrides of a CPU held-out walk over `prompts` prompts
     answered to 4 tokens, cached under tmp_path."""
-    from eyas.data.targets import load_target
+    from eyas.data.common.targets import load_target
     model, _ = load_target("tiny-llama", device="cpu")
     export = full_vocab_export(model, tmp_path / "export")
     return export, [f"eval.num_prompts={prompts}", "eval.max_new_tokens=4",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.data.lock import lock_path
+from eyas.data.common.lock import lock_path
 
 from tests.ports import free_port
 

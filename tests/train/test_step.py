@@ -6,11 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from eyas.data.loader import Batch
-from eyas.data.targets import load_target_config
+from eyas.data.store.loader import Batch
+from eyas.data.common.targets import load_target_config
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.ttt import embedding_ids, step_tokens
+from eyas.data.store.packing import embedding_ids
+from eyas.models.ttt import step_tokens
 from eyas.train.config import LossConfig
 from eyas.train.step import TrainingModule, to_device
 

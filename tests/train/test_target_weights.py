@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from eyas.data.targets import HUB_IDS, resolve_target
+from eyas.data.common.targets import HUB_IDS, resolve_target
 from eyas.train.config import ConfigError, check, register
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ import sys
 seen = []
 sys.addaudithook(lambda ev, args: seen.append((ev, str(args)[:120]))
                  if ev in ("socket.connect", "socket.getaddrinfo") else None)
-from eyas.data.targets import load_target, load_target_config, weights_error
+from eyas.data.common.targets import load_target, load_target_config, weights_error
 model, tok = load_target("smollm2")
 load_target_config("smollm2")
 assert weights_error("smollm2", "model") is None
@@ -123,7 +123,7 @@ def test_launch_sh_leaves_hub_access_to_the_user():
 def test_readme_real_model_commands_pass_the_check(preset_hub_cache):
     import json
 
-    from eyas.data.targets import load_target_config
+    from eyas.data.common.targets import load_target_config
     text = (ROOT / "README.md").read_text()
     section = text.split("## Train a drafter for a real model", 1)[1].split("\n## ", 1)[0]
     commands = [c for c in section.replace("\\\n", " ").splitlines()

@@ -96,7 +96,7 @@ def write_target_dir(target_config: dict | str | Path, out: Path) -> Path:
 
     The full config is written (Kimi-K2.5's multimodal wrapper included): the engines resolve
     the target class from it as a server would."""
-    from eyas.data.targets import load_target_config
+    from eyas.data.common.targets import load_target_config
     cfg = target_config if isinstance(target_config, dict) else load_target_config(target_config)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

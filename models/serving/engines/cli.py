@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from eyas.data.log import HelpFormatter
+from eyas.data.common.log import HelpFormatter
 from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, VENV_ENGINES, EngineSetupError,
                                     default_root, disk_usage, ensure_venv, ready_info,
                                     runtime_engine, venv_dir)

@@ -16,7 +16,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.serving.export import export_drafter
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 from eyas.models.serving.contract import CORE_TENSORS, expected_shapes
 
 _spec = importlib.util.spec_from_file_location(

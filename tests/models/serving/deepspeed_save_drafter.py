@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 
 
 def main(out: Path, stage: int) -> None:

@@ -10,8 +10,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from eyas.data.checksums import file_sha256, read_checksums
-from eyas.data.targets import load_target_config
+from eyas.data.common.checksums import file_sha256, read_checksums
+from eyas.data.common.targets import load_target_config
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.card import CARD, PROVENANCE, record_checks, serve_commands

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.data.checksums import write_checksums
-from eyas.data.shards import write_manifest, write_shard
-from eyas.data.templates import template_sha256
+from eyas.data.common.checksums import write_checksums
+from eyas.data.store.shards import write_manifest, write_shard
+from eyas.data.common.templates import template_sha256
 from eyas.models.config import Eagle3Config
 from eyas.models.serving.doctor import cli_main, diagnose, format_report
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 from eyas.train.cli import main
 
 VD = 256
@@ -259,7 +259,7 @@ def test_an_engine_capture_whose_ids_are_not_the_manifests_is_an_error(tcfg, tar
 
 
 def test_an_mla_target_says_what_its_served_check_needs(tcfg, draft_ids, tmp_path):
-    from eyas.data.targets import load_target_config
+    from eyas.data.common.targets import load_target_config
     out = export(tcfg, draft_ids, tmp_path / "export")
     report = diagnose(out, load_target_config("deepseek-v3"), check_values=False)
     assert any(n.startswith("served check: vLLM's CPU build cannot run EAGLE-3 beside an MLA")

@@ -30,7 +30,7 @@ from eyas.data.engine.venvs import EngineSetupError, ensure_venv, file_lock, ven
 from eyas.models.serving.engines.verdicts import verdict, verdict_table
 from eyas.models.serving.engine_rope import EngineRope
 from eyas.models.serving.export import export_drafter
-from eyas.data.targets import load_target_config, text_config
+from eyas.data.common.targets import load_target_config, text_config
 
 from eyas.models.serving.contract import TensorDir
 

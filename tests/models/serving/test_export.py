@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.data.checksums import read_checksums
-from eyas.data.vocab import save_vocab
+from eyas.data.common.checksums import read_checksums
+from eyas.data.build.vocab import save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import (EXPORT_META, ExportError, cli_main, export_checkpoint,
                            export_drafter, serve_commands)
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 from eyas.models.serving.contract import CORE_TENSORS, TensorDir
 from eyas.models.serving.validate import validate
 from eyas.train.cli import main

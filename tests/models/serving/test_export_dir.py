@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.data.lock import sibling_lock_path
-from eyas.data.targets import load_target_config
+from eyas.data.common.lock import sibling_lock_path
+from eyas.data.common.targets import load_target_config
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter

@@ -12,7 +12,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.serving.export import export_drafter
-from eyas.data.targets import load_target_config, text_config
+from eyas.data.common.targets import load_target_config, text_config
 from eyas.models.serving.contract import CORE_TENSORS, TensorDir, expected_shapes
 from eyas.models.serving.validate import validate
 from eyas.models.serving.validate_static import check_config

@@ -16,7 +16,7 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.models.serving.importer import import_drafter, read_drafter_dir
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 from eyas.models.serving.contract import CORE_TENSORS
 from eyas.models.serving.validate import validate
 
@@ -200,8 +200,8 @@ def test_warm_start_loads_into_the_drafter(source, tcfg):
 
 
 def test_a_zero_checkpoint_without_deepspeed_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
-    from eyas.data.deps import MissingDependency
-    from eyas.data.log import run_command
+    from eyas.data.common.deps import MissingDependency
+    from eyas.data.common.log import run_command
     from eyas.models.serving.export import cli_main
     from eyas.models.serving.importer import load_deepspeed_state_dict
     ck = tmp_path / "step-000004"

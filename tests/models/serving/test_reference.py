@@ -17,7 +17,7 @@ import torch
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.reference import EngineDrafter, serve_packed
-from eyas.data.targets import default_aux_layer_ids, load_target
+from eyas.data.common.targets import default_aux_layer_ids, load_target
 
 K = 5
 FP32_TOL = 1e-5                          # × max(1, max |logit|): fp32 rounding of two orderings

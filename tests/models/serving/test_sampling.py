@@ -18,7 +18,7 @@ from eyas.models.serving.sampling import (accept_or_resample, probs, round_lengt
                                           verify)
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids,
                                          load_engine_drafter, speculative_decode)
-from eyas.data.targets import load_target
+from eyas.data.common.targets import load_target
 
 P = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05])
 Q = torch.tensor([0.05, 0.40, 0.10, 0.30, 0.05, 0.10])

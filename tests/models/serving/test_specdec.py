@@ -25,7 +25,7 @@ from eyas.models.serving.reference import EngineDrafter
 from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, run_prompts, speculative_decode,
                             stop_token_ids, summarize)
-from eyas.data.targets import default_aux_layer_ids, load_target
+from eyas.data.common.targets import default_aux_layer_ids, load_target
 from eyas.models.serving.contract import TensorDir
 
 K = 3

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
-from eyas.data.targets import load_target_config
+from eyas.data.common.targets import load_target_config
 from eyas.models.serving.contract import ERROR, WARNING, TensorDir
 from eyas.models.serving.validate import cli_main, validate
 from eyas.models.serving.validate_static import CODES, check_config

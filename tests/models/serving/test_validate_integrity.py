@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.data.checksums import CHECKSUMS_NAME, read_checksums, verify_checksums
-from eyas.data.targets import load_target_config
+from eyas.data.common.checksums import CHECKSUMS_NAME, read_checksums, verify_checksums
+from eyas.data.common.targets import load_target_config
 from eyas.models.serving.contract import TensorDir
 from eyas.models.serving.export import export_drafter
 from eyas.models.serving.validate import validate
@@ -28,7 +28,7 @@ def tcfg():
 @pytest.fixture(scope="module")
 def export(tmp_path_factory, tcfg):
     cfg, sd, d2t = make_drafter(tcfg)
-    from eyas.data.vocab_map import VocabMap
+    from eyas.data.store.vocab_map import VocabMap
     t2d = VocabMap.from_d2t(d2t, cfg.vocab_size).t2d
     return export_drafter(sd, cfg, d2t, t2d, tmp_path_factory.mktemp("x") / "e",
                           target_config=tcfg, speculators=True, verifier="org/tiny")
@@ -43,7 +43,7 @@ def _poison_lm_head(path, count=128, value=b"\xd4\x46"):
     """Overwrite `count` consecutive lm_head values with bf16 27136 (0x46D4): 2*count bytes."""
     tdir = TensorDir(path)
     f = tdir._where["lm_head.weight"]
-    from eyas.data.format import parse_header
+    from eyas.data.store.format import parse_header
     e = parse_header(f).tensors["lm_head.weight"]
     with open(f, "r+b") as fh:
         fh.seek(e.begin + 1000 * 2)

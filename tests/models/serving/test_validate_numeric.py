@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas.data.checksums import write_checksums
+from eyas.data.common.checksums import write_checksums
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
-from eyas.data.targets import load_target_config, resolve_target
+from eyas.data.common.targets import load_target_config, resolve_target
 from eyas.models.serving.contract import TensorDir, read_config
 from eyas.models.serving.validate import validate
 from eyas.models.serving.validate_numeric import compare

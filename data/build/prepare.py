@@ -1,0 +1,343 @@
+"""Conversations -> token dataset: input ids and the assistant loss mask, in the target's template.
+
+Input: JSONL, one conversation per line, in either of two shapes:
+- OpenAI: ``{"id": ..., "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...,
+  "reasoning_content"?: str, "tool_calls"?: [...]}, ...], "tools"?: [...]}``
+- ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|"system"|"tool"|...,
+  "value": ...}]}``
+
+Each conversation is rendered with the target tokenizer's chat template (or a shipped/explicit
+one) and tokenised once; `data.templates.TemplateRenderer` finds the assistant spans (module doc
+there). The loss mask is 1 exactly on what the model generates in assistant turns: reasoning,
+content, tool calls and the end-of-turn marker; 0 on system/user/tool turns, on the assistant
+header (the generation prompt) and on anything a template writes after the end-of-turn marker.
+Templates that re-render earlier turns differently (Qwen3 drops earlier reasoning) turn one
+conversation into one sample per assistant turn (``on_nonprefix="split"``, the default) or fail
+(``"raise"``). An assistant message before any user turn is context, not trained.
+
+Malformed records are never dropped silently: ``on_error="raise"`` stops at the first one with
+``file:line: reason: detail``; ``"skip"`` counts them per reason, logs the counts and stores them in
+the summary and the manifest. Reasons: bad_encoding (a line that is not UTF-8), bad_json,
+not_an_object, no_messages, bad_message, missing_role, unknown_role, bad_content, bad_field (a
+key of the wrong type: reasoning_content, tool_calls, tool_call_id, name, tools, id), bad_weight,
+empty_assistant, no_assistant, template_error (incl. a template that drops tool calls),
+no_end_of_turn, non_prefix_render, too_long. Reasoning a template does not render is counted
+(``reasoning_not_rendered``) and logged.
+
+An assistant message with ``"weight": 0`` is rendered as context and not trained on (loss mask
+0 on all of it); ``"weight": 1`` or no weight trains it; any other value is a `bad_weight` error.
+Such turns are counted (``untrained_turns``). data/store/FORMAT.md lists every key read.
+
+Output (via data.shards): a dataset of kind "tokens"; each sample holds ``input_ids [T]`` and
+``loss_mask [T]``; the manifest records the tokenizer identity (name, chat-template sha256,
+vocabulary size), the input file, and the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.data.common.checksums import file_sha256
+from eyas.data.build.encoding import auto_workers, encode_file
+from eyas.data.common.lock import writes_directory
+from eyas.data.common.log import HelpFormatter
+from eyas.data.build.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
+                               normalise_record, resolve_template)
+from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, KVCache, SeedSettings,
+                                TargetSettings, TokenizeSettings, field_help)
+from eyas.data.common.templates import EOT_STRINGS, TemplateRenderer, tokenizer_identity
+
+__all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
+           "PrepareError", "TemplateRenderer"]
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline
+
+
+def _generation_card(source: Path) -> dict[str, Any] | None:
+    """The `eyas generate` data card beside `source`; a run's unfinished file is refused."""
+    from eyas.data.build.served import PARTIAL_SUFFIX, read_card
+    if source.name.endswith(PARTIAL_SUFFIX):
+        raise PrepareError(f"{source}: an unfinished `eyas generate` output; re-run that command "
+                           f"until it writes {source.name[:-len(PARTIAL_SUFFIX)]} and its card, "
+                           f"then prepare that file")
+    return read_card(source)
+
+
+def _clear_stale_shards(out: Path) -> None:
+    """Remove the shards of prepare's own unfinished earlier run; refuse any other data
+    (data/build/outdir.py)."""
+    from eyas.data.store.format import SHARD_GLOB
+    from eyas.data.build.outdir import check_prepare_out
+    check_prepare_out(out)
+    stale = sorted(out.glob(SHARD_GLOB))
+    if stale:
+        log.info("removing %d shard(s) of an unfinished earlier run in %s", len(stale), out)
+        for p in stale:
+            p.unlink()
+
+
+def _write_samples(source: Path, out: Path, renderer: TemplateRenderer, *, max_length: int,
+                   on_error: str, shard_samples: int, workers: int
+                   ) -> tuple[list[dict], Counter, Counter, Counter]:
+    """Tokenise every record of `source` into shards of `shard_samples` samples under `out`
+    (data.encoding: `workers` processes). Returns (shard metas, counts, skipped records by
+    reason, answers by (temperature, top_p))."""
+    from eyas.data.store.shards import write_shard
+    from eyas.data.common.utils import LogEvery, progress
+    skipped: Counter[str] = Counter()
+    stats: Counter[str] = Counter()
+    sampling: Counter[tuple] = Counter()
+    metas: list[dict] = []
+    pending: list[dict] = []
+    clock, bar = LogEvery(), progress(None, desc="prepare", unit="rec")
+    with contextlib.closing(encode_file(source, renderer, max_length=max_length,
+                                        workers=workers)) as chunks:
+        for chunk in chunks:
+            for rec in chunk.records:
+                if rec.error is not None:
+                    _bad_record(source, rec, on_error, skipped)
+                for ids, mask in rec.samples:
+                    pending.append({"input_ids": torch.from_numpy(ids),
+                                    "loss_mask": torch.from_numpy(mask)})
+                    if len(pending) >= shard_samples:
+                        metas.append(write_shard(out, len(metas), pending))
+                        pending.clear()
+            stats.update(chunk.stats)
+            stats["records"] += len(chunk.records)
+            sampling.update(chunk.sampling)
+            bar.update(len(chunk.records))
+            if clock.due():
+                log.info("prepare: %d records (%d samples, %d tokens) in %.0f s",
+                         stats["records"], stats["samples"], stats["tokens"], clock.elapsed)
+    bar.close()
+    if pending:
+        metas.append(write_shard(out, len(metas), pending))
+    return metas, stats, skipped, sampling
+
+
+def _bad_record(source: Path, rec, on_error: str, skipped: Counter) -> None:
+    """Stop at a malformed record (on_error="raise"), or count it by reason."""
+    reason, detail = rec.error
+    if on_error == "raise":
+        raise PrepareError(f"{source}:{rec.lineno}: {reason}: {detail}. (on_error='skip' "
+                           f"counts such records instead of stopping)") from None
+    skipped[reason] += 1
+
+
+def _check_args(on_error: str, max_length: int, shard_samples: int,
+                workers: int | None) -> None:
+    if on_error not in ERROR_MODES:
+        raise ValueError(f"on_error must be one of {ERROR_MODES}, got {on_error!r}")
+    if max_length < 2 or shard_samples < 1:
+        raise ValueError(f"max_length must be >= 2 and shard_samples >= 1; got {max_length}, "
+                         f"{shard_samples}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1 (1: this process alone) or None (one per "
+                         f"core, at most 16, for an input of 16 MiB or more); got {workers}")
+
+
+def _summary(source: Path, stats: Counter, skipped: Counter, sampling: Counter,
+             renderer: TemplateRenderer, max_length: int, shards: int, out: Path
+             ) -> dict[str, Any]:
+    """The run's summary, stored in the manifest under "prepare"."""
+    return {"input": str(source), "input_sha256": file_sha256(source),
+            **{k: int(stats[k]) for k in ("records", "conversations", "samples", "tokens",
+                                           "loss_tokens", "split_records",
+                                           "boundary_splits", "untrained_turns")},
+            "reasoning_not_rendered": renderer.reasoning_dropped,
+            "skipped": dict(sorted(skipped.items())), "max_length": max_length,
+            "shards": shards, "out_dir": str(out),
+            # how the answers were sampled, where the records say (the offline estimate of
+            # acceptance at temperature T needs answers sampled at T)
+            "answer_sampling": [{"temperature": t, "top_p": tp, "records": n}
+                                for (t, tp), n in sorted(sampling.items(), key=str)]}
+
+
+def _attach_card(summary: dict[str, Any], card: dict[str, Any] | None, source: Path) -> None:
+    """`eyas generate` wrote the input: its data card travels along, marked whether the input
+    is still what the card describes."""
+    if card is None:
+        return
+    summary["generation_card"] = dict(card, matches_input=card["sha256"] ==
+                                      summary["input_sha256"])
+    if not summary["generation_card"]["matches_input"]:
+        log.warning("%s changed after `eyas generate` wrote it (its sha256 is not the data "
+                    "card's); the card is kept in the manifest with matches_input=false",
+                    source)
+
+
+@writes_directory("out_dir", what="token dataset")
+def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
+            max_length: int = TokenizeSettings.max_length, on_error: str = "raise",
+            generate: bool = False,
+            chat_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+            eot_strings: list[str] | None = None, on_nonprefix: str = "split",
+            shard_samples: int = 1024, tokenizer=None,
+            generate_kwargs: dict[str, Any] | None = None,
+            workers: int | None = None) -> dict[str, Any]:
+    """Tokenise a conversations JSONL into a token dataset (kind "tokens") at `out_dir`.
+
+    Args:
+        input_path: conversations JSONL (OpenAI `messages` or ShareGPT `conversations`); with
+            `generate=True`, prompts whose assistant turns the target writes first
+            (data.generate.generate_conversations, into ``out_dir/generated.jsonl``, resumable).
+        target: preset name or model directory (data.targets); gives the tokenizer.
+        max_length: longest sample in tokens; longer conversations are a `too_long` error.
+        on_error: "raise" (stop at the first bad record, naming file:line) or "skip" (count
+            per reason; the counts are logged and returned under "skipped").
+        chat_template: None (the tokenizer's own), a shipped name (data.templates) or a path.
+        template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
+        eot_strings: end-of-turn strings, replacing `EOT_STRINGS` (the tokenizer's eos is added).
+        on_nonprefix: "split" or "raise" for templates that re-render earlier turns (module doc).
+        shard_samples: samples per output shard.
+        tokenizer: an already loaded tokenizer (skips loading it from `target`).
+        generate_kwargs: keyword arguments for generate_conversations (max_new_tokens, ...).
+        workers: processes that render and tokenise (data.encoding; the shards are the same
+            for any number); None: one per core (at most 16) for an input of 16 MiB or more,
+            else 1.
+
+    Returns a summary dict (also stored in the manifest under "prepare").
+    """
+    from eyas.data.store.shards import write_manifest
+
+    _check_args(on_error, max_length, shard_samples, workers)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_stale_shards(out)
+    source = Path(input_path)
+    if generate:
+        from eyas.data.build.generate import generate_conversations
+        source = generate_conversations(input_path, target, out / "generated.jsonl",
+                                        on_error=on_error, chat_template=chat_template,
+                                        template_kwargs=template_kwargs,
+                                        **(generate_kwargs or {}))
+    card = _generation_card(source)
+    if tokenizer is None:
+        from eyas.data.common.targets import load_tokenizer
+        tokenizer = load_tokenizer(target)
+    template, template_name = resolve_template(chat_template)
+    renderer = TemplateRenderer(tokenizer, template, dict(template_kwargs or {}),
+                                tuple(eot_strings) if eot_strings else EOT_STRINGS, on_nonprefix)
+
+    metas, stats, skipped, sampling = _write_samples(source, out, renderer, max_length=max_length,
+                                                     on_error=on_error,
+                                                     shard_samples=shard_samples,
+                                                     workers=auto_workers(source, workers))
+    if skipped:
+        log.warning("skipped %d of %d records of %s: %s", sum(skipped.values()),
+                    stats["records"], source, dict(sorted(skipped.items())))
+    if not metas:
+        raise PrepareError(f"no usable conversation in {source} ({stats['records']} records; "
+                           f"skipped: {dict(skipped)})")
+    summary = _summary(source, stats, skipped, sampling, renderer, max_length, len(metas), out)
+    _attach_card(summary, card, source)
+    write_manifest(out, {
+        "kind": "tokens", "target": str(target),
+        "tokenizer": tokenizer_identity(tokenizer, renderer.template_text, template_name),
+        "template_kwargs": dict(template_kwargs or {}), "prepare": summary}, metas)
+    log.info("prepared %d samples (%d tokens, %d trained) from %d records into %s",
+             summary["samples"], summary["tokens"], summary["loss_tokens"], summary["records"], out)
+    return summary
+
+
+def _parse_kv(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `eyas prepare` arguments (defaults shared with training come from `data.settings`)."""
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
+        prog="eyas prepare", description="Tokenise conversations (OpenAI messages or ShareGPT "
+        "JSONL) with the target's chat template into a token dataset with assistant loss masks. "
+        "With --generate, the target first writes the assistant turns for the given prompts.")
+    p.add_argument("--input", required=True, help="conversations (or prompts) JSONL")
+    p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
+    p.add_argument("--out", required=True,
+                   help="output token dataset directory (locked while written; one holding "
+                        "other data is refused)")
+    p.add_argument("--max-length", type=int, default=TokenizeSettings.max_length,
+                   help=field_help(TokenizeSettings, "max_length", "data.max_length"))
+    p.add_argument("--on-error", choices=ERROR_MODES, default="raise",
+                   help="a malformed record: stop there (naming file:line) or skip and count it")
+    p.add_argument("--chat-template", default=None,
+                   help="shipped template name (llama-3.1, qwen3, deepseek-v3) or .jinja path "
+                        "(default: the target tokenizer's own)")
+    p.add_argument("--template-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra chat-template variable, e.g. enable_thinking=false")
+    p.add_argument("--on-nonprefix", choices=("split", "raise"), default="split",
+                   help="a template that re-renders earlier turns: one sample per assistant "
+                   "turn, or fail")
+    p.add_argument("--shard-samples", type=int, default=1024, help="samples per output shard")
+    p.add_argument("--workers", type=_positive_int, default=None,
+                   help="processes that render and tokenise (the output is the same for any "
+                        "number; default: one per core, at most 16, for an input of 16 MiB or "
+                        "more, else 1)")
+    g = p.add_argument_group("generation (--generate)")
+    g.add_argument("--generate", action="store_true", help="generate assistant turns first")
+    gen = GenerationSettings
+    g.add_argument("--max-new-tokens", type=int, default=gen.max_new_tokens,
+                   help=field_help(gen, "max_new_tokens"))
+    g.add_argument("--batch-size", type=int, default=gen.generation_batch_size,
+                   help=field_help(gen, "generation_batch_size", "data.generation_batch_size"))
+    g.add_argument("--temperature", type=float, default=gen.temperature,
+                   help=field_help(gen, "temperature"))
+    g.add_argument("--top-p", type=float, default=gen.top_p, help=field_help(gen, "top_p"))
+    g.add_argument("--cache", choices=[c.value for c in KVCache],
+                   default=gen.generation_cache.value,
+                   help=field_help(gen, "generation_cache", "data.generation_cache"))
+    g.add_argument("--seed", type=int, default=SeedSettings.seed,
+                   help=field_help(SeedSettings, "seed", "train.seed"))
+    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    g.add_argument("--dtype", default=TargetSettings.dtype, choices=DTYPE_CHOICES,
+                   help=field_help(TargetSettings, "dtype", "target.dtype"))
+    return p
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas prepare --input FILE.jsonl --target MODEL --out DIR [--generate ...]`."""
+    args = build_parser().parse_args(argv)
+    gen = GenerationSettings(max_new_tokens=args.max_new_tokens,
+                             generation_batch_size=args.batch_size,
+                             temperature=args.temperature, top_p=args.top_p,
+                             generation_cache=KVCache(args.cache))
+    summary = prepare(args.input, args.target, args.out, max_length=args.max_length,
+                      on_error=args.on_error, generate=args.generate,
+                      chat_template=args.chat_template,
+                      template_kwargs=_parse_kv(args.template_arg),
+                      on_nonprefix=args.on_nonprefix, shard_samples=args.shard_samples,
+                      workers=args.workers,
+                      generate_kwargs={**gen.generate_kwargs(), "seed": args.seed,
+                                       "device": args.device, "dtype": args.dtype})
+    print(json.dumps(summary, indent=1))
+    return 0
