@@ -110,7 +110,7 @@ def software_record() -> dict[str, Any]:
         version = metadata.version("eyas")
     except metadata.PackageNotFoundError:
         version = None
-    commit, dirty = _git_commit(Path(__file__).resolve().parents[1])
+    commit, dirty = _git_commit(Path(__file__).resolve().parents[2])
     libs = {}
     for name in LIBRARIES:
         try:

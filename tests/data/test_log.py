@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from eyas.data import log as eyas_log
+from eyas.data.common import log as eyas_log
 from eyas.data.store.format import DatasetError
 from eyas.data.common.targets import target_dtype_name
 from eyas.data.common.log import (PROGRESS, error_exit_status, error_message, run_command,

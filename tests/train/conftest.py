@@ -8,8 +8,9 @@ import torch
 
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.targets import default_aux_layer_ids, load_target, load_target_config
+from eyas.data.build.prompts import prompts_path
 
-PROMPTS = Path(__file__).resolve().parents[2] / "data" / "prompts" / "default.jsonl"
+PROMPTS = prompts_path("default")
 
 ANSWERS = [
     "The capital of France is Paris.",
@@ -27,8 +28,7 @@ def build_hidden_dataset(out: Path, target: str, n: int, seed: int = 0) -> Path:
     model, tok = load_target(target, dtype=torch.float32)
     cfg = load_target_config(target)
     ids = default_aux_layer_ids(cfg["num_hidden_layers"])
-    prompts = [json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()[:n]] \
-        if PROMPTS.is_file() else [[{"role": "user", "content": f"Question {i}?"}] for i in range(n)]
+    prompts = [json.loads(line)["messages"] for line in PROMPTS.read_text().splitlines()[:n]]
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i, msgs in enumerate(prompts):

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data import (extract, importers, inspect, prepare, served_cli, synthesize, verify,
-                       vocab)
+from eyas.data.build import (extract, importers, prepare, served_cli, synthesize, verify,
+                             vocab)
+from eyas.data.store import inspect
 from eyas.data.common.log import HelpFormatter
 from eyas.models.serving import doctor, export, validate
 from eyas.models.serving.engines import cli as engines_cli

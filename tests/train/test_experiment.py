@@ -85,7 +85,8 @@ def test_the_experiment_runs_every_stage_and_continues(tmp_path):
         f"(decoder walk on the held-out prompts' own answers)" in lines
     assert spec["num_prompts"] == 2 and spec["tokens_identical"] is True
     stages = summary["stage_seconds"]   # what each stage cost, also logged on one line
-    assert set(stages) == {"dataset", "train", "speculative", "engines", "heldout_offline"}
+    assert set(stages) == {"dataset", "train", "speculative", "engines", "served",
+                           "heldout_offline"}
     assert all(stages[k] > 0 for k in ("dataset", "train", "speculative", "heldout_offline"))
     assert stages["engines"] >= 0 and "stages: dataset " in log
     # 6 shipped + 2 synthetic prompts answered; the held-out answers cached apart
