@@ -15,6 +15,8 @@ usage() {
 usage: ./launch.sh [launcher options] [--] [hydra overrides...]
        ./launch.sh --setup            create or refresh the virtual environment only
        ./launch.sh --test [pytest args]   set up, then run the test suite
+       ./launch.sh --test --fast [pytest args]   the fast tier: every package, no test marked
+                                      slow (a few minutes on two workers with -n 2)
 
 Launches `accelerate launch train/main.py <overrides>` inside eyas's virtual environment
 (created on first use in ./.venv, or $EYAS_VENV; refreshed when pyproject.toml changes).
@@ -170,6 +172,9 @@ cd "$ROOT"
 if [[ $mode == setup ]]; then exit 0; fi
 if [[ $mode == test ]]; then
   export HF_HUB_OFFLINE=1 WANDB_MODE=offline
+  if [[ "${args[0]:-}" == --fast ]]; then   # the inner-loop tier: every package, no slow test
+    args=(-m "not slow and not engines and not engine_run" "${args[@]:1}")
+  fi
   exec python -m pytest "${args[@]}"
 fi
 

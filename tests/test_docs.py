@@ -11,6 +11,7 @@ its headings. A doc that names a missing option is fixed in the doc, not here.
 
 from __future__ import annotations
 
+import pytest
 import functools
 import os
 import re
@@ -124,6 +125,7 @@ def nested_commands(sub: str) -> frozenset[str]:
     return frozenset(m.group(1).split(",")) if m else frozenset()
 
 
+@pytest.mark.slow
 def test_docs_name_only_existing_commands_and_options():
     # one test for both checks: under pytest-xdist each --help still runs once
     subs = subcommands()

@@ -133,6 +133,7 @@ def wait_for_lines(path: Path, n: int, proc: subprocess.Popen) -> None:
     pytest.fail(f"eyas generate ended ({proc.returncode}) before writing {n} records")
 
 
+@pytest.mark.slow
 def test_answers_every_prompt_with_card_and_prepare_reads_it(server, tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl")
     out = tmp_path / "conv.jsonl"

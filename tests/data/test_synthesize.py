@@ -33,6 +33,7 @@ def test_prefix_is_the_template_up_to_the_user_content(smollm2):
     assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix
 
 
+@pytest.mark.slow
 def test_distinct_reproducible_prompts_and_exclusion(tmp_path, smollm2):
     model, tok = smollm2
     kw = dict(max_new_tokens=40, batch_size=4, seed=3)
@@ -71,6 +72,7 @@ def test_openers_are_leading_words_with_repeats_kept():
         prompt_openers(texts, 5)
 
 
+@pytest.mark.slow
 def test_opened_prompts_start_with_an_opener_and_go_on(tmp_path, smollm2):
     model, tok = smollm2
     openers = ["Why do", "Can you explain", "Write a"]

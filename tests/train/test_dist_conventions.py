@@ -120,6 +120,7 @@ def test_multirun_sweeps_the_engine(tmp_path):
     assert [x["distributed_type"] for x in recs] == ["DEEPSPEED", "NO", "DEEPSPEED"]
 
 
+@pytest.mark.slow
 def test_multirun_trains_under_each_engine(tmp_path, tiny_llama_dataset):
     """dist=zero1,ddp in one process, each job a real (one-step) training: the engine each job
     built is the one its dist group names, and both trained."""

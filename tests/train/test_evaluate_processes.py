@@ -41,6 +41,7 @@ def _outputs(pairs):
     return [(name, b.tokens, s.tokens, s.accepted, s.rounds) for name, b, s in pairs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_parts_decode_each_prompt_as_one_process_does(export, prompts_file, temperature):
     model, tok = load_target("tiny-llama", dtype=torch.float32)
@@ -59,6 +60,7 @@ def test_parts_decode_each_prompt_as_one_process_does(export, prompts_file, temp
         assert _outputs(other) != _outputs(one)
 
 
+@pytest.mark.slow
 def test_speculative_eval_in_processes_reports_what_one_process_does(export, prompts_file):
     kw = dict(k=3, num_prompts=4, max_new_tokens=8, progress=False)
     one = json_safe(speculative_eval(export, "tiny-llama", prompts_file, **kw))
@@ -72,6 +74,7 @@ def test_speculative_eval_in_processes_reports_what_one_process_does(export, pro
                          **kw)
 
 
+@pytest.mark.slow
 def test_one_pool_serves_every_temperature_with_its_workers_loaded_once(export, prompts_file):
     model, tok = load_target("tiny-llama", dtype=torch.float32)
     prompts = load_prompts(prompts_file, tok)
@@ -101,6 +104,7 @@ def test_one_pool_serves_every_temperature_with_its_workers_loaded_once(export, 
         {k: v for k, v in alone.items() if k not in TIMES}
 
 
+@pytest.mark.slow
 def test_the_cli_decodes_every_temperature_in_processes_as_in_one(export, prompts_file,
                                                                    tmp_path):
     from eyas.train.cli import main
@@ -114,6 +118,7 @@ def test_the_cli_decodes_every_temperature_in_processes_as_in_one(export, prompt
     assert two["by_temperature"] == one["by_temperature"]
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_load_reports_the_loading_error(tmp_path, prompts_file):
     job = decode_job(tmp_path / "no-such-export", "tiny-llama", dtype="fp32", cache_dir=None,
                      device="cpu", k=3, max_new_tokens=4)

@@ -60,6 +60,7 @@ def some_nan_dataset(tmp_path_factory, tiny_llama_dataset):
     return out
 
 
+@pytest.mark.slow
 def test_stored_nan_raises_naming_file_and_sample(tmp_path, some_nan_dataset):
     r = run(tmp_path / "r", some_nan_dataset, "target=tiny_llama", "train.max_steps=30",
             check=False)
@@ -71,6 +72,7 @@ def test_stored_nan_raises_naming_file_and_sample(tmp_path, some_nan_dataset):
     assert "optimizer step(s) skipped" not in r.stderr
 
 
+@pytest.mark.slow
 def test_stored_nan_skip_leaves_the_samples_out_and_counts_them(tmp_path, some_nan_dataset):
     r = run(tmp_path / "r", some_nan_dataset, "target=tiny_llama", "train.max_steps=30",
             "data.nonfinite=skip")

@@ -1,5 +1,6 @@
 """Real multi-process launches on CPU (gloo): the world size must really be what was asked."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -58,6 +59,7 @@ def test_two_process_launch_agrees_on_rank_0s_run_dir(tmp_path):
     assert [x["run_name"] for x in records] == [dirs[0].name] * 2
 
 
+@pytest.mark.slow
 def test_two_process_launch_refuses_a_used_run_dir_on_every_rank(tmp_path):
     assert launch(tmp_path, free_port(), "run_name=r").returncode == 0
     run_dir = tmp_path / "runs" / "r"
@@ -109,6 +111,7 @@ def test_launch_sh_gpus_0_runs_on_the_cpu(tmp_path):
     assert (tmp_path / "run" / "train.log").is_file()
 
 
+@pytest.mark.slow
 def test_launch_sh_passes_the_trainers_exit_status_through(tmp_path):
     r = _launch("--gpus", "0", "train.dry_run=true", "optim.lr=-1",
                 f"hydra.run.dir={tmp_path}/run", cwd=tmp_path)
@@ -150,6 +153,7 @@ def test_config_check_composes_like_the_job(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+@pytest.mark.slow
 def test_two_nodes_of_one_cpu_process_train_as_one_node_of_two(tmp_path, tiny_llama_dataset):
     """launch.sh --nodes 2 --node-rank 0/1 (one CPU process each, node 0 at 127.0.0.1), as two
     hosts would start it: one world of two ranks, trained to the very weights of --cpu 2 on

@@ -1,6 +1,7 @@
 """The main job end to end on the embedded default, shrunk: generate → prepare → extract →
 train → export → speculative decoding, with the last lines the README promises."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_embedded_default_pipeline_end_to_end(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     env.pop("TRITON_INTERPRET", None)

@@ -151,6 +151,7 @@ def test_greedy_only_accepts_temperature_zero():
     check(_cfg("data.temperature=0"))   # samples_per_prompt=1: nothing is sampled
 
 
+@pytest.mark.slow
 def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
     """SmolLM2 writes two prompts itself; both are answered next to the shipped one."""
     base = ["target=smollm2", "data.num_prompts=1", "data.max_new_tokens=8",
@@ -240,6 +241,7 @@ def _heldout_setup(tmp_path, full_vocab_export, *, prompts: int):
                     f"data.cache_dir={tmp_path}/cache"]
 
 
+@pytest.mark.slow
 def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
                                                                        full_vocab_export):
     """eval.heldout_max_new_tokens: one set of longer held-out answers gives the walk over them
@@ -280,6 +282,7 @@ def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
         assert len(long_answers[rid]) > len(text) and long_answers[rid].startswith(text)
 
 
+@pytest.mark.slow
 def test_the_heldout_cache_is_keyed_by_data_max_length(tmp_path, full_vocab_export):
     """A held-out build whose data.max_length leaves prompts' samples out is cached apart: a run
     with the default length finds every prompt, not the shorter build's survivors."""

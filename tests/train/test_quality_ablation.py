@@ -19,6 +19,7 @@ quality_ablation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(quality_ablation)
 
 
+@pytest.mark.slow
 def test_two_variants_share_the_dataset_and_report_their_own_figures(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
     env.pop("TRITON_INTERPRET", None)

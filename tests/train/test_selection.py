@@ -79,6 +79,7 @@ def test_the_export_is_the_peak_checkpoint_not_the_last(spiked):
     assert line in stdout and f"last step {LAST} tau {walk[LAST]:.3f}" in stdout
 
 
+@pytest.mark.slow
 def test_select_last_exports_the_final_weights(tmp_path, tiny_llama_dataset):
     d = tmp_path / "r"
     run(d, tiny_llama_dataset, "target=tiny_llama", "train.max_steps=3", "train.eval_every=1",

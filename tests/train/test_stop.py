@@ -41,6 +41,7 @@ def _terminate_at_step(p, run_dir, step: int) -> tuple[str, str]:
     return p.communicate(timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_sigterm_saves_exits_143_and_resumes_bitwise(tmp_path, tiny_llama_dataset, nproc):
     run(tmp_path / "a", tiny_llama_dataset, *COMMON, nproc=nproc)
@@ -87,6 +88,7 @@ def test_a_signal_after_the_last_check_still_ends_the_process():
     assert r.returncode == -signal.SIGTERM and "survived" not in r.stdout, r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_both_at_the_next_log_boundary(tmp_path, tiny_llama_dataset):
     """Only rank 1 is signalled: the ranks agree at the next train.log_every step, rank 0 says
     so, and the resumed run still ends with the uninterrupted run's weights."""

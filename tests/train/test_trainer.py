@@ -65,6 +65,7 @@ def _decreases(ls: list[float]) -> bool:
     return sum(ls[-k:]) / k < 0.9 * sum(ls[:k]) / k
 
 
+@pytest.mark.slow
 def test_single_process_trains_exports_and_prints(tmp_path, smollm2_dataset):
     r = run(tmp_path / "r", smollm2_dataset, "train.max_steps=16")
     ls = losses(tmp_path / "r")
@@ -77,6 +78,7 @@ def test_single_process_trains_exports_and_prints(tmp_path, smollm2_dataset):
     assert cfg["draft_vocab_size"] == 1024 and cfg["vocab_size"] == 49152
 
 
+@pytest.mark.slow
 def test_two_process_ddp_world_size_and_learning(tmp_path, smollm2_dataset):
     run(tmp_path / "r", smollm2_dataset, "train.max_steps=12", nproc=2)
     rs = ranks(tmp_path / "r")
@@ -85,6 +87,7 @@ def test_two_process_ddp_world_size_and_learning(tmp_path, smollm2_dataset):
     assert _decreases(losses(tmp_path / "r"))
 
 
+@pytest.mark.slow
 def test_two_process_deepspeed_zero2(tmp_path, smollm2_dataset):
     r = run(tmp_path / "r", smollm2_dataset, "dist=zero2", "train.max_steps=12", nproc=2,
             timeout=900)
@@ -110,6 +113,7 @@ def _export_tensors(run_dir: Path) -> dict:
     return load_file(str(run_dir / "export" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_matches_uninterrupted_run_bitwise(tmp_path, tiny_llama_dataset):
     common = ["target=tiny_llama", "train.max_steps=10", "train.deterministic=true",
               "train.eval_every=0"]
@@ -142,6 +146,7 @@ def test_kill9_then_resume_matches_uninterrupted_run_bitwise(tmp_path, tiny_llam
         assert torch.equal(ta[name], tb[name]), f"{name} differs after resume from {killed_at}"
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_objective(tmp_path, tiny_llama_dataset):
     common = ["target=tiny_llama", "train.max_steps=2"]
     run(tmp_path / "r", tiny_llama_dataset, *common)
@@ -151,6 +156,7 @@ def test_resume_refuses_a_different_objective(tmp_path, tiny_llama_dataset):
     assert "loss.step_weight" in r.stderr and "refusing to resume" in r.stderr
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_directory(tmp_path, tiny_llama_dataset):
     run(tmp_path / "r", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=3",
         "tracker=wandb", "tracker.mode=offline")
@@ -193,6 +199,7 @@ def test_tensorboard_receives_the_metrics(tmp_path, tiny_llama_dataset):
         pytest.approx(evals[-1]["eval/tau"] * starts)
 
 
+@pytest.mark.slow
 def test_overwrite_removes_the_old_tensorboard_events(tmp_path, tiny_llama_dataset):
     pytest.importorskip("tensorboard")
     r_dir = tmp_path / "r"
@@ -209,6 +216,7 @@ def test_overwrite_removes_the_old_tensorboard_events(tmp_path, tiny_llama_datas
     assert len(_scalars(r_dir)["train/loss"]) == 1  # the new run's step only
 
 
+@pytest.mark.slow
 def test_multirun_trains_one_job_per_value(tmp_path, tiny_llama_dataset):
     args = [sys.executable, MAIN, "--multirun", *SMALL, f"data.dataset={tiny_llama_dataset}",
             "target=tiny_llama", "train.max_steps=2", "optim.lr=1e-3,2e-3", "export.enabled=false",
@@ -236,6 +244,7 @@ def test_nonfinite_losses_are_skipped_then_abort(tmp_path, nan_dataset, log_ever
     assert not list((tmp_path / "r").glob("checkpoints/step-*"))
 
 
+@pytest.mark.slow
 def test_deepspeed_zero2_in_bf16_trains_as_ddp_with_the_engines_own_nonfinite_check(
         tmp_path, tiny_llama_dataset):
     common = ["target=tiny_llama", "train.max_steps=12", "train.param_dtype=bf16",
@@ -264,6 +273,7 @@ def test_deepspeed_zero2_skips_nonfinite_steps_itself_and_the_trainer_counts_the
     assert not list((tmp_path / "r").glob("checkpoints/step-*"))
 
 
+@pytest.mark.slow
 def test_warm_start_keeps_the_drafters_vocab_map(tmp_path, tiny_llama_dataset):
     run(tmp_path / "a", tiny_llama_dataset, "target=tiny_llama", "train.max_steps=8")
     first = losses(tmp_path / "a")
@@ -289,6 +299,7 @@ def _strict_json(path: Path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+@pytest.mark.slow
 def test_a_used_run_dir_is_refused_resumed_or_overwritten(tmp_path, tiny_llama_dataset):
     r_dir, ck = tmp_path / "r", tmp_path / "r" / "checkpoints"
     common = ["target=tiny_llama", "train.save_every=1", "train.keep_last=5"]
@@ -345,6 +356,7 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
                                     "drafter.host_embedding=true data.device_prefetch=true",
                                     "optim.moments=bf16 train.param_dtype=bf16 "
                                     "drafter.checkpoint_mlp=true"])
+@pytest.mark.slow
 def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_dataset, option):
     if "fp8" in option:
         pytest.importorskip("torchao.float8")
@@ -374,6 +386,7 @@ def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_
         assert validate(tmp_path / "a" / "export", "tiny-llama") == []
 
 
+@pytest.mark.slow
 def test_profile_steps_write_a_trace_of_exactly_those_steps(tmp_path, tiny_llama_dataset):
     out = tmp_path / "p"
     r = run(out, tiny_llama_dataset, "target=tiny_llama", "train.max_steps=4",
@@ -407,6 +420,7 @@ def _lrs(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/lr"] for r in recs if "train/lr" in r}
 
 
+@pytest.mark.slow
 def test_logged_rates_resume_settings_and_a_resume_at_the_last_step(tmp_path,
                                                                     tiny_llama_dataset):
     r_dir = tmp_path / "r"
@@ -436,6 +450,7 @@ def test_logged_rates_resume_settings_and_a_resume_at_the_last_step(tmp_path,
     assert [x["step"] for x in recs if "train/lr" in x] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_check_that_fails_after_training_keeps_the_runs_summary(tmp_path, tiny_llama_dataset):
     empty = tmp_path / "prompts.jsonl"
     empty.write_text("")

@@ -240,6 +240,7 @@ def test_cli_prints_the_serve_commands(drafter, tcfg, tmp_path, capsys):
     assert last.startswith("eyas export: ") and "already exists" in last and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_deepspeed_zero3_two_process_checkpoint(tcfg, tmp_path):
     """A real 2-process ZeRO-3 save (gloo) is gathered into the exact trained parameters."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")     # eyas is installed: nothing on PYTHONPATH
