@@ -201,9 +201,11 @@ def compiled_merge() -> Callable:
     global _COMPILED_MERGE
     if _COMPILED_MERGE is None:
         # K - 1 list lengths, each static and then symbolic in T: more than dynamo's default
-        # eight entries per function when K = 7 and batch lengths vary
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-        _COMPILED_MERGE = torch.compile(_merge_and_cast, dynamic=None)
+        # eight entries per function when K = 7 and batch lengths vary. The limit is raised
+        # for the calls of this function only (a patch around each call), not process-wide
+        compiled = torch.compile(_merge_and_cast, dynamic=None)
+        _COMPILED_MERGE = torch._dynamo.config.patch(
+            recompile_limit=max(torch._dynamo.config.recompile_limit, 32))(compiled)
     return _COMPILED_MERGE
 
 

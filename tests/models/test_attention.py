@@ -168,3 +168,19 @@ def test_compiled_flex_gradients_equal_eager_on_gpu():
             torch.autograd.grad(loss, [t for step in qkv for t in step]))
     for a, b in zip(grads["eager"], grads["flex"]):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.slow
+def test_the_compiled_merge_equals_eager_and_leaves_dynamo_config_alone():
+    """The merge's raised recompile limit holds for its own calls, not process-wide."""
+    from eyas.models import attention
+    before = torch._dynamo.config.recompile_limit
+    merge = attention.compiled_merge()
+    g = torch.Generator().manual_seed(0)
+    nh, T, d = 2, 8, 16
+    q, out0 = torch.randn(nh, T, d, generator=g), torch.randn(nh, T, d, generator=g)
+    lse0 = torch.randn(nh, T, generator=g)
+    ks, vs = [torch.randn(nh, T, d, generator=g)], [torch.randn(nh, T, d, generator=g)]
+    got = merge(out0, lse0, q, ks, vs, 0.25)
+    torch.testing.assert_close(got, attention._merge_and_cast(out0, lse0, q, ks, vs, 0.25))
+    assert torch._dynamo.config.recompile_limit == before
