@@ -45,14 +45,15 @@ class DrafterConfig(DrafterShape):
     """flex (flex_attention, compiled on GPU), eager (dense reference; CPU training) or auto
     (flex on CUDA, eager elsewhere: torch's flex_attention has no CPU backward)."""
     compile: bool = True
-    """torch.compile the drafter layer on GPU (ignored on CPU)."""
+    """torch.compile the drafter layer on GPU (ignored on CPU; refused under ZeRO-3, whose
+    partitioned weights compiled graphs would bypass: dist=zero3 turns it off)."""
     checkpoint_mlp: bool = False
     """Recompute the MLP in backward: ~1.6 GiB less at the Llama-8B shape, ~20% slower."""
     embedding_qkv_once: bool = True
     """Project the embedding half of q/k/v once per TTT unroll for all K steps (step k reads
     rows shifted by k) instead of once per step: ~9 % fewer GEMM FLOPs at the Llama-8B shape,
-    the same function up to bf16 rounding of the two halves' sum (`models.layer`). Off under
-    ZeRO-3, whose partitioning it would defeat."""
+    the same function up to bf16 rounding of the two halves' sum (`models.layer`). Refused
+    under ZeRO-3, whose partitioning it would defeat (dist=zero3 turns it off)."""
     host_embedding: Optional[bool] = None
     """Keep the frozen target embedding in host memory and send each batch's rows with the
     batch (train.step.TrainingModule; the loader's threads gather them): ~1 GiB less GPU
@@ -385,6 +386,15 @@ def check(cfg: DictConfig | Any) -> None:
     if cfg.dist.backend == DistBackend.deepspeed and cfg.dist.zero_stage not in (1, 2, 3):
         fail("dist.zero_stage", cfg.dist.zero_stage, "1, 2 or 3 with backend=deepspeed",
              "dist=zero2 (or dist.zero_stage=2)")
+    if cfg.dist.backend == DistBackend.deepspeed and cfg.dist.zero_stage == 3:
+        why = {"compile": "ZeRO-3 gathers its partitioned weights in module hooks, which "
+                          "compiled graphs bypass",
+               "embedding_qkv_once": "its q/k/v views would hold ZeRO-3's gathered weights from "
+                                     "the forward to the backward"}
+        for key, reason in why.items():
+            if getattr(cfg.drafter, key):
+                fail(f"drafter.{key}", True, f"false under ZeRO-3 ({reason})",
+                     f"drafter.{key}=false (dist=zero3 sets it), or dist=zero2")
     if cfg.dist.backend == DistBackend.ddp and cfg.dist.zero_stage != 0:
         fail("dist.zero_stage", cfg.dist.zero_stage, "0 with backend=ddp",
              f"dist=zero{cfg.dist.zero_stage} to use DeepSpeed ZeRO-{cfg.dist.zero_stage}, "

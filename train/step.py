@@ -65,11 +65,8 @@ class TrainingModule(nn.Module):
         from deepspeed.runtime.zero import register_external_parameter
         for weight in self.drafter.direct_weights():
             register_external_parameter(self, weight)
-        # ZeRO-3 gathers partitioned parameters in module hooks, which compiled graphs bypass
-        self.drafter.compile_layer = False
-        # views of q/k/v (`embedding_qkv_once`) saved for the backward would keep the gathered
-        # weights alive from the forward to the backward, against ZeRO-3's partitioning
-        self.drafter.embedding_qkv_once = False
+        # drafter.compile and drafter.embedding_qkv_once are off: the config check refuses them
+        # under ZeRO-3 (train/config.py says why)
 
     def teacher(self, last: Tensor | None, topk_ids: Tensor | None,
                 topk_logits: Tensor | None) -> Tensor:

@@ -302,3 +302,17 @@ def test_zero_warmup_steps_means_no_warmup():
         cfg = SimpleNamespace(warmup_steps=warm, warmup_ratio=0.0, schedule="constant")
         build_scheduler(opt, cfg, total_steps=10)
         assert opt.param_groups[0]["lr"] == 2.0 * first
+
+
+def test_zero3_turns_off_what_it_cannot_run_and_refuses_it_when_asked(tmp_path):
+    """dist=zero3 sets drafter.compile and drafter.embedding_qkv_once off; asking for either
+    under ZeRO-3 is one line at the config check, not a silent switch."""
+    r = _run_main(["train.dry_run=true", "dist=zero3", "drafter.compile=true",
+                   f"hydra.run.dir={tmp_path}/r"], cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ("drafter.compile=True: expected false under ZeRO-3 (ZeRO-3 gathers its partitioned "
+            "weights in module hooks, which compiled graphs bypass). Fix: drafter.compile=false "
+            "(dist=zero3 sets it), or dist=zero2") in r.stderr
+    r = _run_main(["train.dry_run=true", "dist=zero3", "drafter.embedding_qkv_once=true",
+                   f"hydra.run.dir={tmp_path}/r2"], cwd=tmp_path)
+    assert r.returncode == 2 and "drafter.embedding_qkv_once=True: expected false" in r.stderr

@@ -36,8 +36,8 @@ if ready_info(venv_dir(runtime_engine())) is None:
     pytest.skip("no runtime engine venv (eyas engines setup --runtime)", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from memorised import memorised_drafter  # noqa: E402
+from tests.memorised import memorised_drafter  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 N_NEW = 48
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -234,3 +234,64 @@ def test_deepseek_v3_miniature(memorised, tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["speculative"]["tokens_identical"] is True
     assert "served check skipped: vLLM's CPU build cannot run EAGLE-3 beside an MLA" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A running `vllm serve` (docs/engine.md's CPU command)
+
+
+def _serve(target_dir: Path, ids: list[int], storage: Path, port: int, log: Path):
+    venv = venv_dir(runtime_engine())
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "LD_PRELOAD": str(venv / "lib" / "libiomp5.so"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT / "data" / "engine"),
+           "VLLM_CACHE_ROOT": str(storage.parent / "vllm-cache")}
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}}}
+    kv = {"kv_connector": "HostHiddenStatesConnector", "kv_connector_module_path": "hs_connector",
+          "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path":
+                                                                  str(storage)}}
+    return subprocess.Popen(
+        [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+         str(target_dir), "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching",
+         "--max-model-len", "2048", "--port", str(port), "--speculative-config",
+         json.dumps(spec), "--kv-transfer-config", json.dumps(kv)],
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=storage.parent)
+
+
+def test_endpoint_capture_equals_the_workers_and_a_dead_server_is_one_line(captured, tmp_path):
+    import httpx
+
+    from eyas.data.common.targets import resolve_target
+    tokens, reference, _ = captured
+    port = free_port()
+    server = _serve(resolve_target("smollm2"), [2, 15, 27, 30], tmp_path / "hs", port,
+                    tmp_path / "server.log")
+    try:
+        t0 = time.time()
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.time() - t0 < 300, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(1)
+        url = f"http://127.0.0.1:{port}"
+        out = tmp_path / "out"
+        p = _eyas("extract", "--tokens", str(tokens), "--target", "smollm2", "--out", str(out),
+                  "--endpoint", url, "--dtype", "float32", "--teacher", "both", "--topk", "8",
+                  "--shard-tokens", "200")
+        assert json.loads(p.stdout[p.stdout.index("{"):])["tokens_per_s"] > 0
+        _same_dataset(out, reference)        # the same engine, in a server or in the worker
+        server.kill()
+        server.wait()
+        # the server gone when a request is made (named: no listing of models first)
+        p = _eyas("extract", "--tokens", str(tokens), "--target", "smollm2", "--out",
+                  str(tmp_path / "out2"), "--endpoint", url, "--dtype", "float32",
+                  "--served-model", str(resolve_target("smollm2")), check=False)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 3, p.stderr[-2000:]
+        assert url in last and "run the same `eyas extract` command again to resume" in last
+    finally:
+        server.kill()
