@@ -148,18 +148,13 @@ class WeightFiles:
     """Tensors of a safetensors checkpoint by name (one file or an index), memory-mapped."""
 
     def __init__(self, path: Path):
-        import json
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            self.where = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        else:
-            from safetensors import safe_open
-            self.where = {}
-            for f in sorted(path.glob("*.safetensors")):
-                with safe_open(str(f), framework="pt") as sf:
-                    self.where.update({k: f for k in sf.keys()})
-        if not self.where:
-            raise ExtractError(f"{path}: no *.safetensors weights")
+        from safetensors import safe_open
+
+        from eyas.data.common.targets import weight_files
+        self.where: dict[str, Path] = {}
+        for f in weight_files(path):           # only each file's header is read
+            with safe_open(str(f), framework="pt") as sf:
+                self.where.update({k: f for k in sf.keys()})
 
     def first_rows(self, name: str, rows: int) -> torch.Tensor:
         from safetensors import safe_open

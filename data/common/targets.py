@@ -303,7 +303,8 @@ def load_target(target: str | Path, dtype: torch.dtype = torch.bfloat16,
     return model, load_tokenizer(target, cache_dir)
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (its index's shards that are present)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -329,7 +330,7 @@ def load_embedding_and_head(target: str | Path, cache_dir: str | Path | None = N
     from safetensors import safe_open
     path = resolve_target(target, cache_dir, need="embedding")
     found: dict[str, torch.Tensor] = {}
-    for f in _weight_files(path):
+    for f in weight_files(path):
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 if name.endswith("embed_tokens.weight") and "embed" not in found:
