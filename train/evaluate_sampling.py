@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from eyas.data.common.options import option
 from eyas.models.expected_tau import (add_expected, expected_counts, step_acceptance,
                                       summarize_expected, topk_step_acceptance)
 from eyas.models.objective import metric_mask
@@ -227,24 +229,25 @@ def _temperature(text: str) -> float:
     return t
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+@dataclass(kw_only=True)
+class SamplingOptions:
     """--temperature, --temperatures, --draft-sampling, --sampling-seed of `eyas evaluate`."""
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature T "
-                   "(default 0 = greedy). T > 0: --prompts decodes with the engines' rejection "
-                   "sampling (the output is a sample of the target at T), --data estimates it "
-                   "from answers the target sampled at T (each stored token scored with the "
-                   "probability its draft was accepted)")
-    g.add_argument("--temperatures", type=parse_temperatures, default=None,
-                   help="comma-separated temperatures, e.g. 0,0.7,1.0: one evaluation each, "
-                   "listed under by_temperature, the first one's full result at the top level "
-                   "(none: one evaluation, at --temperature)")
-    p.add_argument("--draft-sampling", choices=DRAFT_MODES, default="argmax", help="T > 0: "
-                   "how drafts are proposed: argmax (what vLLM and SGLang serve by default; q "
-                   "one-hot) or sample (drawn from the drafter's softmax at T: vLLM's "
-                   "draft_sample_method probabilistic); default: argmax")
-    p.add_argument("--sampling-seed", type=int, default=0, help="T > 0 with --prompts: seed "
-                   "of prompt i's generator is this + i (reproducible runs)")
+
+    temperature: float = option(
+        0.0, "sampling temperature T (default 0 = greedy). T > 0: --prompts decodes with the "
+        "engines' rejection sampling (the output is a sample of the target at T), --data "
+        "estimates it from answers the target sampled at T (each stored token scored with the "
+        "probability its draft was accepted)", type=_temperature, exclusive="temperature")
+    temperatures: list[float] | None = option(
+        None, "comma-separated temperatures, e.g. 0,0.7,1.0: one evaluation each, listed under "
+        "by_temperature, the first one's full result at the top level (none: one evaluation, at "
+        "--temperature)", type=parse_temperatures, exclusive="temperature")
+    draft_sampling: str = option(
+        "argmax", "T > 0: how drafts are proposed: argmax (what vLLM and SGLang serve by "
+        "default; q one-hot) or sample (drawn from the drafter's softmax at T: vLLM's "
+        "draft_sample_method probabilistic); default: argmax", choices=DRAFT_MODES)
+    sampling_seed: int = option(0, "T > 0 with --prompts: seed of prompt i's generator is this "
+                                "+ i (reproducible runs)")
 
 
 #: the offline figures copied into a real result evaluated with --data too

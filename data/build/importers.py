@@ -31,6 +31,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,9 @@ import torch
 
 from eyas.data.store.format import DatasetError
 from eyas.data.common.lock import writes_directory
-from eyas.data.common.log import HelpFormatter
 from eyas.data.build.outdir import check_import_out
-from eyas.data.common.settings import AuxFormat, ExtractionSettings, TargetSettings, default, field_help
+from eyas.data.common.options import option, parser, shared
+from eyas.data.common.settings import ExtractionSettings, TargetSettings
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.utils import progress
 
@@ -320,29 +321,29 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
     return write_manifest(out, manifest, buf.metas)
 
 
+@dataclass(kw_only=True)
+class ImportOptions:
+    """`eyas import`'s options."""
+
+    source: str = option(positional=True, choices=SOURCES)
+    src: str = option(help="the tool's output directory", positional=True)
+    out: str = option(help="new eyas dataset directory")
+    target: str = option(help="the target model (directory, hub id or preset)")
+    layers: str | None = shared(TargetSettings, "aux_layer_ids", "target.aux_layer_ids",
+                                "SGLang ids + 1.", metavar="A,B,C")
+    aux_format: str = shared(ExtractionSettings, "aux_format", "data.aux_format")
+    loss_mask: str = option("dataset", "speculators: read masks from the preprocessed dataset, "
+                            "or all ones", choices=("dataset", "all"))
+    keep_prenorm: bool = option(False, "speculators: keep the pre-norm last state (default: "
+                                "apply the target's final norm, as eyas expects)")
+    shard_mb: int = option(1024, "payload per shard (MiB)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas import` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas import", description="Convert hidden states written by SpecForge (offline "
-        ".ckpt files) or speculators (hs_*.safetensors) into an eyas dataset, without running "
-        "the target again.")
-    p.add_argument("source", choices=SOURCES)
-    p.add_argument("src", help="the tool's output directory")
-    p.add_argument("--out", required=True, help="new eyas dataset directory")
-    p.add_argument("--target", required=True, help="the target model (directory, hub id or preset)")
-    p.add_argument("--layers", default=TargetSettings.aux_layer_ids, metavar="A,B,C",
-                   help=field_help(TargetSettings, "aux_layer_ids", "target.aux_layer_ids",
-                                   "SGLang ids + 1."))
-    p.add_argument("--aux-format", choices=[f.value for f in AuxFormat],
-                   default=default(ExtractionSettings, "aux_format"),
-                   help=field_help(ExtractionSettings, "aux_format", "data.aux_format"))
-    p.add_argument("--loss-mask", choices=("dataset", "all"), default="dataset",
-                   help="speculators: read masks from the preprocessed dataset, or all ones")
-    p.add_argument("--keep-prenorm", action="store_true",
-                   help="speculators: keep the pre-norm last state (default: apply the target's "
-                        "final norm, as eyas expects)")
-    p.add_argument("--shard-mb", type=int, default=1024, help="payload per shard (MiB)")
-    return p
+    return parser(ImportOptions, "eyas import", "Convert hidden states written by SpecForge "
+                  "(offline .ckpt files) or speculators (hs_*.safetensors) into an eyas dataset, "
+                  "without running the target again.")
 
 
 def cli_main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,11 @@ import torch
 from eyas.data.common.checksums import file_sha256
 from eyas.data.build.encoding import auto_workers, encode_file
 from eyas.data.common.lock import writes_directory
-from eyas.data.common.log import HelpFormatter
 from eyas.data.build.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, resolve_template)
+from eyas.data.common.options import option, parser, shared
 from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, KVCache, SeedSettings,
-                                TargetSettings, TokenizeSettings, field_help)
+                                TargetSettings, TokenizeSettings)
 from eyas.data.common.templates import EOT_STRINGS, TemplateRenderer, tokenizer_identity
 
 __all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
@@ -275,53 +276,55 @@ def _positive_int(text: str) -> int:
     return n
 
 
+_GENERATION = "generation (--generate)"
+
+
+@dataclass(kw_only=True)
+class PrepareOptions:
+    """`eyas prepare`'s options."""
+
+    input: str = option(help="conversations (or prompts) JSONL")
+    target: str = option(help="model directory, hub id (org/name[@revision]) or preset name")
+    out: str = option(help="output token dataset directory (locked while written; one holding "
+                      "other data is refused)")
+    max_length: int = shared(TokenizeSettings, "max_length", "data.max_length")
+    on_error: str = option(
+        "raise", "a malformed record: stop there (naming file:line) or skip and count it",
+        choices=ERROR_MODES)
+    chat_template: str | None = option(
+        None, "shipped template name (llama-3.1, qwen3, deepseek-v3) or .jinja path (default: the "
+        "target tokenizer's own)")
+    template_arg: list[str] = option(
+        [], "extra chat-template variable, e.g. enable_thinking=false", metavar="KEY=VALUE",
+        action="append")
+    on_nonprefix: str = option(
+        "split", "a template that re-renders earlier turns: one sample per assistant turn, or "
+        "fail", choices=("split", "raise"))
+    shard_samples: int = option(1024, "samples per output shard")
+    workers: int | None = option(
+        None, "processes that render and tokenise (the output is the same for any number; "
+        "default: one per core, at most 16, for an input of 16 MiB or more, else 1)",
+        type=_positive_int)
+    generate: bool = option(False, "generate assistant turns first", group=_GENERATION)
+    max_new_tokens: int = shared(GenerationSettings, "max_new_tokens", group=_GENERATION)
+    batch_size: int = shared(GenerationSettings, "generation_batch_size",
+                             "data.generation_batch_size", group=_GENERATION)
+    temperature: float = shared(GenerationSettings, "temperature", group=_GENERATION)
+    top_p: float = shared(GenerationSettings, "top_p", group=_GENERATION)
+    cache: str = shared(GenerationSettings, "generation_cache", "data.generation_cache",
+                        group=_GENERATION)
+    seed: int = shared(SeedSettings, "seed", "train.seed", group=_GENERATION)
+    device: str | None = option(None, "default: cuda if available, else cpu", group=_GENERATION)
+    dtype: str = shared(TargetSettings, "dtype", "target.dtype", choices=DTYPE_CHOICES,
+                        group=_GENERATION)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas prepare` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas prepare", description="Tokenise conversations (OpenAI messages or ShareGPT "
-        "JSONL) with the target's chat template into a token dataset with assistant loss masks. "
-        "With --generate, the target first writes the assistant turns for the given prompts.")
-    p.add_argument("--input", required=True, help="conversations (or prompts) JSONL")
-    p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--out", required=True,
-                   help="output token dataset directory (locked while written; one holding "
-                        "other data is refused)")
-    p.add_argument("--max-length", type=int, default=TokenizeSettings.max_length,
-                   help=field_help(TokenizeSettings, "max_length", "data.max_length"))
-    p.add_argument("--on-error", choices=ERROR_MODES, default="raise",
-                   help="a malformed record: stop there (naming file:line) or skip and count it")
-    p.add_argument("--chat-template", default=None,
-                   help="shipped template name (llama-3.1, qwen3, deepseek-v3) or .jinja path "
-                        "(default: the target tokenizer's own)")
-    p.add_argument("--template-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra chat-template variable, e.g. enable_thinking=false")
-    p.add_argument("--on-nonprefix", choices=("split", "raise"), default="split",
-                   help="a template that re-renders earlier turns: one sample per assistant "
-                   "turn, or fail")
-    p.add_argument("--shard-samples", type=int, default=1024, help="samples per output shard")
-    p.add_argument("--workers", type=_positive_int, default=None,
-                   help="processes that render and tokenise (the output is the same for any "
-                        "number; default: one per core, at most 16, for an input of 16 MiB or "
-                        "more, else 1)")
-    g = p.add_argument_group("generation (--generate)")
-    g.add_argument("--generate", action="store_true", help="generate assistant turns first")
-    gen = GenerationSettings
-    g.add_argument("--max-new-tokens", type=int, default=gen.max_new_tokens,
-                   help=field_help(gen, "max_new_tokens"))
-    g.add_argument("--batch-size", type=int, default=gen.generation_batch_size,
-                   help=field_help(gen, "generation_batch_size", "data.generation_batch_size"))
-    g.add_argument("--temperature", type=float, default=gen.temperature,
-                   help=field_help(gen, "temperature"))
-    g.add_argument("--top-p", type=float, default=gen.top_p, help=field_help(gen, "top_p"))
-    g.add_argument("--cache", choices=[c.value for c in KVCache],
-                   default=gen.generation_cache.value,
-                   help=field_help(gen, "generation_cache", "data.generation_cache"))
-    g.add_argument("--seed", type=int, default=SeedSettings.seed,
-                   help=field_help(SeedSettings, "seed", "train.seed"))
-    g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    g.add_argument("--dtype", default=TargetSettings.dtype, choices=DTYPE_CHOICES,
-                   help=field_help(TargetSettings, "dtype", "target.dtype"))
-    return p
+    return parser(PrepareOptions, "eyas prepare", "Tokenise conversations (OpenAI messages or "
+                  "ShareGPT JSONL) with the target's chat template into a token dataset with "
+                  "assistant loss masks. With --generate, the target first writes the assistant "
+                  "turns for the given prompts.")
 
 
 def cli_main(argv: list[str] | None = None) -> int:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.data.common.log import HelpFormatter, setup_logging
-from eyas.data.common.settings import EndpointSettings, GenerationSettings, field_help
+from eyas.data.common.log import setup_logging
+from eyas.data.common.options import option, parser, shared
+from eyas.data.common.settings import EndpointSettings, GenerationSettings
 
 log = logging.getLogger(__name__)
 
@@ -25,49 +27,45 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+@dataclass(kw_only=True)
+class GenerateOptions:
+    """`eyas generate`'s options."""
+
+    endpoint: str = option(help="the server's API root, e.g. http://localhost:8000/v1",
+                           metavar="URL")
+    prompts: str = option(help="prompts JSONL")
+    out: str = option(help="conversations JSONL to write")
+    model: str | None = option(
+        None, "served model name (default: the first that GET /v1/models lists)")
+    max_tokens: int = shared(GenerationSettings, "max_new_tokens")
+    temperature: float = shared(GenerationSettings, "temperature")
+    top_p: float = shared(GenerationSettings, "top_p")
+    seed: int | None = option(
+        None, "base seed; each request gets one derived from it, the record id and the turn "
+        "(default: none sent, the server's own randomness)")
+    concurrency: int = shared(EndpointSettings, "endpoint_concurrency",
+                              "data.endpoint_concurrency")
+    samples_per_prompt: int = option(1, "answers per prompt; answer j > 0 of prompt X has id X#sj")
+    api_key_env: str | None = option(
+        None, "environment variable holding the API key, sent as a bearer token (default: no "
+        "key)", metavar="VAR")
+    chat_template_kwargs: dict[str, Any] | None = option(
+        None, "chat_template_kwargs sent with every request, e.g. "
+        "'{\"enable_thinking\": false}' (default: none)", type=_json_object, metavar="JSON")
+    retries: int = option(5, "retries of a request after a connection error, 429 or 5xx")
+    retry_backoff: float = option(1.0, "first retry delay, doubled per retry (capped at 60 s)",
+                                  metavar="SECONDS")
+    timeout: float = option(600.0, "per-request timeout", metavar="SECONDS")
+    log_file: str | None = option(
+        None, "also append the log here (default: OUT's .log, e.g. conv.log)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    gen = GenerationSettings
-    p = argparse.ArgumentParser(
-        prog="eyas generate", formatter_class=HelpFormatter,
-        description="Answer prompts (OpenAI messages or ShareGPT JSONL) with a target served by "
-        "an OpenAI-compatible server (vLLM, SGLang, transformers serve) into a conversations "
-        "JSONL that `eyas prepare` reads. Written to OUT.partial until every prompt x sample is "
-        "in, then renamed to OUT beside its data card (OUT's .card.json); re-running the same "
-        "command resumes.")
-    p.add_argument("--endpoint", required=True, metavar="URL",
-                   help="the server's API root, e.g. http://localhost:8000/v1")
-    p.add_argument("--prompts", required=True, help="prompts JSONL")
-    p.add_argument("--out", required=True, help="conversations JSONL to write")
-    p.add_argument("--model", default=None,
-                   help="served model name (default: the first that GET /v1/models lists)")
-    p.add_argument("--max-tokens", type=int, default=gen.max_new_tokens,
-                   help=field_help(gen, "max_new_tokens"))
-    p.add_argument("--temperature", type=float, default=gen.temperature,
-                   help=field_help(gen, "temperature"))
-    p.add_argument("--top-p", type=float, default=gen.top_p, help=field_help(gen, "top_p"))
-    p.add_argument("--seed", type=int, default=None,
-                   help="base seed; each request gets one derived from it, the record id and "
-                   "the turn (default: none sent, the server's own randomness)")
-    p.add_argument("--concurrency", type=int, default=EndpointSettings.endpoint_concurrency,
-                   help=field_help(EndpointSettings, "endpoint_concurrency",
-                                   "data.endpoint_concurrency"))
-    p.add_argument("--samples-per-prompt", type=int, default=1,
-                   help="answers per prompt; answer j > 0 of prompt X has id X#sj")
-    p.add_argument("--api-key-env", default=None, metavar="VAR",
-                   help="environment variable holding the API key, sent as a bearer token "
-                   "(default: no key)")
-    p.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
-                   help="chat_template_kwargs sent with every request, e.g. "
-                   "'{\"enable_thinking\": false}' (default: none)")
-    p.add_argument("--retries", type=int, default=5,
-                   help="retries of a request after a connection error, 429 or 5xx")
-    p.add_argument("--retry-backoff", type=float, default=1.0, metavar="SECONDS",
-                   help="first retry delay, doubled per retry (capped at 60 s)")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="per-request timeout")
-    p.add_argument("--log-file", default=None,
-                   help="also append the log here (default: OUT's .log, e.g. conv.log)")
-    return p
+    return parser(GenerateOptions, "eyas generate", "Answer prompts (OpenAI messages or ShareGPT "
+                  "JSONL) with a target served by an OpenAI-compatible server (vLLM, SGLang, "
+                  "transformers serve) into a conversations JSONL that `eyas prepare` reads. "
+                  "Written to OUT.partial until every prompt x sample is in, then renamed to OUT "
+                  "beside its data card (OUT's .card.json); re-running the same command resumes.")
 
 
 def cli_main(argv: list[str] | None = None) -> int:

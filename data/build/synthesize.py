@@ -36,16 +36,18 @@ import logging
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from eyas.data.build.generate import _generate_batch, _stop_ids
-from eyas.data.common.log import PROGRESS, HelpFormatter
+from eyas.data.common.log import PROGRESS
 from eyas.data.build.records import PrepareError, RecordError, iter_jsonl, normalise_record
-from eyas.data.common.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings, TargetSettings,
-                                field_help)
+from eyas.data.common.options import option, parser, shared
+from eyas.data.common.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings,
+                                       TargetSettings)
 from eyas.data.common.utils import LogEvery, atomic_write_bytes, progress
 
 log = logging.getLogger(__name__)
@@ -268,45 +270,42 @@ def _log_done(n: int, dt: float, batches: int, counts: Counter[str], max_new_tok
              counts["duplicate"], out_path)
 
 
+@dataclass(kw_only=True)
+class SynthesizeOptions:
+    """`eyas synthesize`'s options."""
+
+    target: str = option(help="model directory, hub id (org/name[@revision]) or preset name")
+    n: int = option(help="prompts to write")
+    out: str = option(help="output JSONL")
+    temperature: float = shared(SynthesisSettings, "synthetic_temperature",
+                                "data.synthetic_temperature")
+    top_p: float = option(1.0, "nucleus (top-p) cutoff")
+    max_new_tokens: int = option(128, "longest prompt (longer ones are dropped)")
+    batch_size: int = option(256, "candidate prompts per generate() call")
+    seed: int = shared(SeedSettings, "seed", "train.seed")
+    id_prefix: str = option(
+        "synth", "record ids are PREFIX-000000, ... (keep them unique across files)")
+    exclude: list[str] = option(
+        [], "prompts file whose user messages must not be repeated (repeatable); the shipped "
+        "held-out prompts are always excluded", metavar="PROMPTS.jsonl", action="append")
+    openers_from: list[str] = option(
+        [], "start every prompt with the first --opener-words words of a random user message from "
+        "these files (repeatable), to write prompts in their style", metavar="PROMPTS.jsonl",
+        action="append")
+    opener_words: int = option(2, "words per opener with --openers-from (default 2)")
+    examples_from: list[str] = option(
+        [], "write every prompt as the next item of a numbered list of --examples random user "
+        "messages from these files (repeatable; plain text, no chat template), to write prompts "
+        "of their length and register", metavar="PROMPTS.jsonl", action="append")
+    examples: int = option(4, "examples per list with --examples-from (default 4)", metavar="N")
+    device: str | None = option(None, "default: cuda if available, else cpu")
+    dtype: str = shared(TargetSettings, "dtype", "target.dtype", choices=DTYPE_CHOICES)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas synthesize` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas synthesize", description=__doc__.split("\n\n")[0],
-        epilog="Answer them afterwards with `eyas prepare --generate --input OUT ...`.")
-    p.add_argument("--target", required=True, help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--n", type=int, required=True, help="prompts to write")
-    p.add_argument("--out", required=True, help="output JSONL")
-    p.add_argument("--temperature", type=float, default=SynthesisSettings.synthetic_temperature,
-                   help=field_help(SynthesisSettings, "synthetic_temperature",
-                                   "data.synthetic_temperature"))
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus (top-p) cutoff")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="longest prompt (longer ones are dropped)")
-    p.add_argument("--batch-size", type=int, default=256,
-                   help="candidate prompts per generate() call")
-    p.add_argument("--seed", type=int, default=SeedSettings.seed,
-                   help=field_help(SeedSettings, "seed", "train.seed"))
-    p.add_argument("--id-prefix", default="synth",
-                   help="record ids are PREFIX-000000, ... (keep them unique across files)")
-    p.add_argument("--exclude", action="append", default=[], metavar="PROMPTS.jsonl",
-                   help="prompts file whose user messages must not be repeated (repeatable); "
-                        "the shipped held-out prompts are always excluded")
-    p.add_argument("--openers-from", action="append", default=[], metavar="PROMPTS.jsonl",
-                   help="start every prompt with the first --opener-words words of a random "
-                        "user message from these files (repeatable), to write prompts in their "
-                        "style")
-    p.add_argument("--opener-words", type=int, default=2,
-                   help="words per opener with --openers-from (default 2)")
-    p.add_argument("--examples-from", action="append", default=[], metavar="PROMPTS.jsonl",
-                   help="write every prompt as the next item of a numbered list of --examples "
-                        "random user messages from these files (repeatable; plain text, no chat "
-                        "template), to write prompts of their length and register")
-    p.add_argument("--examples", type=int, default=4,
-                   metavar="N", help="examples per list with --examples-from (default 4)")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", default=TargetSettings.dtype, choices=DTYPE_CHOICES,
-                   help=field_help(TargetSettings, "dtype", "target.dtype"))
-    return p
+    return parser(SynthesizeOptions, "eyas synthesize", __doc__.split("\n\n")[0],
+                  epilog="Answer them afterwards with `eyas prepare --generate --input OUT ...`.")
 
 
 def cli_main(argv: list[str] | None = None) -> int:

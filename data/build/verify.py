@@ -21,16 +21,16 @@ Exit status: 0 clean, 1 findings, 2 usage error (like `eyas validate`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from eyas.data.common.log import HelpFormatter
+from eyas.data.common.options import option, parser
 from eyas.data.build.verify_checks import argmax_check, ids_check, state_check, topk_checks
 
 log = logging.getLogger(__name__)
@@ -244,32 +244,36 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(kw_only=True)
+class VerifyOptions:
+    """`eyas verify`'s options."""
+
+    dataset: str = option(help="hidden-state dataset directory (from eyas extract)",
+                          positional=True)
+    target: str = option(help="model directory, hub id (org/name[@revision]) or preset name")
+    samples: int = option(16, "samples to re-run, drawn at random (0: every sample)",
+                          metavar="N")
+    seed: int = option(0, "seed of the sample draw")
+    tokens: str | None = option(
+        None, "the token dataset extraction read (default: the manifest's)", metavar="DIR")
+    compute_tol: float = option(
+        COMPUTE_TOL, "room for the target's own rounding when it runs differently than at "
+        "extraction (another device, padded batches): c x the row's RMS for states, c x the "
+        "top-1 logit for logits; 0 on the extracting machine", metavar="C")
+    dtype: str | None = option(None, "what the target runs in (default: the manifest's "
+                               "target_dtype)", choices=("bfloat16", "float32"))
+    device: str | None = option(None, "cpu, cuda:0, ... (default: the first GPU if there is "
+                                "one, else the CPU)")
+    json: str | None = option(
+        None, "also write the report as JSON (default: none, the table only)", metavar="FILE")
+
+
 def cli_main(argv: list[str] | None = None) -> int:
     """`eyas verify DATASET --target MODEL [--samples N] [--seed S] [--json FILE]`."""
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter, prog="eyas verify",
-        description="Re-run random samples of a hidden-state dataset through the target and "
-                    "compare the stored ids, aux states, teacher and argmax with what it computes "
-                    "now, against the storage mode's bound. Exit 0 clean, 1 findings, 2 usage "
-                    "error.")
-    p.add_argument("dataset", help="hidden-state dataset directory (from eyas extract)")
-    p.add_argument("--target", required=True,
-                   help="model directory, hub id (org/name[@revision]) or preset name")
-    p.add_argument("--samples", type=int, default=16, metavar="N",
-                   help="samples to re-run, drawn at random (0: every sample)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sample draw")
-    p.add_argument("--tokens", default=None, metavar="DIR",
-                   help="the token dataset extraction read (default: the manifest's)")
-    p.add_argument("--compute-tol", type=float, default=COMPUTE_TOL, metavar="C",
-                   help="room for the target's own rounding when it runs differently than at "
-                        "extraction (another device, padded batches): c x the row's RMS for "
-                        "states, c x the top-1 logit for logits; 0 on the extracting machine")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                   help="what the target runs in (default: the manifest's target_dtype)")
-    p.add_argument("--device", default=None, help="cpu, cuda:0, ... (default: the first GPU "
-                                                  "if there is one, else the CPU)")
-    p.add_argument("--json", default=None, metavar="FILE",
-                   help="also write the report as JSON (default: none, the table only)")
+    p = parser(VerifyOptions, "eyas verify", "Re-run random samples of a hidden-state dataset "
+               "through the target and compare the stored ids, aux states, teacher and argmax "
+               "with what it computes now, against the storage mode's bound. Exit 0 clean, 1 "
+               "findings, 2 usage error.")
     args = p.parse_args(argv)
     if args.samples < 0 or args.compute_tol < 0:
         raise VerifyError(f"--samples {args.samples} / --compute-tol {args.compute_tol}: "

@@ -19,14 +19,15 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from eyas.data.common.log import HelpFormatter
-from eyas.data.common.settings import VocabSettings, field_help
+from eyas.data.common.options import option, parser, shared
+from eyas.data.common.settings import VocabSettings
 from eyas.data.common.utils import atomic_path, progress
 from eyas.data.store.vocab_map import VocabMap
 
@@ -256,33 +257,35 @@ def forced_special_ids(target: str | None, cache_dir: str | os.PathLike | None =
         return []
 
 
+@dataclass(kw_only=True)
+class VocabOptions:
+    """`eyas vocab`'s options."""
+
+    data: str = option(help="dataset directory (tokens or hidden)")
+    size: int = shared(VocabSettings, "draft_vocab_size", "drafter.draft_vocab_size",
+                       "Target presets may train with another size (smollm2: 8192): pass the "
+                       "run's drafter.draft_vocab_size.")
+    out: str = option(help="output .safetensors file")
+    target: str | None = option(
+        None, "force the special and chat-template tokens of TARGET's tokenizer, as the trainer "
+        "does (directory, hub id (org/name[@revision]) or preset name; default: the dataset "
+        "manifest's target)", flags=("--target", "--force-special-from"), metavar="TARGET")
+    no_special: bool = option(False, "force no special tokens (the trainer always forces them)")
+    cache_dir: str | None = option(
+        None, "where target presets are materialised (default: ~/.cache/eyas)")
+    force_ids: str = option("", "extra ids to force, comma-separated")
+    count: str = option("auto", "which tokens are counted (see data.vocab.count_tokens)",
+                        choices=COUNT_MODES)
+    target_vocab_size: int | None = option(
+        None, "V (default: the vocab_size of the manifest's target_config, else of the config of "
+        "--target or the manifest's target)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas vocab` arguments (defaults shared with training come from `data.settings`)."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas vocab", description="Build a draft vocabulary (d2t offsets, t2d mask) from the "
-        "most frequent prediction targets of a dataset. When fine-tuning an existing drafter, "
-        "keep its mapping instead of building a new one.")
-    p.add_argument("--data", required=True, help="dataset directory (tokens or hidden)")
-    p.add_argument("--size", type=int, default=VocabSettings.draft_vocab_size,
-                   help=field_help(VocabSettings, "draft_vocab_size", "drafter.draft_vocab_size",
-                                   "Target presets may train with another size (smollm2: "
-                                   "8192): pass the run's drafter.draft_vocab_size."))
-    p.add_argument("--out", required=True, help="output .safetensors file")
-    p.add_argument("--target", "--force-special-from", dest="target", metavar="TARGET",
-                   help="force the special and chat-template tokens of TARGET's tokenizer, as "
-                        "the trainer does (directory, hub id (org/name[@revision]) or preset "
-                        "name; default: the dataset manifest's target)")
-    p.add_argument("--no-special", action="store_true",
-                   help="force no special tokens (the trainer always forces them)")
-    p.add_argument("--cache-dir", default=None, help="where target presets are materialised "
-                   "(default: ~/.cache/eyas)")
-    p.add_argument("--force-ids", default="", help="extra ids to force, comma-separated")
-    p.add_argument("--count", choices=COUNT_MODES, default="auto",
-                   help="which tokens are counted (see data.vocab.count_tokens)")
-    p.add_argument("--target-vocab-size", type=int, default=None,
-                   help="V (default: the vocab_size of the manifest's target_config, else "
-                        "of the config of --target or the manifest's target)")
-    return p
+    return parser(VocabOptions, "eyas vocab", "Build a draft vocabulary (d2t offsets, t2d mask) "
+                  "from the most frequent prediction targets of a dataset. When fine-tuning an "
+                  "existing drafter, keep its mapping instead of building a new one.")
 
 
 def cli_main(argv: list[str] | None = None) -> int:

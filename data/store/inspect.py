@@ -11,17 +11,17 @@ summarised from the shard headers and reported as incomplete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from eyas.data.store.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
-from eyas.data.common.log import HelpFormatter
+from eyas.data.common.options import option, parser
 from eyas.data.store.render import dataset_tokenizer, default_style, render_sample, sample_header
 from eyas.data.common.utils import human_bytes
 
@@ -130,26 +130,31 @@ def print_samples(path: str | os.PathLike, n: int, raw: bool = False, target: st
             print(("\n" if i else "") + render_sample(tok, i, ids, mask, style))
 
 
+@dataclass(kw_only=True)
+class InspectOptions:
+    """`eyas inspect`'s options."""
+
+    dir: str = option(help="dataset directory", positional=True)
+    json: bool = option(False, "print the summary as JSON")
+    samples: int = option(
+        0, "also show the first N samples as decoded text (special tokens included), each run "
+        "of trained tokens (loss mask 1) wrapped in [[ ... ]], or coloured on a terminal",
+        metavar="N")
+    raw: bool = option(False, "with --samples: show token ids and field shapes, not decoded text")
+    target: str | None = option(
+        None, "with --samples: decode with this target's tokenizer (directory, hub id or preset "
+        "name; default: the one the manifest names)", metavar="MODEL")
+    color: str = option(
+        "auto", "with --samples: colour trained text (auto: on a terminal, unless NO_COLOR is "
+        "set); otherwise [[ ]] marks it", choices=("auto", "always", "never"))
+    verify: str = option("none", "check shard headers / every checksum and NaN before "
+                         "summarising", choices=("none", "header", "checksum"))
+
+
 def cli_main(argv: list[str] | None = None) -> int:
     """`eyas inspect DIR [--json] [--samples N [--raw] [--target MODEL]] [--verify LEVEL]`."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="eyas inspect",
-                                description="Summarise an eyas dataset (tokens or hidden states).")
-    p.add_argument("dir", help="dataset directory")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--samples", type=int, default=0, metavar="N",
-                   help="also show the first N samples as decoded text (special tokens "
-                        "included), each run of trained tokens (loss mask 1) wrapped in "
-                        "[[ ... ]], or coloured on a terminal")
-    p.add_argument("--raw", action="store_true",
-                   help="with --samples: show token ids and field shapes, not decoded text")
-    p.add_argument("--target", default=None, metavar="MODEL",
-                   help="with --samples: decode with this target's tokenizer (directory, hub "
-                        "id or preset name; default: the one the manifest names)")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
-                   help="with --samples: colour trained text (auto: on a terminal, unless "
-                        "NO_COLOR is set); otherwise [[ ]] marks it")
-    p.add_argument("--verify", choices=("none", "header", "checksum"), default="none",
-                   help="check shard headers / every checksum and NaN before summarising")
+    p = parser(InspectOptions, "eyas inspect", "Summarise an eyas dataset (tokens or hidden "
+               "states).")
     args = p.parse_args(argv)
     if args.verify != "none":
         from eyas.data.store.dataset import open_dataset

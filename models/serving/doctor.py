@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from eyas.data.common.log import HelpFormatter
+from eyas.data.common.options import option, parser
 from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
                                           read_config, require_dir, resolve_target_config)
 from eyas.models.serving.doctor_capture import check_capture, check_served
@@ -403,28 +403,29 @@ def format_report(report: Report, export_dir: str | Path) -> str:
     return "\n".join(lines)
 
 
+@dataclass(kw_only=True)
+class DoctorOptions:
+    """`eyas doctor`'s options."""
+
+    dir: str = option(help="the exported drafter directory", positional=True)
+    target_config: str = option(help="the target's config.json, its directory (also gives its "
+                                "chat template), hub id (org/name[@revision]) or preset name")
+    data: str | None = option(
+        None, "the hidden-state dataset the drafter was trained on: a finished `eyas extract` "
+        "output directory, with its manifest.json (default: none, the data checks are skipped)")
+    num_speculative_tokens: int | None = option(
+        None, "K you serve with (vLLM num_speculative_tokens, SGLang speculative-num-steps; "
+        "default: none, the TTT steps trained are reported)")
+    max_samples: int = option(
+        2000, "samples read for the vocabulary coverage (spread over the dataset)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas doctor` arguments."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas doctor",
-        description="Explain the likely causes of low acceptance of an exported drafter: contract "
-                    "violations, data/export mismatches, draft vocabulary coverage, TTT depth. "
-                    "Exit 0 = nothing found, 1 = likely causes listed, 2 = usage error (e.g. a mistyped "
-                    "path).")
-    p.add_argument("dir", help="the exported drafter directory")
-    p.add_argument("--target-config", required=True,
-                   help="the target's config.json, its directory (also gives its chat template), "
-                        "hub id (org/name[@revision]) or preset name")
-    p.add_argument("--data", default=None, help="the hidden-state dataset the drafter was "
-                   "trained on: a finished `eyas extract` output directory, with its "
-                   "manifest.json (default: none, the data checks are skipped)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="K you serve with (vLLM num_speculative_tokens, SGLang "
-                        "speculative-num-steps; default: none, the TTT steps "
-                        "trained are reported)")
-    p.add_argument("--max-samples", type=int, default=2000,
-                   help="samples read for the vocabulary coverage (spread over the dataset)")
-    return p
+    return parser(DoctorOptions, "eyas doctor", "Explain the likely causes of low acceptance of "
+                  "an exported drafter: contract violations, data/export mismatches, draft "
+                  "vocabulary coverage, TTT depth. Exit 0 = nothing found, 1 = likely causes "
+                  "listed, 2 = usage error (e.g. a mistyped path).")
 
 
 def cli_main(argv: list[str] | None = None) -> int:

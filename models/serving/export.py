@@ -31,6 +31,7 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -39,7 +40,7 @@ from safetensors.torch import save_file
 
 from eyas.data.common.checksums import write_checksums
 from eyas.data.common.lock import dir_lock, sibling_lock_path, writes_directory
-from eyas.data.common.log import HelpFormatter
+from eyas.data.common.options import option, parser
 from eyas.data.common.utils import atomic_write_dir, umask_mode
 from eyas.data.store.vocab_map import VocabMap
 from eyas.models.serving.card import (build_provenance, read_provenance, serve_commands,
@@ -387,40 +388,43 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *,
                           target_config=target_config, **kwargs)
 
 
+@dataclass(kw_only=True)
+class ExportOptions:
+    """`eyas export`'s options."""
+
+    checkpoint: str = option(
+        help="trainer checkpoint dir (DDP or DeepSpeed, with eyas.json), a state-dict file, or an "
+        "exported drafter dir (re-export / convert)", positional=True)
+    out_dir: str = option(help="output directory (must not exist unless --overwrite)",
+                          positional=True)
+    target_config: str | None = option(
+        None, "the target's config.json, its directory, hub id (org/name[@revision]) or preset "
+        "name: enables the target checks (default: none, no target checks)")
+    drafter_config: str | None = option(
+        None, "drafter config.json when the checkpoint has no eyas.json (default: the "
+        "checkpoint's eyas.json)")
+    speculators_config: bool = option(
+        False, "also write OUT_DIR-speculators/ (vLLM-only speculators format)")
+    verifier: str | None = option(
+        None, "target path or hub id for the speculators config and the printed serve commands "
+        "(default: none; needed with --speculators-config; a relative or ~ path that exists here "
+        "is recorded absolute)")
+    num_speculative_tokens: int | None = option(
+        None, "K for the printed commands (default: the TTT steps trained, else 3)")
+    overwrite: bool = option(
+        False, "replace an earlier export in OUT_DIR (refused when OUT_DIR holds files an export "
+        "does not write)")
+    shard_size_gb: float | None = option(
+        None, "split model.safetensors into shards of at most this size (default: one file)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas export` arguments."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas export",
-        description="Write a trained drafter as a directory vLLM and SGLang serve as is "
-                    "(config.json + model.safetensors, layout A of "
-                    "models/serving/CONTRACT.md), with a "
-                    "model card (README.md) and eyas_provenance.json made from the "
-                    "checkpoint's run record: the same card as the run's own export.")
-    p.add_argument("checkpoint", help="trainer checkpoint dir (DDP or DeepSpeed, with eyas.json), "
-                   "a state-dict file, or an exported drafter dir (re-export / convert)")
-    p.add_argument("out_dir", help="output directory (must not exist unless --overwrite)")
-    p.add_argument("--target-config", default=None,
-                   help="the target's config.json, its directory, hub id "
-                   "(org/name[@revision]) or preset name: enables the target checks "
-                   "(default: none, no target checks)")
-    p.add_argument("--drafter-config", default=None,
-                   help="drafter config.json when the checkpoint has no eyas.json "
-                   "(default: the checkpoint's eyas.json)")
-    p.add_argument("--speculators-config", action="store_true",
-                   help="also write OUT_DIR-speculators/ (vLLM-only speculators format)")
-    p.add_argument("--verifier", default=None,
-                   help="target path or hub id for the speculators config and the printed serve "
-                        "commands (default: none; needed with --speculators-config; a relative "
-                        "or ~ path that exists here is recorded absolute)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="K for the printed commands (default: the TTT steps trained, else 3)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier export in OUT_DIR (refused when OUT_DIR holds "
-                        "files an export does not write)")
-    p.add_argument("--shard-size-gb", type=float, default=None,
-                   help="split model.safetensors into shards of at most this size "
-                        "(default: one file)")
-    return p
+    return parser(ExportOptions, "eyas export", "Write a trained drafter as a directory vLLM and "
+                  "SGLang serve as is (config.json + model.safetensors, layout A of "
+                  "models/serving/CONTRACT.md), with a model card (README.md) and "
+                  "eyas_provenance.json made from the checkpoint's run record: the same card as "
+                  "the run's own export.")
 
 
 def cli_main(argv: list[str] | None = None) -> int:

