@@ -36,18 +36,15 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from eyas.data.store.packing import embedding_ids
 from eyas.data.store.vocab_map import VocabMap
 from eyas.models.attention import ATTENTION_KINDS, TTTAttention
 from eyas.models.config import Eagle3Config
 from eyas.models.fp8 import is_float8_linear
-from eyas.models.layer import (MLP, Midlayer, RMSNorm, attention_inputs,  # noqa: F401 (MLP)
-                               attention_inputs_split, attention_residual, compiled,
-                               embedding_qkv, layer_output, mlp_residual)
+from eyas.models.layer import MLP, Midlayer, RMSNorm, StepPlan, step_plan  # noqa: F401 (MLP)
 from eyas.models.rope import apply_rope, rope_inv_freq, rope_parameters  # noqa: F401 (re-export)
-from eyas.data.store.packing import embedding_ids
 from eyas.models.ttt import step_positions, structural_valid
 
 log = logging.getLogger(__name__)
@@ -95,6 +92,7 @@ class Eagle3Drafter(nn.Module):
         self.embedding_qkv_once = bool(embedding_qkv_once)
         self.fp8_split_qkv = bool(fp8_split_qkv)
         self._rope_cache: dict[tuple, tuple[Tensor, float]] = {}
+        self._plans: dict[str, StepPlan] = {}
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         self.embed_tokens = nn.Embedding(V, H)
         self.embed_tokens.weight.requires_grad_(False)
@@ -143,42 +141,26 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"doc_ids {tuple(doc_ids.shape)} and positions "
                              f"{tuple(positions.shape)} must both be [T]=[{T}]")
         valid = structural_valid(doc_ids, K)                                # [K, T]
-        fused = self.compile_layer and input_ids.is_cuda
+        plan = self.plan(input_ids.device)
         attn = TTTAttention(doc_ids, self.attention, head_dim=self.config.head_dim,
                             compile_flex=self.compile_flex, block_size=self.flex_block_size,
-                            compile_merge=fused)
-        c = self.config
+                            compile_merge=self.fused(input_ids.device))
         inv_freq, rope_factor = self._rope_on(input_ids.device)
-        pre = compiled(attention_inputs) if fused else attention_inputs
-        post = compiled(layer_output) if fused else layer_output
         g = self.fc(self._fc_input(aux).to(self.fc.weight.dtype))          # [T, H]
         # one lookup for all steps: step k reads rows 1+k .. k+T (its tokens input_ids[t+1+k])
         table = (self._embed(embedding_ids(input_ids, K)) if embeds is None else embeds)
         if table.shape != (T + K, self.config.hidden_size):
             raise ValueError(f"embeds has shape {tuple(table.shape)}, expected ({T + K}, "
                              f"{self.config.hidden_size}) = [T + ttt_steps, hidden_size]")
-        table = table.to(g.dtype)
-        split = self._qkv_halves()
-        if split is not None:
-            once = compiled(embedding_qkv) if fused else embedding_qkv
-            pre = compiled(attention_inputs_split) if fused else attention_inputs_split
-            embed_qkv = once(self.midlayer, table, split[0])                # [T+K, n·d] each
+        rows, extra = plan.embedding(self.midlayer, table.to(g.dtype))
         hidden, prenorm = [], []
         for k in range(K):
-            if split is None:
-                q, kk, v = pre(self.midlayer, table[1 + k:1 + k + T], g,
-                               step_positions(positions, k), inv_freq, rope_factor)
-            else:
-                q, kk, v = pre(self.midlayer, tuple(e[1 + k:1 + k + T] for e in embed_qkv), g,
-                               split[1], step_positions(positions, k), inv_freq, rope_factor)
-            out = attn(q, kk, v)                                            # [nh, T, d]
-            if self.checkpoint_mlp and torch.is_grad_enabled():
-                p, normed = self._checkpointed_output(out, g, fused)
-            else:
-                p, normed = post(self.midlayer, out, g, self.norm)          # [T, H] each
+            q, kk, v = plan.qkv(self.midlayer, tuple(r[1 + k:1 + k + T] for r in rows), extra,
+                                g, step_positions(positions, k), inv_freq, rope_factor)
+            p, normed = plan.output(self.midlayer, attn(q, kk, v), g, self.norm)  # [T, H] each
             hidden.append(normed)
             prenorm.append(p)
-            g = normed if c.norm_output else p                              # fed to step k+1
+            g = normed if self.config.norm_output else p                    # fed to step k+1
         return DrafterOutput(hidden=torch.stack(hidden),
                              prenorm=torch.stack(prenorm) if return_prenorm else None,
                              valid=valid)
@@ -195,23 +177,24 @@ class Eagle3Drafter(nn.Module):
             self._rope_cache[key] = (inv_freq.to(device), factor)
         return self._rope_cache[key]
 
-    def _qkv_halves(self) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None:
-        """(embedding halves, hidden halves) of the q/k/v weights [n·d, 2H] with
-        `embedding_qkv_once`, else None; also None for projections that must run their own
-        forward: float8 training linears (unless `fp8_split_qkv`), and weights partitioned by
-        DeepSpeed ZeRO-3 (`ds_id`), which are gathered only inside it. Taken once per unroll:
-        the K steps' weight gradients add up in the halves before reaching the weight."""
-        a = self.midlayer.self_attn
-        projections = (a.q_proj, a.k_proj, a.v_proj)
+    def fused(self, device: torch.device) -> bool:
+        """Whether the step pieces run compiled here: `compile_layer`, on CUDA only."""
+        return self.compile_layer and device.type == "cuda"
 
-        def split(p) -> bool:
-            return (type(p) is nn.Linear or self.fp8_split_qkv and is_float8_linear(p)) \
-                and not hasattr(p.weight, "ds_id")
-        if not self.embedding_qkv_once or not all(split(p) for p in projections):
-            return None
-        H = self.config.hidden_size
-        return (tuple(p.weight[:, :H] for p in projections),
-                tuple(p.weight[:, H:] for p in projections))
+    def plan(self, device: torch.device) -> StepPlan:
+        """The step functions on `device` (`models.layer.step_plan`), chosen at the first
+        forward there, after any float8 conversion (`models.fp8`), and kept. The embedding half
+        of q/k/v is projected once per unroll with `embedding_qkv_once` when every q/k/v
+        projection is a plain linear, or a float8 one under `fp8_split_qkv`; other float8
+        linears take the whole input each step."""
+        if device.type not in self._plans:
+            a = self.midlayer.self_attn
+            split = self.embedding_qkv_once and all(
+                type(p) is nn.Linear or self.fp8_split_qkv and is_float8_linear(p)
+                for p in (a.q_proj, a.k_proj, a.v_proj))
+            self._plans[device.type] = step_plan(fused=self.fused(device), split=split,
+                                                 checkpoint_mlp=self.checkpoint_mlp)
+        return self._plans[device.type]
 
     def _embed(self, ids: Tensor) -> Tensor:
         if self.embed_tokens is None:
@@ -227,15 +210,6 @@ class Eagle3Drafter(nn.Module):
         if self.fc_norm is not None:
             aux = torch.cat([n(x) for n, x in zip(self.fc_norm, aux.chunk(3, dim=-1))], dim=-1)
         return aux
-
-    def _checkpointed_output(self, attn_out: Tensor, g: Tensor, fused: bool
-                             ) -> tuple[Tensor, Tensor]:
-        """layer_output with the MLP (its [T, I] activations) recomputed in the backward."""
-        res = compiled(attention_residual) if fused else attention_residual
-        mlp = compiled(mlp_residual) if fused else mlp_residual
-        h, x = res(self.midlayer, attn_out, g)
-        return torch.utils.checkpoint.checkpoint(mlp, self.midlayer, h, x, self.norm,
-                                                 use_reentrant=False)
 
     def forward_batch(self, batch, ttt_steps: int | None = None, **kwargs) -> DrafterOutput:
         """`forward` on a packed `data.loader.Batch` (or anything with those attributes)."""

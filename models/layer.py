@@ -23,6 +23,7 @@ step's hidden half to its rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -219,3 +220,64 @@ def compiled(fn: Callable) -> Callable:
     if c is None:
         c = _COMPILED[fn.__name__] = torch.compile(fn, dynamic=None)
     return c
+
+
+# ---------------------------------------------------------------------- one step, planned
+@dataclass(frozen=True)
+class StepPlan:
+    """How every step of an unroll runs, chosen once (`step_plan`); the unroll itself
+    (`models.drafter.Eagle3Drafter.forward`) is one path over these functions.
+
+    `embedding` runs once per unroll on the embedding table [T+K, H] and gives the rows step k
+    reads at 1+k .. k+T, plus what each step's q/k/v needs besides (the hidden halves of the
+    q/k/v weights when the embedding half is projected once, else nothing); `qkv` gives one
+    step's q, k, v from its rows; `output` gives (p, final_norm(p)) from the attention output.
+    `split`: whether the embedding half of q/k/v is projected once per unroll.
+    """
+
+    split: bool
+    embedding: Callable[[Midlayer, Tensor], tuple[tuple[Tensor, ...], tuple[Tensor, ...]]]
+    qkv: Callable[..., tuple[Tensor, Tensor, Tensor]]
+    output: Callable[[Midlayer, Tensor, Tensor, RMSNorm], tuple[Tensor, Tensor]]
+
+
+def step_plan(*, fused: bool, split: bool, checkpoint_mlp: bool) -> StepPlan:
+    """The step functions: each piece compiled (`fused`) or eager; the embedding half of q/k/v
+    projected once per unroll (`split`: `embedding_qkv` + `attention_inputs_split`) or with
+    each step (`attention_inputs`); the MLP recomputed in the backward (`checkpoint_mlp`, while
+    gradients are recorded) or kept."""
+    def fn(f: Callable) -> Callable:
+        return compiled(f) if fused else f
+
+    if split:
+        once, inputs = fn(embedding_qkv), fn(attention_inputs_split)
+
+        def embedding(layer: Midlayer, table: Tensor):
+            # the halves are taken once per unroll: the K steps' weight gradients add up in
+            # them before reaching the weight
+            H = table.shape[-1]
+            proj = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            return (once(layer, table, tuple(p.weight[:, :H] for p in proj)),
+                    tuple(p.weight[:, H:] for p in proj))
+
+        def qkv(layer, rows, extra, g, *rope):
+            return inputs(layer, rows, g, extra, *rope)
+    else:
+        whole = fn(attention_inputs)
+
+        def embedding(layer: Midlayer, table: Tensor):
+            return (table,), ()
+
+        def qkv(layer, rows, extra, g, *rope):
+            return whole(layer, rows[0], g, *rope)
+    output = fn(layer_output)
+    if checkpoint_mlp:
+        residual, mlp, kept = fn(attention_residual), fn(mlp_residual), output
+
+        def output(layer: Midlayer, attn_out: Tensor, g: Tensor, final_norm: RMSNorm):
+            if not torch.is_grad_enabled():
+                return kept(layer, attn_out, g, final_norm)
+            h, x = residual(layer, attn_out, g)
+            return torch.utils.checkpoint.checkpoint(mlp, layer, h, x, final_norm,
+                                                     use_reentrant=False)
+    return StepPlan(split, embedding, qkv, output)

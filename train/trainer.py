@@ -282,13 +282,13 @@ def fit(t: Trainer) -> dict[str, Any]:
     stopping = False
     profiler = StepProfiler(cfg.train.profile_start, cfg.train.profile_steps,
                             t.out / "profile", acc.process_index)
-    update = micro_step_for(acc, t.module)      # the engine does not change during the run
+    update = micro_step_for(acc, t.module, t.optimizer, skipped, cfg.optim.clip_grad_norm)
     with StopRequest() as stop, contextlib.ExitStack() as closing, profiler:
         for c in (logger, bar, batches):   # batches: stops the loader's prefetch threads
             closing.callback(c.close)
         while step < t.total_steps and not stopping:
             with profiler.step(step + 1):       # numbered as the metrics number it
-                window.gnorm = train_step(t, batches, window, skipped, step, update)
+                window.gnorm = train_step(t, batches, window, step, update)
             window.steps += 1
             step += 1
             bar.update(1)
@@ -328,7 +328,8 @@ def fit(t: Trainer) -> dict[str, Any]:
 
 
 def train_step(t: Trainer, batches: DeviceBatches, window: MetricsWindow,
-               skipped: SkippedSteps, step: int, update: Callable) -> Tensor | float | None:
+               step: int, update: Callable[[Tensor, int], Tensor | float | None]
+               ) -> Tensor | float | None:
     """One optimizer step: optim.grad_accum micro-batches (forward, backward with `update`, the
     run's `train.update.micro_step_for`, metrics window, then clip + update at the last), then
     the LR schedule. Returns the gradient norm (a device tensor, no host sync here, except on
@@ -341,7 +342,7 @@ def train_step(t: Trainer, batches: DeviceBatches, window: MetricsWindow,
             res = t.module(**inputs)
             # a NaN/inf micro-batch drops its whole optimizer step (train.update), except on
             # the host-checked DeepSpeed path, which skips the micro-batch alone
-            gnorm = update(t.cfg.optim, acc, t.module, t.optimizer, res.loss, skipped, step)
+            gnorm = update(res.loss, step)
             window.add(res, batch, d2t)
         if acc.sync_gradients:
             window.lr = t.scheduler.get_last_lr()[0]     # the rate this step trained at

@@ -1,6 +1,7 @@
 """Backward and optimizer step of each micro-batch, and the NaN/inf steps they skip.
 
-    micro_step_for(...)           which of the three below a run uses
+    micro_step_for(...)           the run's micro-step, `update(loss, step)`: one of the three
+                                  below, with the run's accelerator, module, optimizer bound
     micro_step(...)               DDP or one process: no host sync
     engine_skip_micro_step(...)   DeepSpeed ZeRO-1/2 skipping NaN/inf steps itself: no read of
                                   the trainer's own (DeepSpeed's step makes three)
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
+from collections.abc import Callable
 
 import torch
 from accelerate.utils import DistributedType
@@ -33,16 +36,15 @@ from eyas.train.optim import MasterAdamW
 log = logging.getLogger(__name__)
 
 
-def micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor, skipped: SkippedSteps,
-               step: int) -> Tensor | None:
-    """Backward of one micro-batch and, after the last one of the accumulation, clip and
-    optimizer step, with no host sync. Returns the gradient norm (a device tensor, non-finite
-    on a skipped step) after the last micro-batch, else None. `step` is unused: the signature
-    is `host_checked_micro_step`'s."""
+def micro_step(clip: float, accelerator, module, optimizer, skipped: SkippedSteps,
+               loss: Tensor) -> Tensor | None:
+    """Backward of one micro-batch and, after the last one of the accumulation, clip to `clip`
+    (optim.clip_grad_norm) and optimizer step, with no host sync. Returns the gradient norm (a
+    device tensor, non-finite on a skipped step) after the last micro-batch, else None."""
     accelerator.backward(poisoned(loss))
     if not accelerator.sync_gradients:
         return None
-    norm = grad_norm(optim_cfg.clip_grad_norm, accelerator, module)
+    norm = grad_norm(clip, accelerator, module)
     skip = ~torch.isfinite(norm)
     step_unless(optimizer, skip)
     skipped.add(skip)
@@ -79,25 +81,29 @@ def step_unless(optimizer, skip: Tensor) -> None:
         optimizer.step()
 
 
-def micro_step_for(accelerator, module):
-    """The micro-step of this run: `micro_step` off DeepSpeed, `engine_skip_micro_step` under a
+def micro_step_for(accelerator, module, optimizer, skipped: SkippedSteps, clip: float
+                   ) -> Callable[[Tensor, int], Tensor | float | None]:
+    """The micro-step of this run as `update(loss, step)`, chosen once (the engine does not
+    change during the run): `micro_step` off DeepSpeed, `engine_skip_micro_step` under a
     DeepSpeed ZeRO-1/2 engine whose optimizer skips NaN/inf steps itself
-    (bf16.check_grad_overflow), else `host_checked_micro_step` (ZeRO-3, fp32)."""
+    (bf16.check_grad_overflow), else `host_checked_micro_step` (ZeRO-3, fp32; both DeepSpeed
+    paths clip inside the engine)."""
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return micro_step
+        step = partial(micro_step, clip, accelerator, module, optimizer, skipped)
+        return lambda loss, _: step(loss)
     opt = getattr(module, "optimizer", None)
     if getattr(opt, "check_grad_overflow", False) is True and hasattr(opt, "overflow"):
-        return engine_skip_micro_step
-    return host_checked_micro_step
+        return partial(engine_skip_micro_step, accelerator, module, optimizer, skipped)
+    return partial(host_checked_micro_step, accelerator, module, optimizer, skipped)
 
 
-def engine_skip_micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor,
-                           skipped: SkippedSteps, step: int) -> Tensor | float | None:
+def engine_skip_micro_step(accelerator, module, optimizer, skipped: SkippedSteps, loss: Tensor,
+                           step: int) -> Tensor | float | None:
     """The micro-step under a DeepSpeed engine that skips NaN/inf steps itself. The loss is
     `poisoned`, so a NaN/inf micro-batch drops its whole optimizer step; the engine clips and
     steps inside `accelerator.backward` and decides the skip with its own host read, whose
     result (`step_was_skipped`) is counted here at no cost. Returns the engine's gradient norm
-    (a device tensor; inf on a skipped step). `optim_cfg` is unused (the common signature)."""
+    (a device tensor; inf on a skipped step)."""
     accelerator.backward(poisoned(loss))
     if not accelerator.sync_gradients:
         return None
@@ -109,8 +115,8 @@ def engine_skip_micro_step(optim_cfg, accelerator, module, optimizer, loss: Tens
     return module.get_global_grad_norm()
 
 
-def host_checked_micro_step(optim_cfg, accelerator, module, optimizer, loss: Tensor,
-                            skipped: SkippedSteps, step: int) -> float | None:
+def host_checked_micro_step(accelerator, module, optimizer, skipped: SkippedSteps, loss: Tensor,
+                            step: int) -> float | None:
     """The other DeepSpeed engines (ZeRO-3, fp32): the loss is checked on the host per
     micro-batch (a non-finite micro-batch is skipped alone), the engine's gradient norm is read
     as a float and the limit is checked at every skip. The engine steps inside

@@ -34,7 +34,8 @@ def main(out: Path, stage: int) -> None:
     cfg = Eagle3Config.from_target(load_target_config("tiny-llama"), draft_vocab_size=512,
                                    ttt_steps=2)
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg, attention="eager").to(torch.bfloat16)
+    # as the trainer builds it under ZeRO-3 (conf/dist/zero3.yaml): q/k/v run their own forward
+    drafter = Eagle3Drafter(cfg, attention="eager", embedding_qkv_once=False).to(torch.bfloat16)
     ids = torch.randperm(cfg.vocab_size)[:512].sort().values
     drafter.set_vocab_map(ids - torch.arange(512))
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
