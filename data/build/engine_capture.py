@@ -33,8 +33,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from eyas.data.common.capture import (ExtractError, WeightFiles, check_aux_layers, chunked_argmax_topk,
-                               files_fingerprint, find_text_model, logit_transform)
+from eyas.data.common.capture import (ExtractError, WeightFiles, check_aux_layers,
+                                      chunked_argmax_topk, files_fingerprint, find_text_model,
+                                      logit_transform)
 from eyas.data.build.extract_plan import finalize, make_plan, pending_shards, write_plan
 from eyas.data.build.forward import default_shard_tokens
 from eyas.data.common.lock import writes_directory

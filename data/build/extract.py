@@ -52,8 +52,8 @@ from torch import nn
 
 from eyas.data.common.capture import (Capture, ExtractError, check_aux_layers, find_text_model,
                                logit_transform, target_fingerprint)
-from eyas.data.build.forward import (DTYPES, TEACHERS, default_shard_tokens, length_groups,  # noqa: F401
-                               load_model, plan_shards, run_batch)
+from eyas.data.build.forward import (DTYPES, TEACHERS, default_shard_tokens,  # noqa: F401
+                                     length_groups, load_model, plan_shards, run_batch)
 from eyas.data.common.lock import lock_for_ranks, writes_directory
 from eyas.data.build.extract_args import build_parser, parse_max_memory  # noqa: F401
 from eyas.data.build.extract_plan import (finalize, hf_capture_source, make_plan, pending_shards,

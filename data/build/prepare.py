@@ -49,8 +49,8 @@ import torch
 from eyas.data.common.checksums import file_sha256
 from eyas.data.build.encoding import auto_workers, encode_file
 from eyas.data.common.lock import writes_directory
-from eyas.data.build.records import (ERROR_MODES, Conversation, PrepareError, RecordError, iter_jsonl,
-                               normalise_record, resolve_template)
+from eyas.data.build.records import (ERROR_MODES, Conversation, PrepareError, RecordError,
+                                     iter_jsonl, normalise_record, resolve_template)
 from eyas.data.common.options import option, parser, shared
 from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, KVCache, SeedSettings,
                                 TargetSettings, TokenizeSettings)

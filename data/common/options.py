@@ -1,16 +1,14 @@
 """Command-line options declared once: a subcommand's options are the fields of one dataclass,
 and `parser` turns that dataclass into its argparse parser.
 
-A field's type and default are the option's; `option()` adds what argparse needs besides (help,
-other flag spellings, choices, metavar, a help group); `shared()` declares an option that the
-trainer also configures: its default and help come from the setting's own field
-(`data.common.settings`), and its help names the Hydra key, so the two cannot drift
-(tests/train/test_cli_defaults.py).
+A field's type and default are the option's; `option()` adds the rest (help, flags, choices, a
+help group); `shared()` declares an option the trainer also configures, with the default and
+help of the setting's own field (`data.common.settings`) and its Hydra key named, so the two
+cannot drift (tests/train/test_cli_defaults.py).
 
-Written on argparse rather than taken from tyro, simple-parsing or jsonargparse: those read help
-from attribute docstrings by parsing the source at run time and spell flags and help their own
-way (`--flag/--no-flag`, their own layout), while eyas's interface (every flag, default and help
-text) predates this module and argparse produces it exactly.
+Plain argparse, not tyro, simple-parsing or jsonargparse: they take help from attribute
+docstrings by parsing the source at run time and spell flags and help their own way
+(`--flag/--no-flag`), where argparse gives eyas's flags, defaults and help exactly.
 """
 
 from __future__ import annotations
@@ -32,25 +30,24 @@ def option(default: Any = MISSING, help: str | None = None, *, flags: Sequence[s
            choices: Sequence[Any] | None = None, metavar: str | None = None,
            group: str | None = None, exclusive: str | None = None,
            action: str | None = None) -> Any:
-    """A dataclass field that is a command-line option.
-
-    No default: a required option (or a positional, with `positional=True`). `flags` replaces
-    the `--field-name` spelling; `type` parses the text (default: the field's int or float
-    annotation; a `bool` field is a flag); `group` is a titled help section; fields sharing an
-    `exclusive` name are mutually exclusive; `action="append"` makes a repeatable option."""
-    meta = {_KEY: dict(help=help, flags=tuple(flags), positional=positional, type=type,
-                       choices=choices, metavar=metavar, group=group, exclusive=exclusive,
-                       action=action)}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
+    """A dataclass field that is a command-line option: required without a default (or a
+    positional); `flags` replaces the `--field-name` spelling; `type` parses the text (default:
+    an int or float annotation; a bool field is a flag); `group` titles a help section; fields
+    sharing an `exclusive` name exclude each other; `action="append"` repeats."""
+    meta = dict(help=help, flags=tuple(flags), positional=positional, type=type,
+                choices=choices, metavar=metavar, group=group, exclusive=exclusive, action=action)
+    return _field(default, {_KEY: meta})
 
 
 def setting(default: Any, help: str) -> Any:
-    """A settings field (shared by the Hydra schema and the subcommands) and its help."""
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+    """A settings field (the Hydra schema's and the subcommands') with its help text."""
+    return _field(default, {"help": help})
+
+
+def _field(default: Any, metadata: dict[str, Any]) -> Any:
+    if isinstance(default, list):            # a fresh list per instance
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def default(cls: type, name: str) -> Any:
@@ -61,40 +58,35 @@ def default(cls: type, name: str) -> Any:
 
 
 def shared(cls: type, name: str, key: str | None = None, note: str = "", **kw: Any) -> Any:
-    """An option backed by setting `name` of `cls`: the setting's default (an enum's choices
-    become the option's) and its help, then `note`, then "(default: KEY, VALUE)" naming the
-    trainer's Hydra key `key` (e.g. "data.max_length") where there is one."""
+    """An option backed by setting `name` of `cls`: its default (an enum's values are the
+    choices) and help, then `note`, then "(default: KEY, VALUE)" naming the Hydra key `key`."""
     f = next(f for f in fields(cls) if f.name == name)
-    raw = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-    if isinstance(raw, Enum):
-        kw.setdefault("choices", [e.value for e in type(raw)])
-    value = default(cls, name)
+    if isinstance(f.default, Enum):
+        kw.setdefault("choices", [e.value for e in type(f.default)])
     text = " ".join(t for t in (f.metadata.get("help", ""), note) if t)
     named = f"{key}, " if key else ""
-    help = f"{text} (default: {named}{value})".replace("%", "%%")
-    return option(value, help, **kw)
+    value = default(cls, name)
+    return option(value, f"{text} (default: {named}{value})".replace("%", "%%"), **kw)
 
 
-def _kwargs(f: Any, meta: dict[str, Any], hint: Any) -> dict[str, Any]:
-    """add_argument's keywords for field `f` (annotated `hint`)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: X
+def _add(box: Any, f: Any, meta: dict[str, Any], hint: Any) -> None:
+    """add_argument for field `f`, annotated `hint`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):      # X | None: X
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    kw: dict[str, Any] = {"help": meta["help"]}
-    for name in ("choices", "metavar", "action"):
-        if meta[name] is not None:
-            kw[name] = meta[name]
+    kw = {k: meta[k] for k in ("help", "choices", "metavar", "action") if meta[k] is not None}
     if hint is bool:
         kw["action"] = "store_true"
     elif meta["type"] is not None or hint in (int, float):
         kw["type"] = meta["type"] or hint
-    missing = f.default is MISSING and f.default_factory is MISSING
-    if missing and not meta["positional"]:
-        kw["required"] = True
-    elif not missing:
+    if f.default is not MISSING or f.default_factory is not MISSING:
         kw["default"] = f.default if f.default is not MISSING else f.default_factory()
-    if meta["flags"] and meta["flags"][0].lstrip("-").replace("-", "_") != f.name:
+    elif not meta["positional"]:
+        kw["required"] = True
+    names = ([f.name] if meta["positional"]
+             else list(meta["flags"]) or ["--" + f.name.replace("_", "-")])
+    if meta["flags"] and names[0].lstrip("-").replace("-", "_") != f.name:
         kw["dest"] = f.name
-    return kw
+    box.add_argument(*names, **kw)
 
 
 def parser(cls: type, prog: str, description: str,
@@ -102,21 +94,14 @@ def parser(cls: type, prog: str, description: str,
     """The argparse parser of the options dataclass `cls`, options in field order."""
     p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
                                 formatter_class=HelpFormatter)
-    hints = typing.get_type_hints(cls)
-    boxes: dict[Any, Any] = {}
+    hints, boxes = typing.get_type_hints(cls), {}
     for f in fields(cls):
-        meta = f.metadata[_KEY]
-        box = p
+        meta, box = f.metadata[_KEY], p
         if meta["group"]:
-            if meta["group"] not in boxes:
-                boxes[meta["group"]] = p.add_argument_group(meta["group"])
-            box = boxes[meta["group"]]
+            box = boxes.get(meta["group"]) or boxes.setdefault(
+                meta["group"], p.add_argument_group(meta["group"]))
         if meta["exclusive"]:
-            key = ("exclusive", meta["exclusive"])
-            if key not in boxes:
-                boxes[key] = box.add_mutually_exclusive_group()
-            box = boxes[key]
-        names = ([f.name] if meta["positional"]
-                 else list(meta["flags"]) or ["--" + f.name.replace("_", "-")])
-        box.add_argument(*names, **_kwargs(f, meta, hints[f.name]))
+            box = boxes.get(meta["exclusive"]) or boxes.setdefault(
+                meta["exclusive"], box.add_mutually_exclusive_group())
+        _add(box, f, meta, hints[f.name])
     return p

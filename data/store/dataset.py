@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.data.store.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME, MANIFEST_NAME,
-                         OFFSETS, SAMPLE_CRC, DatasetError, as_numpy_bytes, crc32_rows,
-                         dequantize_fp8, dtype_from_name, nonfinite_tokens, parse_header,
-                         pread_exact, shard_meta_from_header, table_checksum)
+from eyas.data.store.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME,
+                                    MANIFEST_NAME, OFFSETS, SAMPLE_CRC, DatasetError,
+                                    as_numpy_bytes, crc32_rows, dequantize_fp8, dtype_from_name,
+                                    nonfinite_tokens, parse_header, pread_exact,
+                                    shard_meta_from_header, table_checksum)
 from eyas.data.common.utils import progress
 from eyas.data.store.read_checks import ReadChecks
 

@@ -27,11 +27,12 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.data.store.dataset import Dataset, open_dataset
-from eyas.data.store.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOAT_FIELDS, FORMAT_VERSION,
-                         ID_FIELDS, INDEX_NAME, KINDS, MANIFEST_NAME, OFFSETS, READ_DTYPES,
-                         RESERVED, SAMPLE_CRC, SHARD_FORMAT, DatasetError, as_numpy_bytes,
-                         crc32_rows, dequantize_fp8, dtype_name, json_meta, nonfinite_tokens,
-                         parse_header, quantize_fp8, shard_meta_from_header, table_checksum)
+from eyas.data.store.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOAT_FIELDS,
+                                    FORMAT_VERSION, ID_FIELDS, INDEX_NAME, KINDS, MANIFEST_NAME,
+                                    OFFSETS, READ_DTYPES, RESERVED, SAMPLE_CRC, SHARD_FORMAT,
+                                    DatasetError, as_numpy_bytes, crc32_rows, dequantize_fp8,
+                                    dtype_name, json_meta, nonfinite_tokens, parse_header,
+                                    quantize_fp8, shard_meta_from_header, table_checksum)
 from eyas.data.common.utils import atomic_path, atomic_write_json
 
 __all__ = ["Dataset", "DatasetError", "open_dataset", "write_shard", "read_shard_meta",

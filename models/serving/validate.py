@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from eyas.data.common.options import option, parser
-from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, finding, format_findings, is_speculators_config,
-                                          read_config, require_dir, resolve_target_config)
+from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, finding,
+                                          format_findings, is_speculators_config, read_config,
+                                          require_dir, resolve_target_config)
 from eyas.models.serving.validate_integrity import checksum_findings, open_tensors
 from eyas.models.serving.validate_static import check_config, check_tensors
 
