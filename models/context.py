@@ -96,7 +96,7 @@ def zero_context_counts(k: int, edges, device=None) -> dict[str, Tensor]:
             "ctx_cond_correct": z.clone(), "ctx_cond_total": z.clone()}
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
@@ -111,8 +111,8 @@ def context_table(counts: dict[str, Tensor], edges) -> list[dict]:
     e = check_edges(edges)
     c = {k: counts[k].detach().cpu().tolist() for k in CONTEXT_KEYS}
     his = list(e[1:]) + [None]
-    return [_bucket(name, lo, hi, _ratio(c["ctx_tau_sum"][i], c["ctx_starts"][i]),
-                    [_ratio(a, b) for a, b in zip(c["ctx_cond_correct"][i],
+    return [_bucket(name, lo, hi, ratio(c["ctx_tau_sum"][i], c["ctx_starts"][i]),
+                    [ratio(a, b) for a, b in zip(c["ctx_cond_correct"][i],
                                                   c["ctx_cond_total"][i])],
                     c["ctx_starts"][i], c["ctx_starts"][i])
             for i, (name, lo, hi) in enumerate(zip(bucket_names(e), e, his))]
@@ -137,7 +137,7 @@ def rounds_table(rounds: list[tuple[int, int, int]], k: int, edges) -> list[dict
             accepted[i][j] += j < n
     his = list(e[1:]) + [None]
     return [_bucket(name, lo, hi, 1 + acc[i] / cnt[i] if cnt[i] else float("nan"),
-                    [_ratio(a, r) for a, r in zip(accepted[i], reached[i])], emitted[i], cnt[i])
+                    [ratio(a, r) for a, r in zip(accepted[i], reached[i])], emitted[i], cnt[i])
             for i, (name, lo, hi) in enumerate(zip(bucket_names(e), e, his))]
 
 

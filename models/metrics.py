@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eyas.models.context import context_counts, zero_context_counts
+from eyas.models.context import context_counts, ratio, zero_context_counts
 from eyas.models.ttt import shifted_for_steps
 
 #: counts of `accept_counts`
@@ -175,10 +175,6 @@ def zero_counts(k: int, device=None, edges=None, walk_cap: int | None = None
     return out
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else float("nan")
-
-
 def tau_curves(counts: dict[str, Tensor]) -> dict[str, list[float]]:
     """τ of chains capped at K' = 1..K: `tau_by_k`, `tau_independent_by_k` and, with trajectory
     counts, `tau_trajectory_by_k` (float64; a zero denominator gives NaN)."""
@@ -186,17 +182,17 @@ def tau_curves(counts: dict[str, Tensor]) -> dict[str, list[float]]:
     K = c["correct"].shape[0]
     starts = float(c["chain_starts"])
     alive_cum = torch.cumsum(c["cond_correct"], 0)                        # Σ_{k<K'} alive_k
-    out = {"tau_by_k": [_ratio(starts + float(alive_cum[k]), starts) for k in range(K)]}
+    out = {"tau_by_k": [ratio(starts + float(alive_cum[k]), starts) for k in range(K)]}
     prod, run, indep = 1.0, 0.0, []
     for k in range(K):
-        prod *= _ratio(float(c["correct"][k]), float(c["total"][k]))     # NaN stays NaN
+        prod *= ratio(float(c["correct"][k]), float(c["total"][k]))     # NaN stays NaN
         run += prod
         indep.append(1.0 + run)
     out["tau_independent_by_k"] = indep
     for name, (rounds, accepted) in (("tau_trajectory_by_k", TRAJECTORY_KEYS),
                                      ("tau_trajectory_capped_by_k", CAPPED_KEYS)):
         if rounds in c:
-            out[name] = [1.0 + _ratio(float(c[accepted][k]), float(c[rounds][k]))
+            out[name] = [1.0 + ratio(float(c[accepted][k]), float(c[rounds][k]))
                          for k in range(K)]
     return out
 
@@ -208,10 +204,10 @@ def summarize(counts: dict[str, Tensor]) -> dict[str, float]:
     c = {k: v.detach().to("cpu", torch.float64) for k, v in counts.items()}
     out: dict[str, float] = {}
     for k in range(c["correct"].shape[0]):
-        out[f"acc_{k}"] = _ratio(float(c["correct"][k]), float(c["total"][k]))
-        out[f"cond_acc_{k}"] = _ratio(float(c["cond_correct"][k]), float(c["cond_total"][k]))
-    out["acc_overall"] = _ratio(float(c["correct"].sum()), float(c["total"].sum()))
-    out["tau"] = _ratio(float(c["tau_sum"]), float(c["chain_starts"]))
+        out[f"acc_{k}"] = ratio(float(c["correct"][k]), float(c["total"][k]))
+        out[f"cond_acc_{k}"] = ratio(float(c["cond_correct"][k]), float(c["cond_total"][k]))
+    out["acc_overall"] = ratio(float(c["correct"].sum()), float(c["total"].sum()))
+    out["tau"] = ratio(float(c["tau_sum"]), float(c["chain_starts"]))
     curves = tau_curves(counts)
     out["tau_independent"] = curves["tau_independent_by_k"][-1]
     for name in ("tau_trajectory", "tau_trajectory_capped"):

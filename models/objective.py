@@ -1,4 +1,4 @@
-"""Loss weighting of the TTT unroll, and a plain-torch reference of the whole loss.
+"""Loss weighting of the TTT unroll.
 
 The fused loss (`kernels.eagle3_loss`) takes one fp32 weight per (step k, row t); everything
 about masking, step decay and normalisation lives in that [K, T] tensor:
@@ -63,30 +63,3 @@ def row_weights(valid: Tensor, loss_mask: Tensor, target_argmax: Tensor, t2d: Te
         w = w / float(T)
     decay = step_weight ** torch.arange(K, dtype=torch.float32, device=w.device)
     return w * decay[:, None]
-
-
-def teacher_probs_reference(last: Tensor, target_head_rows: Tensor) -> Tensor:
-    """[T, Vd] fp32: softmax of the target logits restricted to the draft vocabulary's rows."""
-    return torch.softmax(last.float() @ target_head_rows.float().T, dim=-1)
-
-
-def reference_loss(hidden: Tensor, lm_head_weight: Tensor, last: Tensor, target_head_rows: Tensor,
-                   row_weight: Tensor) -> Tensor:
-    """Plain fp32 torch loss for parity tests (the loss of the module docstring); differentiable.
-
-    hidden [K, T, H] (normed drafter outputs), lm_head_weight [Vd, H], last [T, tH] (the target's
-    post-norm final hidden states, NOT shifted), target_head_rows [Vd, tH] (target lm_head rows
-    i + d2t[i]), row_weight [K, T] (`row_weights`). Row (k, t) is scored against the teacher at
-    index t+1+k:  Σ_{k,t} w(k,t) · −Σ_v p_{t+1+k}[v] · log_softmax(lm_head(hidden[k, t]))[v].
-    """
-    K, T, _ = hidden.shape
-    p = teacher_probs_reference(last, target_head_rows)                  # [T, Vd]
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for k in range(K):
-        logq = torch.log_softmax(hidden[k].float() @ lm_head_weight.float().T, dim=-1)   # [T, Vd]
-        idx = torch.arange(T, device=hidden.device) + 1 + k
-        pk = p[idx.clamp_max(T - 1)]                                      # teacher at t+1+k
-        ce = -(pk * logq).sum(-1)                                         # [T]
-        w = row_weight[k].float()
-        total = total + (w * torch.where(w != 0, ce, torch.zeros_like(ce))).sum()
-    return total

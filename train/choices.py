@@ -6,64 +6,24 @@ from __future__ import annotations
 from enum import Enum
 
 
-class AttentionImpl(str, Enum):
-    auto = "auto"
-    flex = "flex"
-    eager = "eager"
+def _choices(name: str, values: str) -> type[Enum]:
+    """A str Enum whose members are named after their values (space-separated in `values`)."""
+    return Enum(name, [(v, v) for v in values.split()], type=str, module=__name__)
 
 
-class FP8Recipe(str, Enum):
-    off = "off"
-    tensorwise = "tensorwise"
-    rowwise = "rowwise"
-
-
-class LossImpl(str, Enum):
-    auto = "auto"
-    triton = "triton"
-    torch = "torch"
-
-
-class Normalisation(str, Enum):
-    valid = "valid"
-    specforge = "specforge"
-
-
-class Moments(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-
-
-class Schedule(str, Enum):
-    cosine = "cosine"
-    linear = "linear"
-    constant = "constant"
-
-
-class DistBackend(str, Enum):
-    ddp = "ddp"
-    deepspeed = "deepspeed"
-
-
-class ExportSelect(str, Enum):
-    best = "best"
-    last = "last"
-
-
-class ParamDtype(str, Enum):
-    auto = "auto"
-    bf16 = "bf16"
-    fp32 = "fp32"
-
+AttentionImpl = _choices("AttentionImpl", "auto flex eager")
+FP8Recipe = _choices("FP8Recipe", "off tensorwise rowwise")
+LossImpl = _choices("LossImpl", "auto triton torch")
+Normalisation = _choices("Normalisation", "valid specforge")
+Moments = _choices("Moments", "fp32 bf16")
+Schedule = _choices("Schedule", "cosine linear constant")
+DistBackend = _choices("DistBackend", "ddp deepspeed")
+ExportSelect = _choices("ExportSelect", "best last")
+ParamDtype = _choices("ParamDtype", "auto bf16 fp32")
+WandbMode = _choices("WandbMode", "online offline disabled")
 
 #: accelerate's trackers (`accelerate.utils.LoggerType`) -> the distributions that provide them
 TRACKER_PACKAGES = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX"),
                     "mlflow": ("mlflow", "mlflow-skinny"), "aim": ("aim",),
                     "comet_ml": ("comet-ml", "comet_ml"), "clearml": ("clearml",),
                     "dvclive": ("dvclive",), "swanlab": ("swanlab",), "trackio": ("trackio",)}
-
-
-class WandbMode(str, Enum):
-    online = "online"
-    offline = "offline"
-    disabled = "disabled"

@@ -71,12 +71,8 @@ def all_reduce_counts(counts: dict[str, Tensor]) -> dict[str, Tensor]:
     keys = list(counts)            # the same order on every rank (chain_counts, zero_counts)
     flat = torch.cat([counts[k].reshape(-1).to(torch.int64) for k in keys])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    out, i = {}, 0
-    for key in keys:
-        n = counts[key].numel()
-        out[key] = flat[i:i + n].view(counts[key].shape)
-        i += n
-    return out
+    parts = flat.split([counts[key].numel() for key in keys])
+    return {key: part.view(counts[key].shape) for key, part in zip(keys, parts)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -290,9 +290,7 @@ def by_temperature(temps: list[float], evaluate_at: Callable[[float], dict]) -> 
         elif res.get("mode") == "offline":
             row["offline_tau"] = res.get("tau_trajectory")
         rows.append(row)
-    out = dict(results[0])
-    out["by_temperature"] = rows
-    return out
+    return {**results[0], "by_temperature": rows}
 
 
 def format_by_temperature(res: dict) -> str:

@@ -137,6 +137,14 @@ def tau_figure(records: list[dict], selected_step: int | None = None):
     return fig
 
 
+def _picks(evals: list[dict], selected_step: int | None) -> list[tuple[str, dict]]:
+    """The eval records drawn per position: the selected checkpoint's (when it is not the last
+    eval) and the last eval's."""
+    chosen = [r for r in evals if r["step"] == selected_step][:1]
+    picks = [("selected checkpoint", r) for r in chosen if r is not evals[-1]]
+    return picks + [("last eval", r) for r in evals[-1:]]
+
+
 def acceptance_figure(records: list[dict], selected_step: int | None = None):
     fig, (over, at) = _figure(2)
     evals = [r for r in records if _positions(r)]
@@ -148,11 +156,7 @@ def acceptance_figure(records: list[dict], selected_step: int | None = None):
     _mark(over, selected_step)
     _style(over, "Per-position acceptance over training", "optimizer step",
            "cond_acc_k (accepted | all before accepted)")
-    picks = {"last eval": evals[-1]} if evals else {}
-    chosen = [r for r in evals if r["step"] == selected_step]
-    if chosen and chosen[0] is not evals[-1]:
-        picks = {"selected checkpoint": chosen[0], **picks}
-    for name, rec in picks.items():
+    for name, rec in _picks(evals, selected_step):
         acc = _positions(rec)
         at.plot(range(len(acc)), [math.nan if v is None else v for v in acc], "o-",
                 label=f"{name} (step {rec['step']})")
@@ -195,11 +199,8 @@ def context_figure(records: list[dict], selected_step: int | None = None):
     if not evals:
         return None
     fig, (ax,) = _figure()
-    picks = {f"last eval (step {evals[-1]['step']})": evals[-1]["eval/by_context"]}
-    chosen = [r for r in evals if r["step"] == selected_step]
-    if chosen and chosen[0] is not evals[-1]:
-        picks = {f"selected checkpoint (step {selected_step})": chosen[0]["eval/by_context"],
-                 **picks}
+    picks = {f"{name} (step {rec['step']})": rec["eval/by_context"]
+             for name, rec in _picks(evals, selected_step)}
     context_axes(ax, picks, "Acceptance length by context position")
     return fig
 

@@ -130,8 +130,7 @@ def host_checked_micro_step(accelerator, module, optimizer, skipped: SkippedStep
         accelerator.backward(loss)
     if not accelerator.sync_gradients:
         return None
-    engine = module
-    norm = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+    norm = module.get_global_grad_norm() if hasattr(module, "get_global_grad_norm") else None
     gnorm = None if norm is None else float(norm)
     if gnorm is not None and not math.isfinite(gnorm):
         skipped.add_host()

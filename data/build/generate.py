@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 from eyas.data.common.log import PROGRESS
-from eyas.data.build.records import (ERROR_MODES, Conversation, PrepareError, RecordError,
-                                     iter_jsonl, normalise_record, pending_turns, resolve_template,
+from eyas.data.build.records import (ERROR_MODES, Conversation, pending_turns, resolve_template,
                                      scan_written)
+from eyas.data.build.served import read_prompts
 from eyas.data.common.settings import GenerationSettings, KVCache, SeedSettings, TargetSettings
 from eyas.data.common.templates import for_template
 from eyas.data.common.utils import LogEvery
@@ -154,41 +154,11 @@ def _check_args(on_error: str, max_new_tokens: int, batch_size: int, cache: str)
                          f"{batch_size}")
 
 
-def _read_prompts(prompts_path: Path, done: set[str],
-                  on_error: str) -> tuple[list[Conversation], set[str]]:
-    """(valid prompt records whose id is not in `done`, the ids of all valid records)."""
-    todo: list[Conversation] = []
-    skipped: Counter[str] = Counter()
-    seen: set[str] = set()
-    for lineno, rec in iter_jsonl(prompts_path):
-        try:
-            if isinstance(rec, RecordError):
-                raise rec
-            conv = normalise_record(rec, default_id=f"{prompts_path.name}:{lineno}")
-            if conv.id in seen:
-                raise RecordError("duplicate_id", f"id {conv.id!r} occurs twice; ids must be "
-                                  f"unique for resuming")
-            seen.add(conv.id)
-            if not pending_turns(conv.messages):
-                raise RecordError("nothing_to_generate", "no user turn without an answer")
-        except RecordError as e:
-            if on_error == "raise":
-                raise PrepareError(f"{prompts_path}:{lineno}: {e}") from None
-            skipped[e.reason] += 1
-            continue
-        if conv.id not in done:
-            todo.append(conv)
-    if skipped:
-        log.warning("skipped %d prompt records of %s: %s", sum(skipped.values()), prompts_path,
-                    dict(sorted(skipped.items())))
-    return todo, seen
-
-
 def _records_to_answer(prompts_path: Path, out_path: Path, on_error: str) -> list[Conversation]:
     """Prompt records not yet in `out_path` (created if missing, a partial last line cut off)."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = scan_done(out_path)
-    todo, seen = _read_prompts(prompts_path, done, on_error)
+    todo, seen = read_prompts(prompts_path, done, on_error)
     log.info("%d prompts to answer (%d already in %s)", len(todo), len(done & seen), out_path)
     return todo
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.data.common.checksums import file_sha256
-from eyas.data.common.lock import dir_lock
+from eyas.data.common.lock import dir_lock, sibling_lock_path
 from eyas.data.common.log import PROGRESS
 from eyas.data.build.records import (Conversation, PrepareError, RecordError, iter_jsonl,
                                normalise_record, pending_turns, scan_written)
@@ -64,11 +64,6 @@ def card_path(out: str | Path) -> Path:
     """The data card beside conversations file `out`: ``conv.jsonl`` -> ``conv.card.json``."""
     out = Path(out)
     return out.with_name(f"{out.stem if out.suffix == '.jsonl' else out.name}.card.json")
-
-
-def partial_path(out: str | Path) -> Path:
-    out = Path(out)
-    return out.with_name(out.name + PARTIAL_SUFFIX)
 
 
 def read_card(conversations: str | Path) -> dict[str, Any] | None:
@@ -97,24 +92,42 @@ class Task:
     sample: int
 
 
-def load_tasks(prompts: Path, samples_per_prompt: int) -> list[Task]:
-    """Every prompt record of `prompts` x sample; a bad record is an error naming file:line."""
-    tasks, seen = [], set()
-    for lineno, rec in iter_jsonl(prompts):
+def read_prompts(prompts_path: Path, done: set[str],
+                 on_error: str) -> tuple[list[Conversation], set[str]]:
+    """(valid prompt records whose id is not in `done`, the ids of all valid records). A bad
+    record raises PrepareError naming file:line (on_error="raise") or is counted and skipped."""
+    todo: list[Conversation] = []
+    skipped: Counter[str] = Counter()
+    seen: set[str] = set()
+    for lineno, rec in iter_jsonl(prompts_path):
         try:
             if isinstance(rec, RecordError):
                 raise rec
-            conv = normalise_record(rec, default_id=f"{prompts.name}:{lineno}")
+            conv = normalise_record(rec, default_id=f"{prompts_path.name}:{lineno}")
             if conv.id in seen:
                 raise RecordError("duplicate_id", f"id {conv.id!r} occurs twice; ids must be "
                                   f"unique for resuming")
+            seen.add(conv.id)
             if not pending_turns(conv.messages):
                 raise RecordError("nothing_to_generate", "no user turn without an answer")
         except RecordError as e:
-            raise PrepareError(f"{prompts}:{lineno}: {e}") from None
-        seen.add(conv.id)
-        tasks += [Task(conv.id if j == 0 else f"{conv.id}#s{j}", conv, j)
-                  for j in range(samples_per_prompt)]
+            if on_error == "raise":
+                raise PrepareError(f"{prompts_path}:{lineno}: {e}") from None
+            skipped[e.reason] += 1
+            continue
+        if conv.id not in done:
+            todo.append(conv)
+    if skipped:
+        log.warning("skipped %d prompt records of %s: %s", sum(skipped.values()), prompts_path,
+                    dict(sorted(skipped.items())))
+    return todo, seen
+
+
+def load_tasks(prompts: Path, samples_per_prompt: int) -> list[Task]:
+    """Every prompt record of `prompts` x sample; a bad record is an error naming file:line."""
+    convs, _ = read_prompts(prompts, set(), "raise")
+    tasks = [Task(conv.id if j == 0 else f"{conv.id}#s{j}", conv, j)
+             for conv in convs for j in range(samples_per_prompt)]
     if not tasks:
         raise PrepareError(f"{prompts}: no prompt records")
     return tasks
@@ -229,12 +242,6 @@ def _append(fd: int, rec: dict[str, Any]) -> None:
     while data:
         data = data[os.write(fd, data):]
     os.fsync(fd)
-
-
-def lock_path(out: str | Path) -> Path:
-    """The (empty, hidden) file whose lock one writer of `out` holds: ``.conv.jsonl.lock``."""
-    out = Path(out)
-    return out.with_name(f".{out.name}.lock")
 
 
 class _Progress:
@@ -361,7 +368,7 @@ def generate_from_endpoint(prompts: str | Path, endpoint: str, out: str | Path, 
     t0 = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     # held until this function returns: one writer per output
-    with dir_lock(out, what="`eyas generate` output", path=lock_path(out)):
+    with dir_lock(out, what="`eyas generate` output", path=sibling_lock_path(out)):
         return _generate(tasks, prompts, endpoint, out, t0, model=model, max_tokens=max_tokens,
                          temperature=temperature, top_p=top_p, seed=seed,
                          concurrency=concurrency, samples_per_prompt=samples_per_prompt,
@@ -377,7 +384,7 @@ def _generate(tasks: list[Task], prompts: Path, endpoint: str, out: Path, t0: fl
               client_kw: dict[str, Any]) -> dict[str, Any]:
     from eyas.data.build.endpoint import EndpointClient
     from eyas.data.common.utils import atomic_write_json, fsync_dir
-    partial = partial_path(out)
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
     if out.exists() and partial.exists():
         raise FileExistsError(f"both {out} and {partial} exist; remove the one that is not "
                               f"this run's output")

@@ -290,8 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_main(argv: list[str] | None = None) -> int:
     """`eyas vocab`: build a draft vocabulary from a dataset and save it."""
-    p = build_parser()
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     from eyas.data.store.dataset import open_dataset
 
     ds = open_dataset(args.data)

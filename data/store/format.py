@@ -41,7 +41,6 @@ ST_TO_TORCH: dict[str, torch.dtype] = {
     "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-TORCH_TO_ST = {v: k for k, v in ST_TO_TORCH.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -109,8 +108,6 @@ class Header:
 
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
-    data_start: int   # 8 + header length
-    data_end: int     # absolute end of the last tensor = expected file size
 
 
 def parse_header(path: str | os.PathLike, file=None) -> Header:
@@ -164,7 +161,7 @@ def parse_header(path: str | os.PathLike, file=None) -> Header:
     if size < end:
         raise DatasetError(f"file is truncated: {size} bytes but its header declares {end}; "
                            f"re-create the shard (a crashed copy?)", path=path)
-    return Header(tensors, metadata, start, end)
+    return Header(tensors, metadata)
 
 
 def nonfinite_tokens(t: torch.Tensor) -> torch.Tensor:

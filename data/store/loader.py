@@ -39,7 +39,6 @@ __all__ = ["Batch", "PackedLoader", "split_indices"]
 
 log = logging.getLogger(__name__)
 
-PAD_ID = 0
 _BATCH_FIELDS = ("aux", "last", "topk_ids", "topk_logits", "target_argmax")
 
 

@@ -49,8 +49,6 @@ from eyas.data.store.format import ST_TO_TORCH
 
 ERROR, WARNING = "error", "warning"
 
-#: decoder-layer prefix of layout A (SGLang before mid-2026 reads only this spelling)
-LAYER = "midlayer."
 #: every tensor layout A ships (d2t/t2d only when the draft vocabulary is smaller)
 CORE_TENSORS = (
     "fc.weight",
@@ -67,7 +65,6 @@ CORE_TENSORS = (
     "norm.weight",
     "lm_head.weight",
 )
-VOCAB_TENSORS = ("d2t", "t2d")
 
 
 def norm_before_fc(cfg: dict[str, Any]) -> bool:

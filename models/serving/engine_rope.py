@@ -45,7 +45,7 @@ def engine_rope_params(cfg: dict) -> tuple[float, dict]:
     return theta, rp
 
 
-def _mscale(scale: float, m: float = 1.0) -> float:
+def mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
@@ -105,11 +105,11 @@ class EngineRope:
             if p.get("attention_factor") is not None:
                 self.factor = float(p["attention_factor"])
             else:
-                self.factor = _mscale(f, m) / _mscale(f, m_all) if (m and m_all) else _mscale(f)
+                self.factor = mscale(f, m) / mscale(f, m_all) if (m and m_all) else mscale(f)
             extrapolation = 1.0
         else:
             both = m is not None and m_all is not None
-            self.factor = (_mscale(f, m) / _mscale(f, m_all) if both else _mscale(f))
+            self.factor = (mscale(f, m) / mscale(f, m_all) if both else mscale(f))
             self.factor *= float(p.get("attn_factor", 1))
             extrapolation = float(p.get("extrapolation_factor", 1))
         fast, slow = p.get("beta_fast", 32), p.get("beta_slow", 1)

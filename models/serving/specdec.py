@@ -78,10 +78,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eyas.models.context import DEFAULT_EDGES
 from eyas.models.serving import sampling
 from eyas.models.serving.reference import EngineDrafter
-from eyas.models.serving.specdec_summary import summarize
+from eyas.models.serving.specdec_summary import summarize  # noqa: F401  (callers import it here)
 
 log = logging.getLogger(__name__)
 
@@ -399,18 +398,3 @@ def decode_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: li
         plain.close()
         verifier.close()
     return pairs
-
-
-def run_prompts(model, drafter: EngineDrafter, drafter_cfg: dict, prompts: list[list[int]], *,
-                k: int, max_new_tokens: int, stop_ids: set[int], names: list[str] | None = None,
-                progress: bool = True, context_buckets=DEFAULT_EDGES, temperature: float = 0.0,
-                draft: str = "argmax", seed: int = 0) -> dict:
-    """`decode_prompts` then `summarize`: tau, per-position acceptance, forwards, tokens/s,
-    speedup and token identity of the speculative output against target-only greedy."""
-    pairs = decode_prompts(model, drafter, drafter_cfg, prompts, k=k, max_new_tokens=max_new_tokens,
-                           stop_ids=stop_ids, names=names, progress=progress,
-                           temperature=temperature, draft=draft, seed=seed)
-    res = summarize(pairs, k, context_buckets=context_buckets, temperature=temperature)
-    if temperature > 0:
-        res.update(draft=draft, seed=seed)
-    return res

@@ -167,8 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_main(argv: list[str] | None = None) -> int:
     """`eyas validate DIR --target-config FILE [--target-weights DIR] [--numeric]`."""
-    p = build_parser()
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
     findings = validate(args.dir, args.target_config, check_values=not args.no_values,
                         numeric=args.numeric, target_weights=args.target_weights)

@@ -21,7 +21,7 @@ from typing import Any
 
 from eyas.models.rope import target_rope_scaling
 from eyas.models.serving.contract import ERROR, WARNING, Finding, finding
-from eyas.models.serving.engine_rope import engine_rope_params
+from eyas.models.serving.engine_rope import engine_rope_params, mscale
 
 ROPE_CODES = {"ROPE_UNSERVED": ERROR, "ROPE_MISREAD": ERROR, "ROPE_KEYS": ERROR,
               "ROPE_ENGINES_DIFFER": WARNING, "ROPE_TARGET": WARNING}
@@ -31,10 +31,6 @@ _NEEDED = {"linear": ("factor",), "yarn": ("factor",),
            "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
            "longrope": ("short_factor", "long_factor")}
 _FIX_NULL = 'set "rope_scaling": null (plain RoPE) or re-derive the drafter from the target'
-
-
-def _mscale(scale: float, m: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
 def check_rope(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Finding]:
@@ -89,7 +85,7 @@ def _yarn_rules(p: dict[str, Any], add) -> list[Finding]:
         add("ROPE_MISREAD", f"rope_scaling yarn mscale={m!r}, mscale_all_dim={m_all!r}",
             "vLLM (a zero counts as absent) uses 0.1·ln(factor)+1, SGLang the mscale ratio",
             "drop the zero key, or give both non-zero")
-    derived = _mscale(f, m) / _mscale(f, m_all) if (m and m_all) else _mscale(f)
+    derived = mscale(f, m) / mscale(f, m_all) if (m and m_all) else mscale(f)
     af = p.get("attention_factor")
     if af is not None and not math.isclose(float(af), derived, rel_tol=1e-6):
         add("ROPE_MISREAD", f"rope_scaling yarn attention_factor={af!r} (the mscale rule gives {derived:.6g})",

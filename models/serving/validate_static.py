@@ -416,13 +416,7 @@ def _dtype_findings(tdir: TensorDir, canon: dict[str, str], add: _Add) -> None:
 
 
 def _nonfinite(tdir: TensorDir, names: list[str]) -> list[str]:
-    bad = []
-    for n in names:
-        for chunk in tdir.chunks(n):
-            if not all_finite(chunk):
-                bad.append(n)
-                break
-    return bad
+    return [n for n in names if not all(all_finite(chunk) for chunk in tdir.chunks(n))]
 
 
 def _check_eagle31(cfg: dict) -> list[Finding]:

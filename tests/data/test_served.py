@@ -235,10 +235,10 @@ def test_prepare_refuses_an_unfinished_output(tmp_path):
 def test_a_second_writer_of_one_output_is_refused(tmp_path):
     import fcntl
 
-    from eyas.data.build.served import lock_path
+    from eyas.data.common.lock import sibling_lock_path
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:1])
     out = tmp_path / "conv.jsonl"
-    with open(lock_path(out), "w") as held:   # as a running `eyas generate` holds it
+    with open(sibling_lock_path(out), "w") as held:   # as a running `eyas generate` holds it
         fcntl.flock(held, fcntl.LOCK_EX)
         r = run(generate_args("http://127.0.0.1:9/v1", prompts, out), check=False)
     assert r.returncode == 2 and "is being written by another process" in r.stderr

@@ -3,7 +3,29 @@
 import pytest
 import torch
 
-from eyas.models.objective import reference_loss, row_weights
+from eyas.models.objective import row_weights
+
+
+def reference_loss(hidden, lm_head_weight, last, target_head_rows, row_weight):
+    """Plain fp32 torch loss (the loss of models/objective.py's docstring); differentiable.
+
+    hidden [K, T, H] (normed drafter outputs), lm_head_weight [Vd, H], last [T, tH] (the target's
+    post-norm final hidden states, NOT shifted), target_head_rows [Vd, tH] (target lm_head rows
+    i + d2t[i]), row_weight [K, T] (`row_weights`). Row (k, t) is scored against the teacher at
+    index t+1+k:  Σ_{k,t} w(k,t) · −Σ_v p_{t+1+k}[v] · log_softmax(lm_head(hidden[k, t]))[v].
+    """
+    K, T, _ = hidden.shape
+    p = torch.softmax(last.float() @ target_head_rows.float().T, dim=-1)  # [T, Vd]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for k in range(K):
+        logq = torch.log_softmax(hidden[k].float() @ lm_head_weight.float().T, dim=-1)   # [T, Vd]
+        idx = torch.arange(T, device=hidden.device) + 1 + k
+        pk = p[idx.clamp_max(T - 1)]                                      # teacher at t+1+k
+        ce = -(pk * logq).sum(-1)                                         # [T]
+        w = row_weight[k].float()
+        total = total + (w * torch.where(w != 0, ce, torch.zeros_like(ce))).sum()
+    return total
+
 
 DOC = torch.tensor([0, 0, 0, 0, 1, 1], dtype=torch.int32)
 VALID = torch.tensor([[1, 1, 1, 0, 1, 0],

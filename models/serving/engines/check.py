@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 READY_LINE = "eyas-probe: engine imported"
 PROBES = {e: Path(__file__).resolve().parent / f"probe_{e}.py" for e in ENGINES}
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
-ENGINE_CODES = ("ENGINE_LOAD_ERROR", "ENGINE_CRASH", "ENGINE_DROPPED", "ENGINE_UNWRITTEN",
-                "ENGINE_LM_HEAD_FROM_TARGET", "ENGINE_NONFINITE", "ENGINE_SMOKE",
-                "ENGINE_AUX_LAYERS", "ENGINE_NORM_BEFORE_RESIDUAL", "ENGINE_EMBED_SOURCE",
-                "ENGINE_UNAVAILABLE")
 _FIX = "run `eyas validate DIR --target-config TARGET` for the contract rule behind it"
 
 

@@ -22,9 +22,9 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.models.serving.reference import EngineDrafter
-from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
-                            load_engine_drafter, run_prompts, speculative_decode,
-                            stop_token_ids, summarize)
+from eyas.models.serving.specdec import (TargetRunner, decode_prompts, drafter_aux_layer_ids,
+                                          greedy_decode, load_engine_drafter, speculative_decode,
+                                          stop_token_ids, summarize)
 from eyas.data.common.targets import default_aux_layer_ids, load_target
 from eyas.models.serving.contract import TensorDir
 
@@ -32,6 +32,19 @@ K = 3
 QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour."]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def run_prompts(model, drafter, drafter_cfg, prompts, *, k, max_new_tokens, stop_ids,
+                names=None, progress=True, temperature=0.0, draft="argmax", seed=0):
+    """`decode_prompts` then `summarize`: tau, per-position acceptance, forwards, tokens/s,
+    speedup and token identity of the speculative output against target-only greedy."""
+    pairs = decode_prompts(model, drafter, drafter_cfg, prompts, k=k, max_new_tokens=max_new_tokens,
+                           stop_ids=stop_ids, names=names, progress=progress,
+                           temperature=temperature, draft=draft, seed=seed)
+    res = summarize(pairs, k, temperature=temperature)
+    if temperature > 0:
+        res.update(draft=draft, seed=seed)
+    return res
 
 
 @pytest.fixture(scope="module")
