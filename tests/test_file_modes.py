@@ -63,3 +63,22 @@ def test_written_files_follow_the_umask(tmp_path, umask, write, mask, file_mode,
     assert files and files == {file_mode}, sorted(map(oct, files))
     assert dirs == {dir_mode}, sorted(map(oct, dirs))
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("mask,file_mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_checkpoint_files_follow_the_umask(tmp_path, umask, mask, file_mode):
+    """accelerate's save_state writes model.safetensors 0600 whatever the umask: a checkpoint
+    gives every file, its own and accelerate's, the umask's mode."""
+    from accelerate import Accelerator
+
+    from eyas.train import checkpoint as ckpt
+    umask(mask)
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters()))
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    saved = ckpt.save(acc, tmp_path / "checkpoints", 1, {"step": 1}, keep_last=1)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in saved.iterdir()}
+    assert {"model.safetensors", "optimizer.bin", ckpt.STATE_FILE, "SHA256SUMS"} <= set(modes)
+    assert set(modes.values()) == {file_mode}, {k: oct(v) for k, v in modes.items()}

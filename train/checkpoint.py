@@ -13,10 +13,15 @@ A checkpoint is written to `.step-000100.tmp` and renamed only when every rank h
 so a crash while saving leaves the previous checkpoint as `latest`. Before the rename rank 0
 records every file's SHA-256 in `SHA256SUMS` (data.checksums); resume checks them, so a
 checkpoint with changed bytes or a truncated file is refused with an error naming the file.
-Rotation keeps the `keep_last` newest checkpoints and the best one; it renames a checkpoint to `.step-000100.del` before deleting it, so an interrupted
-rotation never leaves a half-deleted `step-*`; what killed runs leave (`.step-*.tmp`,
-`.step-*.del`, a `step-*` without its eyas_state.json) is removed by the next run in the
-directory (`clean_leftovers`).
+Rotation keeps the `keep_last` newest checkpoints and the best one; it renames a checkpoint to
+`.step-000100.del` before deleting it, so an interrupted rotation never leaves a half-deleted
+`step-*`; what killed runs leave (`.step-*.tmp`, `.step-*.del`, a `step-*` without its
+eyas_state.json) is removed by the next run in the directory (`clean_leftovers`).
+
+Every file gets the mode the user's umask gives (accelerate writes model.safetensors 0600). A
+save needs about the size of the newest checkpoint: with less free it is refused before
+writing, and a save that runs out of room raises DiskFullError naming the directory
+(data/common/space.py); the unfinished `.step-N.tmp` is removed either way.
 """
 
 from __future__ import annotations
@@ -31,11 +36,15 @@ from typing import Any, Callable
 from safetensors import SafetensorError
 
 from eyas.data.common.checksums import CHECKSUMS_NAME, verify_checksums, write_checksums
-from eyas.data.common.utils import atomic_write_bytes, atomic_write_json
+from eyas.data.common.space import DiskFullError, no_room_is_an_error, require_free
+from eyas.data.common.utils import atomic_write_bytes, atomic_write_json, umask_modes
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "eyas_state.json"
+#: what to do when a checkpoint does not fit
+NO_ROOM_FIX = ("free space there (train.keep_last=1 keeps fewer checkpoints), or write the run "
+               "to another disk (hydra.run.dir=DIR); resume with train.resume=latest")
 
 
 class CheckpointError(ValueError):
@@ -90,13 +99,20 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    need, main = checkpoint_bytes(latest(root)), accelerator.is_main_process
+    try:
+        if need:
+            _on_every_rank(accelerator, root, final.name, need, lambda: require_free(
+                root, need, what=f"checkpoint {final.name}", fix=NO_ROOM_FIX))
+        _on_every_rank(accelerator, root, final.name, need,
+                       lambda: accelerator.save_state(str(tmp)))
+        _on_every_rank(accelerator, root, final.name, need,   # after every rank's save_state
+                       lambda: _complete(tmp, state, add_files) if main else None)
+    except Exception:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if accelerator.is_main_process:
-        atomic_write_json(tmp / STATE_FILE, state)
-        if add_files is not None:
-            add_files(tmp)
-        write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -113,12 +129,61 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
     return final
 
 
+class NotSavedElsewhere(DiskFullError):
+    """Another rank found no room for this checkpoint (its own line says where); this rank
+    stops with it, silently (train/main.py)."""
+
+    reported_elsewhere = True
+
+
+def _on_every_rank(accelerator, root: Path, name: str, need: int | None, write) -> None:
+    """`write()` on every rank, then every rank learns whether any found no room: all of them
+    raise (that rank its DiskFullError, the others NotSavedElsewhere), so none waits at a
+    barrier for a rank that has stopped. A collective: a barrier of its own."""
+    error = None
+    try:
+        with no_room_is_an_error(root, what=f"checkpoint {name}", fix=NO_ROOM_FIX,
+                                 needed=need):
+            write()
+    except DiskFullError as e:
+        error = e
+    if getattr(accelerator, "num_processes", 1) > 1:
+        import torch
+        flags = accelerator.gather(torch.tensor([int(error is not None)],
+                                                device=accelerator.device)).tolist()
+        if error is None and any(flags):
+            error = NotSavedElsewhere(f"checkpoint {name} not saved: rank(s) "
+                                      f"{[i for i, f in enumerate(flags) if f]} found no room")
+    if error is not None:
+        raise error
+
+
+def _complete(tmp: Path, state: dict[str, Any], add_files) -> None:
+    """Rank 0, once every rank has saved its part into `tmp`: the umask's modes, the loop's
+    state, `add_files` and SHA256SUMS."""
+    umask_modes(tmp)
+    atomic_write_json(tmp / STATE_FILE, state)
+    if add_files is not None:
+        add_files(tmp)
+    write_checksums(tmp)
+
+
+def checkpoint_bytes(path: Path | None) -> int | None:
+    """Bytes of the files of checkpoint `path` (what the next save writes again), None when
+    there is none."""
+    if path is None:
+        return None
+    return sum(p.stat().st_size for p in path.rglob("*")
+               if p.is_file() and not p.is_symlink())
+
+
 def _write_pointer(path: Path, name: str) -> None:
     atomic_write_bytes(path, name.encode())
 
 
 def improves(root: Path, metric: float | None) -> bool:
-    """Whether an eval decoder-walk τ `metric` beats the run's best checkpoint (or there is none)."""
+    """Whether an eval decoder-walk τ `metric` beats the run's best checkpoint (or there is
+    none)."""
     if metric is None:
         return False
     prev = _read_best(root)

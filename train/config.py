@@ -26,7 +26,7 @@ from eyas.train.choices import (AttentionImpl, DistBackend,  # noqa: F401
                                 ExportSelect, FP8Recipe, LossImpl, Normalisation, ParamDtype,
                                 Moments, Schedule, WandbMode)
 from eyas.train.limits import (check_data, check_drafter, check_eval, check_loop, check_optim,
-                               check_trackers)
+                               check_trackers, run_name_message)
 
 
 @dataclass
@@ -354,13 +354,22 @@ class EyasConfig:
 
 
 def register() -> None:
-    """Register the schema so `conf/config.yaml` can extend it (idempotent)."""
-    cs = ConfigStore.instance()
-    cs.store(name="eyas_schema", node=EyasConfig)
+    """Register the schema so `conf/config.yaml` can extend it, and the resolver its --help
+    lists the config groups with (idempotent)."""
+    from eyas.train.hydra_cli import config_groups
+    ConfigStore.instance().store(name="eyas_schema", node=EyasConfig)
+    OmegaConf.register_new_resolver("eyas_help_groups", config_groups, replace=True)
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work, with the override that fixes it."""
+
+
+def check_run_name(name: Any) -> None:
+    """run_name names one directory inside runs/ (`limits.run_name_error`); the entry point
+    also checks it before Hydra makes that directory (train/hydra_cli.py)."""
+    if (message := run_name_message(name)) is not None:
+        raise ConfigError(message)
 
 
 def check(cfg: DictConfig | Any) -> None:
@@ -368,6 +377,7 @@ def check(cfg: DictConfig | Any) -> None:
     def fail(key: str, value: Any, expected: str, fix: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected {expected}. Fix: {fix}")
 
+    check_run_name(cfg.run_name)
     check_drafter(cfg.drafter, fail)
     if cfg.drafter.draft_vocab_size < 2:
         fail("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size, ">= 2",

@@ -6,7 +6,7 @@ sweep can change it without touching launcher files.
 
 CPU facts this file encodes (accelerate 1.x):
 - DDP over gloo needs `Accelerator(cpu=True)` under `accelerate launch --multi_gpu`;
-  `--cpu --num_processes N` silently starts one process.
+  `--cpu --num_processes N` starts one process (refused: `dropped_processes`).
 - DeepSpeed on CPU needs an explicit gloo process group and must NOT get `cpu=True`
   (accelerate then silently falls back to DDP).
 """
@@ -152,6 +152,43 @@ def launcher_conflict(dist_cfg, env=None) -> str | None:
     return None
 
 
+def launcher_argv(pid: int | None = None) -> list[str]:
+    """The arguments of `accelerate launch` that started process `pid` (its parent by default):
+    what follows `launch` in the parent's command line; [] for any other parent (Linux)."""
+    try:
+        with open(f"/proc/{os.getppid() if pid is None else pid}/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return []
+    for i, arg in enumerate(argv):
+        if arg == "launch" and i and Path(argv[i - 1]).name == "accelerate" or \
+                arg == "accelerate.commands.launch":
+            return argv[i + 1:]
+    return []
+
+
+def dropped_processes(argv: list[str], env=None) -> str | None:
+    """A one-line reason when `accelerate launch --cpu` was asked for several processes, of
+    which it starts one (its --cpu launcher runs the script once, as a world of one), else
+    None. argv: the arguments of `accelerate launch` (`launcher_argv`)."""
+    env = os.environ if env is None else env
+    if not argv or "WORLD_SIZE" in env or str(env.get("ACCELERATE_USE_CPU")).lower() != "true":
+        return None
+    from accelerate.commands.launch import launch_command_parser
+    try:
+        args, _ = launch_command_parser().parse_known_args(argv)
+    except SystemExit:       # not arguments accelerate takes: not for this check to say
+        return None
+    n, nodes = args.num_processes or 1, args.num_machines or 1
+    if not args.cpu or (n == 1 and nodes == 1):
+        return None
+    asked = f"--num_processes {n}" if nodes == 1 else f"--num_machines {nodes}"
+    return (f"accelerate launch --cpu {asked} started one process, not {max(n, nodes)}: its --cpu "
+            f"launcher runs the script once. Fix: ./launch.sh --cpu {n}, or "
+            f"CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes {n} (CPU "
+            f"processes over gloo); for one process drop {asked.split()[0]}")
+
+
 #: the launcher's ACCELERATE_* environment, before an Accelerator of this process adds its own
 _LAUNCH_ENV = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_")}
 _SINGLE_ENV: dict[str, str] = {}   # what `_single_process_env` set (undone between jobs)
@@ -198,13 +235,29 @@ def reset_accelerate_state() -> None:
     log.info("accelerate state of the previous job reset")
 
 
+#: DeepSpeed's shared-memory all-reduce for CPUs (its ShareMemCommBuilder op)
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_comm_op() -> None:
+    """Marks DeepSpeed's shared-memory all-reduce op unavailable, so its communication backend
+    falls back to torch.distributed's (gloo) collectives. DeepSpeed's CPU accelerator otherwise
+    compiles that C++ op when it starts, with no output for minutes on a machine's first
+    dist=zero* run; only DeepSpeed's inference all-reduce calls it, never ZeRO training."""
+    import deepspeed.ops
+    ops = deepspeed.ops.__compatible_ops__   # DeepSpeed's probe of its ops, kept in the module
+    if ops.get(SHM_COMM_OP):
+        ops[SHM_COMM_OP] = False
+        log.info("DeepSpeed's %s op not built: ZeRO's collectives run over gloo", SHM_COMM_OP)
+
+
 def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: bool,
                       cpu_threads: int | None = None, log_with=None) -> Accelerator:
     """Accelerator for the `dist` group on whatever device this process has.
 
     optim_cfg: grad_accum and clip_grad_norm (DeepSpeed applies them itself); bf16: the
     parameters are bf16 (`Resolved.param_dtype`); cpu_threads: train.cpu_threads."""
-    conflict = launcher_conflict(dist_cfg)
+    conflict = launcher_conflict(dist_cfg) or dropped_processes(launcher_argv())
     if conflict:
         raise ConfigError(conflict)
     reset_accelerate_state()
@@ -232,6 +285,7 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds)
         _single_process_env()
         if on_cpu:
+            skip_shm_comm_op()
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
     elif on_cpu:
         kwargs["cpu"] = True

@@ -1,7 +1,10 @@
 """`eyas evaluate`: the options, which samples are scored, and the stdout table.
 
-    eyas evaluate --drafter DIR --target MODEL --prompts FILE.jsonl --k K --out FILE.json
-    eyas evaluate --drafter DIR [--target MODEL] --data DATASET_DIR  --k K --out FILE.json
+    eyas evaluate --drafter DIR --target MODEL --prompts FILE.jsonl --k K [--out FILE.json]
+    eyas evaluate --drafter DIR [--target MODEL] --data DATASET_DIR  --k K [--out FILE.json]
+
+Without --out the result goes beside the drafter directory, `<drafter>-eval-<UTC time>.json` (a
+run's export: into its run directory), never over an earlier result.
 
 The evaluations themselves are `train.evaluate` (`offline_eval`, `speculative_eval`).
 """
@@ -12,6 +15,7 @@ import argparse
 import contextlib
 import logging
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +107,18 @@ def training_record(drafter_dir: str | Path) -> dict[str, Any]:
     return rec.get("data") or {}
 
 
+def default_out(drafter: str | Path) -> Path:
+    """`<drafter>-eval-<UTC time>.json` beside the drafter directory (inside it the export's
+    SHA256SUMS would not list it); `-2`, `-3`, ... when that file exists."""
+    d = Path(drafter).resolve()
+    stem = f"{d.name}-eval-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    out, n = d.parent / f"{stem}.json", 1
+    while out.exists():
+        n += 1
+        out = d.parent / f"{stem}-{n}.json"
+    return out
+
+
 def _same_path(a: str | Path | None, b: str | Path) -> bool:
     return a is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
@@ -154,7 +170,9 @@ class _EvaluateHead:
         "estimate is reported beside the real figure (`offline`, `offline_tau`) (none: no "
         "offline estimate)")
     k: int = option(help="draft tokens per round / chain length K")
-    out: str = option(help="results JSON file (written atomically)")
+    out: str | None = option(
+        None, "results JSON file (written atomically; default: DRAFTER-eval-<UTC "
+        "time>.json beside the drafter directory, never over an earlier result)")
     max_new_tokens: int = option(
         EvalConfig.max_new_tokens, "--prompts: tokens generated per prompt; --data: the decoder "
         "walk is also reported within each answer's first N tokens (tau_trajectory_capped, at "
@@ -318,6 +336,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--engine serves --prompts at one --temperature (not --temperatures)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.out = args.out or str(default_out(args.drafter))
     with contextlib.ExitStack() as stack:
         real_at = _real_decoding(args, p, stack) if args.prompts else None
         offline_at = _offline_acceptance(args) if args.data else None

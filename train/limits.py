@@ -17,6 +17,7 @@ a K that cannot fit (`ttt_activation_bytes`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +27,26 @@ from eyas.train.choices import TRACKER_PACKAGES, FP8Recipe, WandbMode
 Fail = Callable[[str, Any, str, str], None]
 
 MAX_TTT_STEPS = 64
+
+RUN_NAME_RULE = ("a name, not a path: letters, digits, '_', '.', '-', '+', '=' and '@', "
+                 "starting with a letter, digit or '_', at most 128 characters")
+_RUN_NAME = re.compile(r"\w[\w.+=@-]{0,127}")
+
+
+def run_name_error(name: Any) -> str | None:
+    """Why `name` cannot be a run_name (runs/<run_name> is one directory inside runs/), or
+    None. A directory elsewhere is hydra.run.dir's to pick."""
+    if isinstance(name, str) and _RUN_NAME.fullmatch(name):
+        return None
+    return RUN_NAME_RULE
+
+
+def run_name_message(name: Any) -> str | None:
+    """The one-line refusal of a `name` that cannot be a run_name, with the fix, or None."""
+    if (why := run_name_error(name)) is None:
+        return None
+    return (f"run_name={name!r}: expected {why}. Fix: run_name=my-run (or EYAS_RUN_ID=my-run); "
+            f"to write the run elsewhere, hydra.run.dir=DIR")
 
 
 def check_data(data, fail: Fail) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from eyas.data.common.parent import exit_with_launcher
+from eyas.data.common.parent import end_launcher, exit_with_launcher
 from eyas.data.common.targets import default_device
 from eyas.data.common.log import (EXIT_USAGE, current_rank, error_exit_status, error_message,
                            setup_logging)
@@ -274,6 +274,8 @@ def _report(e: Exception) -> int:
     if status is None or (os.environ.get("EYAS_DEBUG") and not isinstance(e, Stopped)):
         raise e
     config = isinstance(e, ConfigError)
+    if getattr(e, "reported_elsewhere", False):   # another rank's line says it
+        return status
     if not (config or isinstance(e, Stopped)) or current_rank() == 0:
         log.error("%s%s", "bad configuration: " if config else "", error_message(e))
     return status
@@ -292,10 +294,9 @@ def precheck(overrides: list[str]) -> int:
         with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"),
                                    version_base=None):
             composed = compose(config_name="config", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:  # as Hydra reports a bad override
-        cause = f"\n{e.__cause__}\n" if e.__cause__ is not None else ""
-        print(f"{e}{cause}\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete "
-              "stack trace.", file=sys.stderr)
+    except (HydraException, OmegaConfBaseException) as e:  # as the job tells a bad override
+        from eyas.train.hydra_cli import explain
+        print(explain(e), file=sys.stderr)
         return EXIT_USAGE
     composed.output_dir = "<not created by the check>"  # ${hydra:runtime.output_dir}: a job's
     try:
@@ -312,7 +313,7 @@ _job_started = False  # Hydra composed a config and called main (see cli)
 def main(cfg: DictConfig) -> None:
     global _job_started
     _job_started = True
-    setup_logging()
+    setup_logging(keep_early=True)   # train.log, once its directory is known, starts with them
     try:
         summary = run(cfg)
     except Exception as e:
@@ -341,6 +342,25 @@ def main(cfg: DictConfig) -> None:
             print("engines: " + engines_line(summary))
 
 
+def _main_told() -> None:
+    """main(), with Hydra's errors raised to here (HYDRA_FULL_ERROR=1 in this process) and told
+    by `hydra_cli.explain` (the nearest key, the quoting rule), exit status 2. With
+    HYDRA_FULL_ERROR=1 set by the user, Hydra's errors keep their stack trace."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from eyas.train.hydra_cli import explain
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as e:
+        if full_error:
+            raise
+        print(explain(e), file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
 def cli() -> None:
     """`python train/main.py`: Hydra's main with eyas's exit statuses (data/common/log.py). Hydra
     reports a bad override or config group itself and exits 1 before any job starts: that is a
@@ -348,8 +368,9 @@ def cli() -> None:
     that file, because `accelerate launch` exits 1 whatever its processes returned. A rank
     started by a launcher ends when the launcher does (data/common/parent.py)."""
     exit_with_launcher()
+    setup_logging(keep_early=True)  # a sweep's launcher lines before main: job #0's log
     try:
-        main()
+        _main_told()
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
@@ -362,6 +383,7 @@ def cli() -> None:
                     f.write(f"{status}\n")
             except OSError:
                 pass
+            end_launcher(status)   # a refusal: torch's agent reports no crash after its line
         raise SystemExit(status) from None
 
 

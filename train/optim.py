@@ -211,7 +211,13 @@ def warmup_steps(optim_cfg, total_steps: int) -> int:
 
 
 def build_scheduler(optimizer, optim_cfg, total_steps: int) -> LambdaLR:
-    """Linear warmup, then cosine to 0, linear to 0, or constant."""
+    """Linear warmup, then cosine to 0, linear to 0, or constant.
+
+    Not transformers.get_scheduler: its warmup factor is step/warmup, so the first optimizer
+    update runs at lr 0 and is lost (the parameters do not move); here it is (step+1)/(warmup+1)
+    and every update counts. Past that, the rates are get_scheduler's with the warmup one step
+    longer, read one step later: equal for cosine and constant, within one ulp for linear
+    (tests/train/test_optim_schedule.py compares them value by value)."""
     warm = warmup_steps(optim_cfg, total_steps)
     kind = Schedule(optim_cfg.schedule)
     total = max(total_steps, 1)

@@ -290,15 +290,23 @@ def _answer_and_tokenise(data: DataConfig, target: TargetConfig, seed: int, root
 
 def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
                    target_dtype) -> DatasetPaths:
-    """The hidden-state dataset(s) this run trains and evaluates on."""
+    """The hidden-state dataset(s) this run trains and evaluates on; refused when rendered with
+    another chat template than the target serves (`templates.template_mismatch`)."""
     if data.dataset:
         train_dir = Path(data.dataset).expanduser()
         if not (train_dir / "manifest.json").is_file():
             raise FileNotFoundError(f"data.dataset={train_dir}: no manifest.json there; write one "
                                     f"with `eyas extract --tokens DIR --target MODEL --out DIR`")
         eval_dir = Path(data.eval_dataset).expanduser() if data.eval_dataset else None
-        return DatasetPaths(train=train_dir, eval=eval_dir)
-    return build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
+        paths = DatasetPaths(train=train_dir, eval=eval_dir)
+    else:
+        paths = build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
+    from eyas.data.common.templates import template_mismatch
+    for key, d in (("data.dataset", paths.train), ("data.eval_dataset", paths.eval)):
+        why = d and template_mismatch(d, target.name, f"{key}={d}", after=" and extract again")
+        if why:
+            raise ConfigError(why)
+    return paths
 
 
 def run_training(cfg, resolved, accelerator, datasets: DatasetPaths):

@@ -18,7 +18,8 @@ export, the checks) the signals keep their default action.
 
 Launchers: torch's elastic agent (`accelerate launch` with several processes) forwards SIGTERM
 to the ranks and SIGKILLs them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by default);
-it forwards SIGUSR1 only when PET_SIGNALS_TO_HANDLE names it (launch.sh sets both). With one
+it forwards SIGUSR1 only when PET_SIGNALS_TO_HANDLE names it (launch.sh sets both, and passes
+a signal sent to itself alone on to accelerate's process group). With one
 process, `accelerate launch` SIGKILLs the trainer 5 s after a SIGTERM: run `python
 train/main.py` directly there when the step and its checkpoint take longer.
 """

@@ -25,6 +25,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import stat
 import sys
 import warnings
 from collections import Counter, deque
@@ -36,7 +37,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from eyas.data.build.records import RecordError, normalise_record, parse_line
+from eyas.data.build.records import InputFile, RecordError, normalise_record, parse_line
 from eyas.data.common.templates import TemplateRenderer
 
 #: raw lines per unit of work sent to a worker
@@ -121,40 +122,41 @@ def encode_chunk(lines: list[tuple[int, bytes]], source_name: str, renderer: Tem
 
 def auto_workers(source: Path, workers: int | None) -> int:
     """`workers` as given, or for None: one per usable core (at most AUTO_MAX_WORKERS) for an
-    input of AUTO_POOL_BYTES or more, else 1."""
+    input file of AUTO_POOL_BYTES or more (as stored), else 1 (a stream or FIFO: 1)."""
     if workers is not None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1 (1: this process alone), got {workers}")
         return workers
-    if source.stat().st_size < AUTO_POOL_BYTES:
+    st = os.stat(source) if str(source) != "-" else None
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size < AUTO_POOL_BYTES:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(AUTO_MAX_WORKERS, cores or 1))
 
 
-def _raw_chunks(source: Path) -> Iterator[list[tuple[int, bytes]]]:
-    with open(source, "rb") as f:
-        chunk: list[tuple[int, bytes]] = []
-        for lineno, raw in enumerate(f, 1):
-            chunk.append((lineno, raw))
-            if len(chunk) == CHUNK_LINES:
-                yield chunk
-                chunk = []
-        if chunk:
+def _raw_chunks(source: InputFile) -> Iterator[list[tuple[int, bytes]]]:
+    chunk: list[tuple[int, bytes]] = []
+    for lineno, raw in enumerate(source.lines(), 1):
+        chunk.append((lineno, raw))
+        if len(chunk) == CHUNK_LINES:
             yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
-def encode_file(source: Path, renderer: TemplateRenderer, *, max_length: int,
+def encode_file(source: InputFile, renderer: TemplateRenderer, *, max_length: int,
                 workers: int = 1) -> Iterator[Chunk]:
-    """Every chunk of `source`, encoded, in file order (module doc). Close the generator
-    (`contextlib.closing`) to stop early: the chunks not started yet are cancelled."""
+    """Every chunk of `source` (read once), encoded, in file order (module doc). Close the
+    generator (`contextlib.closing`) to stop early: the chunks not started yet are cancelled."""
+    name = Path(source.path).name
     if workers <= 1:
         for lines in _raw_chunks(source):
-            yield encode_chunk(lines, source.name, renderer, max_length)
+            yield encode_chunk(lines, name, renderer, max_length)
         return
     seen: set[tuple[str, str]] = set()
     pool = ProcessPoolExecutor(workers, mp_context=_context(), initializer=_worker_init,
-                               initargs=(renderer, source.name, max_length, os.getpid()))
+                               initargs=(renderer, name, max_length, os.getpid()))
     try:
         pending: deque = deque()
         for i, lines in enumerate(_raw_chunks(source)):

@@ -36,7 +36,8 @@ from torch import nn
 from eyas.data.common.capture import (ExtractError, WeightFiles, check_aux_layers,
                                       chunked_argmax_topk, files_fingerprint, find_text_model,
                                       logit_transform)
-from eyas.data.build.extract_plan import finalize, make_plan, pending_shards, write_plan
+from eyas.data.build.extract_plan import (check_template, finalize, make_plan, pending_shards,
+                                          write_plan)
 from eyas.data.build.forward import default_shard_tokens
 from eyas.data.common.lock import writes_directory
 from eyas.data.build.outdir import check_extract_out
@@ -234,6 +235,7 @@ def extract_engine(tokens_dir: str | Path, target: str | Path, out_dir: str | Pa
         raise ExtractError(f"teacher must be last, topk or both, got {teacher!r}")
     check_extract_out(out_dir, tokens_dir)
     tokens = open_dataset(tokens_dir)
+    check_template(tokens_dir, target)
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     target_dir = resolve_target(target)
     head = TargetHead(target_dir, dtype)

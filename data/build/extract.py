@@ -56,8 +56,8 @@ from eyas.data.build.forward import (DTYPES, TEACHERS, default_shard_tokens,  # 
                                      length_groups, load_model, plan_shards, run_batch)
 from eyas.data.common.lock import lock_for_ranks, writes_directory
 from eyas.data.build.extract_args import build_parser, parse_max_memory  # noqa: F401
-from eyas.data.build.extract_plan import (finalize, hf_capture_source, make_plan, pending_shards,
-                                    write_plan)
+from eyas.data.build.extract_plan import (check_template, finalize, hf_capture_source, make_plan,
+                                          pending_shards, write_plan)
 from eyas.data.common.parent import exit_with_launcher
 from eyas.data.build.outdir import check_extract_out
 from eyas.data.common.settings import ExtractionSettings
@@ -191,6 +191,7 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         if f not in tokens.fields:
             raise ExtractError(f"{tokens_dir} has no {f!r} field; expected a token dataset from "
                                f"data.prepare")
+    check_template(tokens_dir, target)
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     if model is None:
         from eyas.data.common.targets import default_device

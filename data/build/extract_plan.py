@@ -1,7 +1,9 @@
 """The extraction plan both capture paths share (transformers: data/build/extract.py, vLLM:
 data/build/engine_capture.py): `extract_plan.json` fixes the settings a resume must match, the shard
-ranges (shard i always covers the same samples) and the manifest the finished dataset gets;
-`finalize` writes that manifest once every planned shard exists."""
+ranges (shard i always covers the same samples), each shard file's exact size and the manifest
+the finished dataset gets; `finalize` writes that manifest once every planned shard exists. An
+extraction whose shards still to write do not fit on the output's disk is refused before it
+starts."""
 
 from __future__ import annotations
 
@@ -37,12 +39,49 @@ def write_plan(out: Path, plan: dict[str, Any]) -> None:
             raise ExtractError(f"{path}: this output directory was started with different "
                                f"settings ({'; '.join(what)}); re-run with the same settings to "
                                f"resume, or choose a new --out")
+        _check_room(out, plan)
         if old.get("tokens_dir") != plan["tokens_dir"]:   # same tokens (checksum), other spelling
             old["tokens_dir"] = plan["tokens_dir"]
             old["manifest"]["tokens_dataset"] = plan["manifest"]["tokens_dataset"]
             atomic_write_json(path, old)
         return
+    _check_room(out, plan)
     atomic_write_json(path, plan)
+
+
+#: bytes kept free beyond the shards and the index: the manifest and the plan (the target's
+#: config, a few KiB) and their lines per shard
+SMALL_FILES_BYTES, SMALL_FILES_BYTES_PER_SHARD = 64 * 1024, 256
+
+
+def _check_room(out: Path, plan: dict[str, Any]) -> None:
+    """Refuse (DiskFullError) an extraction whose shards not yet written, the index and the
+    small files need more than the free space at `out`, or whose largest shard passes the
+    file-size limit."""
+    from eyas.data.common.space import require_free
+    from eyas.data.store.shards import shard_name
+    sizes = plan.get("file_bytes")
+    if not sizes:
+        return
+    todo = [b for j, b in enumerate(sizes["shards"]) if not (out / shard_name(j)).exists()]
+    if todo:
+        small = SMALL_FILES_BYTES + SMALL_FILES_BYTES_PER_SHARD * len(sizes["shards"])
+        require_free(out, sum(todo) + sizes["index"] + small,
+                     what=f"the hidden-state dataset ({len(todo)} shard(s) to write)",
+                     largest_file=max(todo),
+                     fix="free space there or choose another --out (`eyas extract "
+                         "--estimate` lists the size of each storage mode; --aux-format fp8 "
+                         "halves aux)")
+
+
+def check_template(tokens_dir: str | Path, target: str | Path) -> None:
+    """Refuse a target that serves another chat template than the one the token dataset was
+    rendered with (`templates.template_mismatch`): its drafter would be trained on other turn
+    markers than it meets when served."""
+    from eyas.data.common.templates import template_mismatch
+    why = template_mismatch(tokens_dir, target)
+    if why is not None:
+        raise ExtractError(why)
 
 
 def hf_capture_source(dtype: str) -> dict[str, Any]:
@@ -80,14 +119,20 @@ def make_plan(tokens, tokens_dir, target, n: int, lengths: list[int], shard_toke
     """The extraction plan (`extract_plan.json`): the settings a resume must match, the shard
     ranges and the manifest the finished dataset gets. `capture`: where the states come from
     (the manifest's `capture`: source hf or vllm, versions, the engine's layer ids)."""
+    from eyas.data.build.estimate import hidden_tensors, index_file_bytes, shard_file_bytes
     src = tokens.manifest
     tokens_dir = str(Path(tokens_dir).resolve())    # found again from any working directory
+    shards = plan_shards(lengths, shard_tokens)
+    per_token = hidden_tensors(hidden, aux_format, teacher, topk)
     return {
         "format": "eyas-extract-plan", "tokens_dir": tokens_dir, "target": str(target),
         "target_dtype": target_dtype, "capture_source": capture["source"],
         "tokens_checksum": json.dumps([s.get("checksum") for s in src.get("shards", [])]),
         "aux_layer_ids": aux_ids, "teacher": teacher, "topk": topk, "aux_format": aux_format,
-        "shards": plan_shards(lengths, shard_tokens),
+        "shards": shards,
+        "file_bytes": {"shards": [shard_file_bytes(j, lengths[a:b], per_token, aux_format)
+                                  for j, (a, b) in enumerate(shards)],
+                       "index": index_file_bytes(n, len(shards))},
         "manifest": {
             "kind": "hidden", "target": str(target),
             "target_config": target_config, "target_fingerprint": fingerprint,

@@ -1,6 +1,8 @@
 """Conversations -> token dataset: input ids and the assistant loss mask, in the target's template.
 
-Input: JSONL, one conversation per line, in either of two shapes:
+Input: JSONL, one conversation per line, read once from start to end (a file, a FIFO,
+``<(zcat x.jsonl.gz)`` or ``-`` for standard input; gzip, bz2 and xz are decompressed:
+`records.InputFile`), in either of two shapes:
 - OpenAI: ``{"id": ..., "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": ...,
   "reasoning_content"?: str, "tool_calls"?: [...]}, ...], "tools"?: [...]}``
 - ShareGPT: ``{"id": ..., "conversations": [{"from": "human"|"gpt"|"system"|"tool"|...,
@@ -46,11 +48,11 @@ from typing import Any
 
 import torch
 
-from eyas.data.common.checksums import file_sha256
 from eyas.data.build.encoding import auto_workers, encode_file
 from eyas.data.common.lock import writes_directory
-from eyas.data.build.records import (ERROR_MODES, Conversation, PrepareError, RecordError,
-                                     iter_jsonl, normalise_record, resolve_template)
+from eyas.data.build.records import (ERROR_MODES, Conversation, InputFile, PrepareError,
+                                     RecordError, iter_jsonl, normalise_record,
+                                     resolve_template)
 from eyas.data.common.options import option, parser, shared
 from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, KVCache, SeedSettings,
                                 TargetSettings, TokenizeSettings)
@@ -89,12 +91,12 @@ def _clear_stale_shards(out: Path) -> None:
             p.unlink()
 
 
-def _write_samples(source: Path, out: Path, renderer: TemplateRenderer, *, max_length: int,
-                   on_error: str, shard_samples: int, workers: int
+def _write_samples(source: InputFile, out: Path, renderer: TemplateRenderer, *,
+                   max_length: int, on_error: str, shard_samples: int, workers: int
                    ) -> tuple[list[dict], Counter, Counter, Counter]:
-    """Tokenise every record of `source` into shards of `shard_samples` samples under `out`
-    (data.encoding: `workers` processes). Returns (shard metas, counts, skipped records by
-    reason, answers by (temperature, top_p))."""
+    """Tokenise every record of `source` (read once) into shards of `shard_samples` samples
+    under `out` (data.encoding: `workers` processes). Returns (shard metas, counts, skipped
+    records by reason, answers by (temperature, top_p))."""
     from eyas.data.store.shards import write_shard
     from eyas.data.common.utils import LogEvery, progress
     skipped: Counter[str] = Counter()
@@ -128,11 +130,11 @@ def _write_samples(source: Path, out: Path, renderer: TemplateRenderer, *, max_l
     return metas, stats, skipped, sampling
 
 
-def _bad_record(source: Path, rec, on_error: str, skipped: Counter) -> None:
+def _bad_record(source: InputFile, rec, on_error: str, skipped: Counter) -> None:
     """Stop at a malformed record (on_error="raise"), or count it by reason."""
     reason, detail = rec.error
     if on_error == "raise":
-        raise PrepareError(f"{source}:{rec.lineno}: {reason}: {detail}. (on_error='skip' "
+        raise PrepareError(f"{source.path}:{rec.lineno}: {reason}: {detail}. (on_error='skip' "
                            f"counts such records instead of stopping)") from None
     skipped[reason] += 1
 
@@ -149,11 +151,13 @@ def _check_args(on_error: str, max_length: int, shard_samples: int,
                          f"core, at most 16, for an input of 16 MiB or more); got {workers}")
 
 
-def _summary(source: Path, stats: Counter, skipped: Counter, sampling: Counter,
+def _summary(source: InputFile, stats: Counter, skipped: Counter, sampling: Counter,
              renderer: TemplateRenderer, max_length: int, shards: int, out: Path
              ) -> dict[str, Any]:
-    """The run's summary, stored in the manifest under "prepare"."""
-    return {"input": str(source), "input_sha256": file_sha256(source),
+    """The run's summary, stored in the manifest under "prepare". `input_sha256`: of the
+    input's bytes as read (a compressed file's as stored; `input_compression` names it)."""
+    return {"input": source.path, "input_sha256": source.sha256(),
+            **({"input_compression": source.compression} if source.compression else {}),
             **{k: int(stats[k]) for k in ("records", "conversations", "samples", "tokens",
                                            "loss_tokens", "split_records",
                                            "boundary_splits", "untrained_turns")},
@@ -232,17 +236,18 @@ def prepare(input_path: str | Path, target: str | Path, out_dir: str | Path, *,
     renderer = TemplateRenderer(tokenizer, template, dict(template_kwargs or {}),
                                 tuple(eot_strings) if eot_strings else EOT_STRINGS, on_nonprefix)
 
-    metas, stats, skipped, sampling = _write_samples(source, out, renderer, max_length=max_length,
-                                                     on_error=on_error,
-                                                     shard_samples=shard_samples,
-                                                     workers=auto_workers(source, workers))
-    if skipped:
-        log.warning("skipped %d of %d records of %s: %s", sum(skipped.values()),
-                    stats["records"], source, dict(sorted(skipped.items())))
-    if not metas:
-        raise PrepareError(f"no usable conversation in {source} ({stats['records']} records; "
-                           f"skipped: {dict(skipped)})")
-    summary = _summary(source, stats, skipped, sampling, renderer, max_length, len(metas), out)
+    with InputFile(source) as stream:
+        metas, stats, skipped, sampling = _write_samples(
+            stream, out, renderer, max_length=max_length, on_error=on_error,
+            shard_samples=shard_samples, workers=auto_workers(source, workers))
+        if skipped:
+            log.warning("skipped %d of %d records of %s: %s", sum(skipped.values()),
+                        stats["records"], source, dict(sorted(skipped.items())))
+        if not metas:
+            raise PrepareError(f"no usable conversation in {source} ({stats['records']} "
+                               f"records; skipped: {dict(skipped)})")
+        summary = _summary(stream, stats, skipped, sampling, renderer, max_length, len(metas),
+                           out)
     _attach_card(summary, card, source)
     write_manifest(out, {
         "kind": "tokens", "target": str(target),
@@ -283,7 +288,8 @@ _GENERATION = "generation (--generate)"
 class PrepareOptions:
     """`eyas prepare`'s options."""
 
-    input: str = option(help="conversations (or prompts) JSONL")
+    input: str = option(help="conversations (or prompts) JSONL, read once: a file, a FIFO, "
+                        "<(command) or - (standard input); gzip, bz2 and xz are read directly")
     target: str = option(help="model directory, hub id (org/name[@revision]) or preset name")
     out: str = option(help="output token dataset directory (locked while written; one holding "
                       "other data is refused)")
@@ -303,7 +309,7 @@ class PrepareOptions:
     shard_samples: int = option(1024, "samples per output shard")
     workers: int | None = option(
         None, "processes that render and tokenise (the output is the same for any number; "
-        "default: one per core, at most 16, for an input of 16 MiB or more, else 1)",
+        "default: one per core, at most 16, for an input file of 16 MiB or more, else 1)",
         type=_positive_int)
     generate: bool = option(False, "generate assistant turns first", group=_GENERATION)
     max_new_tokens: int = shared(GenerationSettings, "max_new_tokens", group=_GENERATION)

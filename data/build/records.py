@@ -13,9 +13,16 @@ the codes data.prepare documents.
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import gzip
+import hashlib
+import io
 import json
 import logging
+import lzma
+import sys
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,14 +50,97 @@ class PrepareError(ValueError):
 # Reading and normalising records
 
 
+# magic bytes -> compression; the standard library reads the first three
+_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bz2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+_OPENERS = {"gzip": gzip.open, "bz2": bz2.open, "xz": lzma.open}
+
+
+class _Hashed(io.RawIOBase):
+    """A binary stream read once: its bytes are hashed as they pass; `head` holds its first
+    bytes, read ahead to tell a compressed stream by its magic bytes."""
+
+    def __init__(self, f, head_bytes: int = max(map(len, _MAGIC))):
+        self.f, self.sha = f, hashlib.sha256()
+        self.head = b""
+        while len(self.head) < head_bytes:
+            more = self.f.read(head_bytes - len(self.head))
+            if not more:
+                break
+            self.head += more
+        self.sha.update(self.head)
+        self._pending = self.head
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self._pending:
+            n = min(len(b), len(self._pending))
+            b[:n], self._pending = self._pending[:n], self._pending[n:]
+            return n
+        n = self.f.readinto(b) or 0
+        self.sha.update(memoryview(b)[:n])
+        return n
+
+
+class InputFile:
+    """A JSONL input read once, from start to end: a file, a FIFO or ``-`` (standard input).
+
+    `lines` gives its raw lines (gzip, bz2 and xz decompressed, told by their magic bytes);
+    `sha256()` is the hex digest of the bytes as read (a file's: what ``sha256sum`` prints),
+    reading what the lines left. A stream is never opened a second time, so ``--input
+    <(zcat x.jsonl.gz)`` and a FIFO work. Use it as a context manager."""
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        self._file = sys.stdin.buffer if self.path == "-" else open(path, "rb")
+        self._raw = _Hashed(self._file)
+        self.compression = next((c for m, c in _MAGIC.items() if self._raw.head.startswith(m)),
+                                None)
+        if self.compression == "zstd":
+            self.close()
+            raise PrepareError(f"{self.path}: zstd-compressed, which eyas does not read; "
+                               f"decompress it into a stream: --input <(zstd -dc {self.path})")
+        stream = io.BufferedReader(self._raw, 1 << 20)
+        self._stream = _OPENERS[self.compression](stream) if self.compression else stream
+
+    def lines(self) -> Iterator[bytes]:
+        """The raw lines (bytes, with their newline); a corrupt compressed stream is a
+        PrepareError naming the file."""
+        try:
+            yield from self._stream
+        except (OSError, EOFError, lzma.LZMAError, zlib.error) as e:
+            if not self.compression:
+                raise
+            test = {"bz2": "bzip2"}.get(self.compression, self.compression)
+            raise PrepareError(f"{self.path}: its {self.compression} stream is corrupt or cut "
+                               f"short ({e}); check the file ({test} -t {self.path})") from None
+
+    def sha256(self) -> str:
+        while self._raw.read(1 << 20):
+            pass
+        return self._raw.sha.hexdigest()
+
+    def close(self) -> None:
+        if self._file is not sys.stdin.buffer:
+            self._file.close()
+
+    def __enter__(self) -> "InputFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | RecordError]]:
     """(line number, parsed object or RecordError) for each non-blank line of a JSONL file.
 
     Lines are split on ``\\n`` and decoded one at a time, so a line that is not UTF-8 is a
     `bad_encoding` record error of its own (the lines around it still parse); a UTF-8 byte-order
-    mark at the start of the file is dropped."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+    mark at the start of the file is dropped. The file is read once (`InputFile`: a FIFO or
+    ``-`` works; gzip, bz2 and xz are decompressed)."""
+    with InputFile(path) as f:
+        for lineno, raw in enumerate(f.lines(), 1):
             rec = parse_line(lineno, raw)
             if rec is not None:
                 yield lineno, rec

@@ -10,7 +10,8 @@ Exit statuses, the same for every command (README "Exit statuses"):
     0  ok
     1  findings (`validate`, `doctor`, `engines check` found problems), or an unexpected error
        (its traceback is shown)
-    2  usage or configuration error: a bad argument or config, a missing or wrong path
+    2  usage or configuration error: a bad argument or config, a missing or wrong path, no
+       room to write (a full disk or quota, the file-size limit: data/common/space.py)
     3  a stage that cannot run on this machine (e.g. an engine venv that cannot be set up)
 """
 
@@ -59,20 +60,108 @@ class TerminalProgressFilter(logging.Filter):
             return False
 
 
+# Lines libraries print on every run that tell the user nothing (logger name, text the message
+# starts with): kept in the run's log file as debug records, never shown on the console.
+NOISE = (
+    ("DeepSpeed", "Setting accelerator to CPU"),     # DeepSpeed's import on a machine without GPU
+    ("torchao", "Failed to load "),                  # torchao's CUDA kernels on a CPU-only torch
+    ("torchao", "Skipping import of cpp extensions"),
+    ("torch.utils._pytree", ""),                     # torch's notices of deprecated registrations
+)
+# Loggers with a console handler of their own that bypasses the root's (DeepSpeed writes to
+# stdout, torch's log to stderr): their records are handed to the root's handlers instead.
+OWN_HANDLER_LOGGERS = ("DeepSpeed", "torch.utils._pytree")
+EARLY_RECORDS = 10_000   # records kept until the run's log file is known
+
+
+def is_noise(record: logging.LogRecord) -> bool:
+    """Whether `record` is one of the NOISE lines."""
+    return any(record.name == name and record.getMessage().startswith(text)
+               for name, text in NOISE)
+
+
+class ConsoleNoiseFilter(logging.Filter):
+    """Drop the NOISE records from the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not is_noise(record)
+
+
+class NoiseAsDebugFormatter(logging.Formatter):
+    """Writes the NOISE records at debug level (the file keeps them; they are not warnings)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if is_noise(record):
+            record = logging.makeLogRecord({**record.__dict__, "levelno": logging.DEBUG,
+                                            "levelname": "DEBUG"})
+        return super().format(record)
+
+
+class ToRootFilter(logging.Filter):
+    """On a logger with a handler of its own: hand every record to the root's handlers and
+    none to the logger's own (the filter stays when the library configures its logger later)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logging.getLogger().handle(record)
+        return False
+
+
+class EarlyRecords(logging.Handler):
+    """Keeps the records logged before the run's log file is known (up to EARLY_RECORDS), so
+    that the file starts with them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < EARLY_RECORDS:
+            self.records.append(record)
+
+
+def quiet_libraries() -> None:
+    """Route the libraries' own log output through eyas's handlers (NOISE off the console) and
+    turn off transformers' weight-loading progress bars (downloads keep theirs)."""
+    for name in OWN_HANDLER_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, ToRootFilter) for f in logger.filters):
+            logger.addFilter(ToRootFilter())
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_default_handler()   # its records reach the root's handlers instead
+    hf_logging.enable_propagation()
+    if hasattr(hf_logging, "set_tqdm_hook"):
+        hf_logging.set_tqdm_hook(_no_loading_bars)
+
+
+def _no_loading_bars(factory, args, kwargs):
+    """transformers' tqdm hook: its bars while loading weights off, every other bar kept."""
+    if str(kwargs.get("desc", "")).startswith("Loading"):
+        kwargs = {**kwargs, "disable": True}
+    return factory(*args, **kwargs)
+
+
 def current_rank() -> int:
     """Global rank from the launcher's environment (0 when not launched distributed)."""
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
 def setup_logging(level: int = logging.INFO, rank: int | None = None,
-                  file: str | Path | None = None) -> None:
+                  file: str | Path | None = None, keep_early: bool = False) -> None:
     """Configure the root logger for an eyas entry point (idempotent: a second call replaces
     the handlers of the first). `file`: also append the records to this file (created with
-    its directory on the first record)."""
+    its directory on the first record). `keep_early`: keep the records until a later call
+    names the file, which then starts with them (the trainer's run directory is known only
+    once its accelerator is up). Libraries' noise (NOISE) goes to the file only."""
     rank = current_rank() if rank is None else rank
     root = logging.getLogger()
+    early: list[logging.LogRecord] | None = [] if keep_early else None
     for h in list(root.handlers):
         if getattr(h, "_eyas", False):
+            if isinstance(h, EarlyRecords):
+                early = (early or []) + h.records
             root.removeHandler(h)
             h.close()
     fmt = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
@@ -80,20 +169,29 @@ def setup_logging(level: int = logging.INFO, rank: int | None = None,
         fmt = f"[rank {rank}] " + fmt
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     handlers[0].addFilter(TerminalProgressFilter(sys.stderr))
+    handlers[0].addFilter(ConsoleNoiseFilter())
+    handlers[0].setFormatter(logging.Formatter(fmt, datefmt=DATEFMT))
     if file is not None:
         Path(file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(file, mode="a", encoding="utf-8", delay=True))
+        handlers[1].setFormatter(NoiseAsDebugFormatter(fmt, datefmt=DATEFMT))
+    elif early is not None:   # the records before the file is known: it starts with them
+        handlers.append(EarlyRecords())
+        handlers[1].records = early
     for handler in handlers:
         handler._eyas = True  # type: ignore[attr-defined]
-        handler.setFormatter(logging.Formatter(fmt, datefmt=DATEFMT))
         handler.addFilter(RankZeroFilter(rank))
         root.addHandler(handler)
+    if file is not None:
+        for record in early or []:
+            handlers[1].handle(record)
     root.setLevel(level)
     # Third-party chatter that hides eyas's own lines.
     for name in ("transformers", "accelerate", "DeepSpeed", "deepspeed", "torch.distributed",
                  "urllib3", "filelock", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
+    quiet_libraries()
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -130,7 +228,7 @@ def error_exit_status(e: BaseException) -> int | None:
     if isinstance(status, int):
         return status
     if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                      PermissionError, FileExistsError)):
+                      PermissionError, FileExistsError)) or _no_room(e):
         return EXIT_USAGE
     if isinstance(e, (ValueError, KeyError)) and (
             type(e).__module__.startswith("eyas.") or _raised_by_eyas(e)):
@@ -146,7 +244,14 @@ def error_message(e: BaseException) -> str:
         text = f"{e.filename}: {e.strerror}"
     else:
         text = str(e) or type(e).__name__
+    if _no_room(e):   # a full disk no eyas writer named (data/common/space.py names them)
+        text += "; free space on that disk, or write to another one"
     return " ".join(text.split())
+
+
+def _no_room(e: BaseException) -> bool:
+    from eyas.data.common.space import NO_ROOM_ERRNOS
+    return isinstance(e, OSError) and e.errno in NO_ROOM_ERRNOS
 
 
 def run_command(prog: str, cli_main, argv: list[str] | None) -> int:

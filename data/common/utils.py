@@ -6,7 +6,10 @@ fsync'ed, then `os.replace`d onto its final name and the directory entry is fsyn
 exception at any point leaves either the previous file or nothing under the final name, never a
 half-written file that looks complete. Directories that must appear whole (an export, a cached
 target, an engine venv) are written the same way by `atomic_write_dir`. Temporary names start
-with ``.tmp-`` so readers and globs for ``shard-*.safetensors`` never match them.
+with ``.tmp-`` so readers and globs for ``shard-*.safetensors`` never match them. A write that
+finds the disk full or passes the file-size limit raises DiskFullError naming the directory and
+the free bytes (data/common/space.py). Every file and directory gets the mode a plain `open()` /
+`mkdir` gives under the user's umask.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
+
+# human_bytes stays importable from here
+from eyas.data.common.space import human_bytes, no_room_error, require_free  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +76,12 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
         os.replace(tmp, final)
         if fsync:
             fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as e:
+        full = no_room_error(e, final.parent, what=final.name) if isinstance(e, Exception) else None
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+        if full is not None and full is not e:
+            raise full from e
         raise
 
 
@@ -80,6 +89,16 @@ def umask_mode(path: str | os.PathLike) -> None:
     """Give a file the mode a plain `open()` would: ``0o666 & ~umask`` (mkstemp and safetensors
     create files 0600, which a serving container running as another user cannot read)."""
     os.chmod(path, 0o666 & ~_umask())
+
+
+def umask_modes(root: str | os.PathLike) -> None:
+    """`umask_mode` for every regular file under the directory `root` (what a library such as
+    accelerate's `save_state` wrote there with its own modes)."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            p = os.path.join(dirpath, name)
+            if os.path.isfile(p) and not os.path.islink(p):
+                umask_mode(p)
 
 
 def _umask() -> int:
@@ -103,7 +122,8 @@ def _fresh_dir(parent: Path, name: str) -> Path:
 
 def atomic_write_dir(path: str | os.PathLike, build: Callable[[Path], object], *,
                      if_exists: str = "error",
-                     exists_hint: str = "choose a new directory or remove it") -> Path:
+                     exists_hint: str = "choose a new directory or remove it",
+                     need_bytes: int | None = None) -> Path:
     """Write a directory atomically: `build(tmp)` fills a fresh sibling, which is renamed onto
     `path`.
 
@@ -113,13 +133,17 @@ def atomic_write_dir(path: str | os.PathLike, build: Callable[[Path], object], *
     "error" (FileExistsError naming it, plus `exists_hint`, before anything is built),
     "replace" (the old directory is moved aside, the new one renamed in, the old one removed) or
     "keep" (a concurrent writer finished first: its directory stays and the new one is dropped).
-    Returns `path`.
+    `need_bytes`: what `build` writes, refused (DiskFullError) before it starts when the
+    filesystem has less free; a build that runs out of room raises DiskFullError. Returns `path`.
     """
     if if_exists not in ("error", "replace", "keep"):
         raise ValueError(f"if_exists must be 'error', 'replace' or 'keep', got {if_exists!r}")
     final = Path(path)
     if final.exists() and if_exists == "error":
         raise FileExistsError(f"{final} already exists: {exists_hint}")
+    if need_bytes is not None:
+        require_free(final.parent, need_bytes, what=final.name,
+                     fix="free space there or write to another directory")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _fresh_dir(final.parent, final.name)
     try:
@@ -134,8 +158,14 @@ def atomic_write_dir(path: str | os.PathLike, build: Callable[[Path], object], *
         else:
             os.replace(tmp, final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as e:
+        full = (no_room_error(e, final.parent, what=final.name, needed=need_bytes)
+                if isinstance(e, Exception) else None)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is e and str(tmp) in str(e):     # a file of `build`: named where it would be
+            raise type(e)(str(e).replace(str(tmp), str(final))) from e
+        if full is not None and full is not e:
+            raise full from e
         raise
     return final
 
@@ -206,12 +236,3 @@ def _stderr_is_tty() -> bool:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):
         return False
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB' (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

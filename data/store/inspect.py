@@ -74,6 +74,8 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
         "teacher_detail": teacher,
         "target": man.get("target"), "aux_layer_ids": man.get("aux_layer_ids"),
         "convention": man.get("convention"), "hidden_size": man.get("hidden_size"),
+        "tokenizer": man.get("tokenizer"), "template_kwargs": man.get("template_kwargs"),
+        "prepare": man.get("prepare"),
         "length": ({"min": int(lengths.min()), "mean": float(lengths.mean()),
                     "p50": float(np.percentile(lengths, 50)),
                     "p95": float(np.percentile(lengths, 95)), "max": int(lengths.max())}
@@ -81,10 +83,55 @@ def summarize(path: str | os.PathLike) -> dict[str, Any]:
     }
 
 
+def _line(label: str, *parts: tuple[str, Any]) -> str | None:
+    """``label`` then the parts whose value is known (not None) as "name value", three spaces
+    apart; None when none is known."""
+    known = "   ".join(f"{k} {v}" if k else str(v) for k, v in parts if v is not None)
+    return f"{label:<9} {known}" if known else None
+
+
+def _target(s: dict[str, Any]) -> str | None:
+    """What the data was made with: the target and, where recorded, its tokenizer (tokens), or
+    the aux layers and hidden size (hidden states)."""
+    tok = s["tokenizer"] if isinstance(s.get("tokenizer"), dict) else {}
+    layers = s["aux_layer_ids"] and (f"{s['aux_layer_ids']}" + (
+        f" ({s['convention']})" if s["convention"] else ""))
+    tokenizer = (s["kind"] == "tokens" and tok.get("name_or_path")) or None
+    if tokenizer and tok.get("vocab_size"):
+        tokenizer += f" ({tok['vocab_size']:,} tokens)"
+    return _line("target", ("", s["target"]), ("tokenizer", tokenizer),
+                 ("aux layers", layers), ("hidden", s["hidden_size"]))
+
+
+def _template(s: dict[str, Any]) -> str | None:
+    """The chat template the conversations were rendered with, where the manifest records it."""
+    tok = s["tokenizer"] if isinstance(s.get("tokenizer"), dict) else {}
+    if not tok.get("chat_template_sha256"):
+        return None
+    name = tok.get("chat_template") or "tokenizer"
+    args = ", ".join(f"{k}={v!r}" for k, v in (s.get("template_kwargs") or {}).items())
+    return _line("template", ("", "the tokenizer's own" if name == "tokenizer" else repr(name)),
+                 ("sha256", tok["chat_template_sha256"][:12] + "…"), ("args", args or None))
+
+
+def _prepared(s: dict[str, Any]) -> str | None:
+    """Where the conversations came from and what `eyas prepare` kept of them."""
+    p = s["prepare"] if isinstance(s.get("prepare"), dict) else {}
+    if "input" not in p:
+        return None
+    packed = f" ({p['input_compression']})" if p.get("input_compression") else ""
+    skipped = ", ".join(f"{k} {v}" for k, v in (p.get("skipped") or {}).items())
+    return _line("input", ("", p["input"] + packed), ("records", p.get("records")),
+                 ("trained tokens", p.get("loss_tokens")), ("skipped", skipped or "none"))
+
+
 def format_summary(s: dict[str, Any]) -> str:
-    """Human-readable lines for a `summarize` result."""
+    """Human-readable lines for a `summarize` result; a line or part that does not apply to the
+    dataset (aux layers of a token dataset, a template no manifest recorded) is left out."""
+    kind = s["kind"] or ("hidden" if "aux" in s["fields"] else "tokens") + " (from its fields)"
     lines = [f"dataset   {s['path']}" + ("" if s["complete"] else "   (INCOMPLETE: no manifest)"),
-             f"kind      {s['kind']}   format v{s['format_version']}",
+             _line("kind", ("", kind), ("format", s["format_version"] and
+                                        f"v{s['format_version']}")),
              f"samples   {s['samples']:,}   tokens {s['tokens']:,}   shards {s['shards']:,}",
              f"size      {human_bytes(s['bytes'])}   {s['bytes_per_token']:.1f} bytes/token "
              f"({s['payload_bytes_per_token']:.0f} payload)"]
@@ -92,13 +139,14 @@ def format_summary(s: dict[str, Any]) -> str:
         L = s["length"]
         lines.append(f"lengths   min {L['min']}  mean {L['mean']:.1f}  p50 {L['p50']:.0f}  "
                      f"p95 {L['p95']:.0f}  max {L['max']}")
-    lines.append(f"target    {s['target']}   aux layers {s['aux_layer_ids']} "
-                 f"({s['convention']})   hidden {s['hidden_size']}")
-    lines.append(f"modes     aux {s['aux_format']}   teacher {s['teacher']}")
+    lines += [x for x in (_target(s), _template(s), _prepared(s),
+                          _line("modes", ("aux", s["aux_format"]), ("teacher", s["teacher"])))
+              if x]
     lines.append("fields:")
     for name, f in s["fields"].items():
-        lines.append(f"  {name:<14} {f['dtype']:<9} (stored {f['stored']:<13}) per token "
-                     f"{f['shape']}  {s['field_bytes_per_token'][name]:.0f} B")
+        shape = f"per token {f['shape']}" if f["shape"] else "one per token"
+        lines.append(f"  {name:<14} {f['dtype']:<9} (stored {f['stored']:<13}) {shape:<18} "
+                     f"{s['field_bytes_per_token'][name]:.0f} B")
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """`eyas doctor`: the likely causes of low acceptance of an exported drafter, in words.
 
     eyas doctor DIR --target-config TARGET [--data DATASET_DIR] [--num-speculative-tokens K]
+                [--json]
 
 Low acceptance almost never comes with an error message: the engines load a wrong drafter and
 serve it. The doctor collects what can be checked offline, before a server starts:
@@ -11,7 +12,8 @@ serve it. The doctor collects what can be checked offline, before a server start
 - how much of the data's assistant tokens (and of the target's own next-token choices) the
   draft vocabulary can express at all: a draft token outside t2d is never accepted; and whether
   the data was written by the target at all (its tokens vs the target's greedy choices);
-- the TTT depth trained (eyas_export.json) vs the number of speculative tokens served.
+- the TTT depth trained (eyas_export.json) vs the number of speculative tokens served;
+- the target the export was trained for (eyas_provenance.json) vs the one it is checked against.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,12 @@ from typing import Any
 import torch
 
 from eyas.data.common.options import option, parser
+from eyas.data.common.templates import target_chat_template, template_drift
 from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
                                           read_config, require_dir, resolve_target_config)
-from eyas.models.serving.doctor_capture import check_capture, check_served
+from eyas.models.serving.doctor_capture import (check_capture, check_served,
+                                                 check_trained_target)
+from eyas.models.serving.doctor_coverage import vocab_coverage
 from eyas.models.serving.validate import validate
 
 log = logging.getLogger(__name__)
@@ -63,20 +67,6 @@ def _target_dir(target_config: Any) -> Path | None:
         cached = DEFAULT_CACHE_DIR / "targets" / str(target_config)
         if str(target_config) in LOADABLE and (cached / "config.json").is_file():
             return cached
-    return None
-
-
-def target_chat_template(target_dir: Path) -> str | None:
-    """The chat template text a served target uses (chat_template.jinja or tokenizer_config)."""
-    f = target_dir / "chat_template.jinja"
-    if f.is_file():
-        return f.read_text()
-    tc = target_dir / "tokenizer_config.json"
-    if tc.is_file():
-        t = json.loads(tc.read_text()).get("chat_template")
-        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
-            t = next((x.get("template") for x in t if x.get("name") == "default"), None)
-        return t if isinstance(t, str) else None
     return None
 
 
@@ -220,13 +210,12 @@ def _check_tokenizer(report: Report, tok: dict[str, Any], tcfg: dict[str, Any] |
         report.not_checked.append("chat template: no target directory with a tokenizer at "
                                   "hand (pass --target-config as the target's directory)")
         return
-    from eyas.data.common.templates import template_sha256
-    sha = template_sha256(template)
-    if tok["chat_template_sha256"] != sha:
+    drift = template_drift(tok, template)
+    if drift is not None:
         report.add("DATA_TEMPLATE", WARNING,
                    f"the dataset was rendered with chat template {tok.get('chat_template')!r} "
-                   f"(sha256 {tok['chat_template_sha256'][:12]}…) but the target directory's "
-                   f"template differs (sha256 {sha[:12]}…)",
+                   f"(sha256 {drift[0][:12]}…) but the target directory's "
+                   f"template differs (sha256 {drift[1][:12]}…)",
                    "at serving the tokens around turns (role headers, end-of-turn, thinking "
                    "markers) differ from the ones the drafter was trained on",
                    "prepare the data with the template the server applies (data.prepare "
@@ -242,46 +231,6 @@ def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any
     check_capture(report, manifest)
     _check_data_target(report, manifest, tcfg)
     _check_tokenizer(report, manifest.get("tokenizer") or {}, tcfg, target_dir)
-
-
-def _in_vocab(t2d: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """t2d[ids]; ids past the end of t2d (a dataset of a target with a larger vocabulary) are
-    outside the draft vocabulary."""
-    known = (ids >= 0) & (ids < t2d.numel())
-    out = torch.zeros(ids.shape, dtype=torch.bool)
-    out[known] = t2d[ids[known]]
-    return out
-
-
-def vocab_coverage(dataset: Any, t2d: torch.Tensor, max_samples: int = 2000) -> dict[str, Any]:
-    """Draft-vocabulary coverage of the trained tokens, and how target-like the data is.
-
-    For every trained token t (loss_mask[t]): is input_ids[t] in t2d (`token_coverage`); is the
-    target's own choice for that position, target_argmax[t-1], in t2d (`argmax_coverage`); and
-    does the text follow the target's choice, input_ids[t] == target_argmax[t-1]
-    (`target_agreement`). Reads up to `max_samples` samples spread evenly over the dataset.
-    """
-    from tqdm import tqdm
-    n = len(dataset)
-    idx = sorted(set(int(i) for i in torch.linspace(0, n - 1, min(n, max_samples)).round()))
-    has_argmax = "target_argmax" in getattr(dataset, "fields", {})
-    fields = ("input_ids", "loss_mask") + (("target_argmax",) if has_argmax else ())
-    tok_in = tok_all = arg_in = arg_all = agree = 0
-    for i in tqdm(idx, desc="draft vocab coverage", disable=not sys.stderr.isatty()):
-        s = dataset.sample(i, fields)
-        mask = s["loss_mask"].bool()
-        ids = s["input_ids"][mask]
-        tok_in += int(_in_vocab(t2d, ids).sum())
-        tok_all += int(ids.numel())
-        if has_argmax:
-            pred = s["target_argmax"][:-1][mask[1:]]   # the target's choice for each trained token
-            arg_in += int(_in_vocab(t2d, pred).sum())
-            arg_all += int(pred.numel())
-            agree += int((pred == s["input_ids"][1:][mask[1:]]).sum())
-    return {"samples": len(idx), "tokens": tok_all,
-            "token_coverage": tok_in / tok_all if tok_all else None,
-            "argmax_coverage": arg_in / arg_all if arg_all else None,
-            "target_agreement": agree / arg_all if arg_all else None}
 
 
 def require_dataset(data: str | Path) -> Path:
@@ -370,6 +319,7 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
     meta_file = export_dir / "eyas_export.json"
     meta = json.loads(meta_file.read_text()) if meta_file.is_file() else None
     _check_ttt(report, meta, num_speculative_tokens)
+    check_trained_target(report, export_dir, target_config, tcfg)
     check_served(report, tcfg)
     if data is not None:
         tdir = TensorDir(export_dir)
@@ -389,8 +339,10 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
 def format_report(report: Report, export_dir: str | Path) -> str:
     lines = []
     n = len(report.findings)
-    lines.append(f"{n} likely cause(s) of low acceptance for {export_dir}" if n
-                 else f"no likely cause of low acceptance found for {export_dir}")
+    trained = report.stats.get("trained_target")
+    where = f"{export_dir}" + (f" (trained for target {trained})" if trained else "")
+    lines.append(f"{n} likely cause(s) of low acceptance for {where}" if n
+                 else f"no likely cause of low acceptance found for {where}")
     for i, f in enumerate(sorted(report.findings, key=lambda f: f.severity != ERROR), 1):
         lines += [f"\n{i}. [{f.severity}] {f.code}: {f.message}", f"   why: {f.why}",
                   f"   fix: {f.fix}"]
@@ -401,6 +353,16 @@ def format_report(report: Report, export_dir: str | Path) -> str:
         lines.append("\nnot checked:")
         lines += [f"  - {c}" for c in report.not_checked]
     return "\n".join(lines)
+
+
+def report_json(report: Report, export_dir: str | Path) -> str:
+    """The report as one JSON object (`eyas doctor --json`): the findings in `eyas validate
+    --json`'s form, what was checked, what was not, and the measurements."""
+    return json.dumps({"export": str(export_dir),
+                       "trained_target": report.stats.get("trained_target"),
+                       "findings": [f.__dict__ for f in report.findings],
+                       "checked": report.checked, "not_checked": report.not_checked,
+                       "stats": report.stats}, indent=2, allow_nan=False)
 
 
 @dataclass(kw_only=True)
@@ -418,18 +380,22 @@ class DoctorOptions:
         "default: none, the TTT steps trained are reported)")
     max_samples: int = option(
         2000, "samples read for the vocabulary coverage (spread over the dataset)")
+    json: bool = option(False, "print the report as one JSON object (findings, checked, not "
+                        "checked, stats) instead of text")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `eyas doctor` arguments."""
     return parser(DoctorOptions, "eyas doctor", "Explain the likely causes of low acceptance of "
-                  "an exported drafter: contract violations, data/export mismatches, draft "
-                  "vocabulary coverage, TTT depth. Exit 0 = nothing found, 1 = likely causes "
-                  "listed, 2 = usage error (e.g. a mistyped path).")
+                  "an exported drafter: contract violations, data/export mismatches, the "
+                  "target it was trained for, draft vocabulary coverage, TTT depth. Exit 0 = "
+                  "nothing found, 1 = likely causes listed, 2 = usage error (e.g. a mistyped "
+                  "path).")
 
 
 def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas doctor DIR --target-config FILE [--data DATASET_DIR] [--num-speculative-tokens K]`."""
+    """`eyas doctor DIR --target-config FILE [--data DATASET_DIR] [--num-speculative-tokens K]
+    [--json]`."""
     p = build_parser()
     args = p.parse_args(argv)
     require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
@@ -437,7 +403,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     report = diagnose(args.dir, args.target_config, data=args.data,
                       num_speculative_tokens=args.num_speculative_tokens,
                       max_samples=args.max_samples)
-    print(format_report(report, args.dir))
+    print(report_json(report, args.dir) if args.json else format_report(report, args.dir))
     return 1 if report.findings else 0
 
 

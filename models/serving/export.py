@@ -298,7 +298,8 @@ def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | 
                          check=check, provenance=provenance)
 
         out = atomic_write_dir(out, build, if_exists="replace" if overwrite else "error",
-                               exists_hint=OVERWRITE_HINT)
+                               exists_hint=OVERWRITE_HINT,  # and a full disk: DiskFullError
+                               need_bytes=sum(t.nbytes for t in tensors.values()))
         log.info("exported drafter to %s", out)
         if spec is not None:
             try:
@@ -432,8 +433,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     config = json.loads(Path(args.drafter_config).read_text()) if args.drafter_config else None
-    # ExportError, a missing checkpoint or an existing OUT_DIR: one line and exit 2 from
-    # the `eyas` command (data/common/log.py run_command)
+    # ExportError, a missing checkpoint, an existing OUT_DIR: one line, exit 2 (log.run_command)
     out = export_checkpoint(
         args.checkpoint, args.out_dir, config=config, target_config=args.target_config,
         speculators=args.speculators_config, verifier=args.verifier,

@@ -58,3 +58,41 @@ def test_cli(tmp_path, capsys):
     assert cli_main([str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 16
     assert (tmp_path / MANIFEST_NAME).exists()
+
+
+def test_token_dataset_shows_what_applies_and_no_none(tmp_path, capsys):
+    """A real token dataset (SmolLM2's tokenizer, the shipped llama-3.1 template, a gzip input):
+    its target, tokenizer, template and input in words; no aux/teacher/hidden line or None."""
+    import gzip
+
+    from eyas.data.build.prepare import prepare
+    from eyas.data.common.targets import load_tokenizer, resolve_target
+    from eyas.data.common.templates import load_template, template_sha256
+    rec = {"messages": [{"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "Hello"}]}
+    text = json.dumps(rec) + "\nnot json\n"
+    (tmp_path / "in.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    prepare(tmp_path / "in.jsonl.gz", "smollm2", tmp_path / "ds", on_error="skip",
+            chat_template="llama-3.1", template_kwargs={"date_string": "1 Jan 2026"},
+            tokenizer=load_tokenizer("smollm2"))
+    assert cli_main([str(tmp_path / "ds")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    sha = template_sha256(load_template("llama-3.1"))[:12]
+    assert lines[1] == "kind      tokens   format v1"
+    assert lines[5:8] == [
+        f"target    smollm2   tokenizer {resolve_target('smollm2')} (49,152 tokens)",
+        f"template  'llama-3.1'   sha256 {sha}…   args date_string='1 Jan 2026'",
+        f"input     {tmp_path / 'in.jsonl.gz'} (gzip)   records 2   trained tokens "
+        f"{summarize(tmp_path / 'ds')['prepare']['loss_tokens']}   skipped bad_json 1"]
+    assert lines[8:] == ["fields:",
+                         "  input_ids      int64     (stored int32        ) one per token      4 B",
+                         "  loss_mask      bool      (stored bool         ) one per token      1 B"]
+    assert not any("None" in x or x.startswith("modes") for x in lines)
+
+
+def test_incomplete_dataset_says_what_is_unknown(tmp_path, capsys):
+    _write(tmp_path, manifest=False)
+    assert cli_main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kind      hidden (from its fields)\n" in out and "modes     aux bf16\n" in out
+    assert "None" not in out and "target " not in out

@@ -143,6 +143,44 @@ def test_launch_sh_checks_the_config_once_before_several_processes(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_launch_sh_a_refusal_inside_the_ranks_is_one_line_and_status_2(tmp_path):
+    """A refusal the config check cannot see (here accelerate's DeepSpeed flag against
+    dist=ddp, found when the ranks build their Accelerator): rank 0's one line is the last
+    thing printed, with no report of a crash from torch's agent, and launch.sh exits 2 with
+    nothing of the launch left running."""
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(_launch_sh("--cpu", "2", "--master-port", str(free_port()),
+                                    "train.dry_run=true", f"hydra.run.dir={run_dir}"),
+                         cwd=tmp_path, env=_sh_env(ACCELERATE_USE_DEEPSPEED="true"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2, err[-4000:]
+    lines = err.strip().splitlines()
+    assert lines[-1].endswith(
+        "E eyas: bad configuration: accelerate launch --use_deepspeed asks for DeepSpeed but "
+        "dist=ddp: the Hydra dist group picks the engine; add dist=zero2 (or launch without "
+        "--use_deepspeed)"), err[-4000:]
+    assert sum("bad configuration" in line for line in lines) == 1, err[-4000:]
+    for noise in ("ChildFailedError", "Traceback", "exitcode", "Killed", "elastic"):
+        assert noise not in err, (noise, err[-4000:])
+    assert _running_with(str(run_dir)) == []    # neither accelerate nor a rank
+    assert not (run_dir / "ranks").exists()
+
+
+def _running_with(arg: str) -> list[int]:
+    """The live processes with `arg` in their command line (a zombie's is empty)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if arg.encode() in f.read():
+                    found.append(int(pid))
+        except FileNotFoundError:
+            pass
+    return found
+
+
 def test_config_check_composes_like_the_job(tmp_path, monkeypatch, capsys):
     from eyas.train.main import precheck
     monkeypatch.chdir(tmp_path)
@@ -197,3 +235,34 @@ def test_launch_sh_counts_the_gpus_cuda_visible_devices_lists(tmp_path):
         r = subprocess.run(["bash", "-c", fn + "\nvisible_gpus"], env=env, capture_output=True,
                            text=True, timeout=30)
         assert r.stdout.strip() == str(count), (visible, r.stdout, r.stderr)
+
+
+def test_accelerate_runs_in_a_group_of_its_own_that_ends_with_launch_sh():
+    """launch.sh starts accelerate through `python -m eyas.data.common.parent` in the
+    background: in a process group of its own (a signal to launch.sh reaches it once, through
+    launch.sh), with SIGINT and SIGQUIT not ignored as a shell's background job would have
+    them, and sent SIGTERM when launch.sh is killed (-9, so it cannot pass anything on)."""
+    import signal
+    import time
+    script = f"{sys.executable} -m eyas.data.common.parent sleep 300 & echo $!; wait"
+    p = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    child = int(p.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"sleep\0"):
+            assert time.monotonic() < deadline, "the wrapper did not exec its command"
+            time.sleep(0.05)
+        status = Path(f"/proc/{child}/status").read_text()
+        ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+        assert not ignored & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGQUIT - 1))
+        assert os.getpgid(child) == child != os.getpgid(p.pid)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while child in _running_with("sleep\x00300"):
+            assert time.monotonic() < deadline, "accelerate outlived launch.sh"
+            time.sleep(0.05)
+    finally:
+        if child in _running_with("sleep\x00300"):
+            os.kill(child, signal.SIGKILL)

@@ -118,3 +118,60 @@ def test_a_signal_to_one_rank_stops_both_at_the_next_log_boundary(tmp_path, tiny
     ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
     for name in ta:
         assert torch.equal(ta[name], tb[name]), f"{name} differs after a stop at step {step}"
+
+
+def _in_session(sid: int) -> list[int]:
+    """The live processes of session `sid` (zombies are ended)."""
+    found = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:         # ended since the listing
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(d))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigterm_to_launch_sh_alone_stops_the_whole_run(tmp_path, tiny_llama_dataset, nproc):
+    """`kill PID` of launch.sh (not its group): accelerate and every rank get the signal, the
+    run saves its step and stops, and launch.sh exits 143 once nothing of the run is left."""
+    from tests.train.test_launch import _launch_sh, _sh_env
+    b = tmp_path / "b"
+    b.mkdir()
+    # many steps: however late the signal reaches the ranks, it comes before the last one
+    common = [o for o in COMMON if not o.startswith("train.max_steps=")] + ["train.max_steps=400"]
+    args = [*_launch_sh("--cpu", str(nproc), "--master-port", str(free_port())), *SMALL,
+            f"data.dataset={tiny_llama_dataset}", f"hydra.run.dir={b}", *common]
+    p = subprocess.Popen(args, cwd=tmp_path, env=_sh_env(OMP_NUM_THREADS="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    ranks = []
+    try:
+        metrics = b / "metrics.jsonl"
+        deadline = time.time() + 400
+        while not (metrics.is_file() and '"step": 3,' in metrics.read_text()):
+            assert time.time() < deadline and p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.05)
+        ranks = [json.loads((b / "ranks" / f"rank{r}.json").read_text())["pid"]
+                 for r in range(nproc)]
+        os.kill(p.pid, signal.SIGTERM)             # the script's own PID, as `kill PID` does
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 143, err[-4000:]
+        assert _in_session(p.pid) == []            # accelerate ended before launch.sh did
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), err[-4000:]
+    finally:
+        for pid in [*_in_session(p.pid), *ranks]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    stopped = [line for line in err.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1 and "on SIGTERM: checkpoint saved in" in stopped[0], err[-4000:]
+    saved = (b / "checkpoints" / "latest").read_text().strip()
+    assert "step-000003" <= saved < "step-000400"
+    assert f"stopped at step {int(saved.removeprefix('step-'))} of 400" in stopped[0]
+    assert not (b / "export").exists() and not (b / "summary.json").exists()

@@ -28,6 +28,7 @@ be cut there and tokenised in pieces, so masks stay exact.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,8 +129,8 @@ class TemplateRenderer:
     def render(self, conv: Conversation, messages: list[dict], generation_prompt: bool) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                for_template(messages), tools=conv.tools, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=generation_prompt, **self.template_kwargs)
+                for_template(messages), tools=conv.tools, chat_template=self.chat_template,
+                tokenize=False, add_generation_prompt=generation_prompt, **self.template_kwargs)
         except Exception as e:  # jinja errors, raise_exception() in templates, type errors
             raise RecordError("template_error", f"rendering {len(messages)} message(s) failed: "
                               f"{type(e).__name__}: {e}") from None
@@ -250,3 +251,67 @@ def tokenizer_identity(tokenizer, template_text: str, template_name: str | None)
     return {"name_or_path": str(getattr(tokenizer, "name_or_path", "")),
             "vocab_size": len(tokenizer), "chat_template": template_name or "tokenizer",
             "chat_template_sha256": template_sha256(template_text)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The target's template vs the one a token dataset was rendered with
+
+
+def target_chat_template(target_dir: Path) -> str | None:
+    """The chat template text a served target uses (chat_template.jinja or tokenizer_config)."""
+    f = target_dir / "chat_template.jinja"
+    if f.is_file():
+        return f.read_text()
+    tc = target_dir / "tokenizer_config.json"
+    if tc.is_file():
+        t = json.loads(tc.read_text()).get("chat_template")
+        if isinstance(t, list):  # [{"name": "default", "template": ...}, ...]
+            t = next((x.get("template") for x in t if x.get("name") == "default"), None)
+        return t if isinstance(t, str) else None
+    return None
+
+
+def template_drift(identity: dict[str, Any] | None, template: str | None
+                   ) -> tuple[str, str] | None:
+    """(the dataset's template sha256, the target's) when `template` is not the chat template a
+    token dataset was rendered with (`identity`: its manifest's `tokenizer`, from
+    `tokenizer_identity`); None when they are the same or either is unknown."""
+    recorded = (identity or {}).get("chat_template_sha256")
+    if not recorded or template is None:
+        return None
+    sha = template_sha256(template)
+    return None if sha == recorded else (recorded, sha)
+
+
+def template_mismatch(dataset: str | Path, target: str | Path, label: str | None = None, *,
+                      after: str = "") -> str | None:
+    """One line saying that `target` serves another chat template than the one the token or
+    hidden-state dataset at `dataset` was rendered with, and the fix; None when they are the
+    same or cannot be compared (no manifest or template hash, no target directory or template
+    here). `label`: how the line names the dataset; `after`: what the fix must be followed by
+    (e.g. extracting again). The drafter would be trained on other turn markers than it meets
+    when served: `eyas extract` and training refuse it, `eyas doctor` warns."""
+    path = Path(dataset) / "manifest.json"
+    identity = json.loads(path.read_text()).get("tokenizer") if path.is_file() else None
+    if not (identity or {}).get("chat_template_sha256"):
+        return None
+    dataset = label or dataset
+    from eyas.data.common.targets import resolve_target
+    try:
+        target_dir = resolve_target(target, need="tokenizer")
+    except (OSError, ValueError) as e:
+        log.info("chat template of target %s not compared with %s's: %s", target, dataset, e)
+        return None
+    drift = template_drift(identity, target_chat_template(target_dir))
+    if drift is None:
+        return None
+    name = identity.get("chat_template") or "tokenizer"
+    used = "its tokenizer's own chat template" if name == "tokenizer" else \
+        f"chat template {name!r}"
+    return (f"{dataset} was rendered with {used} (sha256 {drift[0][:12]}…, tokenizer "
+            f"{identity.get('name_or_path') or '?'}) but target {target} applies another "
+            f"(sha256 {drift[1][:12]}…, in {target_dir}): the drafter would be trained on "
+            f"other turn markers than it meets when served. Fix: prepare the conversations "
+            f"again with this target's template (`eyas prepare --target {target}`, no "
+            f"--chat-template){after}, or, if the server is to apply the dataset's template, "
+            f"write it to {target_dir / 'chat_template.jinja'}")

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from eyas.data.common.options import option, parser
 from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, VENV_ENGINES, EngineSetupError,
@@ -52,7 +53,11 @@ class EnginesCheckOptions(EnginesOptions, _CheckTarget):
     these (a dataclass puts the fields of its last base first)."""
 
     num_speculative_tokens: int = option(3, "K (default 3)")
-    no_setup: bool = option(False, "never install: fail when a venv is missing")
+    setup: bool = option(False, "install the missing engine venvs first (several GB each, "
+                         "minutes, once); without it a missing venv is asked about on a "
+                         "terminal, else named with the command that installs it (exit 3)")
+    no_setup: bool = option(False, "never install and never ask: a missing venv is named with "
+                            "the command that installs it (exit 3)")
     timeout: float = option(1800, "seconds per engine (default 1800)")
     json: bool = option(False, "print the reports as JSON")
 
@@ -74,21 +79,62 @@ def build_check_parser(prog: str = "eyas engines check") -> argparse.ArgumentPar
     return parser(EnginesCheckOptions, prog, "Load an exported drafter with vLLM's and SGLang's "
                   "own loaders on CPU (each in its own venv) and report load errors, silently "
                   "dropped tensors, parameters never written, NaN/inf and a logits smoke check. "
+                  "Installs a missing engine venv only with --setup (or a yes on a terminal). "
                   "Exit 0 = clean, 1 = findings, 2 = usage error, 3 = an engine could not run "
-                  "here.")
+                  "here or its venv is missing.")
+
+
+def missing_venvs(args) -> str | None:
+    """One line naming the engine venvs `args` needs that are not installed, and the command
+    that installs them; None when every one is ready."""
+    versions = {"vllm": args.vllm_version, "sglang": args.sglang_version}
+    missing = [e for e in args.engines
+               if ready_info(venv_dir(e, versions[e], args.venv_root)) is None]
+    if not missing:
+        return None
+    where = venv_dir(missing[0], versions[missing[0]], args.venv_root).parent
+    cmd = f"eyas engines setup --engines {','.join(missing)}" + "".join(
+        f" --{e}-version {versions[e]}" for e in missing if versions[e] != DEFAULT_VERSIONS[e])
+    cmd += f" --venv-root {args.venv_root}" if args.venv_root else ""
+    return (f"no {' and no '.join(f'{e} {versions[e]}' for e in missing)} venv under {where} "
+            f"(several GB each, minutes to install, once): run `{cmd}`, or pass --setup")
+
+
+def _may_install(args, prog: str) -> bool:
+    """Whether the check may install what is missing: --setup, or a yes on a terminal; False
+    after naming what is missing (stderr)."""
+    missing = None if args.setup else missing_venvs(args)
+    if missing is None:
+        return True
+    print(f"{prog}: {missing}", file=sys.stderr)
+    if args.no_setup or not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return False
+    print("install them now? [y/N] ", end="", file=sys.stderr, flush=True)   # stdout: the report
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
 def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines check") -> int:
-    """`eyas engines check DIR --target-config T [--engines vllm,sglang] …` (also behind
-    `eyas validate --engines`)."""
+    """`eyas engines check DIR --target-config T [--engines vllm,sglang] [--setup] …` (also
+    behind `eyas validate --engines`). A missing engine venv is installed only with --setup or
+    a yes on a terminal; otherwise the check exits 3 naming it and the command that installs
+    it."""
     from eyas.models.serving.engines.check import check_engines, format_reports
     args = build_check_parser(prog).parse_args(argv)
+    if args.setup and args.no_setup:
+        print(f"{prog}: error: --setup and --no-setup exclude each other", file=sys.stderr)
+        return 2
+    if not (Path(args.dir) / "config.json").is_file():
+        print(f"{prog}: error: {args.dir} has no config.json: pass an exported drafter dir",
+              file=sys.stderr)
+        return 2
+    if not _may_install(args, prog):
+        return 3
     versions = {"vllm": args.vllm_version, "sglang": args.sglang_version}
     try:
         reports = check_engines(args.dir, args.target_config, args.engines,
                                 venv_root=args.venv_root, versions=versions,
                                 num_speculative_tokens=args.num_speculative_tokens,
-                                setup=not args.no_setup, timeout_s=args.timeout)
+                                setup=True, timeout_s=args.timeout)
     except (FileNotFoundError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -48,7 +48,8 @@ def export(tcfg, ids, out: Path, **overrides) -> Path:
     torch.manual_seed(0)
     d = Eagle3Drafter(cfg, attention="eager")
     d.set_vocab_map(ids - torch.arange(VD))
-    return export_drafter(d.state_dict(), cfg, None, None, out, target_config=tcfg)
+    return export_drafter(d.state_dict(), cfg, None, None, out, target_config=tcfg,
+                          training={"target": "tiny-llama"})
 
 
 def dataset(out: Path, ids: torch.Tensor, *, outside: float, aux_ids, template_sha,
@@ -264,3 +265,34 @@ def test_an_mla_target_says_what_its_served_check_needs(tcfg, draft_ids, tmp_pat
     report = diagnose(out, load_target_config("deepseek-v3"), check_values=False)
     assert any(n.startswith("served check: vLLM's CPU build cannot run EAGLE-3 beside an MLA")
                for n in report.not_checked)
+
+
+def test_json_report_and_the_target_the_export_was_trained_for(tcfg, draft_ids, tmp_path,
+                                                                 capsys):
+    """--json prints the report as one object; the export's recorded target is named, and a
+    target with another config.json is a finding (exit 1) naming both."""
+    out = export(tcfg, draft_ids, tmp_path / "export")
+    assert cli_main([str(out), "--target-config", "tiny-llama", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["export"] == str(out) and rep["trained_target"] == "tiny-llama"
+    assert rep["findings"] == []
+    assert ("trained for target 'tiny-llama' (eyas_provenance.json), the target checked against"
+            in rep["checked"])
+    assert rep["stats"]["ttt_steps"] == 3
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(dict(tcfg, initializer_range=0.5)))
+    assert cli_main([str(out), "--target-config", str(other), "--json"]) == 1
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["findings"] == [{
+        "code": "EXPORT_TARGET", "severity": "warning",
+        "message": f"the export was trained for target 'tiny-llama' (eyas_provenance.json) but is "
+                   f"checked against '{other}' (another config.json)",
+        "why": "a drafter learns one target's hidden states: served beside another target (even "
+               "one of the same shape) it drafts tokens that target rarely accepts",
+        "fix": f"pass --target-config tiny-llama (or its local copy), or train a drafter for "
+               f"{other}"}]
+    assert cli_main([str(out), "--target-config", str(other)]) == 1
+    assert capsys.readouterr().out.startswith(
+        f"1 likely cause(s) of low acceptance for {out} (trained for target tiny-llama)\n")

@@ -1,0 +1,47 @@
+"""`eyas evaluate` without --out: the result goes beside the drafter directory (a run's export:
+into its run directory), named by the UTC time, never over an earlier result."""
+
+import json
+import re
+import time
+
+from eyas.data.common.checksums import unlisted
+from eyas.data.common.targets import load_target_config
+from eyas.models.serving.export import export_drafter
+from eyas.train.evaluate_cli import cli_main, default_out
+
+
+def test_default_out_takes_the_next_free_name(tmp_path):
+    drafter = tmp_path / "run" / "export"
+    drafter.mkdir(parents=True)
+    while True:   # the two names within one second of UTC time
+        first = default_out(drafter)
+        first.write_text("{}")
+        second = default_out(drafter)
+        if second.name.startswith(first.stem):
+            break
+        first.unlink()
+    assert re.fullmatch(r"export-eval-\d{8}-\d{6}\.json", first.name), first.name
+    assert first.parent == tmp_path / "run"
+    assert second == first.with_name(f"{first.stem}-2.json")
+
+
+def test_cli_without_out_writes_beside_the_drafter(tiny_drafter, tiny_llama_dataset, tmp_path,
+                                                    capsys):
+    drafter = tiny_drafter(load_target_config("tiny-llama"), seed=3)
+    out = export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d,
+                         tmp_path / "run" / "export",
+                         target_config=load_target_config("tiny-llama"))
+    before = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    args = ["--drafter", str(out), "--data", str(tiny_llama_dataset), "--k", "2",
+            "--token-budget", "256", "--eval-fraction", "0.25"]
+    assert cli_main(args) == 0
+    assert cli_main(args) == 0
+    written = sorted((tmp_path / "run").glob("export-eval-*.json"))
+    assert len(written) == 2, written                  # the second run kept the first result
+    assert all(json.loads(f.read_text())["num_samples"] == 6 for f in written)
+    assert written[0].name[len("export-eval-"):][:15] >= before
+    printed = capsys.readouterr().out
+    assert [line for line in printed.splitlines() if line.startswith("wrote ")] == [
+        f"wrote {f}" for f in sorted(written, key=lambda f: printed.index(str(f)))]
+    assert unlisted(out) == []                          # the export itself is unchanged
