@@ -263,12 +263,14 @@ def extract_engine(tokens_dir: str | Path, target: str | Path, out_dir: str | Pa
         write_plan(out, plan)
         todo, resumed = pending_shards(out, plan["shards"], 0, 1)
         t0 = time.perf_counter()
-        done = _resumable(source, out, len(plan["shards"]), lambda: _capture_shards(source, tokens, tokens_dir, out, plan["shards"], todo, lengths,
-                               lambda s, name: sample_features(
-                                   read_states(s), tokens.sample(name), head,
+
+        def features(s, name):
+            return sample_features(read_states(s), tokens.sample(name), head,
                                    name=f"{tokens_dir} sample {name}", n_aux=len(aux_ids),
-                                   teacher=teacher, topk=topk),
-                               aux_format=aux_format, batch_samples=batch_samples))
+                                   teacher=teacher, topk=topk)
+        done = _resumable(source, out, len(plan["shards"]), lambda: _capture_shards(
+            source, tokens, tokens_dir, out, plan["shards"], todo, lengths, features,
+            aux_format=aux_format, batch_samples=batch_samples))
     dt = time.perf_counter() - t0
     shutil.rmtree(storage, ignore_errors=True)
     finalize(out)

@@ -20,6 +20,7 @@ or when it was written, so two exports of one checkpoint carry byte-identical ca
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -29,6 +30,9 @@ from eyas.data.common.provenance import software_record
 from eyas.data.common.utils import atomic_write_bytes
 from eyas.models.serving.card_render import render_card, render_speculators_card
 from eyas.models.serving.contract import is_speculators_config
+from eyas.models.serving.doctor_speedup import chain_acceptance, speedup_table
+
+log = logging.getLogger(__name__)
 
 CARD = "README.md"
 PROVENANCE = "eyas_provenance.json"
@@ -146,6 +150,28 @@ def _write(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))   # keeps the user's umask (data/common/utils.py)
 
 
+def predicted_speedup(prov: Mapping[str, Any]) -> dict[str, Any]:
+    """The card's table of predicted speedup by K and concurrency (doctor_speedup.py), from the
+    recorded acceptance and the config of the target named in `prov`; without either, the
+    reason it is skipped (`skipped`)."""
+    from eyas.data.common.targets import load_target_config, text_config
+    dr, name = prov.get("drafter") or {}, (prov.get("target") or {}).get("name")
+    acc, k = chain_acceptance(prov.get("eval")), dr.get("ttt_steps")
+    if acc is None or not k:
+        return {"skipped": "no recorded evaluation with per-position acceptance"}
+    try:
+        tcfg = text_config(load_target_config(name)) if name else None
+    except (OSError, ValueError, KeyError) as e:
+        log.info("predicted speedup: no config of target %r (%s)", name, e)
+        tcfg = None
+    if tcfg is None:
+        return {"skipped": f"the config of target {name!r} is not available here"}
+    try:
+        return speedup_table(tcfg, dr, acc, int(k))
+    except KeyError as e:
+        return {"skipped": f"the config of target {name!r} or of the drafter lacks {e}"}
+
+
 def write_card(export_dir: str | Path, prov: Mapping[str, Any]) -> None:
     """README.md and eyas_provenance.json of `prov` into `export_dir` (before its SHA256SUMS).
 
@@ -153,6 +179,7 @@ def write_card(export_dir: str | Path, prov: Mapping[str, Any]) -> None:
     its verifier and K = its `speculative_tokens`; its eyas_provenance.json is the layout-A
     export's record, unchanged."""
     d = Path(export_dir)
+    prov = {**prov, "predicted_speedup": json_clean(predicted_speedup(prov))}
     _write(d / PROVENANCE, json.dumps(prov, indent=1, allow_nan=False) + "\n")
     k = (prov.get("drafter") or {}).get("ttt_steps") or 3
     target = (prov.get("target") or {}).get("name") or "TARGET"

@@ -143,6 +143,20 @@ def _acceptance_section(prov: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _speedup_section(prov: Mapping[str, Any]) -> list[str]:
+    sp = prov.get("predicted_speedup") or {}
+    out = ["## Predicted speedup", ""]
+    if not sp.get("rows"):
+        return out + [f"Not predicted: {sp.get('skipped') or 'not recorded'}.", ""]
+    out += [f"Tokens/s with speculation over tokens/s without, by K (rows) and concurrency "
+            f"(columns), from the conditional acceptance by draft position above: "
+            f"{sp.get('assumptions')}. Measure it on the deployment with "
+            f"`{sp.get('measure')}`.", ""]
+    return out + _table(["K"] + [f"concurrency {c}" for c in sp.get("concurrency") or []],
+                        [[r[0]] + [None if x is None else f"{x:.2f}" for x in r[1:]]
+                         for r in sp["rows"]])
+
+
 def _dig(cfg: Mapping[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         if not isinstance(cfg, Mapping) or part not in cfg:
@@ -241,8 +255,8 @@ def render_card(prov: Mapping[str, Any], commands: tuple[str, str]) -> str:
              "A speculative-decoding drafter trained with eyas; vLLM and SGLang load this "
              "directory as is. Every figure below is also in `eyas_provenance.json`.", ""]
     for section in (_drafter_section(prov), _serving_section(commands),
-                    _acceptance_section(prov), _training_section(prov), _data_section(prov),
-                    _checks_section(prov), _software_section(prov)):
+                    _acceptance_section(prov), _speedup_section(prov), _training_section(prov),
+                    _data_section(prov), _checks_section(prov), _software_section(prov)):
         lines += section
     return front_matter(prov) + "\n" + "\n".join(lines).rstrip() + "\n"
 
@@ -261,8 +275,8 @@ def render_speculators_card(prov: Mapping[str, Any], architecture: str, k: int,
              "`eyas_provenance.json`.", ""]
     of = "Recorded for the layout-A export this directory was written from:"
     for section in (_drafter_section(view, sglang=False), _vllm_serving_section(vllm, k),
-                    _acceptance_section(view), _training_section(view), _data_section(view),
-                    _checks_section(view, of), _software_section(view)):
+                    _acceptance_section(view), _speedup_section(view), _training_section(view),
+                    _data_section(view), _checks_section(view, of), _software_section(view)):
         lines += section
     return (front_matter(view, speculative_tokens=k) + "\n" + "\n".join(lines).rstrip()
             + "\n")

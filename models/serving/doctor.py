@@ -1,7 +1,7 @@
 """`eyas doctor`: the likely causes of low acceptance of an exported drafter, in words.
 
     eyas doctor DIR --target-config TARGET [--data DATASET_DIR] [--num-speculative-tokens K]
-                [--json]
+                [--concurrency C] [--hardware h100] [--gpus N] [--weight-bytes 2] [--json]
 
 Low acceptance almost never comes with an error message: the engines load a wrong drafter and
 serve it. The doctor collects what can be checked offline, before a server starts:
@@ -13,7 +13,9 @@ serve it. The doctor collects what can be checked offline, before a server start
   draft vocabulary can express at all: a draft token outside t2d is never accepted; and whether
   the data was written by the target at all (its tokens vs the target's greedy choices);
 - the TTT depth trained (eyas_export.json) vs the number of speculative tokens served;
-- the target the export was trained for (eyas_provenance.json) vs the one it is checked against.
+- the target the export was trained for (eyas_provenance.json) vs the one it is checked against;
+- the speedup predicted at K and the deployment given, from the recorded acceptance (a warning
+  below 1: speculation would be slower than none).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, fi
 from eyas.models.serving.doctor_capture import (check_capture, check_served,
                                                  check_trained_target)
 from eyas.models.serving.doctor_coverage import vocab_coverage
+from eyas.models.serving.doctor_speedup import (check_speedup, deployment_error,
+                                                recorded_eval)
 from eyas.models.serving.validate import validate
+from eyas.models.speedup import HARDWARE
 
 log = logging.getLogger(__name__)
 
@@ -303,8 +308,12 @@ def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tens
 
 def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
              data: str | Path | None = None, num_speculative_tokens: int | None = None,
-             max_samples: int = 2000, check_values: bool = True) -> Report:
-    """Everything the doctor can tell offline about an export's acceptance (see module doc)."""
+             max_samples: int = 2000, check_values: bool = True, concurrency: int = 1,
+             hardware: str = "h100", gpus: int | None = None, weight_bytes: float = 2.0
+             ) -> Report:
+    """Everything the doctor can tell offline about an export's acceptance (see module doc);
+    `concurrency`, `hardware`, `gpus`, `weight_bytes`: the deployment the speedup is predicted
+    for (models/serving/doctor_speedup.py)."""
     export_dir = Path(export_dir)
     if data is not None:
         data = require_dataset(data)   # a wrong --data is a usage error, before any work
@@ -321,6 +330,10 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
     _check_ttt(report, meta, num_speculative_tokens)
     check_trained_target(report, export_dir, target_config, tcfg)
     check_served(report, tcfg)
+    check_speedup(report, recorded_eval(export_dir), cfg, tcfg,
+                  num_speculative_tokens or (meta or {}).get("ttt_steps"),
+                  concurrency=concurrency, hardware=hardware, gpus=gpus,
+                  weight_bytes=weight_bytes)
     if data is not None:
         tdir = TensorDir(export_dir)
         t2d = None
@@ -380,6 +393,13 @@ class DoctorOptions:
         "default: none, the TTT steps trained are reported)")
     max_samples: int = option(
         2000, "samples read for the vocabulary coverage (spread over the dataset)")
+    concurrency: int = option(1, "sequences served at once, for the predicted speedup")
+    hardware: str = option("h100", "the GPU the speedup is predicted for",
+                           choices=sorted(HARDWARE))
+    gpus: int | None = option(
+        None, "GPUs the target is spread over (default: the fewest of --hardware whose memory "
+        "holds its weights at --weight-bytes, with 20%% to spare)")
+    weight_bytes: float = option(2.0, "bytes per target weight (bf16 2, fp8 1, int4 0.5)")
     json: bool = option(False, "print the report as one JSON object (findings, checked, not "
                         "checked, stats) instead of text")
 
@@ -398,11 +418,14 @@ def cli_main(argv: list[str] | None = None) -> int:
     [--json]`."""
     p = build_parser()
     args = p.parse_args(argv)
+    if (bad := deployment_error(args.concurrency, args.gpus, args.weight_bytes)) is not None:
+        p.error(bad)
     require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
     # a wrong or unfinished --data is refused by diagnose first (require_dataset): exit 2
     report = diagnose(args.dir, args.target_config, data=args.data,
                       num_speculative_tokens=args.num_speculative_tokens,
-                      max_samples=args.max_samples)
+                      max_samples=args.max_samples, concurrency=args.concurrency,
+                      hardware=args.hardware, gpus=args.gpus, weight_bytes=args.weight_bytes)
     print(report_json(report, args.dir) if args.json else format_report(report, args.dir))
     return 1 if report.findings else 0
 
