@@ -94,6 +94,18 @@ def _edges_arg(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _int_list(text: str) -> list[int]:
+    """`1,3,5`: a comma list of integers >= 1."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 1, e.g. 1,3,5; "
+                                         f"got {text!r}")
+    return vals
+
+
 def training_record(drafter_dir: str | Path) -> dict[str, Any]:
     """What the drafter's export records of its training data (`eyas_export.json` training.data:
     dataset, eval_dataset, eval_fraction, seed), or {} for an export that records none."""
@@ -231,6 +243,15 @@ class EvaluateOptions(SamplingOptions, _EvaluateHead):
         "as one process; the threads are shared out, and the timings are measured with the "
         "processes sharing the machine) (default: eval.processes, "
         f"{EvalConfig.processes})")
+    speedup: list[int] | None = option(
+        None, "--engine vllm: also measure the engine's tokens/s with speculation at each of "
+        "these K against no speculation, at each --concurrency, and the best K per "
+        "concurrency, as the result's `engine.speedup` object; one engine start per K (none: "
+        "no sweep)",
+        type=_int_list, metavar="K1,K2,...")
+    concurrency: list[int] = option(
+        [1], "--speedup: requests in flight for each measurement (default: 1)",
+        type=_int_list, metavar="C1,C2,...")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,6 +308,20 @@ def _engine_serve(args, res: dict[str, Any]) -> dict[str, Any]:
     return engine
 
 
+def _speedup_sweep(args) -> dict[str, Any]:
+    """The `engine.speedup` object: the engine's measured speedup by K and concurrency."""
+    from eyas.data.common.targets import load_tokenizer
+    from eyas.train.engine_sweep import engine_sweep
+    from eyas.train.evaluate import load_prompts
+    prompts = load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
+                           num_prompts=args.num_prompts)
+    return engine_sweep(args.drafter, args.target, prompts, ks=args.speedup,
+                        concurrencies=args.concurrency, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, seed=args.sampling_seed,
+                        dtype=args.dtype or "fp32",
+                        log_path=Path(args.out).with_suffix(".sweep.log"))
+
+
 def format_engine(e: dict[str, Any]) -> str:
     """Two lines: the engine's own acceptance and whether it equals eyas's."""
     cmp = e["against_eyas"]
@@ -332,6 +367,8 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--max-new-tokens must be >= 1")
     if not (args.prompts or args.data):
         p.error("one of the arguments --prompts --data is required")
+    if args.speedup and not (args.engine and args.prompts):
+        p.error("--speedup needs --engine vllm and --prompts (the engine decodes the prompts)")
     if args.engine and (not args.prompts or args.temperatures):
         p.error("--engine serves --prompts at one --temperature (not --temperatures)")
     if args.threads:
@@ -344,6 +381,8 @@ def cli_main(argv: list[str] | None = None) -> int:
                                     offline_at, table=bool(args.temperatures))
         if args.engine:
             res["engine"] = _engine_serve(args, res)
+        if args.speedup:       # under `engine`: the top-level `speedup` is eyas's own
+            res["engine"]["speedup"] = _speedup_sweep(args)
     from eyas.data.common.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
@@ -351,6 +390,9 @@ def cli_main(argv: list[str] | None = None) -> int:
         print(format_engine(res["engine"]))
     if "by_temperature" in res or "offline_tau" in res:
         print(format_by_temperature(res))
+    if "speedup" in res.get("engine", {}):
+        from eyas.train.engine_sweep import format_sweep
+        print(format_sweep(res["engine"]["speedup"]))
     print(f"wrote {args.out}")
     if args.plot:
         from eyas.train.plots import write_evaluation_plot

