@@ -70,7 +70,7 @@ def _free(d: Path) -> int:
 
 
 def _h(n: int) -> str:
-    from eyas.data.common.utils import human_bytes
+    from eyas.data.common.space import human_bytes
     return f"{human_bytes(n)} ({n:,} bytes)"
 
 

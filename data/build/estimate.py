@@ -205,7 +205,7 @@ def estimate(tokens_dir, target, *, layers: list[int] | None = None, aux_format:
 
 def format_estimate(r: dict[str, Any]) -> str:
     """The estimate as lines: one per storage mode, the chosen one marked, then the time."""
-    from eyas.data.common.utils import human_bytes
+    from eyas.data.common.space import human_bytes
     lines = [f"estimate: {r['samples']:,} samples, {r['tokens']:,} tokens of {r['tokens_dir']} "
              f"through {r['target']} (hidden {r['hidden_size']}, aux layers "
              f"{r['aux_layer_ids']})",

@@ -28,8 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-# human_bytes stays importable from here
-from eyas.data.common.space import human_bytes, no_room_error, require_free  # noqa: F401
+from eyas.data.common.space import no_room_error, require_free
 
 log = logging.getLogger(__name__)
 

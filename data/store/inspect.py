@@ -23,7 +23,7 @@ import numpy as np
 from eyas.data.store.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
 from eyas.data.common.options import option, parser
 from eyas.data.store.render import dataset_tokenizer, default_style, render_sample, sample_header
-from eyas.data.common.utils import human_bytes
+from eyas.data.common.space import human_bytes
 
 log = logging.getLogger(__name__)
 
