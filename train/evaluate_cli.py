@@ -244,13 +244,14 @@ class EvaluateOptions(SamplingOptions, _EvaluateHead):
         "processes sharing the machine) (default: eval.processes, "
         f"{EvalConfig.processes})")
     speedup: list[int] | None = option(
-        None, "--engine vllm: also measure the engine's tokens/s with speculation at each of "
-        "these K against no speculation, at each --concurrency, and the best K per "
-        "concurrency, as the result's `engine.speedup` object; one engine start per K (none: "
-        "no sweep)",
+        None, "--prompts: also measure tokens/s with speculation at each of these K against "
+        "no speculation, predict each from timed step costs, and name the best K. With "
+        "--engine vllm: the engine's, at each --concurrency, as `engine.speedup` (one engine "
+        "start per K); without: eyas's own decoding on --device (one sequence at a time), as "
+        "`speedup_sweep` (none: no sweep)",
         type=_int_list, metavar="K1,K2,...")
     concurrency: list[int] = option(
-        [1], "--speedup: requests in flight for each measurement (default: 1)",
+        [1], "--speedup --engine vllm: requests in flight for each measurement (default: 1)",
         type=_int_list, metavar="C1,C2,...")
 
 
@@ -264,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack):
-    """`real_at(temperature)` of --prompts: the target loaded here, or with --processes N one
-    `DecodePool` whose workers serve every temperature (closed with `stack`)."""
+    """(`real_at(temperature)` of --prompts, the target model, its tokenizer): the target
+    loaded here, or with --processes N one `DecodePool` whose workers serve every temperature
+    (closed with `stack`; the model and tokenizer are then None)."""
     if not args.target:
         p.error("--prompts needs --target")
     if args.processes < 1:
@@ -290,7 +292,7 @@ def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack
                                 temperature=t, draft=args.draft_sampling,
                                 seed=args.sampling_seed, device=args.device,
                                 processes=args.processes, pool=pool)
-    return real_at
+    return real_at, model, tok
 
 
 def _engine_serve(args, res: dict[str, Any]) -> dict[str, Any]:
@@ -320,6 +322,35 @@ def _speedup_sweep(args) -> dict[str, Any]:
                         temperature=args.temperature, seed=args.sampling_seed,
                         dtype=args.dtype or "fp32",
                         log_path=Path(args.out).with_suffix(".sweep.log"))
+
+
+def _check_sweep(args, p: argparse.ArgumentParser) -> None:
+    """--speedup's and --concurrency's combinations (one-line errors naming the fix)."""
+    if not args.speedup:
+        if args.concurrency != [1]:
+            p.error("--concurrency goes with --speedup K1,K2,... (the sweep it sets)")
+        return
+    if not args.prompts:
+        p.error("--speedup needs --prompts (the sweep decodes them)")
+    if args.temperatures:
+        p.error("--speedup sweeps at one --temperature (not --temperatures)")
+    if args.engine:
+        return
+    if args.concurrency != [1]:
+        p.error("eyas's own decoding runs one sequence at a time: --concurrency above 1 needs "
+                "--engine vllm")
+    if args.processes != 1:
+        p.error("--speedup times one decoding process: leave --processes at 1")
+
+
+def _decode_sweep(args, model, tokenizer) -> dict[str, Any]:
+    """The `speedup_sweep` object: eyas's own decoding measured and predicted at each K."""
+    from eyas.train.decode_sweep import decode_sweep
+    return decode_sweep(args.drafter, args.target, args.prompts, ks=args.speedup,
+                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                        model=model, tokenizer=tokenizer,
+                        dtype=args.dtype or "fp32", device=args.device,
+                        temperature=args.temperature, seed=args.sampling_seed)
 
 
 def format_engine(e: dict[str, Any]) -> str:
@@ -367,22 +398,23 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--max-new-tokens must be >= 1")
     if not (args.prompts or args.data):
         p.error("one of the arguments --prompts --data is required")
-    if args.speedup and not (args.engine and args.prompts):
-        p.error("--speedup needs --engine vllm and --prompts (the engine decodes the prompts)")
+    _check_sweep(args, p)
     if args.engine and (not args.prompts or args.temperatures):
         p.error("--engine serves --prompts at one --temperature (not --temperatures)")
     if args.threads:
         torch.set_num_threads(args.threads)
     args.out = args.out or str(default_out(args.drafter))
     with contextlib.ExitStack() as stack:
-        real_at = _real_decoding(args, p, stack) if args.prompts else None
+        real_at, model, tok = _real_decoding(args, p, stack) if args.prompts else (None,) * 3
         offline_at = _offline_acceptance(args) if args.data else None
         res = evaluate_temperatures(args.temperatures or [args.temperature], real_at,
                                     offline_at, table=bool(args.temperatures))
         if args.engine:
             res["engine"] = _engine_serve(args, res)
-        if args.speedup:       # under `engine`: the top-level `speedup` is eyas's own
+        if args.speedup and args.engine:   # `engine.speedup`: the top-level one is eyas's
             res["engine"]["speedup"] = _speedup_sweep(args)
+        elif args.speedup:
+            res["speedup_sweep"] = _decode_sweep(args, model, tok)
     from eyas.data.common.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
@@ -390,9 +422,10 @@ def cli_main(argv: list[str] | None = None) -> int:
         print(format_engine(res["engine"]))
     if "by_temperature" in res or "offline_tau" in res:
         print(format_by_temperature(res))
-    if "speedup" in res.get("engine", {}):
+    sweep = res.get("engine", {}).get("speedup") or res.get("speedup_sweep")
+    if sweep:
         from eyas.train.engine_sweep import format_sweep
-        print(format_sweep(res["engine"]["speedup"]))
+        print(format_sweep(sweep))
     print(f"wrote {args.out}")
     if args.plot:
         from eyas.train.plots import write_evaluation_plot

@@ -214,6 +214,9 @@ class Decoded:
     round_log: list[tuple[int, int, int]] = field(default_factory=list)
     drafter_forwards: int = 0
     top2_gap: list[float] = field(default_factory=list)  # greedy only: logit gap per token
+    prefill_seconds: float = 0.0             # wall time to the first token (the prompt forward)
+    target_seconds: float = 0.0              # in the target's decode forwards (after the prefill)
+    draft_seconds: float = 0.0               # in the drafter's forwards (K per round)
 
 
 def _finish(out: list[int], new: list[int], max_new: int, stop: set[int]) -> tuple[int, bool]:
@@ -243,13 +246,17 @@ def greedy_decode(target: TargetRunner, prompt: list[int], *, max_new_tokens: in
     out: list[int] = []
     gaps = [float(torch.topk(logits, 2).values.diff().abs())]
     _, done = _finish(out, [_next(arg, logits, temperature, generator)], max_new_tokens, stop_ids)
+    prefill, stepping = time.perf_counter() - t0, 0.0
     while not done:
-        arg, _, logits = target.forward(out[-1:], last_only=True)
+        t = time.perf_counter()
+        arg, _, logits = target.forward(out[-1:], last_only=True)      # synchronised: CPU argmax
+        stepping += time.perf_counter() - t
         gaps.append(float(torch.topk(logits, 2).values.diff().abs()))
         _, done = _finish(out, [_next(arg, logits, temperature, generator)], max_new_tokens,
                           stop_ids)
     return Decoded(out, time.perf_counter() - t0, time.process_time() - c0,
-                   target.forwards - start, top2_gap=gaps)
+                   target.forwards - start, top2_gap=gaps, prefill_seconds=prefill,
+                   target_seconds=stepping)
 
 
 def _next(arg: Tensor, logits: Tensor, temperature: float, generator) -> int:
@@ -268,6 +275,7 @@ def _round(target: TargetRunner, drafter: EngineDrafter, res: Decoded, seq: list
     verified, their first position)."""
     sampled = temperature > 0
     # drafter step 0 over the newly verified rows: (aux[i], x_{i+1}, position i)
+    t = time.perf_counter()
     n = aux.shape[0]
     pos = torch.arange(row0, row0 + n)
     nxt = torch.tensor(seq[row0 + 1:row0 + n + 1])
@@ -279,11 +287,14 @@ def _round(target: TargetRunner, drafter: EngineDrafter, res: Decoded, seq: list
     else:
         drafts = drafter.greedy_chain(prenorm[-1], logits[-1], row0 + n - 1, k).tolist()
     res.drafter_forwards += k
+    res.draft_seconds += time.perf_counter() - t                    # the drafts are on the CPU
     # verify: the last committed token and the K drafts, at positions L..L+K
     L = len(seq) - 1
     if target.length != L:
         raise RuntimeError(f"target KV cache holds {target.length} positions, expected {L}")
+    t = time.perf_counter()
     y, aux_v, v_logits = target.forward([seq[-1]] + drafts, all_logits=sampled)  # y [K+1]
+    res.target_seconds += time.perf_counter() - t
     res.rounds += 1
     if sampled:
         acc, emitted = sampling.verify(drafts, q, sampling.probs(v_logits, temperature),
@@ -333,6 +344,7 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
     _, done = _finish(res.tokens, [_next(arg, last, temperature, generator)], max_new_tokens,
                       stop_ids)
     seq += res.tokens
+    res.prefill_seconds = time.perf_counter() - t0
     row0 = 0                                  # first position whose aux the drafter has not seen
     while not done:
         done, aux, row0 = _round(target, drafter, res, seq, aux, row0, k=k,

@@ -33,6 +33,19 @@ def _mismatches(pairs: list[tuple[str, Any, Any]]) -> list[dict]:
     return out
 
 
+def _step_seconds(pairs: list[tuple[str, Any, Any]]) -> dict[str, float]:
+    """Mean seconds of a target-only decode step (`target`), a verify forward (`verify`) and a
+    drafter step (`draft`) over the decodes of `pairs`."""
+    def mean(seconds: float, count: int) -> float:
+        return seconds / count if count else float("nan")
+    return {"target": mean(sum(b.target_seconds for _, b, _ in pairs),
+                           sum(b.target_forwards - 1 for _, b, _ in pairs)),
+            "verify": mean(sum(s.target_seconds for _, _, s in pairs),
+                           sum(s.rounds for _, _, s in pairs)),
+            "draft": mean(sum(s.draft_seconds for _, _, s in pairs),
+                          sum(s.drafter_forwards for _, _, s in pairs))}
+
+
 def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
               context_buckets=DEFAULT_EDGES, temperature: float = 0.0) -> dict:
     """Aggregate (name, target-only, speculative) results (`specdec.Decoded` each) into the
@@ -78,6 +91,11 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
         "tokens_per_s": spec_tps, "baseline_tokens_per_s": base_tps,
         "speedup": spec_tps / base_tps if base_tps and base_tps == base_tps else nan,
         "seconds": t_spec, "baseline_seconds": t_base,
+        # of those seconds, the prompt forwards (to the first token)
+        "prefill_seconds": sum(s.prefill_seconds for _, _, s in pairs),
+        "baseline_prefill_seconds": sum(b.prefill_seconds for _, b, _ in pairs),
+        # mean seconds of one step, as the decoding waited for it (models.speedup's costs)
+        "step_seconds": _step_seconds(pairs),
         # process CPU time: the fair comparison on a shared machine (with one torch thread)
         "cpu_seconds": c_spec, "baseline_cpu_seconds": c_base,
         "speedup_cpu": (gen / c_spec) / (base_gen / c_base) if c_spec > 0 and c_base > 0 else nan,

@@ -18,7 +18,8 @@ from eyas.train.evaluate import json_safe, load_prompts, speculative_eval
 QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour.",
              "Why is the sky blue?"]
 TIMES = {"seconds", "baseline_seconds", "cpu_seconds", "baseline_cpu_seconds", "tokens_per_s",
-         "baseline_tokens_per_s", "speedup", "speedup_cpu", "wall_seconds"}
+         "baseline_tokens_per_s", "speedup", "speedup_cpu", "wall_seconds", "prefill_seconds",
+         "baseline_prefill_seconds", "step_seconds"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
