@@ -73,17 +73,21 @@ def rows_from(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
 def decode_sweep(drafter_dir: str | Path, target: str | Path, prompts_path: str | Path, *,
                  ks: list[int], num_prompts: int | None, max_new_tokens: int, model, tokenizer,
                  dtype: str = "fp32", device: str = "cpu", temperature: float = 0.0,
-                 seed: int = 0) -> dict[str, Any]:
-    """The `speedup_sweep` object of `eyas evaluate --speedup` without an engine."""
+                 seed: int = 0, decoded: dict[int, dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
+    """The `speedup_sweep` object of `eyas evaluate --speedup` without an engine. decoded:
+    `speculative_eval` results of these prompts already made, by K (`eyas evaluate`'s own
+    run at --k), taken as they are instead of decoding that K again."""
     from eyas.train.evaluate import speculative_eval
-    results = {}
-    for k in sorted(set(ks)):
+    results = dict(decoded or {})
+    for k in sorted(set(ks) - set(results)):
         results[k] = speculative_eval(drafter_dir, target, prompts_path, k=k,
                                       num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                                       dtype=dtype, model=model, tokenizer=tokenizer,
                                       temperature=temperature, seed=seed, device=device)
         log.info("sweep K=%d: tau %.3f, speedup %.3f", k, results[k]["tau"],
                  results[k]["speedup"])
+    results = {k: results[k] for k in set(ks)}
     rows = rows_from(results)
     return {"hardware": hardware(torch.device(device)), "decoder": "eyas", "dtype": dtype,
             "temperature": temperature, "num_prompts": results[max(results)]["num_prompts"],

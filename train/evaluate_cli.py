@@ -343,14 +343,16 @@ def _check_sweep(args, p: argparse.ArgumentParser) -> None:
         p.error("--speedup times one decoding process: leave --processes at 1")
 
 
-def _decode_sweep(args, model, tokenizer) -> dict[str, Any]:
-    """The `speedup_sweep` object: eyas's own decoding measured and predicted at each K."""
+def _decode_sweep(args, model, tokenizer, res: dict[str, Any]) -> dict[str, Any]:
+    """The `speedup_sweep` object: eyas's own decoding measured and predicted at each K (the
+    run at --k, `res`, is one of them)."""
     from eyas.train.decode_sweep import decode_sweep
     return decode_sweep(args.drafter, args.target, args.prompts, ks=args.speedup,
                         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                         model=model, tokenizer=tokenizer,
                         dtype=args.dtype or "fp32", device=args.device,
-                        temperature=args.temperature, seed=args.sampling_seed)
+                        temperature=args.temperature, seed=args.sampling_seed,
+                        decoded={args.k: res})
 
 
 def format_engine(e: dict[str, Any]) -> str:
@@ -414,7 +416,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         if args.speedup and args.engine:   # `engine.speedup`: the top-level one is eyas's
             res["engine"]["speedup"] = _speedup_sweep(args)
         elif args.speedup:
-            res["speedup_sweep"] = _decode_sweep(args, model, tok)
+            res["speedup_sweep"] = _decode_sweep(args, model, tok, res)
     from eyas.data.common.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
