@@ -295,13 +295,17 @@ def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack
     return real_at, model, tok
 
 
-def _engine_serve(args, res: dict[str, Any]) -> dict[str, Any]:
-    """The `engine` object: the export served by vLLM, its counters against eyas's."""
+def _engine_prompts(args) -> list[tuple[str, list[int]]]:
+    """--prompts as the engine is given them: (name, token ids), chat template applied."""
     from eyas.data.common.targets import load_tokenizer
-    from eyas.train.engine_eval import compare_with_eyas, engine_eval
     from eyas.train.evaluate import load_prompts
-    prompts = load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
-                           num_prompts=args.num_prompts)
+    return load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
+                        num_prompts=args.num_prompts)
+
+
+def _engine_serve(args, res: dict[str, Any], prompts) -> dict[str, Any]:
+    """The `engine` object: the export served by vLLM, its counters against eyas's."""
+    from eyas.train.engine_eval import compare_with_eyas, engine_eval
     engine = engine_eval(args.drafter, args.target, prompts, k=args.k,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          seed=args.sampling_seed, dtype=args.dtype or "fp32",
@@ -310,13 +314,9 @@ def _engine_serve(args, res: dict[str, Any]) -> dict[str, Any]:
     return engine
 
 
-def _speedup_sweep(args) -> dict[str, Any]:
+def _speedup_sweep(args, prompts) -> dict[str, Any]:
     """The `engine.speedup` object: the engine's measured speedup by K and concurrency."""
-    from eyas.data.common.targets import load_tokenizer
     from eyas.train.engine_sweep import engine_sweep
-    from eyas.train.evaluate import load_prompts
-    prompts = load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
-                           num_prompts=args.num_prompts)
     return engine_sweep(args.drafter, args.target, prompts, ks=args.speedup,
                         concurrencies=args.concurrency, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.sampling_seed,
@@ -412,9 +412,10 @@ def cli_main(argv: list[str] | None = None) -> int:
         res = evaluate_temperatures(args.temperatures or [args.temperature], real_at,
                                     offline_at, table=bool(args.temperatures))
         if args.engine:
-            res["engine"] = _engine_serve(args, res)
+            prompts = _engine_prompts(args)
+            res["engine"] = _engine_serve(args, res, prompts)
         if args.speedup and args.engine:   # `engine.speedup`: the top-level one is eyas's
-            res["engine"]["speedup"] = _speedup_sweep(args)
+            res["engine"]["speedup"] = _speedup_sweep(args, prompts)
         elif args.speedup:
             res["speedup_sweep"] = _decode_sweep(args, model, tok, res)
     from eyas.data.common.utils import atomic_write_json

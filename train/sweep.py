@@ -60,9 +60,8 @@ def _num(x: Any) -> float | None:
 def _last_train_loss(metrics: Path) -> float | None:
     if not metrics.is_file():
         return None
-    from eyas.train.plots import read_records
-    losses = [r["train/loss"] for r in read_records(metrics) if _num(r.get("train/loss"))]
-    return losses[-1] if losses else None
+    from eyas.train.plots import _series, read_records
+    return (_series(read_records(metrics), "train/loss")[1] or [None])[-1]
 
 
 def job_row(job: Path, sweep_dir: Path) -> dict[str, Any]:
@@ -135,15 +134,12 @@ def _csv(rows: list[dict], keys: list[str]) -> str:
 
 def figure(rows: list[dict], keys: list[str]):
     """τ and loss per job, side by side; None when no job has either."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    from eyas.train.plots import _figure
     if not any(r[c] is not None for r in rows for cols in FIGURES.values() for c in cols):
         return None
-    fig = Figure(figsize=(6.4 * 2, 4.2), dpi=110, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig, axes = _figure(2)
     labels = [f"#{r['job']} {_label(r, keys)}" for r in rows]
-    for i, (name, cols) in enumerate(FIGURES.items()):
-        ax = fig.add_subplot(1, 2, i + 1)
+    for ax, (name, cols) in zip(axes, FIGURES.items()):
         cols = [c for c in cols if any(r[c] is not None for r in rows)]
         width = 0.8 / max(len(cols), 1)
         for j, col in enumerate(cols):
@@ -161,7 +157,7 @@ def figure(rows: list[dict], keys: list[str]):
 
 def write_table(sweep_dir: Path) -> list[dict]:
     """sweep.md, sweep.csv, sweep.json and sweep.png in `sweep_dir`; the rows."""
-    from eyas.data.common.utils import atomic_write_bytes
+    from eyas.data.common.utils import atomic_write_bytes, atomic_write_json
     rows = collect(sweep_dir)
     keys = swept_keys(rows)
     scored = [r for r in rows if r["tau"] is not None]
@@ -169,8 +165,7 @@ def write_table(sweep_dir: Path) -> list[dict]:
     record = {"sweep_dir": str(sweep_dir), "swept": keys, "best_job": best, "jobs": rows}
     atomic_write_bytes(sweep_dir / f"{TABLE}.md", markdown(rows, keys).encode())
     atomic_write_bytes(sweep_dir / f"{TABLE}.csv", _csv(rows, keys).encode())
-    atomic_write_bytes(sweep_dir / f"{TABLE}.json",
-                       (json.dumps(record, indent=1) + "\n").encode())
+    atomic_write_json(sweep_dir / f"{TABLE}.json", record)
     fig = figure(rows, keys)
     if fig is not None:
         from eyas.train.plots import save_png
