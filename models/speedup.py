@@ -23,6 +23,7 @@ tokens per sequence touches up to K + 1 times the experts one token does.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -172,10 +173,7 @@ class MeasuredCosts:
         if len(set(ks)) < 2:
             raise ValueError(f"concurrency {c}: the round time is fitted over K, and the sweep "
                              f"has one K ({ks[0]}): sweep two or more (--speedup 1,3,5,7)")
-        mk, mt = sum(ks) / len(ks), sum(times) / len(times)
-        per_k = sum((k - mk) * (t - mt) for k, t in zip(ks, times)) / sum(
-            (k - mk) ** 2 for k in ks)
-        base = mt - per_k * mk
+        per_k, base = statistics.linear_regression(ks, times)
         return cls(c, c / rows[0]["tokens_per_s_without_speculation"], base, per_k)
 
     def speedup(self, tau_k: float, k: int) -> float:

@@ -29,13 +29,13 @@ from eyas.data.common.checksums import CHECKSUMS_NAME, file_sha256, read_checksu
 from eyas.data.common.provenance import software_record
 from eyas.data.common.utils import atomic_write_bytes
 from eyas.models.serving.card_render import render_card, render_speculators_card
-from eyas.models.serving.contract import is_speculators_config
+from eyas.models.serving.contract import (PROVENANCE, is_speculators_config,
+                                          resolve_target_config)
 from eyas.models.serving.doctor_speedup import chain_acceptance, speedup_table
 
 log = logging.getLogger(__name__)
 
 CARD = "README.md"
-PROVENANCE = "eyas_provenance.json"
 #: where the card's serving commands name the export (replace with its path or hub id)
 DRAFTER_PLACEHOLDER = "DRAFTER_DIR"
 
@@ -154,13 +154,12 @@ def predicted_speedup(prov: Mapping[str, Any]) -> dict[str, Any]:
     """The card's table of predicted speedup by K and concurrency (doctor_speedup.py), from the
     recorded acceptance and the config of the target named in `prov`; without either, the
     reason it is skipped (`skipped`)."""
-    from eyas.data.common.targets import load_target_config, text_config
     dr, name = prov.get("drafter") or {}, (prov.get("target") or {}).get("name")
     acc, k = chain_acceptance(prov.get("eval")), dr.get("ttt_steps")
     if acc is None or not k:
         return {"skipped": "no recorded evaluation with per-position acceptance"}
     try:
-        tcfg = text_config(load_target_config(name)) if name else None
+        tcfg = resolve_target_config(name) if name else None
     except (OSError, ValueError, KeyError) as e:
         log.info("predicted speedup: no config of target %r (%s)", name, e)
         tcfg = None
@@ -179,7 +178,9 @@ def write_card(export_dir: str | Path, prov: Mapping[str, Any]) -> None:
     its verifier and K = its `speculative_tokens`; its eyas_provenance.json is the layout-A
     export's record, unchanged."""
     d = Path(export_dir)
-    prov = {**prov, "predicted_speedup": json_clean(predicted_speedup(prov))}
+    if not (prov.get("predicted_speedup") or {}).get("rows"):
+        # made once: the acceptance, drafter and target it reads do not change after export
+        prov = {**prov, "predicted_speedup": json_clean(predicted_speedup(prov))}
     _write(d / PROVENANCE, json.dumps(prov, indent=1, allow_nan=False) + "\n")
     k = (prov.get("drafter") or {}).get("ttt_steps") or 3
     target = (prov.get("target") or {}).get("name") or "TARGET"

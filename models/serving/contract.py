@@ -98,6 +98,8 @@ class ExportError(ValueError):
 
 #: what to do when an export's output directory already exists
 OVERWRITE_HINT = "choose a new directory or pass overwrite=True (--overwrite)"
+#: the run record beside an export (models/serving/card.py writes it)
+PROVENANCE = "eyas_provenance.json"
 
 
 @dataclass(frozen=True)
@@ -328,3 +330,12 @@ def format_findings(findings: list[Finding]) -> str:
     lines = [str(f) for f in findings]
     lines.append(f"{n_err} error(s), {len(findings) - n_err} warning(s)")
     return "\n".join(lines)
+
+
+def read_record(export_dir: str | Path, name: str) -> Any:
+    """The JSON file `name` of the export; None when absent or damaged (the validator names a
+    damaged one)."""
+    try:
+        return json.loads((Path(export_dir) / name).read_text())
+    except (OSError, ValueError):
+        return None

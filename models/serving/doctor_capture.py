@@ -4,11 +4,10 @@ models/serving/doctor.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from eyas.models.serving.contract import ERROR, WARNING
+from eyas.models.serving.contract import ERROR, PROVENANCE, WARNING, read_record
 
 # config.json keys that differ between copies of one model (the writer's version, the dtype)
 VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
@@ -55,14 +54,9 @@ def check_served(report, target_config: dict[str, Any] | None) -> None:
 def trained_target(export_dir: str | Path) -> tuple[str | None, str]:
     """(the target the export was trained for, the file that says so): its
     eyas_provenance.json's target, else its eyas_export.json's training record."""
-    from eyas.models.serving.card import PROVENANCE
-    d = Path(export_dir)
     for name, path in ((PROVENANCE, ("target", "name")), ("eyas_export.json",
                                                           ("training", "target"))):
-        try:
-            rec = json.loads((d / name).read_text())
-        except (OSError, ValueError):   # absent or damaged: the validator names a damaged one
-            continue
+        rec = read_record(export_dir, name)
         for key in path:
             rec = rec.get(key) if isinstance(rec, dict) else None
         if isinstance(rec, str) and rec:

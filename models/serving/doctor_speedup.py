@@ -12,12 +12,11 @@ holds the target's weights with `ROOM` to spare), bytes per weight and concurren
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from eyas.models.serving.contract import WARNING
+from eyas.models.serving.contract import PROVENANCE, WARNING, read_record
 from eyas.models.speedup import HARDWARE, RooflineCosts, TargetShape, tau
 
 #: memory the weights may fill of the GPUs they are spread over (the rest: KV cache, activations)
@@ -112,10 +111,7 @@ def deployment_error(concurrency: int, gpus: int | None, weight_bytes: float) ->
 def recorded_eval(export_dir: str | Path) -> Mapping[str, Any] | None:
     """The `eval` of the export's eyas_provenance.json; None when absent or damaged (the
     validator names a damaged one)."""
-    try:
-        rec = json.loads((Path(export_dir) / "eyas_provenance.json").read_text())
-    except (OSError, ValueError):
-        return None
+    rec = read_record(export_dir, PROVENANCE)
     ev = rec.get("eval") if isinstance(rec, dict) else None
     return ev if isinstance(ev, dict) else None
 
@@ -136,12 +132,11 @@ def check_speedup(report: Any, ev: Mapping[str, Any] | None, dcfg: Mapping[str, 
     costs = roofline(tcfg, dcfg, hardware, gpus, weight_bytes)
     s = predict(costs, acc, k, concurrency)
     bk, bs = best_k(costs, acc, concurrency)
-    t = tau(acc + [0.0] * (k - len(acc)), k)
+    t, a = tau(acc + [0.0] * (k - len(acc)), k), assumptions(costs)
     report.stats["speedup"] = {"k": k, "concurrency": concurrency, "predicted": s,
-                               "tau": t, "best_k": bk, "best_predicted": bs,
-                               "assumptions": assumptions(costs)}
+                               "tau": t, "best_k": bk, "best_predicted": bs, "assumptions": a}
     text = (f"predicted speedup {s:.2f}× at K={k}, concurrency {concurrency} (τ({k}) = {t:.2f};"
-            f" {assumptions(costs)})")
+            f" {a})")
     if s >= 1:
         report.checked.append(text)
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eyas.models.context import DEFAULT_EDGES, rounds_table
+from eyas.models.context import DEFAULT_EDGES, ratio, rounds_table
 from eyas.models.expected_tau import ratio_se_of
 from eyas.models.serving import sampling
 
@@ -36,14 +36,12 @@ def _mismatches(pairs: list[tuple[str, Any, Any]]) -> list[dict]:
 def _step_seconds(pairs: list[tuple[str, Any, Any]]) -> dict[str, float]:
     """Mean seconds of a target-only decode step (`target`), a verify forward (`verify`) and a
     drafter step (`draft`) over the decodes of `pairs`."""
-    def mean(seconds: float, count: int) -> float:
-        return seconds / count if count else float("nan")
-    return {"target": mean(sum(b.target_seconds for _, b, _ in pairs),
-                           sum(b.target_forwards - 1 for _, b, _ in pairs)),
-            "verify": mean(sum(s.target_seconds for _, _, s in pairs),
-                           sum(s.rounds for _, _, s in pairs)),
-            "draft": mean(sum(s.draft_seconds for _, _, s in pairs),
-                          sum(s.drafter_forwards for _, _, s in pairs))}
+    return {"target": ratio(sum(b.target_seconds for _, b, _ in pairs),
+                            sum(b.target_forwards - 1 for _, b, _ in pairs)),
+            "verify": ratio(sum(s.target_seconds for _, _, s in pairs),
+                            sum(s.rounds for _, _, s in pairs)),
+            "draft": ratio(sum(s.draft_seconds for _, _, s in pairs),
+                           sum(s.drafter_forwards for _, _, s in pairs))}
 
 
 def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,

@@ -55,9 +55,10 @@ class EnginesCheckOptions(EnginesOptions, _CheckTarget):
     num_speculative_tokens: int = option(3, "K (default 3)")
     setup: bool = option(False, "install the missing engine venvs first (several GB each, "
                          "minutes, once); without it a missing venv is asked about on a "
-                         "terminal, else named with the command that installs it (exit 3)")
+                         "terminal, else named with the command that installs it (exit 3)",
+                         exclusive="setup")
     no_setup: bool = option(False, "never install and never ask: a missing venv is named with "
-                            "the command that installs it (exit 3)")
+                            "the command that installs it (exit 3)", exclusive="setup")
     timeout: float = option(1800, "seconds per engine (default 1800)")
     json: bool = option(False, "print the reports as JSON")
 
@@ -120,9 +121,6 @@ def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines ch
     it."""
     from eyas.models.serving.engines.check import check_engines, format_reports
     args = build_check_parser(prog).parse_args(argv)
-    if args.setup and args.no_setup:
-        print(f"{prog}: error: --setup and --no-setup exclude each other", file=sys.stderr)
-        return 2
     if not (Path(args.dir) / "config.json").is_file():
         print(f"{prog}: error: {args.dir} has no config.json: pass an exported drafter dir",
               file=sys.stderr)
