@@ -52,6 +52,9 @@ class TargetHead:
 
     def __init__(self, target_dir: Path, dtype: str):
         from transformers import AutoConfig, AutoModelForCausalLM
+
+        from eyas.data.common.log import quiet_libraries
+        quiet_libraries()
         self.config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
         with torch.device("meta"):
             self.meta = AutoModelForCausalLM.from_config(self.config,

@@ -68,6 +68,9 @@ def load_model(target, device, device_map, dtype: str, max_memory: dict | None =
     if device_map is None:
         return load_target(target, dtype=TARGET_DTYPES[dtype], device=device)[0]
     from transformers import AutoModelForCausalLM
+
+    from eyas.data.common.log import quiet_libraries
+    quiet_libraries()
     model = AutoModelForCausalLM.from_pretrained(resolve_target(target),
                                                  dtype=TARGET_DTYPES[dtype],
                                                  device_map=device_map,

@@ -38,9 +38,8 @@ from typing import Any
 import torch
 
 from eyas.data.common.log import PROGRESS
-from eyas.data.build.records import (ERROR_MODES, Conversation, pending_turns, resolve_template,
-                                     scan_written)
-from eyas.data.build.served import read_prompts
+from eyas.data.build.records import (ERROR_MODES, Conversation, pending_turns, read_prompts,
+                                     resolve_template, scan_written)
 from eyas.data.common.settings import GenerationSettings, KVCache, SeedSettings, TargetSettings
 from eyas.data.common.templates import for_template
 from eyas.data.common.utils import LogEvery

@@ -23,6 +23,7 @@ import logging
 import lzma
 import sys
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -324,3 +325,34 @@ def scan_written(out_path: str | Path) -> dict[str, dict[str, Any]]:
             done[str(rid)] = gen if isinstance(gen, dict) else {}
             good_end += len(line)
     return done
+
+
+def read_prompts(prompts_path: Path, done: set[str],
+                 on_error: str) -> tuple[list[Conversation], set[str]]:
+    """(valid prompt records whose id is not in `done`, the ids of all valid records). A bad
+    record raises PrepareError naming file:line (on_error="raise") or is counted and skipped."""
+    todo: list[Conversation] = []
+    skipped: Counter[str] = Counter()
+    seen: set[str] = set()
+    for lineno, rec in iter_jsonl(prompts_path):
+        try:
+            if isinstance(rec, RecordError):
+                raise rec
+            conv = normalise_record(rec, default_id=f"{prompts_path.name}:{lineno}")
+            if conv.id in seen:
+                raise RecordError("duplicate_id", f"id {conv.id!r} occurs twice; ids must be "
+                                  f"unique for resuming")
+            seen.add(conv.id)
+            if not pending_turns(conv.messages):
+                raise RecordError("nothing_to_generate", "no user turn without an answer")
+        except RecordError as e:
+            if on_error == "raise":
+                raise PrepareError(f"{prompts_path}:{lineno}: {e}") from None
+            skipped[e.reason] += 1
+            continue
+        if conv.id not in done:
+            todo.append(conv)
+    if skipped:
+        log.warning("skipped %d prompt records of %s: %s", sum(skipped.values()), prompts_path,
+                    dict(sorted(skipped.items())))
+    return todo, seen

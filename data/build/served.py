@@ -44,8 +44,8 @@ from typing import Any
 from eyas.data.common.checksums import file_sha256
 from eyas.data.common.lock import dir_lock, sibling_lock_path
 from eyas.data.common.log import PROGRESS
-from eyas.data.build.records import (Conversation, PrepareError, RecordError, iter_jsonl,
-                               normalise_record, pending_turns, scan_written)
+from eyas.data.build.records import (Conversation, PrepareError, pending_turns, read_prompts,
+                                     scan_written)
 from eyas.data.common.utils import LogEvery
 
 log = logging.getLogger(__name__)
@@ -90,37 +90,6 @@ class Task:
     id: str
     conv: Conversation
     sample: int
-
-
-def read_prompts(prompts_path: Path, done: set[str],
-                 on_error: str) -> tuple[list[Conversation], set[str]]:
-    """(valid prompt records whose id is not in `done`, the ids of all valid records). A bad
-    record raises PrepareError naming file:line (on_error="raise") or is counted and skipped."""
-    todo: list[Conversation] = []
-    skipped: Counter[str] = Counter()
-    seen: set[str] = set()
-    for lineno, rec in iter_jsonl(prompts_path):
-        try:
-            if isinstance(rec, RecordError):
-                raise rec
-            conv = normalise_record(rec, default_id=f"{prompts_path.name}:{lineno}")
-            if conv.id in seen:
-                raise RecordError("duplicate_id", f"id {conv.id!r} occurs twice; ids must be "
-                                  f"unique for resuming")
-            seen.add(conv.id)
-            if not pending_turns(conv.messages):
-                raise RecordError("nothing_to_generate", "no user turn without an answer")
-        except RecordError as e:
-            if on_error == "raise":
-                raise PrepareError(f"{prompts_path}:{lineno}: {e}") from None
-            skipped[e.reason] += 1
-            continue
-        if conv.id not in done:
-            todo.append(conv)
-    if skipped:
-        log.warning("skipped %d prompt records of %s: %s", sum(skipped.values()), prompts_path,
-                    dict(sorted(skipped.items())))
-    return todo, seen
 
 
 def load_tasks(prompts: Path, samples_per_prompt: int) -> list[Task]:

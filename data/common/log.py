@@ -121,15 +121,15 @@ class EarlyRecords(logging.Handler):
 
 def quiet_libraries() -> None:
     """Route the libraries' own log output through eyas's handlers (NOISE off the console) and
-    turn off transformers' weight-loading progress bars (downloads keep theirs)."""
+    turn off transformers' weight-loading progress bars (downloads keep theirs); transformers
+    only once imported."""
     for name in OWN_HANDLER_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, ToRootFilter) for f in logger.filters):
             logger.addFilter(ToRootFilter())
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:
-        return
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    if hf_logging is None:   # not imported (it costs ~0.6 s): eyas's loaders call this again
+        return               # right after they import transformers
     hf_logging.disable_default_handler()   # its records reach the root's handlers instead
     hf_logging.enable_propagation()
     if hasattr(hf_logging, "set_tqdm_hook"):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from eyas.data.common import hub
+from eyas.data.common.log import quiet_libraries
 from eyas.data.common.settings import DTYPE_CHOICES, DTYPE_NAMES
 from eyas.data.common.utils import atomic_write_dir
 
@@ -207,11 +208,13 @@ def load_target_config(target: str | Path) -> dict[str, Any]:
 
 def _smollm2_tokenizer():
     from transformers import AutoTokenizer
+    quiet_libraries()
     return AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file=SMOLLM2_GGUF)
 
 
 def _build_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM, GgufConfig
+    quiet_libraries()
     log.info("materialising SmolLM2-135M-Instruct from its GGUF file into %s (once)", out)
     d = _smollm2_dir()
     model = AutoModelForCausalLM.from_pretrained(
@@ -224,6 +227,7 @@ def _build_smollm2(out: Path) -> None:
 def build_random_target(name: str, seed: int = 0):
     """A random-weight transformers model of a tiny (or, on meta, any) preset's config."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    quiet_libraries()
     cfg = text_config(load_target_config(name))
     cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "torch_dtype")}
     config = AutoConfig.for_model(**cfg)
@@ -288,6 +292,7 @@ def _stale(built: Path, name: str) -> bool:
 
 def load_tokenizer(target: str | Path, cache_dir: str | Path | None = None):
     from transformers import AutoTokenizer
+    quiet_libraries()
     return AutoTokenizer.from_pretrained(resolve_target(target, cache_dir, need="tokenizer"),
                                          local_files_only=True)
 
@@ -296,6 +301,7 @@ def load_target(target: str | Path, dtype: torch.dtype = torch.bfloat16,
                 device: str | torch.device = "cpu", cache_dir: str | Path | None = None):
     """(model, tokenizer) of a target, in eval mode with frozen parameters."""
     from transformers import AutoModelForCausalLM
+    quiet_libraries()
     path = resolve_target(target, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     model = model.to(device).eval()
