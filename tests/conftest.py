@@ -169,3 +169,25 @@ def lock_holder():
         if p.poll() is None:
             p.kill()
         p.wait()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """`small_fs(kib)`: a directory on a fresh tmpfs of that many KiB (skips the test where
+    mounting is not allowed); every one is unmounted afterwards."""
+    import subprocess
+    mounted = []
+
+    def mount(kib: int):
+        d = tmp_path / f"fs{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(d)],
+                           capture_output=True, text=True, check=False)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", str(d)], check=True)

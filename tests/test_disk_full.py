@@ -26,36 +26,6 @@ EYAS = str(Path(sys.executable).parent / "eyas")
 FIX = "free space there or write to another directory"
 
 
-def small_fs_mounter(tmp_path: Path):
-    """`mount(kib)`: a directory on a fresh tmpfs of that many KiB (skips the test where
-    mounting is not allowed), and `unmount_all()` for the teardown."""
-    mounted: list[Path] = []
-
-    def mount(kib: int) -> Path:
-        d = tmp_path / f"fs{len(mounted)}"
-        d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(d)],
-                           capture_output=True, text=True, check=False)
-        if r.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-        mounted.append(d)
-        return d
-
-    def unmount_all() -> None:
-        for d in mounted:
-            subprocess.run(["umount", str(d)], check=True)
-
-    return mount, unmount_all
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """`small_fs(kib)`: a directory on a fresh tmpfs of that many KiB (unmounted afterwards)."""
-    mount, unmount_all = small_fs_mounter(tmp_path)
-    yield mount
-    unmount_all()
-
-
 def _fsize_limit(nbytes: int):
     """preexec_fn: the child's files may not grow past `nbytes` (writes fail with EFBIG)."""
     def limit():

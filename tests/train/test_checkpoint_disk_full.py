@@ -9,20 +9,12 @@ import re
 
 import pytest
 
-from tests.test_disk_full import _free, _h, small_fs_mounter
+from tests.test_disk_full import _free, _h
 from tests.train.test_trainer import run
 
 COMMON = ["target=tiny_llama", "train.max_steps=4", "train.eval_every=0", "train.save_every=2"]
 FIX = ("free space there (train.keep_last=1 keeps fewer checkpoints), or write the run to "
        "another disk (hydra.run.dir=DIR); resume with train.resume=latest")
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """`small_fs(kib)`: a directory on a fresh tmpfs of that many KiB (unmounted afterwards)."""
-    mount, unmount_all = small_fs_mounter(tmp_path)
-    yield mount
-    unmount_all()
 
 
 def _error_lines(stderr: str) -> list[str]:

@@ -1,10 +1,7 @@
 """The entry point's side of Hydra (train/hydra_cli.py): run_name is a name, a bad override
 gets its fix, --help lists the groups a run can pick."""
 
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,24 +11,10 @@ from omegaconf import OmegaConf
 from eyas.train.config import ConfigError, check
 from eyas.train.hydra_cli import explain
 from eyas.train.limits import RUN_NAME_RULE, run_name_error
+from tests.train.test_config import _compose
+from tests.train.test_dist_conventions import _main
 
 ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
-
-
-def _compose(overrides):
-    from hydra import compose, initialize_config_dir
-
-    from eyas.train.config import register
-    register()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-def _main(args, cwd, **env):
-    return subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, **env))
 
 
 def _lines(text):

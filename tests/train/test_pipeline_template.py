@@ -9,15 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from eyas.data.build.extract import extract
 from eyas.data.build.prepare import prepare
 from eyas.data.common.targets import load_target, load_tokenizer, resolve_target
 from eyas.data.common.templates import load_template, template_sha256
-from eyas.train.config import ConfigError, register
+from eyas.train.config import ConfigError
 from eyas.train.pipeline import DatasetPaths, ensure_dataset
+from tests.train.test_pipeline import _cfg, _typed
 from tests.data.test_extract_template import CONVS, OWN, drifted_target, expected, own_template
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,11 +44,7 @@ def hidden(tmp_path_factory):
 
 
 def typed(*overrides):
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=["target=tiny_llama", *overrides])
-    cfg.output_dir = "unused"
-    return OmegaConf.to_object(cfg)
+    return _typed(_cfg(*overrides))
 
 
 def test_training_start_refuses_the_target_with_another_template(tmp_path, hidden):

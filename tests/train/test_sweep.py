@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from eyas.train.plots import read_records
 
@@ -65,11 +66,16 @@ def test_multirun_writes_the_table_of_tau_and_loss(tmp_path, tiny_llama_dataset)
 
 
 def test_dry_run_sweep_keeps_a_row_per_job_without_figures(tmp_path):
+    """A --multirun runs one job per value, and its table keeps a row for each."""
     r = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), "--multirun",
                         "train.dry_run=true", "optim.lr=1e-4,3e-4",
                         f"hydra.sweep.dir={tmp_path}/s"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    jobs = sorted((tmp_path / "s").glob("*/config.resolved.yaml"))
+    assert len(jobs) == 2
+    lrs = sorted(OmegaConf.load(j).optim.lr for j in jobs)
+    assert lrs == [1e-4, 3e-4]
     record = json.loads((tmp_path / "s" / "sweep.json").read_text())
     assert [(x["job"], x["overrides"], x["tau"], x["train_loss"]) for x in record["jobs"]] == [
         (0, ["train.dry_run=True", "optim.lr=0.0001"], None, None),

@@ -5,33 +5,15 @@ import os
 import pty
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-import torch
-from eyas.data.common.targets import load_target_config
 from eyas.data.engine.venvs import DEFAULT_VERSIONS
-from eyas.models.config import Eagle3Config
-from eyas.models.drafter import Eagle3Drafter
-from eyas.models.serving.export import export_drafter
 
 EYAS = [sys.executable, "-m", "eyas.train.cli"]
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory) -> Path:
-    tcfg = load_target_config("tiny-llama")
-    cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=256, ttt_steps=3)
-    torch.manual_seed(0)
-    d = Eagle3Drafter(cfg, attention="eager")
-    d.set_vocab_map(torch.arange(0, 512, 2) - torch.arange(256))
-    return export_drafter(d.state_dict(), cfg, None, None,
-                          tmp_path_factory.mktemp("e") / "export", target_config=tcfg)
-
-
-def test_a_missing_venv_is_named_with_its_install_command(export, tmp_path):
+def test_a_missing_venv_is_named_with_its_install_command(small_export, tmp_path):
     root = tmp_path / "venvs"
-    r = subprocess.run([*EYAS, "engines", "check", str(export), "--target-config",
+    r = subprocess.run([*EYAS, "engines", "check", str(small_export), "--target-config",
                         "tiny-llama", "--venv-root", str(root), "--sglang-version", "0.5.9"],
                        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
     assert r.returncode == 3, r.stderr
@@ -43,11 +25,11 @@ def test_a_missing_venv_is_named_with_its_install_command(export, tmp_path):
     assert not root.exists()                       # nothing was installed
 
 
-def test_on_a_terminal_it_asks_and_no_installs_nothing(export, tmp_path):
+def test_on_a_terminal_it_asks_and_no_installs_nothing(small_export, tmp_path):
     root = tmp_path / "venvs"
     pid, fd = pty.fork()
     if pid == 0:   # the child: stdin and stderr are the terminal
-        os.execv(sys.executable, [*EYAS, "engines", "check", str(export), "--target-config",
+        os.execv(sys.executable, [*EYAS, "engines", "check", str(small_export), "--target-config",
                                   "tiny-llama", "--engines", "vllm", "--venv-root", str(root)])
     seen = b""
     while b"[y/N]" not in seen:
