@@ -44,7 +44,7 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
     elif name == "verify":
         from eyas.data.build.verify import cli_main
     elif name == "export":
-        from eyas.models.serving.export import cli_main
+        from eyas.models.serving.export_cli import cli_main
     elif name == "validate":
         from eyas.models.serving.validate import cli_main
     elif name == "doctor":

@@ -13,7 +13,8 @@ import pytest
 
 from eyas.data.build import extract, importers, prepare, served_cli, synthesize, vocab
 from eyas.data.common.settings import GenerationSettings
-from eyas.models.serving import doctor, export, validate
+from eyas.models.serving import doctor, validate
+from eyas.models.serving import export_cli as export
 from eyas.models.serving.engines.cli import build_check_parser
 from eyas.train import evaluate_cli as evaluate
 from eyas.train.config import EyasConfig

@@ -13,7 +13,8 @@ from eyas.data.build import (extract, importers, prepare, served_cli, synthesize
                              vocab)
 from eyas.data.store import inspect
 from eyas.data.common.log import HelpFormatter
-from eyas.models.serving import doctor, export, validate
+from eyas.models.serving import doctor, validate
+from eyas.models.serving import export_cli as export
 from eyas.models.serving.engines import cli as engines_cli
 from eyas.train import evaluate_cli as evaluate
 from eyas.train.cli import main

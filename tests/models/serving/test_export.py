@@ -16,8 +16,9 @@ from eyas.data.common.checksums import read_checksums
 from eyas.data.build.vocab import save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.serving.export import (EXPORT_META, ExportError, cli_main, export_checkpoint,
-                           export_drafter, serve_commands)
+from eyas.models.serving.card import serve_commands
+from eyas.models.serving.export import EXPORT_META, ExportError, export_checkpoint, export_drafter
+from eyas.models.serving.export_cli import cli_main
 from eyas.data.common.targets import load_target_config
 from eyas.models.serving.contract import CORE_TENSORS, TensorDir
 from eyas.models.serving.validate import validate
