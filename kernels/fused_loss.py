@@ -6,9 +6,14 @@ touches a chunk of logits ``z [C, Vd]`` (fp32), row by row:
     lse   = log Σ_v exp(z_v)                       pass 1: online max / sum-exp, reads z only
     argmax = first index of max_v z_v               pass 1, for every row (weighted or not)
     Σpz   = Σ_v p_v z_v                            pass 2 (p = teacher row t+k, any row sum)
-    loss  = w · (lse·Σp − Σpz)                      (= −w Σ_v p_v log softmax(z)_v, exact)
-    dz_v  = w · (softmax(z)_v · Σp − p_v)           pass 2, ∂loss/∂z in the GEMM dtype
-    acc   = Σ_v min(p_v / Σp, softmax(z)_v)         pass 2, expected acceptance (optional)
+    α     = Σ_v min(p_v / Σp, softmax(z)_v)         pass 2, expected acceptance
+    S     = Σ_v [q_v < p_v / Σp]·q_v                pass 2, objectives with α terms only
+    loss  = w · (a·(lse·Σp − Σpz) + b·(1 − α) − c·log α)    (soft CE: a = 1, b = c = 0)
+    dz_v  = w · (a·(q_v·Σp − p_v) − (b + c/α)·q_v·([q_v < p̂_v] − S))    ∂loss/∂z, GEMM dtype:
+            pass 2 for soft CE, a third pass when b or c is nonzero (α and S come first)
+
+a, b, c are the `kernels.loss.Objective` weights, with LK^λ's per-row λ = exp(−η·α) folded in
+(that docstring and ``kernels/loss_torch.py``, the same formulas in plain torch).
 
 One program per row; Σp comes precomputed per teacher row, so pass 1 reads z alone. Rows with
 zero weight never read the teacher and write dz = 0 (masked loads issue no memory traffic).
@@ -29,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from eyas.kernels.loss_torch import ALPHA_EPS
+
 # Widest vocabulary block one loop iteration loads; smaller vocabularies use next_pow2(Vd).
 # Tuned on an H200 (benchmarks/README.md); tests lower it to exercise multi-block streaming.
 # (Persistent grids of 1-4 programs per SM, tried for L2 reuse, measured 10-200% slower.)
@@ -37,9 +44,9 @@ NUM_WARPS = 16
 
 
 @triton.jit
-def _loss_row(z_row, p_row, dz_row, sp, w, V, V_act,
-              BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, WITH_ACCEPT: tl.constexpr):
-    """One row: returns (argmax, lse, Σpz, Σ min(p/Σp, q)); writes dz if WRITE_GRAD."""
+def _loss_row(z_row, p_row, dz_row, sp, w, V, V_act, c_kl, c_tv, c_lka, c_lam, eta, alpha_eps,
+              BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, USES_ALPHA: tl.constexpr):
+    """One row: returns (argmax, lse, row objective before w, α); writes dz if WRITE_GRAD."""
     offs = tl.arange(0, BLOCK_V)
     # Pass 1 over z only: online max / sum-exp and argmax.
     m = tl.full((), float("-inf"), tl.float32)
@@ -58,10 +65,11 @@ def _loss_row(z_row, p_row, dz_row, sp, w, V, V_act,
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
     lse = m + tl.log(s)
-    # Pass 2 (re-reads z): teacher, Σpz, dz and acceptance.
+    # Pass 2 (re-reads z): teacher, Σpz, α, S; dz of the cross-entropy-only objectives.
     inv_sp = tl.where(sp > 0.0, 1.0 / tl.maximum(sp, 1e-30), 0.0)
     spz_vec = tl.zeros((BLOCK_V,), tl.float32)
     acc_vec = tl.zeros((BLOCK_V,), tl.float32)
+    s_vec = tl.zeros((BLOCK_V,), tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + offs
         lmask = cols < V_act                         # no loads at all for inactive rows
@@ -69,12 +77,35 @@ def _loss_row(z_row, p_row, dz_row, sp, w, V, V_act,
         p = tl.load(p_row + cols, mask=lmask, other=0.0).to(tl.float32)
         spz_vec += p * z
         q = tl.exp(z - lse)
-        if WRITE_GRAD:
-            g = tl.where(lmask, w * (q * sp - p), 0.0)
+        p_hat = p * inv_sp
+        acc_vec += tl.where(lmask, tl.minimum(p_hat, q), 0.0)
+        if USES_ALPHA:
+            s_vec += tl.where(lmask & (q < p_hat), q, 0.0)
+        elif WRITE_GRAD:
+            g = tl.where(lmask, (w * c_kl) * (q * sp - p), 0.0)
             tl.store(dz_row + cols, g.to(dz_row.dtype.element_ty), mask=cols < V)
-        if WITH_ACCEPT:
-            acc_vec += tl.where(lmask, tl.minimum(p * inv_sp, q), 0.0)
-    return best_idx, lse, tl.sum(spz_vec, 0), tl.sum(acc_vec, 0)
+    alpha = tl.sum(acc_vec, 0)
+    has_p = sp > 0.0                                 # α terms count where the teacher has mass
+    lam_w = c_lam * tl.exp(-eta * alpha)             # λ·lk_lambda, α taken as a constant
+    a = c_kl + lam_w
+    b = tl.where(has_p, c_tv + c_lam - lam_w, 0.0)
+    c = tl.where(has_p, c_lka, 0.0)
+    a_safe = tl.maximum(alpha, alpha_eps)
+    if USES_ALPHA and WRITE_GRAD:                    # pass 3: dz once α and S are known
+        s_sum = tl.sum(s_vec, 0)
+        coef = b + c / a_safe
+        for v0 in range(0, V, BLOCK_V):
+            cols = v0 + offs
+            lmask = cols < V_act
+            z = tl.load(z_row + cols, mask=lmask, other=0.0)
+            p = tl.load(p_row + cols, mask=lmask, other=0.0).to(tl.float32)
+            q = tl.exp(z - lse)
+            below = (q < p * inv_sp).to(tl.float32)
+            g = a * (q * sp - p) - coef * q * (below - s_sum)
+            g = tl.where(lmask, w * g, 0.0)
+            tl.store(dz_row + cols, g.to(dz_row.dtype.element_ty), mask=cols < V)
+    row = a * (lse * sp - tl.sum(spz_vec, 0)) + b * (1.0 - alpha) - c * tl.log(a_safe)
+    return best_idx, lse, row, alpha
 
 
 @triton.jit
@@ -90,9 +121,11 @@ def _loss_rows_kernel(
     lse_ptr, psum_ptr,        # [K*N] fp32 out: log-sum-exp and Σp (for a deferred backward)
     rows_ptr,                 # [M] int64 global row of each computed row (if HAS_ROWS)
     row0, N, V,               # first (global or listed) row of the chunk, rows per step, Vd
+    c_kl, c_tv, c_lka, c_lam, eta, alpha_eps,    # the objective (kernels.loss.Objective)
     BLOCK_V: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     WITH_ACCEPT: tl.constexpr,
+    USES_ALPHA: tl.constexpr,
     HAS_ROWS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)                 # chunk row; int64 offsets from here
@@ -106,13 +139,14 @@ def _loss_rows_kernel(
     active = w != 0.0
     V_act = tl.where(active, V, 0)                   # columns to read: none for inactive rows
     sp = tl.where(active, tl.load(tsum_ptr + t_row), 0.0)
-    best_idx, lse, spz, acc = _loss_row(
+    best_idx, lse, obj, acc = _loss_row(
         z_ptr + r * z_stride, p_ptr + t_row * p_stride, dz_ptr + r * dz_stride,
-        sp, w, V, V_act, BLOCK_V, WRITE_GRAD, WITH_ACCEPT)
+        sp, w, V, V_act, c_kl, c_tv, c_lka, c_lam, eta, alpha_eps, BLOCK_V, WRITE_GRAD,
+        USES_ALPHA)
     tl.store(argmax_ptr + row, best_idx)
     tl.store(lse_ptr + row, lse)
     tl.store(psum_ptr + row, sp)
-    tl.store(loss_ptr + row, tl.where(active, w * (lse * sp - spz), 0.0))
+    tl.store(loss_ptr + row, tl.where(active, w * obj, 0.0))
     if WITH_ACCEPT:
         tl.store(accept_ptr + row, acc)
 
@@ -175,13 +209,16 @@ def _block_v(V: int) -> int:
     return min(MAX_BLOCK_V, triton.next_power_of_2(V))
 
 
-def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept, rows=None):
+def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept, rows=None,
+              objective=None):
     """Row statistics (and dz when ``dz`` is given) for chunk rows ``row0 .. row0+len(z)``.
 
     z [c, Vd] fp32; teacher [N, Vd]; tsum [N] fp32 row sums of teacher; w_flat [K*N] fp32;
     out: ``RowStats`` with [K*N] buffers; dz [c, Vd] (GEMM dtype) or None; rows: [M] int64
-    global row ids (then z row i is global row rows[row0 + i]) or None (global row row0 + i).
+    global row ids (then z row i is global row rows[row0 + i]) or None (global row row0 + i);
+    objective: `kernels.loss.Objective` (None: soft cross-entropy).
     """
+    kl, tv, lka, lam, eta = (1.0, 0.0, 0.0, 0.0, 3.0) if objective is None else objective.args()
     c, V = z.shape
     write_grad = dz is not None
     dz_arg = dz if write_grad else z                 # never written when WRITE_GRAD is off
@@ -190,9 +227,9 @@ def loss_rows(z, teacher, tsum, w_flat, row0, N, out, dz, with_accept, rows=None
         z, z.stride(0), teacher, teacher.stride(0), tsum, w_flat,
         dz_arg, dz_arg.stride(0),
         out.loss, out.argmax, acc_arg, out.lse, out.psum,
-        w_flat if rows is None else rows, row0, N, V,
+        w_flat if rows is None else rows, row0, N, V, kl, tv, lka, lam, eta, ALPHA_EPS,
         BLOCK_V=_block_v(V), WRITE_GRAD=write_grad, WITH_ACCEPT=with_accept,
-        HAS_ROWS=rows is not None, num_warps=NUM_WARPS,
+        USES_ALPHA=bool(tv or lka or lam), HAS_ROWS=rows is not None, num_warps=NUM_WARPS,
     )
 
 

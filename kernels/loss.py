@@ -1,18 +1,29 @@
-"""The EAGLE-3 loss for all K TTT steps in one call: lm_head GEMM + soft cross-entropy against
+"""The EAGLE-3 loss for all K TTT steps in one call: lm_head GEMM + the row objective against
 the teacher + draft argmax (+ expected acceptance), without [K·N, Vd] logits.
 
-    loss = Σ_{k,t} w[k,t] · (−Σ_v p[t+k, v] · log softmax(hidden[k,t] @ weight.T)_v)
+    loss = Σ_{k,t} w[k,t] · ℓ(p[t+k], softmax(hidden[k,t] @ weight.T))
+
+The row objective ℓ (`Objective`) is soft cross-entropy by default (forward KL up to the
+teacher's entropy, which has no gradient), or an acceptance-aligned mix: with
+p̂ = p / Σp, q = softmax(z) and the expected acceptance α = Σ_v min(p̂_v, q_v) = 1 − TV(p̂, q),
+
+    ℓ = a·CE + b·(1 − α) + c·(−log α)        CE = Σp·lse − Σ_v p_v z_v
+    a = kl + lk_lambda·λ,  b = tv + lk_lambda·(1 − λ),  c = lk_alpha,  λ = exp(−η·sg[α])
+    ∂ℓ/∂z_v = a·(q_v·Σp − p_v) − (b + c/α)·q_v·(m_v − S),  m_v = [q_v < p̂_v],  S = Σ_u m_u q_u
+
+Every term is row-local, so it fuses like the cross-entropy: an objective with α terms reads
+each logits row a third time (α and S must be known before dz is written).
 
 Algorithm, over the flattened [K·N] rows in groups of G rows, each cut into chunks of C rows:
   1. per chunk: z = h_c @ W.T            cuBLAS, fp32 out               [C, Vd]
-  2. per chunk: one row kernel over z    lse, Σpz, argmax, loss, accept, dz = w·(q·Σp − p)
+  2. per chunk: one row kernel over z    lse, Σpz, argmax, α, S, loss, dz = w·∂ℓ/∂z
   3. per group: dh_g = dz @ W; dW += dz.T @ h_g    cuBLAS; dW accumulated in fp32
 Given ``rows`` (the ids of the rows that count, listed by a caller that knows the mask on the
 host), only those rows are gathered into the GEMMs, a group at a time: masked rows cost nothing.
 With ``reduction="sum"`` the gradient is computed in the forward pass (3 GEMMs per row, never 4)
 and backward only scales it by grad_output. ``reduction="none"`` returns per-row losses with a
 real graph: the forward saves lse and Σp per row and the backward recomputes z chunk by chunk,
-so any function of the row losses (e.g. an LK-style objective) differentiates correctly.
+so any function of the row losses differentiates correctly (cross-entropy rows only).
 
 Memory contract: besides the outputs (dh, dW) only one z chunk [C, Vd] fp32, one dz group
 [G, Vd] in the input dtype (the dh/dW GEMMs run once per group, which cuts the fp32 dW
@@ -39,14 +50,42 @@ Z_BYTES = 128 << 20
 DZ_BYTES = 384 << 20
 
 
+class Objective(NamedTuple):
+    """The row objective as weights of its terms (module docstring); the default is soft CE.
+
+    kl: the cross-entropy term (forward KL's gradient); tv: 1 − α; lk_alpha: −log α (LK^α);
+    lk_lambda: λ·CE + (1 − λ)·(1 − α) with λ = exp(−eta·α) per row, α not differentiated.
+    LK^λ reading: λ is set per row from that row's own α (stop-gradient), as the LK paper's
+    hybrid objective writes it with η = 3; SpecForge sets one λ per batch from its mean α.
+    """
+
+    kl: float = 1.0
+    tv: float = 0.0
+    lk_alpha: float = 0.0
+    lk_lambda: float = 0.0
+    eta: float = 3.0
+
+    @property
+    def uses_alpha(self) -> bool:
+        """Whether a term reads α (then dz needs a third pass over each logits row)."""
+        return bool(self.tv or self.lk_alpha or self.lk_lambda)
+
+    def args(self) -> tuple[float, float, float, float, float]:
+        return (float(self.kl), float(self.tv), float(self.lk_alpha), float(self.lk_lambda),
+                float(self.eta))
+
+
+SOFT_CE = Objective()
+
+
 class LossOutput(NamedTuple):
     """Result of ``eagle3_loss``.
 
-    loss: 0-dim fp32, Σ_{k,t} w·CE (differentiable w.r.t. hidden and weight).
+    loss: 0-dim fp32, Σ_{k,t} w·ℓ (differentiable w.r.t. hidden and weight).
     draft_argmax: [K, N] int64, argmax of the draft logits (first index on ties), every row.
     accept: [K, N] fp32 Σ_v min(p/Σp, softmax) on weighted rows (0 elsewhere), or None.
     row_loss: [K, N] fp32 w·CE per row with a graph (``reduction="none"``), else None.
-    step_loss: [K] fp32 Σ_t w·CE per TTT step, without a graph (for logging loss_k).
+    step_loss: [K] fp32 Σ_t w·ℓ per TTT step, without a graph (for logging loss_k).
     """
 
     loss: torch.Tensor
@@ -60,7 +99,7 @@ class LossOutput(NamedTuple):
 class RowStats:
     """Per-row outputs of the row kernels, [K·N] each, written at global row indices."""
 
-    loss: torch.Tensor      # fp32, w·CE
+    loss: torch.Tensor      # fp32, w·ℓ
     argmax: torch.Tensor    # int64
     accept: torch.Tensor | None
     lse: torch.Tensor       # fp32
@@ -186,13 +225,14 @@ def _chunk_loop(h2d, weight, chunk, row_op, grad_h: bool, grad_w: bool, rows=Non
 
 
 def _forward_chunks(backend, h2d, weight, teacher, w_flat, N, chunk, with_accept,
-                    grad_h: bool, grad_w: bool, rows=None):
+                    grad_h: bool, grad_w: bool, rows=None, objective: Objective = SOFT_CE):
     """Row stats for all rows (+ gradients); returns (RowStats, dh | None, dW fp32 | None)."""
     stats = RowStats.empty(h2d.shape[0], h2d.device, with_accept, listed=rows is not None)
     tsum = teacher.sum(1, dtype=torch.float32)                       # [N] Σp per teacher row
 
     def row_op(z, r0, dz):
-        backend.loss_rows(z, teacher, tsum, w_flat, r0, N, stats, dz, with_accept, rows)
+        backend.loss_rows(z, teacher, tsum, w_flat, r0, N, stats, dz, with_accept, rows,
+                          objective)
 
     dh, dW = _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w, rows)
     return stats, dh, dW
@@ -213,11 +253,11 @@ class _GradInForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, teacher, row_weight, backend, with_accept, chunk,
-                grad_h, grad_w, rows):
+                grad_h, grad_w, rows, objective):
         K, N, H = hidden.shape
         stats, dh, dW = _forward_chunks(backend, hidden.reshape(K * N, H), weight, teacher,
                                         row_weight.reshape(-1), N, chunk, with_accept,
-                                        grad_h, grad_w, rows)
+                                        grad_h, grad_w, rows, objective)
         ctx.grads = (dh, dW)
         ctx.backend = backend
         ctx.shapes = (hidden.shape, weight.dtype)
@@ -241,7 +281,7 @@ class _GradInForward(torch.autograd.Function):
         if dW is not None:                                          # fp32 -> weight dtype
             out = dW if w_dtype == torch.float32 else torch.empty_like(dW, dtype=w_dtype)
             dW = ctx.backend.scale_cast(dW, g, out)
-        return dh, dW, None, None, None, None, None, None, None, None
+        return dh, dW, None, None, None, None, None, None, None, None, None
 
 
 class _Deferred(torch.autograd.Function):
@@ -291,7 +331,7 @@ def _load_backend(impl: str, device: torch.device):
     return fused_loss
 
 
-def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows):
+def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows, objective):
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [K, N, H], got shape {tuple(hidden.shape)}")
     K, N, H = hidden.shape
@@ -316,6 +356,11 @@ def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows):
         raise ValueError(f"hidden, weight, teacher, row_weight must be on one device, got {devs}")
     if reduction not in ("sum", "none"):
         raise ValueError(f"reduction must be 'sum' or 'none', got {reduction!r}")
+    if not isinstance(objective, Objective) or min(objective.args()) < 0:
+        raise ValueError(f"objective must be an Objective with weights >= 0, got {objective!r}")
+    if reduction == "none" and (objective.uses_alpha or objective.kl != 1.0):
+        raise ValueError(f"reduction='none' recomputes cross-entropy gradients only, got "
+                         f"{objective!r}; use reduction='sum'")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64
@@ -327,8 +372,9 @@ def _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows):
 def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor,
                 row_weight: torch.Tensor, *, impl: str = "triton", with_accept: bool = False,
                 reduction: str = "sum", chunk_size: int | None = None,
-                rows: torch.Tensor | None = None) -> LossOutput:
-    """Fused lm_head + soft cross-entropy + argmax for all K TTT steps.
+                rows: torch.Tensor | None = None,
+                objective: Objective = SOFT_CE) -> LossOutput:
+    """Fused lm_head + row objective (soft cross-entropy by default) + argmax for all K steps.
 
     Args:
         hidden: [K, N, H] draft hidden states after the final norm (bf16/fp16/fp32).
@@ -350,11 +396,12 @@ def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tenso
             draft_argmax −1, accept 0 and no gradient. Every row with a nonzero weight must be
             listed (not checked: that would need a device sync). Callers that know the mask on
             the host build it there (``models.objective.metric_rows``).
+        objective: the row objective's term weights (`Objective`; module docstring).
 
     Returns:
         LossOutput(loss, draft_argmax, accept, row_loss); see its docstring.
     """
-    _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows)
+    _validate(hidden, weight, teacher, row_weight, reduction, chunk_size, rows, objective)
     backend = _load_backend(impl, hidden.device)
     K, N, H = hidden.shape
     Vd = weight.shape[0]
@@ -377,5 +424,5 @@ def eagle3_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tenso
     grad_w = grad_on and weight.requires_grad
     loss, argmax, accept, step_loss = _GradInForward.apply(hidden, weight, teacher, row_weight,
                                                            backend, with_accept, chunk, grad_h,
-                                                           grad_w, rows)
+                                                           grad_w, rows, objective)
     return LossOutput(loss, argmax, accept if with_accept else None, None, step_loss)
