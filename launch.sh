@@ -26,7 +26,7 @@ evaluated. On a CPU that is a demonstration (96 prompts, a small drafter; about 
 of an hour the first time on 2 cores, a few minutes once its dataset is cached); with a
 GPU it is +experiment=gpu_default (12000 target-written prompts, a full-size drafter, real
 decoding of the 64 held-out prompts in 8 processes; ~9 minutes on one H200). The last lines
-include `export: <dir>`, `speculative: tau ...` and `tau: <value>`.
+include `export: <dir>`, `real decoding: tau ...` and `eval split: decoder walk tau ...`.
 
 Launcher options (processes and nodes only; everything else is a Hydra override):
   --gpus N          processes = GPUs on this node (default: the GPUs CUDA_VISIBLE_DEVICES

@@ -33,12 +33,18 @@ argmax mapped to a target id equals the target's argmax at index t+1+k:
                   decoding with max_new_tokens = walk_cap writes (the trainer's eval caps at
                   eval.max_new_tokens): later parts of long answers, often easier to draft,
                   drop out, so it compares with a real τ measured at that length.
+    alpha_k     = Σ_t α(k, t) / #rows: the mean EXPECTED ACCEPTANCE of step k, α(k, t) =
+                  Σ_v min(p̂_v, q_v) over the draft vocabulary (the chance a sampled draft is
+                  accepted, `kernels.eagle3_loss`), on the rows the loss weighs (the position
+                  mask drops rows whose target argmax is outside the draft vocabulary)
+    tau_alpha   = 1 + Σ_k Π_{j≤k} alpha_j: the τ those rates imply for chains of independent
+                  steps (`alpha_counts`; sampling acceptance, where `tau` is greedy's)
     *_by_k[K']  = the same for a chain capped at K' = 1..K drafts (`tau_curves`).
 
 Key names, the same in logs, JSON, wandb and the README: `tau`, `tau_independent`,
 `tau_trajectory`, `tau_trajectory_capped`, `acc_overall`, `acc_{k}`, `cond_acc_{k}` (k = 0..K-1,
 the TTT step), the curves `tau_by_k`, `tau_independent_by_k`, `tau_trajectory_by_k`,
-`tau_trajectory_capped_by_k`, and per context bucket
+`tau_trajectory_capped_by_k`, `alpha_{k}`, `tau_alpha`, `tau_alpha_by_k`, and per context bucket
 `by_context` / `tau_ctx_<bucket>` (`models.context`).
 """
 
@@ -57,6 +63,19 @@ COUNT_KEYS = ("correct", "total", "cond_correct", "cond_total", "tau_sum", "chai
 TRAJECTORY_KEYS = ("traj_rounds", "traj_accepted")
 #: the same within each span's first `walk_cap` tokens (`trajectory_counts` with a cap)
 CAPPED_KEYS = ("traj_cap_rounds", "traj_cap_accepted")
+#: counts of `alpha_counts` (per step k)
+ALPHA_KEYS = ("alpha_sum", "alpha_rows")
+#: `alpha_sum` counts α in units of 2⁻²⁴, so that it is an int64 that sums exactly across
+#: micro-batches and ranks with the other counts (one α rounds by at most 2⁻²⁵)
+ALPHA_UNIT = 2 ** 24
+
+
+def alpha_counts(accept: Tensor, weight: Tensor) -> dict[str, Tensor]:
+    """{alpha_sum, alpha_rows} [K] int64 of one batch: α per row (accept [K, T], e.g.
+    LossOutput.accept) summed per step over the rows with a nonzero loss weight [K, T]."""
+    rows = weight != 0
+    units = torch.round(accept.detach().double() * ALPHA_UNIT).to(torch.int64)
+    return {"alpha_sum": (units * rows).sum(1), "alpha_rows": rows.sum(1)}
 
 
 def chain_alive(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask: Tensor
@@ -163,12 +182,14 @@ def chain_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask:
     return counts
 
 
-def zero_counts(k: int, device=None, edges=None, walk_cap: int | None = None
-                ) -> dict[str, Tensor]:
-    """`chain_counts` of no rows (a rank without a batch still joins the collective)."""
+def zero_counts(k: int, device=None, edges=None, walk_cap: int | None = None,
+                alpha: bool = False) -> dict[str, Tensor]:
+    """`chain_counts` (and with `alpha`, `alpha_counts`) of no rows (a rank without a batch
+    still joins the collective)."""
     z = torch.zeros(k, dtype=torch.int64, device=device)
     scalar = ("tau_sum", "chain_starts")
-    keys = COUNT_KEYS + TRAJECTORY_KEYS + (CAPPED_KEYS if walk_cap is not None else ())
+    keys = (COUNT_KEYS + TRAJECTORY_KEYS + (CAPPED_KEYS if walk_cap is not None else ())
+            + (ALPHA_KEYS if alpha else ()))
     out = {key: (z[0].clone() if key in scalar else z.clone()) for key in keys}
     if edges is not None:
         out.update(zero_context_counts(k, edges, device))
@@ -189,6 +210,11 @@ def tau_curves(counts: dict[str, Tensor]) -> dict[str, list[float]]:
         run += prod
         indep.append(1.0 + run)
     out["tau_independent_by_k"] = indep
+    if "alpha_sum" in c:
+        rates = [ratio(float(c["alpha_sum"][k]) / ALPHA_UNIT, float(c["alpha_rows"][k]))
+                 for k in range(K)]
+        out["tau_alpha_by_k"] = (1.0 + torch.cumsum(torch.cumprod(
+            torch.tensor(rates, dtype=torch.float64), 0), 0)).tolist()
     for name, (rounds, accepted) in (("tau_trajectory_by_k", TRAJECTORY_KEYS),
                                      ("tau_trajectory_capped_by_k", CAPPED_KEYS)):
         if rounds in c:
@@ -210,6 +236,11 @@ def summarize(counts: dict[str, Tensor]) -> dict[str, float]:
     out["tau"] = ratio(float(c["tau_sum"]), float(c["chain_starts"]))
     curves = tau_curves(counts)
     out["tau_independent"] = curves["tau_independent_by_k"][-1]
+    if "alpha_sum" in c:
+        for k in range(c["alpha_sum"].shape[0]):
+            out[f"alpha_{k}"] = ratio(float(c["alpha_sum"][k]) / ALPHA_UNIT,
+                                      float(c["alpha_rows"][k]))
+        out["tau_alpha"] = curves["tau_alpha_by_k"][-1]
     for name in ("tau_trajectory", "tau_trajectory_capped"):
         if f"{name}_by_k" in curves:
             out[name] = curves[f"{name}_by_k"][-1]

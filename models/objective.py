@@ -19,9 +19,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from eyas.kernels.loss import Objective
 from eyas.models.ttt import shifted_for_steps, structural_valid
 
 NORMALISATIONS = ("valid", "specforge")
+#: `loss.objective` -> the fused loss's term weights (mix: `loss.mix`'s)
+OBJECTIVES = {"soft_ce": Objective(), "tv": Objective(kl=0.0, tv=1.0),
+              "lk_alpha": Objective(kl=0.0, lk_alpha=1.0),
+              "lk_lambda": Objective(kl=0.0, lk_lambda=1.0)}
+
+
+def row_objective(loss_cfg) -> Objective:
+    """The `kernels.loss.Objective` of the `loss` group (objective, lk_eta and mix)."""
+    name = getattr(loss_cfg.objective, "value", loss_cfg.objective)
+    eta = float(loss_cfg.lk_eta)
+    if name == "mix":
+        m = loss_cfg.mix
+        return Objective(kl=float(m.kl), tv=float(m.tv), lk_alpha=float(m.lk_alpha),
+                         lk_lambda=float(m.lk_lambda), eta=eta)
+    if name not in OBJECTIVES:
+        raise ValueError(f"loss.objective={name!r}; choose one of {sorted(OBJECTIVES)} or mix")
+    return OBJECTIVES[name]._replace(eta=eta)
 
 
 def metric_mask(valid: Tensor, loss_mask: Tensor) -> Tensor:

@@ -23,8 +23,8 @@ from eyas.models.config import DrafterShape
 from eyas.models.context import DEFAULT_EDGES
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS
 from eyas.train.choices import (AttentionImpl, DistBackend,  # noqa: F401
-                                ExportSelect, FP8Recipe, LossImpl, Normalisation, ParamDtype,
-                                Moments, Schedule, WandbMode)
+                                ExportSelect, FP8Recipe, LossImpl, LossObjective,
+                                Normalisation, ParamDtype, Moments, Schedule, WandbMode)
 from eyas.train.limits import (check_data, check_drafter, check_eval, check_loop, check_optim,
                                check_trackers, run_name_message)
 
@@ -150,7 +150,28 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
 
 
 @dataclass
+class LossMix:
+    """Weights of the terms of loss.objective=mix (each >= 0, not all 0)."""
+    kl: float = 0.5
+    """Soft cross-entropy (forward KL's gradient)."""
+    tv: float = 0.5
+    """Total variation, 1 − α."""
+    lk_alpha: float = 0.0
+    """LK^α, −log α."""
+    lk_lambda: float = 0.0
+    """LK^λ, λ·KL + (1 − λ)·TV with λ = exp(−loss.lk_eta·α)."""
+
+
+@dataclass
 class LossConfig:
+    objective: LossObjective = LossObjective.soft_ce
+    """Row objective against the teacher p̂ with draft q and α = Σ min(p̂, q): soft_ce (forward
+    KL), tv (1 − α), lk_alpha (−log α), lk_lambda (λ·KL + (1 − λ)·TV, λ = exp(−lk_eta·α)) or
+    mix (loss.mix's weights); kernels/loss.py has the formulas."""
+    lk_eta: float = 3.0
+    """LK^λ's η: larger moves the weight from KL to TV at a lower α."""
+    mix: LossMix = field(default_factory=LossMix)
+    """Term weights of objective=mix."""
     impl: LossImpl = LossImpl.auto
     """triton (fused kernel), torch (reference twin) or auto (triton on CUDA, else torch)."""
     step_weight: float = 0.8
@@ -420,6 +441,13 @@ def check(cfg: DictConfig | Any) -> None:
     check_eval(cfg.eval, fail)
     if cfg.loss.step_weight <= 0:
         fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
+    mix = cfg.loss.mix
+    weights = {k: getattr(mix, k) for k in ("kl", "tv", "lk_alpha", "lk_lambda")}
+    if min(weights.values()) < 0 or max(weights.values()) <= 0:
+        fail("loss.mix", weights, "weights >= 0, at least one > 0",
+             "loss.mix.kl=0.5 loss.mix.tv=0.5")
+    if cfg.loss.lk_eta < 0:
+        fail("loss.lk_eta", cfg.loss.lk_eta, ">= 0", "loss.lk_eta=3.0")
     if cfg.train.overwrite and cfg.train.resume == "latest":
         fail("train.overwrite", True, "false with train.resume=latest (overwrite removes the "
              "checkpoints that resume would continue from)",

@@ -40,13 +40,14 @@ log = logging.getLogger(__name__)
 
 @torch.no_grad()
 def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: bool = False,
-                     edges=DEFAULT_EDGES, walk_cap: int | None = None
+                     edges=DEFAULT_EDGES, walk_cap: int | None = None, alpha: bool = False
                      ) -> tuple[dict[str, Tensor], int]:
     """(`models.metrics.chain_counts` summed over the loader and all ranks, this rank's tokens;
     with `walk_cap`, the decoder walk within each answer's first walk_cap tokens as well).
 
-    forward(host batch) -> (batch on the device, draft argmax [K, T], metric mask [K, T]): the
-    trainer passes its wrapped training module's (DDP/ZeRO-3 gather the weights in its forward),
+    forward(host batch) -> (batch on the device, draft argmax [K, T], metric mask [K, T]) or
+    the same plus `models.metrics.alpha_counts` (then `alpha` must be true): the trainer passes
+    its wrapped training module's (DDP/ZeRO-3 gather the weights in its forward),
     `offline_eval` the drafter's own (`draft_argmax`). d2t [Vd] on the device. A rank without a
     batch adds zeros, so the one collective still matches.
     """
@@ -55,11 +56,13 @@ def count_acceptance(forward, loader, d2t: Tensor, k: int, *, show_progress: boo
     batches = progress(loader, total=len(loader), desc="offline eval", unit="batch") \
         if show_progress else loader
     for batch in batches:
-        batch, arg, mask = forward(batch)
-        counts = add_counts(counts, chain_counts(arg, d2t, batch.target_argmax, mask,
-                                                 batch.positions, edges, walk_cap))
+        batch, arg, mask, *rates = forward(batch)
+        new = chain_counts(arg, d2t, batch.target_argmax, mask, batch.positions, edges, walk_cap)
+        if alpha:
+            new.update(rates[0])
+        counts = add_counts(counts, new)
         tokens += batch.num_tokens
-    empty = zero_counts(k, d2t.device, edges, walk_cap)
+    empty = zero_counts(k, d2t.device, edges, walk_cap, alpha)
     return all_reduce_counts(counts if counts is not None else empty), tokens
 
 

@@ -2,8 +2,8 @@
 
 With no overrides this runs the embedded default end to end on a CPU: SmolLM2-135M-Instruct
 answers the shipped prompts, its hidden states are extracted, a drafter is trained, exported
-in the layout vLLM and SGLang load, and evaluated. The last lines printed are
-`export: <dir>` and `tau: <offline acceptance length>`.
+in the layout vLLM and SGLang load, and evaluated. The last lines printed are `export: <dir>`
+and the results, the one that predicts serving first (`result_lines`).
 
 Examples:
     accelerate launch train/main.py train.max_steps=200
@@ -324,22 +324,33 @@ def main(cfg: DictConfig) -> None:
             print(describe(summary["checkpoint_selection"]))
         if summary.get("export"):
             print(f"export: {summary['export']}")
-        if summary.get("speculative"):
-            spec = summary["speculative"]
-            se = spec.get("tau_se_prompts", math.nan)      # NaN with a single prompt
-            print(f"speculative: tau {spec['tau']:.3f}"
-                  + (f" ± {se:.3f}" if math.isfinite(se) else "")
-                  + f" over {spec['num_prompts']} held-out prompts, identical to greedy: "
-                  f"{spec['tokens_identical']}")
-        if summary.get("heldout_offline"):
-            print(f"held-out offline: {heldout_walk_text(summary['heldout_offline'])} "
-                  f"(decoder walk on the held-out prompts' own answers)")
-        if summary.get("tau") is not None:
-            walk = summary.get("tau_trajectory")
-            print(f"tau: {summary['tau']:.3f}" + (f" (decoder walk {walk:.3f})"
-                                                   if walk is not None else ""))
-        if summary.get("engines") or summary.get("served"):
-            print("engines: " + engines_line(summary))
+        for line in result_lines(summary):
+            print(line)
+
+
+def result_lines(summary: dict) -> list[str]:
+    """The job's result lines, the figure that predicts serving first: the served τ (vLLM's own
+    counters), real speculative decoding, the decoder walk on the held-out answers, then the
+    eval split (its decoder walk, the mean over every start, the expected-acceptance chain)."""
+    lines = []
+    if summary.get("engines") or summary.get("served"):
+        lines.append("engines: " + engines_line(summary))
+    if summary.get("speculative"):
+        spec = summary["speculative"]
+        se = spec.get("tau_se_prompts", math.nan)      # NaN with a single prompt
+        lines.append(f"real decoding: tau {spec['tau']:.3f}"
+                     + (f" ± {se:.3f}" if math.isfinite(se) else "")
+                     + f" over {spec['num_prompts']} held-out prompts, identical to greedy: "
+                     f"{spec['tokens_identical']}")
+    if summary.get("heldout_offline"):
+        lines.append(f"held-out walk: {heldout_walk_text(summary['heldout_offline'])} "
+                     f"(decoder walk on the held-out prompts' own answers)")
+    if summary.get("tau") is not None:
+        walk, alpha = summary.get("tau_trajectory"), summary.get("tau_alpha")
+        lines.append("eval split: " + (f"decoder walk tau {walk:.3f}, " if walk is not None
+                                       else "") + f"mean over every start {summary['tau']:.3f}"
+                     + (f", expected-acceptance chain {alpha:.3f}" if alpha is not None else ""))
+    return lines
 
 
 def _main_told() -> None:

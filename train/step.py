@@ -17,7 +17,8 @@ from torch.profiler import record_function
 from eyas.kernels.loss import eagle3_loss
 from eyas.kernels.teacher import teacher_from_topk, teacher_probs
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.objective import metric_mask, metric_rows, row_weights
+from eyas.models.metrics import alpha_counts
+from eyas.models.objective import metric_mask, metric_rows, row_objective, row_weights
 from eyas.train.config import Normalisation
 
 
@@ -27,6 +28,7 @@ class StepOutput:
     draft_argmax: Tensor    # [K, T] int64 draft-vocabulary ids
     step_loss: Tensor       # [K] fp32 weighted loss of each TTT step (no graph)
     metric_mask: Tensor     # [K, T] bool rows that count for metrics (valid · loss_mask)
+    alpha: dict             # `models.metrics.alpha_counts`: expected acceptance per step
 
 
 class TrainingModule(nn.Module):
@@ -58,6 +60,7 @@ class TrainingModule(nn.Module):
         self.normalisation = Normalisation(loss_cfg.normalisation).value
         self.position_mask = bool(loss_cfg.position_mask)
         self.chunk_size = loss_cfg.chunk_size
+        self.objective = row_objective(loss_cfg)
 
     def register_for_zero3(self) -> None:
         """ZeRO-3: gather, during this module's forward, the weights used outside their own
@@ -104,10 +107,12 @@ class TrainingModule(nn.Module):
                         position_mask=self.position_mask)                     # [K, T] fp32
         with record_function("eyas.loss"):
             teacher = self.teacher(last, topk_ids, topk_logits)               # [T, Vd]
-            res = eagle3_loss(out.hidden, d.lm_head.weight, teacher, w,
-                                      impl=self.loss_impl, chunk_size=self.chunk_size, rows=rows)
+            res = eagle3_loss(out.hidden, d.lm_head.weight, teacher, w, impl=self.loss_impl,
+                              chunk_size=self.chunk_size, rows=rows, with_accept=True,
+                              objective=self.objective)
         return StepOutput(loss=res.loss, draft_argmax=res.draft_argmax, step_loss=res.step_loss,
-                          metric_mask=metric_mask(out.valid, loss_mask))
+                          metric_mask=metric_mask(out.valid, loss_mask),
+                          alpha=alpha_counts(res.accept, w))
 
 
 def batch_inputs(batch, rows: Tensor | None = None, embeds: Tensor | None = None) -> dict:

@@ -73,6 +73,7 @@ class MetricsWindow:
         self.slots += batch.input_ids.shape[0]
         counts = accept_counts(res.draft_argmax.detach(), d2t, batch.target_argmax,
                                res.metric_mask)
+        counts.update(res.alpha)
         self.counts = add_counts(self.counts, {k: v * ok for k, v in counts.items()})
 
     def flush(self, accelerator, flops_per_token: float, peak: float | None) -> dict[str, float]:
@@ -173,12 +174,23 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def alpha_text(rec: dict[str, float]) -> str:
+    """`alpha 0.61 0.48 0.40 (tau_alpha 2.31)`: the expected acceptance per TTT step and the τ
+    its chain implies (`models.metrics`), or "" for a record without them."""
+    rates = [rec[f"alpha_{k}"] for k in range(len(rec)) if f"alpha_{k}" in rec]
+    if not rates:
+        return ""
+    return f"alpha {' '.join(f'{a:.2f}' for a in rates)} (tau_alpha {rec['tau_alpha']:.3f})"
+
+
 def progress_line(step: int, total: int, rec: dict[str, float], elapsed: float,
                   eta: float | None) -> str:
-    """`step 20/100 (20%) | loss 5.123 | tau 1.52 | tok/s 1234 | lr 3.00e-04 | elapsed 0:01:02
-    | eta 0:04:08`: one window of training, as a log line."""
+    """`step 20/100 (20%) | loss 5.123 | tau 1.52 | alpha 0.61 0.48 (tau_alpha 2.09) | tok/s
+    1234 | lr 3.00e-04 | elapsed 0:01:02 | eta 0:04:08`: one window of training, a log line."""
+    alpha = alpha_text(rec)
     return (f"step {step}/{total} ({100 * step / max(total, 1):.0f}%) | loss {rec['loss']:.4f}"
-            f" | tau {rec['tau']:.3f} | tok/s {rec['tokens_per_s']:.0f} | lr {rec['lr']:.2e}"
+            f" | tau {rec['tau']:.3f}" + (f" | {alpha}" if alpha else "")
+            + f" | tok/s {rec['tokens_per_s']:.0f} | lr {rec['lr']:.2e}"
             f" | elapsed {_clock(elapsed)} | eta {_clock(eta) if eta is not None else '?'}")
 
 

@@ -58,8 +58,8 @@ from eyas.train.run_export import export_final, export_selected, write_export_me
 from eyas.train.selection import BestWalk
 from eyas.train.step import TrainingModule, to_device
 from eyas.train.stop import StopRequest, Stopped
-from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, default_peak_flops,
-                                 flops_per_token, mean_over_ranks)
+from eyas.train.tracking import (MetricsLogger, MetricsWindow, Progress, alpha_text,
+                                 default_peak_flops, flops_per_token, mean_over_ranks)
 from eyas.train.update import SkippedSteps, micro_step_for, skipped_samples
 
 log = logging.getLogger(__name__)
@@ -323,7 +323,8 @@ def fit(t: Trainer) -> dict[str, Any]:
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
                                "skipped_samples": skipped_samples(t.data.train.dataset),
                                "eval": last_eval, "tau": last_eval.get("tau"),
-                               "tau_trajectory": last_eval.get("tau_trajectory")}
+                               "tau_trajectory": last_eval.get("tau_trajectory"),
+                               "tau_alpha": last_eval.get("tau_alpha")}
     return {**summary, **export_selected(t, step, last_eval)}
 
 
@@ -355,9 +356,10 @@ def _evaluate_and_log(t: Trainer, logger: MetricsLogger, step: int) -> dict[str,
     res = evaluate(t)
     if res:
         logger.log(step, res, prefix="eval")
-        log.info("eval step %d: tau %.3f (decoder walk %.3f; within each answer's first %d "
-                 "tokens %.3f), acc_0 %.3f", step, res["tau"], res["tau_trajectory"],
-                 t.cfg.eval.max_new_tokens, res["tau_trajectory_capped"], res["acc_0"])
+        log.info("eval step %d: decoder walk tau %.3f (within each answer's first %d tokens "
+                 "%.3f; mean over every start %.3f), acc_0 %.3f, %s", step,
+                 res["tau_trajectory"], t.cfg.eval.max_new_tokens, res["tau_trajectory_capped"],
+                 res["tau"], res["acc_0"], alpha_text(res))
     return res
 
 
@@ -381,12 +383,12 @@ def evaluate(t: Trainer) -> dict[str, Any]:
         batch, inputs = to_device(batch, t.accelerator.device, K, skip_rows)
         res = t.module(**inputs)
         losses.append(res.loss.detach().float())
-        return batch, res.draft_argmax, res.metric_mask
+        return batch, res.draft_argmax, res.metric_mask, res.alpha
 
     edges = tuple(t.cfg.eval.context_buckets)
     t.module.eval()
     counts, _ = count_acceptance(forward, t.data.eval, t.model.module.drafter.d2t, K,
-                                 edges=edges, walk_cap=t.cfg.eval.max_new_tokens)
+                                 edges=edges, walk_cap=t.cfg.eval.max_new_tokens, alpha=True)
     t.module.train()
     table = context_table(counts, edges)
     return {**summarize(counts), **context_scalars(table), "by_context": table,

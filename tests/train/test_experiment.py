@@ -80,7 +80,7 @@ def test_the_experiment_runs_every_stage_and_continues(tmp_path):
     off, spec = summary["heldout_offline"], summary["speculative"]
     assert off["num_samples"] == 2 and off["chain_starts"] > 0
     assert (off["max_new_tokens"], off["walk_cap"]) == (12, 8)
-    assert f"held-out offline: tau {off['tau_trajectory']:.3f} over answers of up to 12 " \
+    assert f"held-out walk: tau {off['tau_trajectory']:.3f} over answers of up to 12 " \
         f"tokens, {off['tau_trajectory_capped']:.3f} within their first 8 " \
         f"(decoder walk on the held-out prompts' own answers)" in lines
     assert spec["num_prompts"] == 2 and spec["tokens_identical"] is True

@@ -25,19 +25,23 @@ def test_embedded_default_pipeline_end_to_end(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-6000:]
     lines = r.stdout.strip().splitlines()
     assert f"export: {run_dir / 'export'}" in lines
-    assert lines[-1].startswith("tau: ")
-    spec = [line for line in lines if line.startswith("speculative:")]
+    assert lines[-1].startswith("eval split: decoder walk tau ")
+    spec = [line for line in lines if line.startswith("real decoding:")]
+    # the real τ leads the results; the eval split's figures come last, each named
+    assert lines.index(spec[0]) < len(lines) - 1
     assert spec and spec[0].endswith("identical to greedy: True")
     def strict(name):
         raise ValueError(f"summary.json is not strict JSON: {name}")
     summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=strict)
     assert summary["steps"] == 3
     # every result the job printed is in the summary, the real decoding included
-    assert spec[0].startswith(f"speculative: tau {summary['speculative']['tau']:.3f} ± "
+    assert spec[0].startswith(f"real decoding: tau {summary['speculative']['tau']:.3f} ± "
                               f"{summary['speculative']['tau_se_prompts']:.3f} over 2 held-out "
                               f"prompts, ")
     assert summary["speculative"]["tokens_identical"] is True
-    assert lines[-1].startswith(f"tau: {summary['tau']:.3f}")
+    assert lines[-1] == (f"eval split: decoder walk tau {summary['tau_trajectory']:.3f}, mean "
+                         f"over every start {summary['tau']:.3f}, expected-acceptance chain "
+                         f"{summary['tau_alpha']:.3f}")
     # the dataset was built from SmolLM2's own answers and cached under data.cache_dir
     cached = list((tmp_path / "cache" / "datasets").glob("*/hidden/manifest.json"))
     assert len(cached) == 1

@@ -72,7 +72,8 @@ def test_single_process_trains_exports_and_prints(tmp_path, smollm2_dataset):
     assert len(ls) == 16 and _decreases(ls), ls
     lines = r.stdout.strip().splitlines()
     assert lines[-2:] == [f"export: {tmp_path / 'r' / 'export'}", lines[-1]]
-    assert lines[-1].startswith("tau: ") and float(lines[-1].split()[1]) >= 1.0
+    assert lines[-1].startswith("eval split: decoder walk tau ")
+    assert float(lines[-1].split()[4].rstrip(",")) >= 1.0
     cfg = json.loads((tmp_path / "r" / "export" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["draft_vocab_size"] == 1024 and cfg["vocab_size"] == 49152
