@@ -121,6 +121,22 @@ def accept_counts(draft_argmax: Tensor, d2t: Tensor, target_argmax: Tensor, mask
     }
 
 
+def alpha_rates(counts: dict[str, Tensor]) -> list[float]:
+    """α_k of summed `alpha_counts` (NaN where no row counted)."""
+    total, rows = counts["alpha_sum"].tolist(), counts["alpha_rows"].tolist()
+    return [ratio(float(a) / ALPHA_UNIT, float(n)) for a, n in zip(total, rows)]
+
+
+def alpha_chain(rates: list[float]) -> list[float]:
+    """1 + Σ_{k<K'} Π_{j≤k} α_j for K' = 1..K: the τ of chains of independent steps."""
+    out, prod, run = [], 1.0, 1.0
+    for a in rates:
+        prod *= a
+        run += prod
+        out.append(run)
+    return out
+
+
 def add_counts(a: dict[str, Tensor] | None, b: dict[str, Tensor]) -> dict[str, Tensor]:
     """Element-wise sum of two count dicts with the same keys (a may be None: the first batch)."""
     return dict(b) if a is None else {key: a[key] + b[key] for key in b}
@@ -211,10 +227,7 @@ def tau_curves(counts: dict[str, Tensor]) -> dict[str, list[float]]:
         indep.append(1.0 + run)
     out["tau_independent_by_k"] = indep
     if "alpha_sum" in c:
-        rates = [ratio(float(c["alpha_sum"][k]) / ALPHA_UNIT, float(c["alpha_rows"][k]))
-                 for k in range(K)]
-        out["tau_alpha_by_k"] = (1.0 + torch.cumsum(torch.cumprod(
-            torch.tensor(rates, dtype=torch.float64), 0), 0)).tolist()
+        out["tau_alpha_by_k"] = alpha_chain(alpha_rates(c))
     for name, (rounds, accepted) in (("tau_trajectory_by_k", TRAJECTORY_KEYS),
                                      ("tau_trajectory_capped_by_k", CAPPED_KEYS)):
         if rounds in c:
@@ -237,9 +250,7 @@ def summarize(counts: dict[str, Tensor]) -> dict[str, float]:
     curves = tau_curves(counts)
     out["tau_independent"] = curves["tau_independent_by_k"][-1]
     if "alpha_sum" in c:
-        for k in range(c["alpha_sum"].shape[0]):
-            out[f"alpha_{k}"] = ratio(float(c["alpha_sum"][k]) / ALPHA_UNIT,
-                                      float(c["alpha_rows"][k]))
+        out.update({f"alpha_{k}": a for k, a in enumerate(alpha_rates(c))})
         out["tau_alpha"] = curves["tau_alpha_by_k"][-1]
     for name in ("tau_trajectory", "tau_trajectory_capped"):
         if f"{name}_by_k" in curves:

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from eyas.data.common.targets import fast_device, target_dtype
+from eyas.data.common.targets import target_dtype
+from eyas.models.alpha import batch_alpha, target_head_rows
+from eyas.models.serving.importer import load_training_drafter  # noqa: F401 (callers use it here)
 from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
@@ -83,45 +85,35 @@ def all_reduce_counts(counts: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 @torch.no_grad()
-def draft_argmax(drafter, batch, k: int, *, chunk_rows: int = 4096) -> tuple[Tensor, Tensor]:
+def draft_argmax(drafter, batch, k: int, *, chunk_rows: int = 4096,
+                 head_rows: Tensor | None = None) -> tuple:
     """(draft argmax [K, T] draft-vocab ids, metric mask [K, T]) of one packed batch, with the
-    trainer's TTT forward; lm_head logits (fp32) are formed `chunk_rows` rows at a time."""
+    trainer's TTT forward; lm_head logits (fp32) are formed `chunk_rows` rows at a time. With
+    the target's head rows (`models.alpha.target_head_rows`) also the batch's α counts against
+    its stored teacher (`models.alpha.batch_alpha`)."""
     out = drafter(batch.input_ids, batch.aux, batch.doc_ids, batch.positions, k)
     hidden = out.hidden.reshape(-1, out.hidden.shape[-1])                 # [K·T, H]
     arg = torch.cat([drafter.draft_logits(hidden[i:i + chunk_rows]).argmax(-1)
                      for i in range(0, hidden.shape[0], chunk_rows)])
-    return arg.view(k, -1), metric_mask(out.valid, batch.loss_mask)
+    mask = metric_mask(out.valid, batch.loss_mask)
+    if head_rows is None:
+        return arg.view(k, -1), mask
+    return arg.view(k, -1), mask, batch_alpha(drafter, out.hidden, mask, batch, head_rows)
 
 
-def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
-                          cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32,
-                          device: str | torch.device = "cpu", attention: str | None = None):
-    """An exported drafter directory imported into the training module `Eagle3Drafter`.
-
-    target: preset or directory whose input embedding the drafter uses (memory-mapped).
-    attention: TTT attention kind (default: "flex" on CUDA, "lse-eager" on CPU).
-    """
-    from eyas.models.drafter import Eagle3Drafter
-    from eyas.data.store.vocab_map import t2d_from_d2t
-    from eyas.models.serving.importer import import_drafter
+def teacher_head_rows(drafter, ds, target, cache_dir, device) -> Tensor | None:
+    """The target's lm_head rows of the drafter's vocabulary [Vd, tH] when the dataset stores a
+    teacher (`last` or a top-k) and the target's weights load; else None (no α)."""
+    if not ({"last", "topk_ids"} & set(ds.fields)):
+        return None
     from eyas.data.common.targets import load_embedding_and_head
-    dev = torch.device(device)
-    imp = import_drafter(drafter_dir)
-    cfg = imp.config
-    fast = fast_device(dev)   # evaluation has no backward: "lse-eager" is flex's math, densely
-    attention = attention or ("flex" if fast else "lse-eager")
-    with torch.device("meta"):
-        drafter = Eagle3Drafter(cfg, attention=attention, compile_flex=fast)
-    embed, _ = load_embedding_and_head(target, cache_dir)
-    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(f"{drafter_dir}: the drafter needs a target embedding [vocab_size, "
-                         f"hidden_size] = {[cfg.vocab_size, cfg.hidden_size]}, target {target} "
-                         f"has {list(embed.shape)}: wrong --target?")
-    d2t = imp.d2t if imp.d2t is not None else torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
-    t2d = imp.t2d if imp.t2d is not None else t2d_from_d2t(d2t, cfg.vocab_size)
-    state = dict(imp.state_dict, **{"embed_tokens.weight": embed, "d2t": d2t, "t2d": t2d})
-    drafter.load_state_dict(state, strict=True, assign=True)
-    return drafter.to(device=dev, dtype=dtype).eval()
+    try:
+        _, head = load_embedding_and_head(target or ds.manifest.get("target"), cache_dir)
+    except (OSError, ValueError) as e:
+        log.warning("no expected acceptance: the target's lm_head did not load (%s)", e)
+        return None
+    d2t = drafter.d2t.to("cpu")
+    return target_head_rows(head, d2t).to(device, drafter.lm_head.weight.dtype)
 
 
 def drafter_for(drafter_dir_or_module, ds, dataset_dir, *, target, cache_dir, dtype,
@@ -156,7 +148,8 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
     values are bf16 either way). context_buckets: edges of the `by_context` buckets (chain
     start positions, `models.context`). walk_cap: also walk each answer's first walk_cap tokens
     only (`tau_trajectory_capped`). Returns `models.metrics.summarize` and `tau_curves`
-    of the counts, `by_context`, the counts themselves and run information.
+    of the counts (with α per step, `alpha_k` and `tau_alpha`, when the dataset stores a
+    teacher and the target's lm_head loads), `by_context`, the counts and run information.
     """
     from eyas.data.store.dataset import open_dataset
     from eyas.data.store.loader import PackedLoader
@@ -177,19 +170,23 @@ def offline_eval(drafter_dir_or_module, dataset_dir: str | Path, *, k: int, toke
         raise ValueError(f"the drafter reads aux layers {list(drafter.config.aux_layer_ids)} but "
                          f"{dataset_dir} stores layers {aux_ids}: re-extract with --layers "
                          f"{','.join(map(str, drafter.config.aux_layer_ids))}")
+    head_rows = teacher_head_rows(drafter, ds, target, cache_dir, dev)
+    teacher = (() if head_rows is None else ("last",) if "last" in ds.fields
+               else ("topk_ids", "topk_logits"))
     loader = PackedLoader(ds, token_budget, rank, world_size, seed=0, shuffle=False,
                           num_workers=num_workers, indices=indices,
-                          load_fields=("aux", "target_argmax"))
+                          load_fields=("aux", "target_argmax", *teacher))
     was_training = drafter.training
     drafter.eval()
     t0 = time.perf_counter()
 
     def forward(batch):
         batch = batch.to(dev)
-        return (batch, *draft_argmax(drafter, batch, k))
+        return (batch, *draft_argmax(drafter, batch, k, head_rows=head_rows))
 
     counts, tokens = count_acceptance(forward, loader, drafter.d2t, k, show_progress=True,
-                                      edges=edges, walk_cap=walk_cap)
+                                      edges=edges, walk_cap=walk_cap,
+                                      alpha=head_rows is not None)
     drafter.train(was_training)
     out = {"k": k, **summarize(counts), **tau_curves(counts),
            "chain_starts": int(counts["chain_starts"]), "walk_cap": walk_cap,

@@ -62,6 +62,10 @@ def format_table(res: dict[str, Any]) -> str:
         if res.get("tau_trajectory_capped") is not None:
             lines.append(f"decoder walk within each answer's first {res['walk_cap']} tokens "
                          f"(--max-new-tokens): {_fmt(res['tau_trajectory_capped'])}")
+        if res.get("tau_alpha") is not None:
+            rates = " ".join(_fmt(res[f"alpha_{j}"]) for j in range(res["k"]))
+            lines.append(f"expected acceptance α per step (sampling, against the stored "
+                         f"teacher): {rates}; chain τ {_fmt(res['tau_alpha'])}")
         return "\n".join(lines + _context_lines(res, "chain start position"))
     lines.append(f"speculative decoding, K={res['k']}, {res['num_prompts']} prompts, "
                  f"{res['dtype']}: tokens identical to target-only greedy: "

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from eyas.kernels.loss import eagle3_loss
-from eyas.kernels.teacher import teacher_from_topk, teacher_probs
+from eyas.models.alpha import teacher_rows
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import alpha_counts
 from eyas.models.objective import metric_mask, metric_rows, row_objective, row_weights
@@ -75,20 +75,8 @@ class TrainingModule(nn.Module):
                 topk_logits: Tensor | None) -> Tensor:
         """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1."""
         d = self.drafter
-        if last is not None:
-            p = teacher_probs(last.to(self.target_head_rows.dtype), self.target_head_rows)
-        elif topk_ids is not None:
-            V = d.config.vocab_size
-            t2d_index = torch.full((V,), -1, dtype=torch.int64, device=topk_ids.device)
-            ids = torch.arange(d.config.draft_vocab_size, device=topk_ids.device) + d.d2t
-            t2d_index[ids] = torch.arange(ids.numel(), device=topk_ids.device)
-            p = teacher_from_topk(topk_ids, topk_logits, t2d_index,
-                                          d.config.draft_vocab_size)
-        else:
-            raise ValueError("the batch has no teacher: neither `last` nor `topk_ids` is present "
-                             "(re-extract with --teacher last or --teacher topk)")
-        # shift by one: the kernel reads row t+k for step k; row t+1+k is the target we want.
-        return torch.cat([p[1:], p[-1:].zero_()], dim=0)
+        return teacher_rows(self.target_head_rows, d.d2t, d.config.vocab_size, last, topk_ids,
+                            topk_logits)
 
     def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,
                 loss_mask: Tensor, target_argmax: Tensor, last: Tensor | None = None,

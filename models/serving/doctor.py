@@ -33,6 +33,7 @@ from eyas.data.common.options import option, parser
 from eyas.data.common.templates import target_chat_template, template_drift
 from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
                                           read_config, require_dir, resolve_target_config)
+from eyas.models.serving.doctor_alpha import check_alpha
 from eyas.models.serving.doctor_capture import (check_capture, check_served,
                                                  check_trained_target)
 from eyas.models.serving.doctor_coverage import vocab_coverage
@@ -309,11 +310,12 @@ def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tens
 def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
              data: str | Path | None = None, num_speculative_tokens: int | None = None,
              max_samples: int = 2000, check_values: bool = True, concurrency: int = 1,
-             hardware: str = "h100", gpus: int | None = None, weight_bytes: float = 2.0
-             ) -> Report:
+             hardware: str = "h100", gpus: int | None = None, weight_bytes: float = 2.0,
+             alpha_samples: int = 0) -> Report:
     """Everything the doctor can tell offline about an export's acceptance (see module doc);
     `concurrency`, `hardware`, `gpus`, `weight_bytes`: the deployment the speedup is predicted
-    for (models/serving/doctor_speedup.py)."""
+    for (models/serving/doctor_speedup.py); `alpha_samples`: with `data`, score the export's
+    expected acceptance α per position on that many samples (models/serving/doctor_alpha.py)."""
     export_dir = Path(export_dir)
     if data is not None:
         data = require_dataset(data)   # a wrong --data is a usage error, before any work
@@ -343,6 +345,10 @@ def diagnose(export_dir: str | Path, target_config: dict | str | Path, *,
             from eyas.data.store.vocab_map import VocabMap
             t2d = VocabMap.from_d2t(tdir.load("d2t"), int(cfg["vocab_size"])).t2d
         _check_data(report, data, cfg, t2d, tcfg, _target_dir(target_config), max_samples)
+        if alpha_samples:
+            manifest = json.loads((data / "manifest.json").read_text())
+            check_alpha(report, export_dir, data, manifest.get("target") or target_config,
+                        num_speculative_tokens or (meta or {}).get("ttt_steps"), alpha_samples)
     else:
         report.not_checked.append("training data (aux layers, tokenizer, vocabulary coverage): "
                                   "pass --data DATASET_DIR")
@@ -400,6 +406,10 @@ class DoctorOptions:
         None, "GPUs the target is spread over (default: the fewest of --hardware whose memory "
         "holds its weights at --weight-bytes, with 20%% to spare)")
     weight_bytes: float = option(2.0, "bytes per target weight (bf16 2, fp8 1, int4 0.5)")
+    alpha_samples: int = option(
+        64, "with --data: samples on which the export's expected acceptance α per position is "
+        "measured against the dataset's stored teacher (loads the target's embedding and "
+        "lm_head; 0 skips it)")
     json: bool = option(False, "print the report as one JSON object (findings, checked, not "
                         "checked, stats) instead of text")
 
@@ -425,7 +435,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     report = diagnose(args.dir, args.target_config, data=args.data,
                       num_speculative_tokens=args.num_speculative_tokens,
                       max_samples=args.max_samples, concurrency=args.concurrency,
-                      hardware=args.hardware, gpus=args.gpus, weight_bytes=args.weight_bytes)
+                      hardware=args.hardware, gpus=args.gpus, weight_bytes=args.weight_bytes,
+                      alpha_samples=args.alpha_samples)
     print(report_json(report, args.dir) if args.json else format_report(report, args.dir))
     return 1 if report.findings else 0
 

@@ -367,3 +367,33 @@ def import_drafter(path: str | Path, target_config: dict | str | Path | None = N
     cfg, sd, d2t, t2d, fmt = read_drafter_dir(path, target_config)
     # training-only fields (ttt_steps) keep Eagle3Config's defaults; the trainer sets them
     return ImportedDrafter(Eagle3Config.from_config_dict(cfg), sd, d2t, t2d, cfg, fmt)
+
+
+def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
+                          cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                          device: str | torch.device = "cpu", attention: str | None = None):
+    """An exported drafter directory imported into the training module `Eagle3Drafter`.
+
+    target: preset or directory whose input embedding the drafter uses (memory-mapped).
+    attention: TTT attention kind (default: "flex" on CUDA, "lse-eager" on CPU).
+    """
+    from eyas.data.common.targets import fast_device, load_embedding_and_head
+    from eyas.data.store.vocab_map import t2d_from_d2t
+    from eyas.models.drafter import Eagle3Drafter
+    dev = torch.device(device)
+    imp = import_drafter(drafter_dir)
+    cfg = imp.config
+    fast = fast_device(dev)   # evaluation has no backward: "lse-eager" is flex's math, densely
+    attention = attention or ("flex" if fast else "lse-eager")
+    with torch.device("meta"):
+        drafter = Eagle3Drafter(cfg, attention=attention, compile_flex=fast)
+    embed, _ = load_embedding_and_head(target, cache_dir)
+    if tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"{drafter_dir}: the drafter needs a target embedding [vocab_size, "
+                         f"hidden_size] = {[cfg.vocab_size, cfg.hidden_size]}, target {target} "
+                         f"has {list(embed.shape)}: wrong --target?")
+    d2t = imp.d2t if imp.d2t is not None else torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    t2d = imp.t2d if imp.t2d is not None else t2d_from_d2t(d2t, cfg.vocab_size)
+    state = dict(imp.state_dict, **{"embed_tokens.weight": embed, "d2t": d2t, "t2d": t2d})
+    drafter.load_state_dict(state, strict=True, assign=True)
+    return drafter.to(device=dev, dtype=dtype).eval()

@@ -212,8 +212,9 @@ def test_offline_counts_equal_the_trainers(tiny_drafter, tiny_llama_dataset):
     drafter = tiny_drafter(load_target_config("tiny-llama"))
     head = load_embedding_and_head("tiny-llama")[1].float()
     rows = head[torch.arange(4096) + drafter.d2t]
-    loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=True,
-                               chunk_size=None)
+    # without the position mask the loss weighs every counted row, so its α is the evaluation's
+    loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=False,
+                               chunk_size=None, objective="soft_ce", lk_eta=3.0)
     module = TrainingModule(drafter, rows, loss_cfg, loss_impl="torch", ttt_steps=K)
     loader = PackedLoader(open_dataset(tiny_llama_dataset), 384, 0, 1, seed=0, shuffle=False,
                           num_workers=0)
@@ -233,6 +234,9 @@ def test_offline_counts_equal_the_trainers(tiny_drafter, tiny_llama_dataset):
         assert torch.equal(res.draft_argmax, arg) and torch.equal(res.metric_mask, mask)
         for key in COUNT_KEYS:
             assert torch.equal(mine[key], theirs[key]), key
+        *_, alpha = draft_argmax(drafter, batch, K, head_rows=rows)
+        assert all(torch.equal(alpha[key], res.alpha[key]) for key in alpha), (alpha, res.alpha)
+        assert int(alpha["alpha_rows"][0]) == int(mask[0].sum()) > 0
         chains += int(mine["cond_correct"][K - 1])
     assert chains > 10                       # full-length chains were counted, not only misses
 
