@@ -13,6 +13,7 @@ COMMANDS: dict[str, str] = {
     "synthesize": "sample user prompts from the target itself (more, different prompts)",
     "extract": "run the target over a token dataset and store its hidden states",
     "import": "convert SpecForge/speculators hidden states into an eyas dataset",
+    "export-data": "write a hidden-state dataset in speculators' offline training layout",
     "vocab": "build the draft vocabulary map (d2t/t2d) from a dataset",
     "inspect": "summarise a dataset: samples, tokens, bytes/token, modes",
     "verify": "re-run dataset samples through the target and compare what is stored",
@@ -37,6 +38,8 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
         from eyas.data.build.extract import cli_main
     elif name == "import":
         from eyas.data.build.importers import cli_main
+    elif name == "export-data":
+        from eyas.data.build.export_data import cli_main
     elif name == "vocab":
         from eyas.data.build.vocab import cli_main
     elif name == "inspect":
@@ -58,7 +61,7 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
 
 USAGE = "usage: eyas <command> [--help] [args...]\n       eyas --version\n\ncommands:\n" + (
     "\n").join(
-    f"  {name:<11}{text}" for name, text in COMMANDS.items()) + (
+    f"  {name:<13}{text}" for name, text in COMMANDS.items()) + (
     "\n\ntraining: accelerate launch train/main.py [hydra overrides]   (or ./launch.sh --help)"
     "\n\nexit status: 0 ok, 1 findings (validate, verify, doctor, engines check), 2 usage or "
     "configuration\nerror (bad argument or config, missing or wrong path), 3 a stage that cannot "

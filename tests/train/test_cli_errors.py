@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data.build import (extract, importers, prepare, served_cli, synthesize, verify,
-                             vocab)
+from eyas.data.build import (export_data, extract, importers, prepare, served_cli, synthesize,
+                             verify, vocab)
 from eyas.data.store import inspect
 from eyas.data.common.log import HelpFormatter
 from eyas.models.serving import doctor, validate
@@ -28,6 +28,7 @@ WRONG_PATH = {
     "synthesize": ["synthesize", "--target", NO, "--n", "1", "--out", "{tmp}/o.jsonl"],
     "extract": ["extract", "--tokens", NO, "--target", "tiny-llama", "--out", "{tmp}/o"],
     "import": ["import", "specforge", NO, "--out", "{tmp}/o", "--target", "tiny-llama"],
+    "export-data": ["export-data", NO, "{tmp}/o"],
     "vocab": ["vocab", "--data", NO, "--out", "{tmp}/v.safetensors"],
     "inspect": ["inspect", NO],
     "verify": ["verify", NO, "--target", "tiny-llama"],
@@ -107,6 +108,7 @@ PARSERS = {
     "prepare": prepare.build_parser, "generate": served_cli.build_parser,
     "synthesize": synthesize.build_parser,
     "extract": extract.build_parser, "import": importers.build_parser,
+    "export-data": export_data.build_parser,
     "vocab": vocab.build_parser, "export": export.build_parser,
     "validate": validate.build_parser, "doctor": doctor.build_parser,
     "engines check": engines_cli.build_check_parser, "evaluate": evaluate.build_parser,

@@ -144,7 +144,7 @@ def test_help_lists_the_groups_a_run_can_pick_and_where_fields_are_documented(tm
         "dist: ddp, zero1, zero2, zero3",
         "drafter: default",
         "experiment: gpu_default, smollm2_quality  (+experiment=NAME: a whole recipe)",
-        "loss: soft_ce, specforge",
+        "loss: lk_alpha, lk_lambda, mix, soft_ce, specforge, tv",
         "optim: adamw",
         "target: deepseek_v3, kimi_k2_5, llama_3_1_8b, qwen3_8b, smollm2, tiny_deepseek_v3, "
         "tiny_llama",
