@@ -110,6 +110,8 @@ class Eagle3Drafter(nn.Module):
         t2d[:Vd] = True                                                   # consistent with d2t = 0
         self.register_buffer("t2d", t2d)
         self.reset_parameters()
+        for weight in self.hidden_matrices():       # optim=muon's half (train/muon.py)
+            weight.use_muon = True
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Linear weights ~ N(0, std) (HF Llama's initializer_range), norms = 1. Embedding untouched."""
@@ -268,6 +270,15 @@ class Eagle3Drafter(nn.Module):
         a = self.midlayer.self_attn
         return [self.lm_head.weight, self.midlayer.mlp.down_proj.weight,
                 a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """The 2-D weights of hidden layers, fc (3H -> H) among them: what optim=muon hands to
+        Muon (each carries `use_muon = True`, DeepSpeed's name for the same flag). The frozen
+        embedding and the draft lm_head, the model's input and output maps, are not among them
+        (Keller Jordan's Muon recipe and speculators keep those on AdamW), nor the 1-D norms.
+        The flag is an attribute of each Parameter: copy.deepcopy of the module drops it."""
+        return [p for name, p in self.named_parameters()
+                if p.ndim == 2 and name not in ("embed_tokens.weight", "lm_head.weight")]
 
     def num_trainable_parameters(self) -> int:
         """Number of parameters the optimiser updates (everything but the frozen embedding)."""

@@ -51,9 +51,14 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be resumed from: named file missing, changed or unreadable."""
 
 
+#: objective settings added after checkpoints were first written: their value in an older one
+OBJECTIVE_DEFAULTS = {"optim.name": "adamw"}
+
+
 def objective_record(cfg, world_size: int) -> dict[str, Any]:
     """Settings that change what is optimised (of the whole typed config: they span its
-    groups): resuming with different ones is refused."""
+    groups), and the optimizer, whose state only its own kind loads: resuming with different
+    ones is refused."""
     ids = cfg.target.aux_layer_ids
     return {
         "target.name": str(cfg.target.name),
@@ -66,6 +71,7 @@ def objective_record(cfg, world_size: int) -> dict[str, Any]:
         "data.token_budget": int(cfg.data.token_budget),
         "data.dataset": None if cfg.data.dataset is None else str(cfg.data.dataset),
         "optim.grad_accum": int(cfg.optim.grad_accum),
+        "optim.name": getattr(cfg.optim.name, "value", cfg.optim.name),
         "world_size": int(world_size),
     }
 
@@ -304,6 +310,7 @@ def load(accelerator, path: Path, objective: dict[str, Any]) -> dict[str, Any]:
     verify(path)
     state = json.loads((path / STATE_FILE).read_text())
     saved = state.get("objective", {})
+    saved = {**OBJECTIVE_DEFAULTS, **saved}
     diff = {k: (saved.get(k), v) for k, v in objective.items() if saved.get(k) != v}
     if diff:
         lines = "; ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in diff.items())

@@ -23,8 +23,8 @@ from eyas.models.config import DrafterShape
 from eyas.models.context import DEFAULT_EDGES
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS
 from eyas.train.choices import (AttentionImpl, DistBackend,  # noqa: F401
-                                ExportSelect, FP8Recipe, LossImpl, LossObjective,
-                                Normalisation, ParamDtype, Moments, Schedule, WandbMode)
+                                ExportSelect, FP8Recipe, LossImpl, LossObjective, MuonAdjustLR,
+                                Normalisation, OptimName, ParamDtype, Moments, Schedule, WandbMode)
 from eyas.train.limits import (check_data, check_drafter, check_eval, check_loop, check_optim,
                                check_trackers, run_name_message)
 
@@ -189,7 +189,7 @@ class LossConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-4
-    """Peak learning rate."""
+    """Peak learning rate (with optim=muon, of both halves unless optim.muon_lr is set)."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW betas."""
     eps: float = 1e-8
@@ -213,6 +213,26 @@ class OptimConfig:
     torch twin on CPU)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
+    name: OptimName = OptimName.adamw
+    """adamw: AdamW for every trainable parameter. muon: torch.optim.Muon for the drafter's 2-D
+    hidden weight matrices (fc, q/k/v/o, gate/up/down) and AdamW for the rest (lm_head, norms);
+    DDP or one process only, refused under DeepSpeed ZeRO (train/muon.py)."""
+    muon_lr: Optional[float] = None
+    """optim=muon: Muon's peak learning rate; null = optim.lr (with muon_adjust_lr=
+    match_rms_adamw each Muon update has AdamW's RMS, so one lr serves both halves)."""
+    muon_weight_decay: Optional[float] = None
+    """optim=muon: Muon's decoupled weight decay (times the unadjusted lr, as torch applies
+    it); null = optim.weight_decay."""
+    muon_momentum: float = 0.95
+    """optim=muon: Muon's momentum, in [0, 1)."""
+    muon_nesterov: bool = True
+    """optim=muon: Nesterov momentum for Muon."""
+    muon_ns_steps: int = 5
+    """optim=muon: Newton-Schulz iterations that orthogonalise each Muon update (1..99)."""
+    muon_adjust_lr: MuonAdjustLR = MuonAdjustLR.match_rms_adamw
+    """optim=muon: Muon's per-matrix lr scale (torch's adjust_lr_fn): match_rms_adamw
+    (0.2·sqrt(max(rows, cols)), Moonshot's: AdamW's lr and weight decay carry over) or original
+    (Keller Jordan's sqrt(max(1, rows/cols)): wants a Muon lr near 0.02, optim.muon_lr)."""
 
 
 @dataclass

@@ -164,6 +164,26 @@ def check_optim(optim, fail: Fail, *, deepspeed: bool = False, fp32_params: bool
     if optim.warmup_steps is not None and optim.warmup_steps < 0:
         fail("optim.warmup_steps", optim.warmup_steps, "an integer >= 0, or null (then "
              "optim.warmup_ratio decides)", "optim.warmup_steps=0 (no warmup) or null")
+    check_muon(optim, fail, deepspeed=deepspeed)
+
+
+def check_muon(optim, fail: Fail, *, deepspeed: bool) -> None:
+    """optim=muon's own values, and its refusal under DeepSpeed ZeRO (train/muon.py)."""
+    if getattr(optim, "name", "adamw") != "muon":           # a str Enum equals its value
+        return
+    if deepspeed:
+        fail("optim.name", "muon", "adamw under DeepSpeed ZeRO (ZeRO hands the optimizer "
+             "flattened 1-D partitions of the weights, which torch.optim.Muon cannot "
+             "orthogonalise)", "dist=ddp (optim=muon runs there), or optim=adamw")
+    if optim.muon_lr is not None and optim.muon_lr <= 0:
+        fail("optim.muon_lr", optim.muon_lr, "> 0, or null (= optim.lr)", "optim.muon_lr=null")
+    if optim.muon_weight_decay is not None and optim.muon_weight_decay < 0:
+        fail("optim.muon_weight_decay", optim.muon_weight_decay,
+             ">= 0, or null (= optim.weight_decay)", "optim.muon_weight_decay=null")
+    if not 0.0 <= optim.muon_momentum < 1.0:
+        fail("optim.muon_momentum", optim.muon_momentum, "in [0, 1)", "optim.muon_momentum=0.95")
+    if not 1 <= optim.muon_ns_steps <= 99:
+        fail("optim.muon_ns_steps", optim.muon_ns_steps, "1..99", "optim.muon_ns_steps=5")
 
 
 def ttt_activation_bytes(config, tokens: int, bytes_per_value: int, eager_attention: bool,

@@ -15,6 +15,9 @@ fp32 masters in both modes, so they load into either. With `moments="bf16"` (`op
 exp_avg and exp_avg_sq are stored in bf16, stochastically rounded (kernels.adamw): 4 bytes per
 parameter less; the CPU runs the kernel's torch twin. A checkpoint of either moment dtype
 loads into either mode (converted at load; exact only within one mode).
+
+optim=muon (`optim.name`) builds `train.muon.MuonAdamW`: torch's Muon for the drafter's hidden
+matrices and the AdamW above for the rest, one optimizer to the trainer.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from eyas.train.config import Schedule
+from eyas.train.muon import MuonAdamW, muon_settings, split_muon
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -189,10 +193,23 @@ class MasterAdamW(torch.optim.Optimizer):
 
 def build_optimizer(params, optim_cfg, *, master_weights: bool, impl: str = "torch",
                     compact: bool = False, moments: str = "fp32") -> torch.optim.Optimizer:
+    """The `optim` group's optimizer: AdamW (below), or with optim.name=muon `MuonAdamW`
+    (train/muon.py): torch's Muon for the hidden matrices, that AdamW for the rest."""
+    params = [p for p in params if p.requires_grad]
+    if getattr(optim_cfg, "name", "adamw") == "muon":       # a str Enum equals its value
+        muon, other = split_muon(params)
+        adamw = build_adamw(other, optim_cfg, master_weights=master_weights, impl=impl,
+                            compact=compact, moments=moments)
+        return MuonAdamW(muon, adamw, masters=master_weights, **muon_settings(optim_cfg))
+    return build_adamw(params, optim_cfg, master_weights=master_weights, impl=impl,
+                       compact=compact, moments=moments)
+
+
+def build_adamw(params, optim_cfg, *, master_weights: bool, impl: str = "torch",
+                compact: bool = False, moments: str = "fp32") -> torch.optim.Optimizer:
     """AdamW of the `optim` group: `MasterAdamW` (update `impl` and `compact` masters, as
     `train.resolve.resolve` decides them) over bf16 parameters, else torch AdamW (fused when
     the parameters are on CUDA)."""
-    params = [p for p in params if p.requires_grad]
     kw = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
               weight_decay=optim_cfg.weight_decay)
     if master_weights:
@@ -235,26 +252,48 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, factor)
 
 
+def _group_settings(optim_cfg, group: dict) -> dict[str, tuple[str, object]]:
+    """What the config wants in one param group, config key -> (group key, value): a Muon
+    group of `MuonAdamW` (marked "muon") takes the optim.muon_* settings, the others AdamW's.
+    The "lr" entry is the group's peak rate (the schedule's base)."""
+    if group.get("muon"):
+        kw = muon_settings(optim_cfg)
+        lr_key = "optim.lr" if optim_cfg.muon_lr is None else "optim.muon_lr"
+        wd_key = ("optim.weight_decay" if optim_cfg.muon_weight_decay is None
+                  else "optim.muon_weight_decay")
+        return {wd_key: ("weight_decay", kw["weight_decay"]),
+                "optim.muon_momentum": ("momentum", kw["momentum"]),
+                "optim.muon_nesterov": ("nesterov", kw["nesterov"]),
+                "optim.muon_ns_steps": ("ns_steps", kw["ns_steps"]),
+                "optim.muon_adjust_lr": ("adjust_lr_fn", kw["adjust_lr_fn"]),
+                lr_key: ("lr", kw["lr"])}
+    return {"optim.betas": ("betas", tuple(float(b) for b in optim_cfg.betas)),
+            "optim.eps": ("eps", float(optim_cfg.eps)),
+            "optim.weight_decay": ("weight_decay", float(optim_cfg.weight_decay)),
+            "optim.lr": ("lr", float(optim_cfg.lr))}
+
+
 def apply_optim_settings(scheduler: LambdaLR, optim_cfg) -> list[str]:
-    """Write the config's optim.lr, betas, eps and weight_decay into a resumed optimizer and its
-    schedule (a checkpoint's own values would otherwise win); the rate of the current step is
-    recomputed from the new optim.lr. Returns one line per changed setting (empty when the
-    checkpoint already had the config's values, as every exact resume does)."""
+    """Write the config's optim settings (lr, betas, eps, weight_decay; with optim=muon the
+    optim.muon_* ones into Muon's groups) into a resumed optimizer and its schedule (a
+    checkpoint's own values would otherwise win); the rate of the current step is recomputed
+    from the new peak lr. Returns one line per changed setting (empty when the checkpoint
+    already had the config's values, as every exact resume does)."""
     groups = scheduler.optimizer.param_groups
-    want = {"betas": tuple(float(b) for b in optim_cfg.betas), "eps": float(optim_cfg.eps),
-            "weight_decay": float(optim_cfg.weight_decay)}
-    changed = []
-    for key, value in want.items():
-        old = {tuple(g[key]) if key == "betas" else g[key] for g in groups}
-        if old != {value}:
-            changed.append(f"optim.{key}: {sorted(old)[0]} in the checkpoint, {value} now")
-            for g in groups:
-                g[key] = value
-    lr = float(optim_cfg.lr)
-    if any(base != lr for base in scheduler.base_lrs):
-        changed.append(f"optim.lr: {scheduler.base_lrs[0]} in the checkpoint, {lr} now")
-        scheduler.base_lrs = [lr] * len(groups)
-        for g, f in zip(groups, scheduler.lr_lambdas):
-            g["lr"] = lr * f(scheduler.last_epoch)
+    changed: dict[str, str] = {}
+    peaks = []
+    for base, g in zip(scheduler.base_lrs, groups):
+        for name, (key, value) in _group_settings(optim_cfg, g).items():
+            have = base if key == "lr" else tuple(g[key]) if key == "betas" else g[key]
+            if have != value:
+                changed.setdefault(name, f"{name}: {have} in the checkpoint, {value} now")
+                if key != "lr":
+                    g[key] = value
+            if key == "lr":
+                peaks.append(value)
+    if peaks != list(scheduler.base_lrs):
+        scheduler.base_lrs = peaks
+        for g, f, peak in zip(groups, scheduler.lr_lambdas, peaks):
+            g["lr"] = peak * f(scheduler.last_epoch)
         scheduler._last_lr = [g["lr"] for g in groups]
-    return changed
+    return list(changed.values())

@@ -145,7 +145,7 @@ def test_help_lists_the_groups_a_run_can_pick_and_where_fields_are_documented(tm
         "drafter: default",
         "experiment: gpu_default, smollm2_quality  (+experiment=NAME: a whole recipe)",
         "loss: lk_alpha, lk_lambda, mix, soft_ce, specforge, tv",
-        "optim: adamw",
+        "optim: adamw, muon",
         "target: deepseek_v3, kimi_k2_5, llama_3_1_8b, qwen3_8b, smollm2, tiny_deepseek_v3, "
         "tiny_llama",
         "tracker: none, tensorboard, wandb"]

@@ -30,7 +30,11 @@ class Toy(torch.nn.Module):
         loss = self.lin(x).float().pow(2).mean() + add
         return SimpleNamespace(loss=loss, step_loss=loss.detach().expand(K).clone(),
                                draft_argmax=torch.zeros(K, T, dtype=torch.int64, device=x.device),
-                               metric_mask=torch.ones(K, T, dtype=torch.bool, device=x.device))
+                               metric_mask=torch.ones(K, T, dtype=torch.bool, device=x.device),
+                               alpha={"alpha_sum": torch.zeros(K, dtype=torch.int64,
+                                                               device=x.device),
+                                      "alpha_rows": torch.ones(K, dtype=torch.int64,
+                                                               device=x.device)})
 
 
 @pytest.fixture(params=["triton", "torch"])
