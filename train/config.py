@@ -216,7 +216,8 @@ class OptimConfig:
     name: OptimName = OptimName.adamw
     """adamw: AdamW for every trainable parameter. muon: torch.optim.Muon for the drafter's 2-D
     hidden weight matrices (fc, q/k/v/o, gate/up/down) and AdamW for the rest (lm_head, norms);
-    DDP or one process only, refused under DeepSpeed ZeRO (train/muon.py)."""
+    under DeepSpeed ZeRO-1/2 DeepSpeed's own Muon with torch's lr scale (optim.clip_grad_norm=0
+    there), refused under ZeRO-3 (train/muon.py)."""
     muon_lr: Optional[float] = None
     """optim=muon: Muon's peak learning rate; null = optim.lr (with muon_adjust_lr=
     match_rms_adamw each Muon update has AdamW's RMS, so one lr serves both halves)."""
@@ -226,9 +227,10 @@ class OptimConfig:
     muon_momentum: float = 0.95
     """optim=muon: Muon's momentum, in [0, 1)."""
     muon_nesterov: bool = True
-    """optim=muon: Nesterov momentum for Muon."""
+    """optim=muon: Nesterov momentum for Muon (always on under ZeRO)."""
     muon_ns_steps: int = 5
-    """optim=muon: Newton-Schulz iterations that orthogonalise each Muon update (1..99)."""
+    """optim=muon: Newton-Schulz iterations that orthogonalise each Muon update (1..99; 5
+    under ZeRO)."""
     muon_adjust_lr: MuonAdjustLR = MuonAdjustLR.match_rms_adamw
     """optim=muon: Muon's per-matrix lr scale (torch's adjust_lr_fn): match_rms_adamw
     (0.2·sqrt(max(rows, cols)), Moonshot's: AdamW's lr and weight decay carry over) or original
@@ -432,7 +434,8 @@ def check(cfg: DictConfig | Any) -> None:
              "target.dtype=auto")
     check_data(cfg.data, fail)
     check_optim(cfg.optim, fail, deepspeed=cfg.dist.backend == DistBackend.deepspeed,
-                fp32_params=cfg.train.param_dtype == ParamDtype.fp32)
+                fp32_params=cfg.train.param_dtype == ParamDtype.fp32,
+                zero_stage=cfg.dist.zero_stage)
     check_loop(cfg.train, cfg.export, fail)
     if cfg.dist.backend == DistBackend.deepspeed and cfg.dist.zero_stage not in (1, 2, 3):
         fail("dist.zero_stage", cfg.dist.zero_stage, "1, 2 or 3 with backend=deepspeed",

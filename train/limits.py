@@ -139,8 +139,8 @@ def check_loop(train, export, fail: Fail) -> None:
              "numbered from 1, as in metrics.jsonl)", "train.profile_start=10")
 
 
-def check_optim(optim, fail: Fail, *, deepspeed: bool = False, fp32_params: bool = False
-                ) -> None:
+def check_optim(optim, fail: Fail, *, deepspeed: bool = False, fp32_params: bool = False,
+                zero_stage: int | None = None) -> None:
     """Optimizer values out of range, and bf16 moments where no master-weight update runs."""
     if optim.lr <= 0:
         fail("optim.lr", optim.lr, "> 0", "optim.lr=1e-4")
@@ -164,17 +164,30 @@ def check_optim(optim, fail: Fail, *, deepspeed: bool = False, fp32_params: bool
     if optim.warmup_steps is not None and optim.warmup_steps < 0:
         fail("optim.warmup_steps", optim.warmup_steps, "an integer >= 0, or null (then "
              "optim.warmup_ratio decides)", "optim.warmup_steps=0 (no warmup) or null")
-    check_muon(optim, fail, deepspeed=deepspeed)
+    check_muon(optim, fail, deepspeed=deepspeed, zero_stage=zero_stage)
 
 
-def check_muon(optim, fail: Fail, *, deepspeed: bool) -> None:
-    """optim=muon's own values, and its refusal under DeepSpeed ZeRO (train/muon.py)."""
+def check_muon(optim, fail: Fail, *, deepspeed: bool, zero_stage: int | None = None) -> None:
+    """optim=muon's own values, and under DeepSpeed what its ZeRO-1/2 Muon cannot honour
+    (ZeRO-3 refused; train/muon.py). zero_stage: the ZeRO stage (None: unknown, as 3)."""
     if getattr(optim, "name", "adamw") != "muon":           # a str Enum equals its value
         return
-    if deepspeed:
-        fail("optim.name", "muon", "adamw under DeepSpeed ZeRO (ZeRO hands the optimizer "
-             "flattened 1-D partitions of the weights, which torch.optim.Muon cannot "
-             "orthogonalise)", "dist=ddp (optim=muon runs there), or optim=adamw")
+    zero = f"dist=zero{zero_stage}" if zero_stage else "DeepSpeed ZeRO"
+    if deepspeed and zero_stage not in (1, 2):
+        fail("optim.name", "muon", "adamw under DeepSpeed ZeRO-3 (eyas runs DeepSpeed's Muon "
+             "under ZeRO-1/2 only; its ZeRO-3 path is not wired up or tested here)",
+             "dist=zero2 or dist=ddp (optim=muon runs there), or optim=adamw")
+    if deepspeed and optim.clip_grad_norm > 0:
+        fail("optim.clip_grad_norm", optim.clip_grad_norm, f"0 with optim=muon under {zero} "
+             "(DeepSpeed clips the orthogonalised Muon update, whose norm does not follow the "
+             "gradient's, so any clip would shrink Muon's steps)",
+             "optim.clip_grad_norm=0, or dist=ddp (which clips the gradients)")
+    if deepspeed and not optim.muon_nesterov:
+        fail("optim.muon_nesterov", optim.muon_nesterov, f"true under {zero} (DeepSpeed's "
+             "ZeRO Muon always uses Nesterov momentum)", "optim.muon_nesterov=true, or dist=ddp")
+    if deepspeed and optim.muon_ns_steps != 5:
+        fail("optim.muon_ns_steps", optim.muon_ns_steps, f"5 under {zero} (DeepSpeed's ZeRO "
+             "Muon always runs 5 Newton-Schulz steps)", "optim.muon_ns_steps=5, or dist=ddp")
     if optim.muon_lr is not None and optim.muon_lr <= 0:
         fail("optim.muon_lr", optim.muon_lr, "> 0, or null (= optim.lr)", "optim.muon_lr=null")
     if optim.muon_weight_decay is not None and optim.muon_weight_decay < 0:

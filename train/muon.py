@@ -18,17 +18,53 @@ followed by the AdamW groups, so accelerate, gradient clipping, the LambdaLR sch
 `MasterAdamW.step`'s skip flag (read on the host here). With master weights (DDP with bf16
 parameters) Muon runs on fp32 copies of its matrices, as `MasterAdamW` does for the rest.
 
-DeepSpeed ZeRO is refused (train/limits.py): ZeRO flattens the parameters into 1-D partitions
-before its client optimizer sees them, and torch's Muon orthogonalises whole matrices.
-DeepSpeed's own Muon (deepspeed.runtime.zero.muon.MuonWithAuxAdam; 0.19.8 here, reading the
-same `use_muon` flag) runs inside ZeRO-1/2 but is another update: Keller Jordan's lr scale
-only (no match_rms_adamw, so optim.lr would mean something else there), its own compiled
-Newton-Schulz, its own inline Adam for the rest, its momentum kept by the ZeRO optimizer.
+Under DeepSpeed ZeRO-1/2 (`dist=zero1|zero2`) the optimizer is DeepSpeed's own
+`MuonWithAuxAdam` (deepspeed.runtime.zero.muon, 0.19.8 here; `zero_muon`), handed to the engine
+as any client optimizer. ZeRO flattens each param group into 1-D partitions, so torch's Muon
+cannot run there; instead the ZeRO optimizer itself runs `muon_update` on each whole `use_muon`
+matrix (its full gradient all-reduced to every rank holding part of it) when it builds the
+gradient partitions, keeps the momentum in its own optimizer state (checkpointed with it), and
+MuonWithAuxAdam applies the result to the flat fp32 partition as p·(1 − lr·wd) − lr·update.
+The rest is torch's AdamW (MuonWithAuxAdam's aux optimizer) on ZeRO's fp32 partitions, as
+under optim=adamw with ZeRO.
+
+How the ZeRO update maps onto torch's Muon:
+- lr scale: DeepSpeed multiplies each orthogonalised update by max(1, rows/cols)^0.5 (Keller
+  Jordan's scale, torch's "original"); torch by `adjust_lr_fn`'s factor (match_rms_adamw:
+  0.2·max(rows, cols)^0.5). Each Muon matrix shape is its own param group, whose lr is the
+  configured Muon lr times ratio = torch's factor / DeepSpeed's (`zero_lr_ratio`; 1 for
+  "original") and whose weight_decay is the configured one divided by the same ratio, so
+  lr·wd (torch decays by the unadjusted lr) and the update's step are torch's. The LambdaLR
+  schedule multiplies each group's own base lr, so the ratio holds at every step;
+  `apply_optim_settings` rescales a resumed group the same way.
+- Newton-Schulz: DeepSpeed's "gram" iteration (ns_method; its default), torch's quintic with
+  torch's coefficients and 5 steps, iterated on the Gram matrix X·Xᵀ with a restart at step
+  2 (the same polynomial in exact arithmetic), torch.compile'd, in fp16 where the accelerator
+  has fp16 matmuls (GPUs), else fp32 (the CPU here); torch iterates X itself in bf16. Gram is
+  the closer of DeepSpeed's two to torch's step: measured against the fp64 iteration, torch's
+  bf16 one is 1-1.5 % off on random matrices (14 % on low-rank ones), Gram in fp16 (run on
+  the CPU) 0.3-0.6 % (2 %), DeepSpeed's "standard" bf16 iteration 2.5-3.5 % (19 %). One ZeRO
+  step from the DDP start therefore equals torch's Muon algorithm evaluated in fp64 to ~2e-6
+  (CPU, fp32 Gram) and torch's own bf16 Muon step to 1.3-2.1 % (tests/train/test_muon.py),
+  all of it torch's rounding; the AdamW half is bitwise torch AdamW's (fp32).
+- momentum, nesterov, ns_steps: DeepSpeed's momentum is torch's (m ← lerp(m, g, 1−β), Nesterov
+  update lerp(g, m, β)), but its ZeRO path always runs Nesterov with 5 steps:
+  optim.muon_nesterov=false and optim.muon_ns_steps≠5 are refused under ZeRO. The momentum is
+  kept in the gradient's dtype (bf16 with bf16 parameters; fp32 under DDP's masters).
+- clipping: DeepSpeed measures and clips the orthogonalised Muon update with the AdamW
+  gradients (its norm is ~sqrt(Σ min(rows, cols)) whatever the gradient), so any clip would
+  shrink Muon's steps; optim.clip_grad_norm>0 is refused with optim=muon under ZeRO (DDP
+  clips the gradients before Muon). The logged train/grad_norm there includes those updates.
+- a NaN/inf step (bf16, the engine's own check): DeepSpeed stages the new momentum and
+  commits it only when the step is kept (its stage_1_and_2), so a skipped step leaves the
+  momentum as it was, as under DDP.
+ZeRO-3 is refused (train/limits.py): eyas does not run DeepSpeed's ZeRO-3 Muon path.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -67,6 +103,72 @@ def muon_settings(optim_cfg) -> dict:
 
 #: the keys of a Muon param group that its settings (and `apply_optim_settings`) may change
 MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_lr_fn")
+
+
+#: what DeepSpeed's ZeRO-1/2 Muon path runs, whatever the group says (module docstring)
+ZERO_NESTEROV, ZERO_NS_STEPS, ZERO_NS_METHOD = True, 5, "gram"
+
+
+def torch_lr_scale(shape, adjust_lr_fn: str) -> float:
+    """torch.optim.Muon's per-matrix lr factor (its `_adjust_lr`) for a [rows, cols] matrix."""
+    rows, cols = shape
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+def deepspeed_scale(shape) -> float:
+    """The factor DeepSpeed's `muon_update` multiplies each orthogonalised [rows, cols] update
+    by (its `_aspect_ratio_scale`: sqrt(max(1, rows/cols)))."""
+    rows, cols = shape
+    return math.sqrt(rows / cols) if rows > cols else 1.0
+
+
+def zero_lr_ratio(shape, adjust_lr_fn: str) -> float:
+    """The factor on a ZeRO Muon group's lr (and divisor of its weight decay) that makes
+    DeepSpeed's step torch's: torch's lr scale over DeepSpeed's (1.0 for "original")."""
+    return torch_lr_scale(shape, adjust_lr_fn) / deepspeed_scale(shape)
+
+
+def zero_muon(muon_params, other_params, optim_cfg):
+    """DeepSpeed's `MuonWithAuxAdam` for ZeRO-1/2 (module docstring): the AdamW group first
+    (optim.lr, betas, eps, weight_decay; torch AdamW as its aux optimizer), then one Muon group
+    per matrix shape, with lr × `zero_lr_ratio` and weight_decay ÷ it. Each Muon group also
+    records its `muon_shape` and what DeepSpeed runs (nesterov, ns_steps, adjust_lr_fn) for
+    `apply_optim_settings`; its lr / weight decay values are DeepSpeed's, scaled."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+    kw = muon_settings(optim_cfg)
+    groups = []
+    if other_params:
+        groups.append(dict(params=list(other_params), use_muon=False, lr=float(optim_cfg.lr),
+                           betas=tuple(float(b) for b in optim_cfg.betas),
+                           eps=float(optim_cfg.eps),
+                           weight_decay=float(optim_cfg.weight_decay)))
+    shapes: dict[tuple[int, int], list] = {}
+    for p in muon_params:
+        shapes.setdefault(tuple(p.shape), []).append(p)
+    for shape, ps in shapes.items():
+        ratio = zero_lr_ratio(shape, kw["adjust_lr_fn"])
+        groups.append(dict(params=ps, use_muon=True, lr=kw["lr"] * ratio,
+                           weight_decay=kw["weight_decay"] / ratio, momentum=kw["momentum"],
+                           ns_method=ZERO_NS_METHOD, nesterov=ZERO_NESTEROV,
+                           ns_steps=ZERO_NS_STEPS, adjust_lr_fn=kw["adjust_lr_fn"],
+                           muon_shape=shape))
+    fused = bool(other_params) and all(p.is_cuda for p in other_params) or None
+    opt = MuonWithAuxAdam(groups, adam_optimizer=torch.optim.AdamW,
+                          adam_optimizer_kwargs=dict(fused=fused))
+    n_adamw = len(other_params)
+    dtype = str(ns_compute_dtype(ZERO_NS_METHOD)).removeprefix("torch.")
+
+    def describe() -> str:
+        return (f"DeepSpeed MuonWithAuxAdam: its ZeRO Muon on {len(muon_params)} hidden "
+                f"matrices in {len(shapes)} shape groups ({kw['adjust_lr_fn']} lr as torch's, "
+                f"{ZERO_NS_STEPS} {ZERO_NS_METHOD} Newton-Schulz steps in {dtype}) + torch "
+                f"AdamW on the other {n_adamw} tensors")
+
+    opt.describe = describe       # the trainer logs it (the class must stay DeepSpeed's own)
+    return opt
 
 
 class MuonAdamW(torch.optim.Optimizer):

@@ -17,7 +17,9 @@ parameter less; the CPU runs the kernel's torch twin. A checkpoint of either mom
 loads into either mode (converted at load; exact only within one mode).
 
 optim=muon (`optim.name`) builds `train.muon.MuonAdamW`: torch's Muon for the drafter's hidden
-matrices and the AdamW above for the rest, one optimizer to the trainer.
+matrices and the AdamW above for the rest, one optimizer to the trainer; under DeepSpeed
+ZeRO-1/2 DeepSpeed's own `MuonWithAuxAdam` instead (`train.muon.zero_muon`), with per-shape
+param groups whose lr and weight decay carry torch's Muon lr scale.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from eyas.train.config import Schedule
-from eyas.train.muon import MuonAdamW, muon_settings, split_muon
+from eyas.train.muon import (MuonAdamW, muon_settings, split_muon, zero_lr_ratio,
+                             zero_muon)
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -192,17 +195,29 @@ class MasterAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(params, optim_cfg, *, master_weights: bool, impl: str = "torch",
-                    compact: bool = False, moments: str = "fp32") -> torch.optim.Optimizer:
+                    compact: bool = False, moments: str = "fp32",
+                    deepspeed: bool | None = None) -> torch.optim.Optimizer:
     """The `optim` group's optimizer: AdamW (below), or with optim.name=muon `MuonAdamW`
-    (train/muon.py): torch's Muon for the hidden matrices, that AdamW for the rest."""
+    (train/muon.py): torch's Muon for the hidden matrices, that AdamW for the rest; under
+    DeepSpeed (`deepspeed`; None: whether this process's accelerate state is DeepSpeed's)
+    DeepSpeed's MuonWithAuxAdam (`train.muon.zero_muon`), which only ZeRO-1/2 orthogonalise."""
     params = [p for p in params if p.requires_grad]
     if getattr(optim_cfg, "name", "adamw") == "muon":       # a str Enum equals its value
         muon, other = split_muon(params)
+        if _under_deepspeed() if deepspeed is None else deepspeed:
+            return zero_muon(muon, other, optim_cfg)
         adamw = build_adamw(other, optim_cfg, master_weights=master_weights, impl=impl,
                             compact=compact, moments=moments)
         return MuonAdamW(muon, adamw, masters=master_weights, **muon_settings(optim_cfg))
     return build_adamw(params, optim_cfg, master_weights=master_weights, impl=impl,
                        compact=compact, moments=moments)
+
+
+def _under_deepspeed() -> bool:
+    """Whether this process's Accelerator (built before the optimizer) runs DeepSpeed."""
+    from accelerate.state import AcceleratorState, is_initialized
+    from accelerate.utils import DistributedType
+    return is_initialized() and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
 
 
 def build_adamw(params, optim_cfg, *, master_weights: bool, impl: str = "torch",
@@ -254,13 +269,17 @@ def build_scheduler(optimizer, optim_cfg, total_steps: int) -> LambdaLR:
 
 def _group_settings(optim_cfg, group: dict) -> dict[str, tuple[str, object]]:
     """What the config wants in one param group, config key -> (group key, value): a Muon
-    group of `MuonAdamW` (marked "muon") takes the optim.muon_* settings, the others AdamW's.
-    The "lr" entry is the group's peak rate (the schedule's base)."""
-    if group.get("muon"):
+    group of `MuonAdamW` (marked "muon") or of DeepSpeed's MuonWithAuxAdam ("use_muon") takes
+    the optim.muon_* settings, the others AdamW's. The "lr" entry is the group's peak rate
+    (the schedule's base); a ZeRO Muon group's lr and weight decay carry its `_zero_ratio`."""
+    if group.get("muon") or group.get("use_muon"):
         kw = muon_settings(optim_cfg)
         lr_key = "optim.lr" if optim_cfg.muon_lr is None else "optim.muon_lr"
         wd_key = ("optim.weight_decay" if optim_cfg.muon_weight_decay is None
                   else "optim.muon_weight_decay")
+        ratio = _zero_ratio(group, kw["adjust_lr_fn"])
+        if ratio != 1.0:
+            kw["lr"], kw["weight_decay"] = kw["lr"] * ratio, kw["weight_decay"] / ratio
         return {wd_key: ("weight_decay", kw["weight_decay"]),
                 "optim.muon_momentum": ("momentum", kw["momentum"]),
                 "optim.muon_nesterov": ("nesterov", kw["nesterov"]),
@@ -273,6 +292,21 @@ def _group_settings(optim_cfg, group: dict) -> dict[str, tuple[str, object]]:
             "optim.lr": ("lr", float(optim_cfg.lr))}
 
 
+def _zero_ratio(group: dict, adjust_lr_fn: str | None = None) -> float:
+    """A ZeRO Muon group's factor on the configured lr (`train.muon.zero_lr_ratio` of its
+    matrix shape, by `adjust_lr_fn` or the group's own); 1.0 for every other group."""
+    if "muon_shape" not in group:
+        return 1.0
+    return zero_lr_ratio(group["muon_shape"], adjust_lr_fn or group["adjust_lr_fn"])
+
+
+def _as_configured(key: str, value, ratio: float):
+    """A group's lr / weight_decay as the config states it (a ZeRO Muon group's unscaled)."""
+    if ratio == 1.0 or key not in ("lr", "weight_decay"):
+        return value
+    return float(f"{value / ratio if key == 'lr' else value * ratio:.12g}")
+
+
 def apply_optim_settings(scheduler: LambdaLR, optim_cfg) -> list[str]:
     """Write the config's optim settings (lr, betas, eps, weight_decay; with optim=muon the
     optim.muon_* ones into Muon's groups) into a resumed optimizer and its schedule (a
@@ -283,10 +317,15 @@ def apply_optim_settings(scheduler: LambdaLR, optim_cfg) -> list[str]:
     changed: dict[str, str] = {}
     peaks = []
     for base, g in zip(scheduler.base_lrs, groups):
-        for name, (key, value) in _group_settings(optim_cfg, g).items():
+        wanted = _group_settings(optim_cfg, g)
+        old = _zero_ratio(g)
+        new = _zero_ratio(g, wanted.get("optim.muon_adjust_lr", (None, None))[1])
+        for name, (key, value) in wanted.items():
             have = base if key == "lr" else tuple(g[key]) if key == "betas" else g[key]
             if have != value:
-                changed.setdefault(name, f"{name}: {have} in the checkpoint, {value} now")
+                was, now = _as_configured(key, have, old), _as_configured(key, value, new)
+                if was != now:          # else only a ZeRO group's ratio changed (adjust_lr)
+                    changed.setdefault(name, f"{name}: {was} in the checkpoint, {now} now")
                 if key != "lr":
                     g[key] = value
             if key == "lr":
