@@ -276,26 +276,3 @@ def test_the_preset_composes_with_its_defaults():
     assert cfg.optim.name.value == "muon" and cfg.optim.muon_lr is None
     assert cfg.optim.muon_adjust_lr.value == "match_rms_adamw"
     assert _compose().optim.name.value == "adamw"
-
-
-@pytest.mark.slow
-def test_a_tiny_run_trains_and_resumes_bitwise(tmp_path, tiny_llama_dataset):
-    common = ["target=tiny_llama", "optim=muon", "optim.weight_decay=0.01",
-              "train.deterministic=true", "data.eval_fraction=0"]
-    run(tmp_path / "a", tiny_llama_dataset, *common, "train.max_steps=4")
-    assert len(losses(tmp_path / "a")) == 4
-    assert "optimizer: torch Muon on 8 hidden matrices" in \
-        (tmp_path / "a" / "train.log").read_text()
-    b = tmp_path / "b"
-    run(b, tiny_llama_dataset, *common, "train.max_steps=2", "train.save_every=1",
-        "export.enabled=false")
-    r = run(b, tiny_llama_dataset, *common, "train.max_steps=4", "train.save_every=1",
-            "train.resume=latest")
-    assert_resumed(r, b, 2)
-    ta, tb = _export_tensors(tmp_path / "a"), _export_tensors(b)
-    assert ta.keys() == tb.keys() and len(ta) > 5
-    for name in ta:
-        assert torch.equal(ta[name], tb[name]), f"{name} differs after resume"
-    r = run(b, tiny_llama_dataset, "target=tiny_llama", "train.max_steps=5",
-            "train.resume=latest", check=False)
-    assert r.returncode != 0 and "optim.name: checkpoint 'muon', now 'adamw'" in r.stderr

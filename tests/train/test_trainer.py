@@ -356,13 +356,16 @@ def test_the_real_decoding_tau_reaches_the_tracker(tmp_path, tiny_llama_dataset)
                                     "drafter.fp8=tensorwise drafter.fp8_split_qkv=true",
                                     "drafter.host_embedding=true data.device_prefetch=true",
                                     "optim.moments=bf16 train.param_dtype=bf16 "
-                                    "drafter.checkpoint_mlp=true"])
+                                    "drafter.checkpoint_mlp=true",
+                                    "optim=muon optim.weight_decay=0.01"])
 @pytest.mark.slow
 def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_dataset, option):
     if "fp8" in option:
         pytest.importorskip("torchao.float8")
+    # export.select=last: the resumed run also evaluated its step-3 end, which the best
+    # checkpoint could otherwise pick
     common = ["target=tiny_llama", "train.deterministic=true", "train.eval_every=0",
-              *option.split()]
+              "export.select=last", *option.split()]
     run(tmp_path / "a", tiny_llama_dataset, *common, "train.max_steps=6")
     b = tmp_path / "b"
     run(b, tiny_llama_dataset, *common, "train.max_steps=3", "train.save_every=1",
@@ -379,6 +382,12 @@ def test_resume_is_exact_with_each_memory_and_speed_option(tmp_path, tiny_llama_
             (tmp_path / "a" / "train.log").read_text()
         state = torch.load(next((b / "checkpoints").rglob("optimizer.bin")), weights_only=False)
         assert {t["exp_avg"].dtype for t in state["inner"]["state"].values()} == {torch.bfloat16}
+    if "muon" in option:   # Muon took the hidden matrices; the other optimizer is refused
+        assert "optimizer: torch Muon on 8 hidden matrices" in \
+            (tmp_path / "a" / "train.log").read_text()
+        r = run(b, tiny_llama_dataset, "target=tiny_llama", "train.max_steps=7",
+                "train.resume=latest", check=False)
+        assert r.returncode != 0 and "optim.name: checkpoint 'muon', now 'adamw'" in r.stderr
     if "fp8" in option:   # the FP8 run really ran float8 linears (fc kept bf16), and
         log = (tmp_path / "a" / "train.log").read_text()   # exported plain weights
         assert "FP8 training (tensorwise): midlayer.self_attn.q_proj," in log
