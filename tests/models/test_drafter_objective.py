@@ -123,7 +123,7 @@ def test_training_module_listed_rows_match_all_rows():
     ids = torch.randperm(96)[:48].sort().values
     drafter.set_vocab_map(ids - torch.arange(48))
     loss_cfg = SimpleNamespace(step_weight=0.8, normalisation="valid", position_mask=True,
-                               chunk_size=7)
+                               chunk_size=7, objective="soft_ce", lk_eta=3.0)
     module = TrainingModule(drafter, torch.randn(48, 24), loss_cfg, loss_impl="torch",
                             ttt_steps=3)
     T = 20

@@ -10,8 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STAMP = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}"
 LINE = re.compile(STAMP + r" I eyas\.train\.tracking: step (\d+)/(\d+) \(\d+%\) \| loss [\d.]+ "
-                  r"\| tau [\d.]+ \| tok/s \d+ \| lr [\d.]+e[-+]\d+ \| elapsed \d+:\d\d:\d\d "
-                  r"\| eta \d+:\d\d:\d\d$")
+                  r"\| tau [\d.]+ \| alpha [\d.]+ [\d.]+ \(tau_alpha [\d.]+\) \| tok/s \d+ "
+                  r"\| lr [\d.]+e[-+]\d+ \| elapsed \d+:\d\d:\d\d \| eta \d+:\d\d:\d\d$")
 
 
 def test_log_lines_every_log_every_steps_in_train_log(tmp_path, tiny_llama_dataset):
