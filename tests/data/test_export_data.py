@@ -68,15 +68,21 @@ def target_dir(tmp_path_factory):
     return out
 
 
+def write_conversations(path, convs=CONVS):
+    """Conversations of (user, assistant) turns as OpenAI `messages` JSONL (what `eyas prepare
+    --input` reads)."""
+    with open(path, "w") as f:
+        for turns in convs:
+            msgs = [m for u, a in turns for m in ({"role": "user", "content": u},
+                                                  {"role": "assistant", "content": a})]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
 @pytest.fixture(scope="module")
 def hidden(tmp_path_factory, target_dir):
     """A real hidden-state dataset: prepare + extract (teacher both) on the target above."""
     root = tmp_path_factory.mktemp("export")
-    with open(root / "conv.jsonl", "w") as f:
-        for turns in CONVS:
-            msgs = [m for u, a in turns for m in ({"role": "user", "content": u},
-                                                  {"role": "assistant", "content": a})]
-            f.write(json.dumps({"messages": msgs}) + "\n")
+    write_conversations(root / "conv.jsonl")
     prepare(root / "conv.jsonl", str(target_dir), root / "tokens",
             tokenizer=load_tokenizer(target_dir), shard_samples=2)
     extract(root / "tokens", str(target_dir), root / "hidden", teacher="both", topk=4,

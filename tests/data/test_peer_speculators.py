@@ -24,6 +24,7 @@ from eyas.data.build.prepare import prepare
 from eyas.data.build.vocab import build_vocab, save_vocab
 from eyas.data.common.targets import load_tokenizer, resolve_target
 from eyas.data.store.shards import open_dataset
+from tests.data.test_export_data import write_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "peer_speculators.py"
@@ -59,11 +60,7 @@ def peer():
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     root = tmp_path_factory.mktemp("peer")
-    with open(root / "conv.jsonl", "w") as f:
-        for turns in CONVS:
-            msgs = [m for u, a in turns for m in ({"role": "user", "content": u},
-                                                  {"role": "assistant", "content": a})]
-            f.write(json.dumps({"messages": msgs}) + "\n")
+    write_conversations(root / "conv.jsonl", CONVS)
     target = resolve_target("tiny-llama")
     prepare(root / "conv.jsonl", str(target), root / "tokens", tokenizer=load_tokenizer(target))
     extract(root / "tokens", str(target), root / "hidden", teacher="last")
