@@ -73,7 +73,7 @@ def test_single_process_trains_exports_and_prints(tmp_path, smollm2_dataset):
     lines = r.stdout.strip().splitlines()
     assert lines[-2:] == [f"export: {tmp_path / 'r' / 'export'}", lines[-1]]
     assert lines[-1].startswith("eval split: decoder walk tau ")
-    assert float(lines[-1].split()[4].rstrip(",")) >= 1.0
+    assert float(lines[-1].split()[5].rstrip(",")) >= 1.0
     cfg = json.loads((tmp_path / "r" / "export" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["draft_vocab_size"] == 1024 and cfg["vocab_size"] == 49152
