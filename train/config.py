@@ -214,27 +214,20 @@ class OptimConfig:
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     name: OptimName = OptimName.adamw
-    """adamw: AdamW for every trainable parameter. muon: torch.optim.Muon for the drafter's 2-D
-    hidden weight matrices (fc, q/k/v/o, gate/up/down) and AdamW for the rest (lm_head, norms);
-    under DeepSpeed ZeRO-1/2 DeepSpeed's own Muon with torch's lr scale (optim.clip_grad_norm=0
-    there), refused under ZeRO-3 (train/muon.py)."""
+    """adamw, or muon: Muon for the hidden matrices, AdamW for lm_head and norms (train/muon.py)."""
     muon_lr: Optional[float] = None
-    """optim=muon: Muon's peak learning rate; null = optim.lr (with muon_adjust_lr=
-    match_rms_adamw each Muon update has AdamW's RMS, so one lr serves both halves)."""
+    """optim=muon: Muon's peak learning rate; null = optim.lr."""
     muon_weight_decay: Optional[float] = None
-    """optim=muon: Muon's decoupled weight decay (times the unadjusted lr, as torch applies
-    it); null = optim.weight_decay."""
+    """optim=muon: Muon's decoupled weight decay; null = optim.weight_decay."""
     muon_momentum: float = 0.95
     """optim=muon: Muon's momentum, in [0, 1)."""
     muon_nesterov: bool = True
     """optim=muon: Nesterov momentum for Muon (always on under ZeRO)."""
     muon_ns_steps: int = 5
-    """optim=muon: Newton-Schulz iterations that orthogonalise each Muon update (1..99; 5
-    under ZeRO)."""
+    """optim=muon: Newton-Schulz iterations per update (1..99; 5 under ZeRO)."""
     muon_adjust_lr: MuonAdjustLR = MuonAdjustLR.match_rms_adamw
-    """optim=muon: Muon's per-matrix lr scale (torch's adjust_lr_fn): match_rms_adamw
-    (0.2·sqrt(max(rows, cols)), Moonshot's: AdamW's lr and weight decay carry over) or original
-    (Keller Jordan's sqrt(max(1, rows/cols)): wants a Muon lr near 0.02, optim.muon_lr)."""
+    """optim=muon: torch's adjust_lr_fn: match_rms_adamw (AdamW's lr carries over) or original
+    (wants optim.muon_lr near 0.02)."""
 
 
 @dataclass
