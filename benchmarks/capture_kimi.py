@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.common.capture import Capture, find_text_model, logit_transform
+from eyas.data.common.capture import LayerHooks, find_text_model, logit_transform
 from eyas.data.build.estimate import estimate_bytes
 from eyas.data.build.extract import extract
 from eyas.data.build.forward import run_batch
@@ -112,7 +112,7 @@ def hooks_only(model, ds, batch: int, teacher: str) -> float:
     """Seconds for the capture without storage: the hooked forward, the chunked argmax (and
     top-k) and the copies to the host, as `extract` runs them, for every batch."""
     text, layers, norm, head = find_text_model(model)
-    cap = Capture(layers, AUX, norm)
+    cap = LayerHooks(layers, AUX, norm)
     rows = [ds.sample(i, fields=("input_ids", "loss_mask")) for i in range(len(ds))]
     tf = logit_transform(model.config)
     try:

@@ -1,10 +1,10 @@
-"""Capture throughput: vLLM's engine (`eyas extract --engine vllm`) against transformers.
+"""Capture throughput: vLLM's engine (`eyas extract --capture vllm`) against transformers.
 
 The same token dataset (benchmarks/extract.py's: the shipped prompts with canned answers of
 varied length) is captured both ways into the same storage mode, one after the other on the same
 machine:
   hf      `data.extract.extract` in this process (forward hooks, equal-length batches);
-  engine  `data.engine_capture.extract_engine`: a vLLM worker in its own venv, requests with
+  engine  `data.build.extract.extract(capture="vllm")`: a vLLM worker in its own venv, requests with
           max_tokens 1, the connector's files turned into the same fields.
 Per path it reports the end-to-end wall time (the engine's includes its start), the capture
 rate the run itself logs (tokens / seconds of capture, the engine's start excluded) and the
@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import make_tokens  # noqa: E402
 
 from eyas.data.store.dataset import open_dataset  # noqa: E402
-from eyas.data.build.engine_capture import extract_engine  # noqa: E402
 from eyas.data.build.extract import extract  # noqa: E402
 from eyas.data.common.log import setup_logging  # noqa: E402
 from eyas.data.common.targets import load_tokenizer  # noqa: E402
@@ -90,8 +89,8 @@ def main() -> None:
         rows["hf"] = {"wall_s": time.perf_counter() - t0, "capture_tok_s": s["tokens_per_s"]}
         rows["hf"]["peak_rss_gib"] = _peak_gib()
         t0 = time.perf_counter()
-        s = extract_engine(tokens, args.target, work / "engine", dtype=args.dtype,
-                           teacher="both")
+        s = extract(tokens, args.target, work / "engine", capture="vllm", dtype=args.dtype,
+                    teacher="both")
         rows["engine"] = {"wall_s": time.perf_counter() - t0,
                           "capture_tok_s": s["tokens_per_s"]}
         rows["engine"]["peak_rss_gib"] = _peak_gib()

@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from eyas.data.common.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSettings,
+                                       StreamSettings,
                                 GenerationSettings, SeedSettings, SynthesisSettings,
                                 TargetSettings, TokenizeSettings)
 from eyas.data.common.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
@@ -100,10 +101,15 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
     """Held-out hidden-state dataset; null = split eval_fraction off `dataset`."""
     prompts: Optional[str] = None
     """Prompts for the embedded default (messages JSONL); null = the shipped prompts."""
-    capture: str = "hf"
-    """Who captures the embedded default's hidden states: hf (transformers, forward hooks) or
-    vllm (a vLLM engine in its own venv, `eyas engines setup --runtime`; its
-    extract_hidden_states method, the path a target too large for transformers takes)."""
+    tokens: Optional[str] = None
+    """Token dataset (`eyas prepare`) a streamed run captures from (data.stream); null = the
+    embedded default's."""
+    stream: StreamSettings = field(default_factory=StreamSettings)
+    """Capture and train at once (data/build/stream.py); `data.stream=true` turns it on."""
+    vocab_count: str = "auto"
+    """Which tokens choose the draft vocabulary (data.vocab.count_tokens): auto (the target's
+    argmax where the dataset stores it; a streamed run has none yet: next_token),
+    target_argmax, next_token or masked_token."""
     endpoint: Optional[str] = None
     """OpenAI-compatible server (http://HOST:PORT/v1: vLLM, SGLang, transformers serve) that
     writes the embedded default's answers instead of transformers.generate (data.served); the

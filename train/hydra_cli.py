@@ -102,3 +102,19 @@ class RunNameCheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.on_run_start(config)
+
+
+#: `KEY=VALUE` overrides that stand for a group's switch: data.stream=true is
+#: data.stream.enabled=true (sweeps too: data.stream=true,false)
+SHORTHANDS = {"data.stream": "data.stream.enabled"}
+
+
+def expand_shorthands(overrides: list[str]) -> list[str]:
+    """`overrides` with each shorthand spelt out (SHORTHANDS)."""
+    out = []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        prefix = key[:len(key) - len(key.lstrip("+~"))]
+        full = SHORTHANDS.get(key[len(prefix):])
+        out.append(f"{prefix}{full}{sep}{value}" if full and sep else o)
+    return out

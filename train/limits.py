@@ -53,8 +53,15 @@ def check_data(data, fail: Fail) -> None:
     """The data group: read checks, budget, eval split, embedded-default sampling, endpoint."""
     if data.nonfinite not in ("raise", "skip"):
         fail("data.nonfinite", data.nonfinite, "raise or skip", "data.nonfinite=raise")
-    if data.capture not in ("hf", "vllm"):
-        fail("data.capture", data.capture, "hf or vllm", "data.capture=hf")
+    if data.capture == "endpoint" and not data.capture_endpoint:
+        fail("data.capture_endpoint", None, "the capturing server's URL with data.capture="
+             "endpoint", "data.capture_endpoint=http://HOST:8000/v1")
+    if data.vocab_count not in ("auto", "target_argmax", "next_token", "masked_token"):
+        fail("data.vocab_count", data.vocab_count, "auto, target_argmax, next_token or "
+             "masked_token", "data.vocab_count=auto")
+    if data.stream.enabled and (data.stream.ahead < 1 or data.stream.spool_bytes < 1):
+        fail("data.stream.ahead", data.stream.ahead, ">= 1 (and spool_bytes >= 1)",
+             "data.stream.ahead=256")
     if data.token_budget < 16:
         fail("data.token_budget", data.token_budget, ">= 16", "data.token_budget=2048")
     if not 0.0 <= data.eval_fraction < 1.0:

@@ -97,7 +97,8 @@ def _train(cfg, resolved, accelerator, summary: dict) -> None:
 
     def dataset():
         return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
-                                       target_dtype=resolved.target_dtype)
+                                       target_dtype=resolved.target_dtype,
+                                       run_dir=Path(cfg.output_dir))
 
     stages: dict[str, float] = {}
     with _timed(stages, "dataset"):
@@ -293,7 +294,8 @@ def precheck(overrides: list[str]) -> int:
     try:
         with initialize_config_dir(config_dir=str(Path(__file__).parents[1] / "conf"),
                                    version_base=None):
-            composed = compose(config_name="config", overrides=list(overrides))
+            from eyas.train.hydra_cli import expand_shorthands
+            composed = compose(config_name="config", overrides=expand_shorthands(list(overrides)))
     except (HydraException, OmegaConfBaseException) as e:  # as the job tells a bad override
         from eyas.train.hydra_cli import explain
         print(explain(e), file=sys.stderr)
@@ -380,6 +382,8 @@ def cli() -> None:
     started by a launcher ends when the launcher does (data/common/parent.py)."""
     exit_with_launcher()
     setup_logging(keep_early=True)  # a sweep's launcher lines before main: job #0's log
+    from eyas.train.hydra_cli import expand_shorthands
+    sys.argv[1:] = expand_shorthands(sys.argv[1:])
     try:
         _main_told()
     except SystemExit as e:

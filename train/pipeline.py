@@ -32,6 +32,7 @@ class DatasetPaths:
     train: Path
     eval: Path | None
     conversations: Path | None = None
+    tokens: Path | None = None      # with data.stream: what the trainer captures `train` from
 
 
 def _embedded_key(data: DataConfig, target: TargetConfig, seed: int, target_dtype) -> str:
@@ -51,7 +52,7 @@ def _embedded_key(data: DataConfig, target: TargetConfig, seed: int, target_dtyp
     if data.endpoint:                 # answers from a served target
         fields += ["endpoint", data.endpoint, data.endpoint_model]
     if data.capture != "hf":          # states captured by the engine
-        fields += ["capture", data.capture]
+        fields += ["capture", data.capture.value]
     return _hash(data, fields)
 
 
@@ -224,13 +225,15 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
                 log.debug("embedded dataset: cannot mark %s for reuse (%s)", root, e)
         return DatasetPaths(train=hidden, eval=None, conversations=conversations)
     root.mkdir(parents=True, exist_ok=True)
+    tokens = root / "tokens"
+    if data.stream.enabled and (tokens / "manifest.json").is_file():
+        return DatasetPaths(train=hidden, eval=None, conversations=conversations, tokens=tokens)
     prompts = Path(data.prompts or prompts_path("default"))
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     lines = lines[:data.num_prompts]
     from eyas.data.common.targets import default_device, load_target
     device = default_device().type
     model, tokenizer = load_target(target.name, dtype=target_dtype, device=device)
-    tokens = root / "tokens"
     akey = _answers_key(data, target, seed, target_dtype)
     if not (tokens / "manifest.json").is_file():
         donor = _reuse_answers(root, akey)
@@ -247,15 +250,13 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
         _answer_and_tokenise(data, target, seed, root, lines, prompts, model, tokenizer)
     atomic_write_bytes(root / _ANSWERS_KEY_FILE, (akey + "\n").encode())
     layers = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
-    if data.capture == "vllm":
-        from eyas.data.build.engine_capture import extract_engine
-        kw = data.extract_kwargs()
-        extract_engine(tokens, target.name, hidden, layers=layers, aux_format=kw["aux_format"],
-                       teacher=kw["teacher"], dtype=str(target_dtype).removeprefix("torch."))
-    else:
-        extract.extract(tokens, target.name, hidden, layers=layers, **data.extract_kwargs(),
-                        model=model, device=device)
-    return DatasetPaths(train=hidden, eval=None, conversations=conversations)
+    paths = DatasetPaths(train=hidden, eval=None, conversations=conversations, tokens=tokens)
+    if data.stream.enabled:
+        return paths        # the trainer captures while it trains (data/build/stream.py)
+    extract.extract(tokens, target.name, hidden, layers=layers, **data.extract_kwargs(),
+                    dtype=str(target_dtype).removeprefix("torch."),
+                    model=model if data.capture == "hf" else None, device=device)
+    return paths
 
 
 def _answer_and_tokenise(data: DataConfig, target: TargetConfig, seed: int, root: Path,
@@ -288,11 +289,22 @@ def _answer_and_tokenise(data: DataConfig, target: TargetConfig, seed: int, root
                     on_error="skip")
 
 
-def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
-                   target_dtype) -> DatasetPaths:
+def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int, target_dtype,
+                   run_dir: Path) -> DatasetPaths:
     """The hidden-state dataset(s) this run trains and evaluates on; refused when rendered with
-    another chat template than the target serves (`templates.template_mismatch`)."""
-    if data.dataset:
+    another chat template than the target serves (`templates.template_mismatch`). With
+    data.stream the train dataset may not exist yet: `tokens` names what the trainer captures
+    it from (data.tokens, else the embedded default's), into data.dataset or run_dir/dataset
+    (keep=all) or a spool in run_dir (keep=none)."""
+    if data.stream.enabled and data.tokens:
+        tokens = Path(data.tokens).expanduser()
+        if not (tokens / "manifest.json").is_file():
+            raise FileNotFoundError(f"data.tokens={tokens}: no manifest.json there; write a token "
+                                    f"dataset with `eyas prepare`")
+        train = Path(data.dataset).expanduser() if data.dataset else run_dir / "dataset"
+        eval_dir = Path(data.eval_dataset).expanduser() if data.eval_dataset else None
+        paths = DatasetPaths(train=train, eval=eval_dir, tokens=tokens)
+    elif data.dataset:
         train_dir = Path(data.dataset).expanduser()
         if not (train_dir / "manifest.json").is_file():
             raise FileNotFoundError(f"data.dataset={train_dir}: no manifest.json there; write one "
@@ -302,8 +314,14 @@ def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
     else:
         paths = build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
     from eyas.data.common.templates import template_mismatch
-    for key, d in (("data.dataset", paths.train), ("data.eval_dataset", paths.eval)):
-        why = d and template_mismatch(d, target.name, f"{key}={d}", after=" and extract again")
+    if (paths.train / "manifest.json").is_file():
+        paths.tokens = None             # complete: read, nothing to capture
+    elif paths.tokens is not None and data.stream.keep == "none":
+        paths.train = run_dir / "stream-spool"
+    for key, d in (("data.dataset", paths.train), ("data.eval_dataset", paths.eval),
+                   ("data.tokens", paths.tokens)):
+        why = d and (d / "manifest.json").is_file() and template_mismatch(
+            d, target.name, f"{key}={d}", after=" and extract again")
         if why:
             raise ConfigError(why)
     return paths

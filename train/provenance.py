@@ -24,12 +24,12 @@ from eyas.train.config import to_plain
 log = logging.getLogger(__name__)
 
 
-def vocab_coverage(dataset, t2d: torch.Tensor) -> float | None:
+def vocab_coverage(dataset, t2d: torch.Tensor, count: str = "auto") -> float | None:
     """The fraction of the dataset's counted tokens (the ones the draft vocabulary was chosen
     from, data.vocab.count_tokens, which reads a dataset once per process) that the draft
     vocabulary holds."""
     t2d = t2d.detach().to("cpu", torch.bool)
-    counts = count_tokens(dataset, int(t2d.numel()))
+    counts = count_tokens(dataset, int(t2d.numel()), count)
     total = int(counts.sum())
     return int(counts[t2d.numpy()].sum()) / total if total else None
 
@@ -51,7 +51,9 @@ def run_record(t, step: int, eval_record: Mapping[str, Any] | None) -> dict[str,
     """The provenance of trainer `t` at optimizer step `step` (`eval_record`: its eval)."""
     train_ds = t.data.train.dataset
     eval_ds = None if t.data.eval is None else t.data.eval.dataset
-    datasets = [dataset_record(train_ds.root, "train")]
+    datasets = [dataset_record(train_ds.root, "train") if not getattr(train_ds, "streamed", False)
+                else {**dataset_record(train_ds.tokens.root, "tokens"), "role": "train",
+                      "streamed": {"into": str(train_ds.root), "keep": train_ds.keep}}]
     if eval_ds is not None and eval_ds is not train_ds:
         datasets.append(dataset_record(eval_ds.root, "eval"))
     manifest = train_ds.manifest
@@ -61,7 +63,8 @@ def run_record(t, step: int, eval_record: Mapping[str, Any] | None) -> dict[str,
                        "fingerprint": manifest.get("target_fingerprint"),
                        "model_type": tcfg.get("model_type"),
                        "architectures": tcfg.get("architectures")},
-            "drafter": {"vocab_coverage": vocab_coverage(train_ds, t.model.t2d)},
+            "drafter": {"vocab_coverage": vocab_coverage(train_ds, t.model.t2d,
+                                                         t.cfg.data.vocab_count)},
             "datasets": datasets, "capture": capture_contract(manifest),
             "training": _training(t, step), "eval": dict(eval_record or {}) or None,
             # this step's own weights; the run's final export replaces it with what

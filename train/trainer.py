@@ -73,6 +73,7 @@ class Data:
     eval: PackedLoader | None
     target_config: dict         # the target's config.json (from the manifest if it has one)
     aux_layer_ids: list[int]    # the aux layers the dataset stores (HF hidden_states ids)
+    stream: Any = None          # data.stream: the producer capturing `train`'s samples
 
 
 @dataclass
@@ -104,10 +105,30 @@ class Trainer:
 # Building
 
 
+def open_stream(data_cfg: DataConfig, target: TargetConfig, datasets, *, rank: int,
+                world_size: int, device, target_dtype):
+    """data.stream: this rank's producer over `datasets.tokens` (data/build/stream.py)."""
+    from eyas.data.build.stream import open_stream as open_
+    if data_cfg.capture == "vllm" and world_size > 1:
+        raise ConfigError("data.stream with data.capture=vllm runs one engine in one process; "
+                          "for several ranks start `vllm serve` (docs/engine.md) and stream with "
+                          "data.capture=endpoint data.capture_endpoint=URL")
+    kw = data_cfg.extract_kwargs()
+    hf = dict(device=device, pad_batches=kw.pop("pad_batches"))
+    return open_(datasets.tokens, target.name, datasets.train, **kw,
+                 **(hf if data_cfg.capture == "hf" else {}),
+                 keep=data_cfg.stream.keep.value, ahead=data_cfg.stream.ahead,
+                 spool_bytes=data_cfg.stream.spool_bytes,
+                 shard_tokens=data_cfg.stream.shard_tokens, rank=rank, world_size=world_size,
+                 layers=None if target.aux_layer_ids is None else list(target.aux_layer_ids),
+                 dtype=str(target_dtype).removeprefix("torch."))
+
+
 def build_data(data_cfg: DataConfig, target: TargetConfig, datasets, *, seed: int, rank: int,
-               world_size: int, pin_memory: bool) -> Data:
-    """Open the dataset(s), split the held-out part off, and build this rank's loaders."""
-    train_ds = open_dataset(datasets.train)
+               world_size: int, pin_memory: bool, stream=None) -> Data:
+    """Open the dataset(s) (or take the streamed one), split the held-out part off, and build
+    this rank's loaders."""
+    train_ds = open_dataset(datasets.train) if stream is None else stream.dataset
     manifest = train_ds.manifest
     aux_ids = list(manifest["aux_layer_ids"])
     if target.aux_layer_ids is not None and list(target.aux_layer_ids) != aux_ids:
@@ -124,7 +145,7 @@ def build_data(data_cfg: DataConfig, target: TargetConfig, datasets, *, seed: in
     else:
         train_idx, eval_idx = split_indices(len(train_ds), data_cfg.eval_fraction, seed)
         eval_ds = train_ds if len(eval_idx) else None
-    if data_cfg.verify:
+    if data_cfg.verify and stream is None:
         nonfinite = "error" if data_cfg.nonfinite == "raise" else "skip"
         for ds in {id(train_ds): train_ds, id(eval_ds): eval_ds}.values():
             if ds is not None:
@@ -136,7 +157,9 @@ def build_data(data_cfg: DataConfig, target: TargetConfig, datasets, *, seed: in
         eval_ds, data_cfg.token_budget, rank, world_size, seed, shuffle=False,
         num_workers=data_cfg.num_workers, indices=eval_idx)
     target_config = manifest.get("target_config") or load_target_config(target.name)
-    return Data(train, held_out, target_config, aux_ids)
+    if stream is not None:
+        stream.attach(train, held_out)
+    return Data(train, held_out, target_config, aux_ids, stream)
 
 
 def build_vocab_map(data_cfg: DataConfig, target: TargetConfig, draft_vocab_size: int,
@@ -149,7 +172,8 @@ def build_vocab_map(data_cfg: DataConfig, target: TargetConfig, draft_vocab_size
         from eyas.data.build.vocab import forced_special_ids
         force = forced_special_ids(target.name, data_cfg.cache_dir)
         size = min(int(draft_vocab_size), vocab_size)
-        d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=vocab_size)
+        d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=vocab_size,
+                               count=data_cfg.vocab_count)
         save_vocab(path, d2t, t2d)
     accelerator.wait_for_everyone()
     return load_vocab(path)
@@ -218,9 +242,13 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
     set_seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
+    stream = None if datasets.tokens is None else open_stream(
+        cfg.data, cfg.target, datasets, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, device=accelerator.device,
+        target_dtype=resolved.target_dtype)
     data = build_data(cfg.data, cfg.target, datasets, seed=cfg.train.seed,
                       rank=accelerator.process_index, world_size=accelerator.num_processes,
-                      pin_memory=resolved.pin_memory)
+                      pin_memory=resolved.pin_memory, stream=stream)
     model = build_model(cfg.drafter, cfg.loss, cfg.data, cfg.target, data, resolved,
                         accelerator, out)
     if model.module.host_embedding is not None:    # the loaders' threads look the rows up
@@ -287,6 +315,8 @@ def fit(t: Trainer) -> dict[str, Any]:
     with StopRequest() as stop, contextlib.ExitStack() as closing, profiler:
         for c in (logger, bar, batches):   # batches: stops the loader's prefetch threads
             closing.callback(c.close)
+        if t.data.stream is not None:      # after the loader's threads: they wait on it
+            closing.callback(t.data.stream.close)
         while step < t.total_steps and not stopping:
             with profiler.step(step + 1):       # numbered as the metrics number it
                 window.gnorm = train_step(t, batches, window, step, update)

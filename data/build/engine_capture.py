@@ -1,4 +1,4 @@
-"""`eyas extract --engine vllm` / `--endpoint URL`: the training features, captured by vLLM.
+"""`--capture vllm` / `--capture endpoint`: the training features, captured by vLLM.
 
 vLLM's `extract_hidden_states` speculative method stores chosen layers of every prompt token
 and its hidden-states connector writes them per request (`hidden_states` [T, n_ids, H],
@@ -13,19 +13,18 @@ and its hidden-states connector writes them per request (`hidden_states` [T, n_i
   (`data.capture.chunked_argmax_topk`).
 
 So the dataset means what an HF capture means: same format, storage modes, plan and resume
-(`data.extract`: one shard per plan range, written atomically; a rerun computes only missing
-shards). Each sample's token ids as the engine saw them must equal the stored ones, else the
-run stops naming the sample. The engine runs either here (`--engine vllm`: a worker in the
-engine venv, data/engine/runner.py) or as a server the user started (`--endpoint`: requests with
-max_tokens 1; the server writes the files to a directory this machine reads).
+(one driver for every producer: data/build/capturers.py, data/build/extract.py). Each sample's
+token ids as the engine saw them must equal the stored ones, else the run stops naming the
+sample. The engine runs either here (`--capture vllm`: a worker in the engine venv,
+data/engine/runner.py) or as a server the user started (`--capture endpoint
+--capture-endpoint URL`: requests with max_tokens 1; the server writes the files to a directory
+this machine reads).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -33,14 +32,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from eyas.data.common.capture import (ExtractError, WeightFiles, check_aux_layers,
-                                      chunked_argmax_topk, files_fingerprint, find_text_model,
-                                      logit_transform)
-from eyas.data.build.extract_plan import (check_template, finalize, make_plan, pending_shards,
-                                          write_plan)
-from eyas.data.build.forward import default_shard_tokens
-from eyas.data.common.lock import writes_directory
-from eyas.data.build.outdir import check_extract_out
+from eyas.data.common.capture import (ExtractError, WeightFiles, chunked_argmax_topk,
+                                      files_fingerprint, find_text_model, logit_transform)
 
 log = logging.getLogger(__name__)
 STATES_DIR = ".engine-states"       # the engine's per-request files, inside the output dir
@@ -137,7 +130,7 @@ def read_states(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 class WorkerSource:
-    """`--engine vllm`: the target in a vLLM worker process (data/engine/runner.py)."""
+    """`--capture vllm`: the target in a vLLM worker process (data/engine/runner.py)."""
 
     def __init__(self, target_dir: Path, engine_ids: list[int], storage: Path, dtype: str,
                  max_len: int, log_path: Path, connector: str = "host"):
@@ -165,7 +158,7 @@ class WorkerSource:
 
 
 class EndpointSource:
-    """`--endpoint URL`: a running `vllm serve` with extract_hidden_states and a connector."""
+    """`--capture endpoint`: a running `vllm serve` with extract_hidden_states and a connector."""
 
     def __init__(self, url: str, model: str | None, concurrency: int = 8):
         from eyas.data.build.endpoint import EndpointClient
@@ -221,121 +214,25 @@ def capture_source(source, engine_ids: list[int], n_layers: int, dtype: str) -> 
                "applies the target's final norm (HF hidden_states[-1]) for last, argmax, top-k"}}
 
 
-@writes_directory("out_dir", what="hidden-state dataset")
-def extract_engine(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
-                   endpoint: str | None = None, model: str | None = None,
-                   layers: list[int] | None = None, aux_format: str = "bf16",
-                   teacher: str = "last", topk: int = 32, shard_tokens: int | None = None,
-                   shard_bytes: int = 1 << 30, max_samples: int | None = None,
-                   dtype: str = "bfloat16", batch_samples: int = 32,
-                   connector: str = "host") -> dict[str, Any]:
-    """Capture a hidden-state dataset through vLLM (see the module docstring); the keywords
-    mean what `data.extract.extract`'s do. endpoint: a server's URL instead of a worker here
-    (`model`: its served name, default the first it lists). Returns a summary dict."""
-    from eyas.data.store.shards import open_dataset
-    from eyas.data.common.targets import resolve_target
-    if teacher not in ("last", "topk", "both"):
-        raise ExtractError(f"teacher must be last, topk or both, got {teacher!r}")
-    check_extract_out(out_dir, tokens_dir)
-    tokens = open_dataset(tokens_dir)
-    check_template(tokens_dir, target)
-    n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
-    target_dir = resolve_target(target)
-    head = TargetHead(target_dir, dtype)
-    aux_ids = check_aux_layers(layers, head.num_layers)
-    engine_ids = [*aux_ids, head.num_layers]
-    hidden, vocab = int(head.head.weight.shape[1]), int(head.head.weight.shape[0])
-    topk = topk if teacher != "last" else 0
-    shard_tokens = shard_tokens or default_shard_tokens(hidden, aux_format, teacher, topk,
-                                                        shard_bytes)
-    lengths = [int(x) for x in tokens.sample_lengths[:n]]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    storage = out / STATES_DIR
-    shutil.rmtree(storage, ignore_errors=True)      # a killed run's files: recomputed
-    source = (EndpointSource(endpoint, model) if endpoint else
-              WorkerSource(target_dir, engine_ids, storage, dtype, max(lengths) + 8,
-                           out / "engine.log", connector))
-    with source:
-        plan = make_plan(tokens, tokens_dir, target, n, lengths, shard_tokens,
-                         target_config=json.loads(head.config.to_json_string()),
-                         fingerprint=head.fingerprint(), target_dtype=dtype,
-                         capture=capture_source(source, engine_ids, head.num_layers, dtype),
-                         aux_ids=aux_ids, teacher=teacher, topk=topk, aux_format=aux_format,
-                         hidden=hidden, vocab=vocab, num_layers=head.num_layers)
-        write_plan(out, plan)
-        todo, resumed = pending_shards(out, plan["shards"], 0, 1)
-        t0 = time.perf_counter()
-
-        def features(s, name):
-            return sample_features(read_states(s), tokens.sample(name), head,
-                                   name=f"{tokens_dir} sample {name}", n_aux=len(aux_ids),
-                                   teacher=teacher, topk=topk)
-        done = _resumable(source, out, len(plan["shards"]), lambda: _capture_shards(
-            source, tokens, tokens_dir, out, plan["shards"], todo, lengths, features,
-            aux_format=aux_format, batch_samples=batch_samples))
-    dt = time.perf_counter() - t0
-    shutil.rmtree(storage, ignore_errors=True)
-    finalize(out)
-    return {"out_dir": str(out), "shards": len(plan["shards"]), "computed": todo,
-            "resumed": resumed, "tokens": done, "seconds": round(dt, 3),
-            "tokens_per_s": round(done / dt, 1) if dt > 0 and done else None,
-            "aux_layer_ids": aux_ids, "engine_layer_ids": engine_ids,
-            "manifest": str(out / "manifest.json")}
-
-
-def _capture_shards(source, tokens, tokens_dir, out: Path, shards: list[list[int]],
-                    todo: list[int], lengths: list[int], features: Callable, *,
-                    aux_format: str, batch_samples: int) -> int:
-    """Capture and write the planned shards `todo`; returns the tokens captured."""
-    from eyas.data.store.shards import write_shard
-    from eyas.data.common.utils import progress
-    total = sum(sum(lengths[a:b]) for a, b in (shards[j] for j in todo))
-    bar = progress(None, total=total, unit="tok", unit_scale=True, desc="extract[vllm]")
-    done, t0 = 0, time.perf_counter()
-    try:
-        for j in todo:
-            a, b = shards[j]
-            samples = []
-            for c in range(a, b, batch_samples):
-                batch = [(i, tokens.sample(i, fields=("input_ids",))["input_ids"].tolist())
-                         for i in range(c, min(b, c + batch_samples))]
-                files = source.capture(batch)
-                for i, _ in batch:
-                    samples.append(features(files[i], i))
-                    _remove(files[i])
-                ntok = sum(lengths[c:min(b, c + batch_samples)])
-                done += ntok
-                bar.update(ntok)
-            write_shard(out, j, samples, aux_format=aux_format)
-            log.info("shard %d (%d samples) written; %.0f tokens/s", j, b - a,
-                     done / max(time.perf_counter() - t0, 1e-9))
-    finally:
-        bar.close()
-    return done
-
-
 class CaptureStopped(RuntimeError):
     """The engine or server went away mid-run; what is written stays and a rerun resumes."""
 
     exit_status = 3
 
 
-def _resumable(source, out: Path, n_shards: int, run: Callable[[], int]) -> int:
-    """`run()`, with an engine that died or a server that stopped answering turned into one
-    line naming it, what is kept and how to resume."""
+@contextlib.contextmanager
+def engine_stops(kept: Callable[[], str]):
+    """An engine that died or a server that stopped answering inside the block, as one
+    CaptureStopped line naming it, then `kept()`: what stays and how to resume."""
     from eyas.data.build.endpoint import EndpointError
     from eyas.data.engine.runner import EngineError
     try:
-        return run()
+        yield
     except (EngineError, EndpointError) as e:
-        from eyas.data.store.shards import shard_name
-        kept = sum((out / shard_name(j)).is_file() for j in range(n_shards))
-        raise CaptureStopped(f"{str(e).splitlines()[0]}; {kept} of {n_shards} shard(s) of {out} "
-                             f"are complete and kept: run the same `eyas extract` command again "
-                             f"to resume") from e
+        raise CaptureStopped(f"{str(e).splitlines()[0]}; {kept()}") from e
 
 
-def _remove(path: str) -> None:
+def remove_states(path: str) -> None:
+    """Delete an engine file and its lock once read."""
     for f in (Path(path), Path(f"{path}.lock")):
         f.unlink(missing_ok=True)

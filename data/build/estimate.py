@@ -126,11 +126,11 @@ def timed_capture(model, tokens, lengths: list[int], ids: list[int], *, aux_ids:
                   batches: int) -> dict[str, Any]:
     """Tokens/s of the extraction forward (hooks, argmax/top-k) over the first `batches`
     forwards of the samples `ids`, after one untimed warm-up forward."""
-    from eyas.data.common.capture import Capture, find_text_model, logit_transform
+    from eyas.data.common.capture import LayerHooks, find_text_model, logit_transform
     from eyas.data.build.forward import length_groups, run_batch
     text, layers, norm, head = find_text_model(model)
     groups = length_groups(lengths, ids, batch_tokens, pad_batches)
-    capture = Capture(layers, aux_ids, norm)
+    capture = LayerHooks(layers, aux_ids, norm)
     tf, sync = logit_transform(model.config), getattr(torch, head.weight.device.type, None)
     done = seconds = 0.0
     try:

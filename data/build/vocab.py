@@ -68,14 +68,16 @@ def count_tokens(dataset, target_vocab_size: int, count: str = "auto") -> np.nda
       - "next_token": input_ids[t + 1] for every t with loss_mask[t] == 1 (inside the sample) —
         the data token that the teacher at t predicts.
       - "masked_token": input_ids[t] for every t with loss_mask[t] == 1 (SpecForge's count).
-      - "auto" (default): "target_argmax" if the dataset has that field, else "next_token".
+      - "auto" (default): "target_argmax" if the dataset stores that field, else (or while a
+        streamed run has not captured it yet) "next_token".
 
     A dataset counted before in this process (same root, manifest and mode) is not read again.
     """
     if count not in COUNT_MODES:
         raise ValueError(f"count must be one of {COUNT_MODES}, got {count!r}")
     if count == "auto":
-        count = "target_argmax" if "target_argmax" in dataset.fields else "next_token"
+        count = ("target_argmax" if "target_argmax" in dataset.fields
+                 and not getattr(dataset, "streamed", False) else "next_token")
     if count == "target_argmax" and "target_argmax" not in dataset.fields:
         raise ValueError(f"count='target_argmax' needs a dataset with target_argmax; "
                          f"{dataset.root} has {sorted(dataset.fields)}; use count='next_token'")

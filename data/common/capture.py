@@ -3,7 +3,7 @@
 - ``find_text_model``: the decoder stack of a causal LM — the module that owns
   ``embed_tokens``, a ``layers`` ModuleList and a final ``norm`` (Llama, Qwen, DeepSeek-V3/Kimi
   MLA+MoE, and multimodal wrappers whose text model sits under ``language_model``).
-- ``Capture``: forward pre-hooks on the aux layers (HF ``hidden_states[k]``: the residual
+- ``LayerHooks``: forward pre-hooks on the aux layers (HF ``hidden_states[k]``: the residual
   stream ENTERING decoder layer k, no norm) and a forward hook on the final norm (what the
   ``lm_head`` consumes); ``output_hidden_states`` is never requested.
 - ``chunked_argmax_topk``: the argmax (and top-k) of ``lm_head(h)`` over the full vocabulary in
@@ -80,7 +80,7 @@ def check_aux_layers(layers: list[int] | tuple[int, ...] | None, num_layers: int
     return ids
 
 
-class Capture:
+class LayerHooks:
     """Forward hooks that keep the inputs of the aux layers and the output of the final norm."""
 
     def __init__(self, layers: nn.ModuleList, aux_ids: list[int], norm: nn.Module):

@@ -26,6 +26,14 @@ class TeacherKind(str, Enum):
     topk = "topk"
 
 
+class Capture(str, Enum):
+    """Who captures the target's hidden states: the target in this process (transformers,
+    forward hooks), a vLLM engine run here, or a `vllm serve` started by the user."""
+    hf = "hf"
+    vllm = "vllm"
+    endpoint = "endpoint"
+
+
 class KVCache(str, Enum):
     dynamic = "dynamic"
     static = "static"
@@ -126,6 +134,17 @@ class SynthesisSettings:
 
 @dataclass
 class ExtractionSettings:
+    capture: Capture = setting(
+        Capture.hf,
+        "Who captures the hidden states: hf (the target in this process, transformers), vllm (a "
+        "vLLM engine run here in its own venv, `eyas engines setup --runtime`) or endpoint (a "
+        "`vllm serve` started with extract_hidden_states and a connector, at capture_endpoint).")
+    capture_endpoint: Optional[str] = setting(
+        None,
+        "With capture=endpoint: the capturing server's URL (http://HOST:PORT/v1); its "
+        "hidden-states files must be readable here.")
+    capture_model: Optional[str] = setting(
+        None, "With capture=endpoint: the served model name; null = the first it lists.")
     extract_pad_batches: bool = setting(
         False,
         "Extraction pads samples of different lengths into one forward (much faster on a GPU; the"
@@ -139,5 +158,32 @@ class ExtractionSettings:
 
     def extract_kwargs(self) -> dict[str, Any]:
         """These settings as `data.extract.extract` keywords."""
-        return dict(aux_format=self.aux_format.value, teacher=self.teacher.value,
-                    pad_batches=self.extract_pad_batches)
+        return dict(capture=self.capture, endpoint=self.capture_endpoint,
+                    served_model=self.capture_model, aux_format=self.aux_format.value,
+                    teacher=self.teacher.value, pad_batches=self.extract_pad_batches)
+
+
+class StreamKeep(str, Enum):
+    all = "all"
+    none = "none"
+
+
+@dataclass
+class StreamSettings:
+    """`data.stream`: capture and train at once (data/build/stream.py)."""
+
+    enabled: bool = setting(
+        False,
+        "Train while the target captures (data.capture): no extraction stage; `data.stream=true` "
+        "is the short spelling.")
+    keep: StreamKeep = setting(
+        StreamKeep.all,
+        "all: the captured samples become the dataset's shards as they come (data.dataset, or "
+        "the embedded default's cache), read by later epochs and runs; none: only a spool, "
+        "every epoch captures again.")
+    ahead: int = setting(256, "Samples the producer may capture ahead of the loader, per rank.")
+    shard_tokens: Optional[int] = setting(
+        None, "Tokens per kept shard, as `eyas extract --shard-tokens`; null = about 1 GiB of "
+        "features per shard (extract's default).")
+    spool_bytes: int = setting(
+        8 << 30, "With keep=none: the most bytes the spool holds (checked free at the start).")

@@ -53,7 +53,7 @@ def _check_buffer(name: str, dst: torch.Tensor, e, dtype: torch.dtype | None, le
                            path=path)
 
 
-class _Shard:
+class ShardFile:
     """One open shard: parsed header, offsets, and a lazily created copy-on-write mapping."""
 
     def __init__(self, path: Path, expected: dict[str, Any] | None = None,
@@ -181,7 +181,7 @@ class Dataset:
         self._sample_shard: np.ndarray | None = None              # [N] shard of each sample
         self.skipped: list[dict[str, Any]] = []
         self.read_checks: ReadChecks | None = None               # see enable_read_checks
-        self._cache: OrderedDict[int, _Shard] = OrderedDict()
+        self._cache: OrderedDict[int, ShardFile] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._max_open = max(1, max_open_shards)
 
@@ -245,7 +245,7 @@ class Dataset:
         self.__dict__.update(state)
         self._cache_lock = threading.Lock()
 
-    def shard(self, s: int) -> _Shard:
+    def shard(self, s: int) -> ShardFile:
         with self._cache_lock:
             sh = self._cache.get(s)
             if sh is not None:
@@ -253,7 +253,7 @@ class Dataset:
                 return sh
         entry = dict(self._shard_entries[s], fields=self.fields, aux_format=self.aux_format)
         lengths = self._all_lengths[self._first[s]:self._first[s + 1]]
-        sh = _Shard(self.shard_path(s), entry, lengths)
+        sh = ShardFile(self.shard_path(s), entry, lengths)
         with self._cache_lock:
             self._cache[s] = sh
             while len(self._cache) > self._max_open:

@@ -130,7 +130,8 @@ def _raise_nonfinite(bad: dict[str, torch.Tensor], offsets: np.ndarray, path: Pa
 
 def write_shard(dataset_dir: str | os.PathLike, index: int,
                 samples: Sequence[Mapping[str, torch.Tensor]], *, aux_format: str = "bf16",
-                check_finite: bool = True) -> dict[str, Any]:
+                check_finite: bool = True, file_name: str | None = None,
+                fsync: bool = True) -> dict[str, Any]:
     """Write `samples` as `dataset_dir/shard-{index:05d}.safetensors`, atomically.
 
     Args:
@@ -141,13 +142,15 @@ def write_shard(dataset_dir: str | os.PathLike, index: int,
         aux_format: "bf16" (exact) or "fp8" (aux as float8_e4m3fn with one float32 scale per
             (token, state) row; readers dequantise to bf16).
         check_finite: refuse NaN/inf in float fields (DatasetError naming the sample).
+        file_name: another file name in `dataset_dir` (a streamed run's one-sample spool
+            files); fsync: flush it to the disk before it appears (off for such a spool).
 
     Returns:
         the shard meta (also stored in the file header): file, index, n_samples, n_tokens,
         fields, aux_format, checksum, bytes, sample_lengths.
     """
     root = Path(dataset_dir)
-    path = root / shard_name(index)
+    path = root / (file_name or shard_name(index))
     if aux_format not in AUX_FORMATS:
         raise ValueError(f"aux_format must be one of {AUX_FORMATS}, got {aux_format!r}")
     names, lengths = _check_samples(samples, path)
@@ -183,7 +186,7 @@ def write_shard(dataset_dir: str | os.PathLike, index: int,
         "aux_format": aux_format if "aux" in fields else None,
         "fields": fields, "checksum": table_checksum(offsets, sample_crcs),
     }
-    with atomic_path(path) as tmp:
+    with atomic_path(path, fsync=fsync) as tmp:
         save_file(tensors, str(tmp), metadata={"eyas": json_meta(meta)})
     meta = dict(meta, file=path.name, bytes=path.stat().st_size,
                 sample_lengths=[int(x) for x in lengths])

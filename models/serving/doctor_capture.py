@@ -37,7 +37,7 @@ def check_capture(report, manifest: dict[str, Any]) -> None:
                    f"are hidden_states{ids} and the last state layer {n}",
                    "the drafter trains on other layers than the manifest names; served, it "
                    "reads the named ones and drafts near-random tokens",
-                   "re-capture with `eyas extract --engine vllm --layers "
+                   "re-capture with `eyas extract --capture vllm --layers "
                    f"{','.join(map(str, ids))}` (eyas asks the engine for the aux ids and N)")
         return
     report.checked.append(f"states captured by {cap.get('engine')} {cap.get('version')} "

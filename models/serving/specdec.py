@@ -144,10 +144,10 @@ class TargetRunner:
     """
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None):
-        from eyas.data.common.capture import Capture, find_text_model
+        from eyas.data.common.capture import LayerHooks, find_text_model
         self.model = model
         self.text, layers, norm, self.head = find_text_model(model)
-        self.capture = Capture(layers, list(aux_layer_ids), norm) if aux_layer_ids else None
+        self.capture = LayerHooks(layers, list(aux_layer_ids), norm) if aux_layer_ids else None
         self.device = self.head.weight.device
         self.cache = None
         self.forwards = 0

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from eyas.data.build.engine_capture import extract_engine
 from eyas.data.build.extract import extract
 from eyas.data.build.prepare import prepare
 from eyas.data.common.capture import ExtractError
@@ -86,7 +85,8 @@ def test_cli_refuses_a_target_with_another_template(tmp_path, tokens_dir, where)
 def test_engine_path_refuses_before_starting_anything(tmp_path, tokens_dir):
     target, sha = drifted_target(tmp_path)
     with pytest.raises(ExtractError) as e:
-        extract_engine(tokens_dir, target, tmp_path / "hid", endpoint="http://127.0.0.1:9")
+        extract(tokens_dir, target, tmp_path / "hid", capture="endpoint",
+                endpoint="http://127.0.0.1:9")
     assert str(e.value) == expected(tokens_dir, OWN, template_sha256(own_template()), target, sha)
 
 

