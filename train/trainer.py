@@ -351,6 +351,8 @@ def fit(t: Trainer) -> dict[str, Any]:
                           f"from it")
     if step == start and t.data.eval is not None:   # resumed at the end: nothing ran
         last_eval = evaluate(t)
+    if t.data.stream is not None:
+        t.data.stream.finish()
     summary: dict[str, Any] = {"steps": step, "nonfinite_steps": skipped.read(step),
                                "skipped_samples": skipped_samples(t.data.train.dataset),
                                "eval": last_eval, "tau": last_eval.get("tau"),

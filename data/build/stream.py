@@ -30,6 +30,7 @@ which is why the producer is per rank; an ``endpoint`` serves every rank's reque
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from bisect import bisect_right
@@ -324,6 +325,7 @@ class Stream:
         self.settings = dict(rank=rank, world_size=world_size, ahead=ahead,
                              spool_bytes=spool_bytes)
         self._lock = threading.Lock()
+        self._closed = False
 
     def attach(self, train, held_out) -> None:
         self.producer = Producer(self.dataset, self.capturer, train=train, held_out=held_out,
@@ -339,9 +341,18 @@ class Stream:
                 self.producer.start()
             self.dataset.start = None
 
+    def finish(self) -> None:
+        """The run is over: a keep=none spool goes (a killed run's stays for its resume)."""
+        self.close()
+        if self.dataset.keep == "none":
+            shutil.rmtree(self.dataset.spool, ignore_errors=True)
+
     def close(self, finish_s: float = 600.0) -> None:
         """Stop the producer; one that only has shards left to write (keep=all) finishes them
         first, waiting up to `finish_s` for the other ranks' samples."""
+        if self._closed:
+            return
+        self._closed = True
         if self.dataset.error is None:       # a reader still waiting gives up
             self.dataset.error = StreamClosed("the stream was closed")
         p = self.producer

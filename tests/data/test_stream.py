@@ -144,3 +144,12 @@ def test_a_dead_producer_is_the_readers_error(tmp_path, tokens_dir, model):
                 pass
     finally:
         s.close()
+
+
+def test_a_spool_or_dataset_that_cannot_fit_is_refused_before_capturing(tmp_path, tokens_dir,
+                                                                       model):
+    from eyas.data.common.space import DiskFullError
+    with pytest.raises(DiskFullError, match=r"data.stream.spool_bytes.*needs .* free there"):
+        _stream(tokens_dir, tmp_path / "spool", model, keep="none", ahead=4,
+                spool_bytes=1 << 62)
+    assert not list((tmp_path / "spool").glob("sample-*"))
