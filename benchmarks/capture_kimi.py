@@ -6,7 +6,7 @@ routed experts / 8 active, moe_intermediate 2048, vocabulary 163840) cut to a fe
 (the leading layers dense, the rest MoE), random bf16 weights built on the GPU. On
 the same token batches it times, alternating:
   plain    `model(input_ids)` (full-vocabulary logits, nothing stored);
-  extract  `data.extract.extract(model=...)`: the real hooks, chunked argmax, copies to the
+  extract  `data.produce.extract.extract(model=...)`: the real hooks, chunked argmax, copies to the
            host and shard writing to local disk, for each storage mode (bf16 aux + last
            state; fp8 aux + last; fp8 aux + top-32 teacher).
 Per-layer CUDA-event times of the plain forward give the projection to 61 layers; the writer's
@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from eyas.data.common.capture import LayerHooks, find_text_model, logit_transform
-from eyas.data.build.estimate import estimate_bytes
-from eyas.data.build.extract import extract
-from eyas.data.build.forward import run_batch
+from eyas.data.produce.estimate import estimate_bytes
+from eyas.data.produce.extract import extract
+from eyas.data.produce.forward import run_batch
 from eyas.data.common.log import setup_logging
 from eyas.data.store.shards import open_dataset, write_manifest, write_shard
 from eyas.data.common.targets import load_target_config, text_config

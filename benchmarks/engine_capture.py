@@ -3,8 +3,8 @@
 The same token dataset (benchmarks/extract.py's: the shipped prompts with canned answers of
 varied length) is captured both ways into the same storage mode, one after the other on the same
 machine:
-  hf      `data.extract.extract` in this process (forward hooks, equal-length batches);
-  engine  `data.build.extract.extract(capture="vllm")`: a vLLM worker in its own venv, requests with
+  hf      `data.produce.extract.extract` in this process (forward hooks, equal-length batches);
+  engine  `data.produce.extract.extract(capture="vllm")`: a vLLM worker in its own venv, requests with
           max_tokens 1, the connector's files turned into the same fields.
 Per path it reports the end-to-end wall time (the engine's includes its start), the capture
 rate the run itself logs (tokens / seconds of capture, the engine's start excluded) and the
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from extract import make_tokens  # noqa: E402
 
 from eyas.data.store.dataset import open_dataset  # noqa: E402
-from eyas.data.build.extract import extract  # noqa: E402
+from eyas.data.produce.extract import extract  # noqa: E402
 from eyas.data.common.log import setup_logging  # noqa: E402
 from eyas.data.common.targets import load_tokenizer  # noqa: E402
 

@@ -1,10 +1,10 @@
 """Extraction throughput against the target's plain forward on the same tokens.
 
 Builds a token dataset (the shipped default prompts with canned answers of varied length,
-tokenised by data.prepare with the target's template), then times, on the same tokens and the
-same batches (equal-length groups, as `data.extract` runs them):
+tokenised by data.produce.prepare with the target's template), then times, on the same tokens and the
+same batches (equal-length groups, as `data.produce.extract` runs them):
   plain    `model(input_ids)`: the CausalLM forward with full-vocabulary logits, nothing stored;
-  extract  `data.extract.extract(...)` end to end: pre-hooks on the aux layers, the final-norm
+  extract  `data.produce.extract.extract(...)` end to end: pre-hooks on the aux layers, the final-norm
            hook, chunked argmax over the vocabulary, copies to CPU, shard writing (crc32,
            safetensors, fsync) and the manifest.
 Runs alternate (plain, extract, plain, extract, ...); the best wall and CPU times of each are
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.build.extract import extract, length_groups
+from eyas.data.produce.extract import extract, length_groups
 from eyas.data.common.log import setup_logging
-from eyas.data.build.prepare import prepare
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.prepare import prepare
+from eyas.data.produce.prompts import prompts_path
 from eyas.data.store.shards import open_dataset
 from eyas.data.common.targets import load_target
 

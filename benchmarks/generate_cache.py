@@ -1,7 +1,7 @@
 """Answer generation at SmolLM2-135M's shape: transformers' dynamic KV cache against its static one.
 
 The embedded datasets answer tens of thousands of prompts with `model.generate` at batch 4096
-(`data.generate`, dynamic cache). This times that call on a random-weight Llama of SmolLM2-135M's
+(`data.produce.generate`, dynamic cache). This times that call on a random-weight Llama of SmolLM2-135M's
 shape (30 layers, hidden 576, 9 heads / 3 KV heads, vocabulary 49152) in bf16 on the GPU, with
 left-padded prompts of 40-159 tokens and a fixed answer length (`min_new_tokens` = the cap, so
 every row decodes the same number of steps and the figures compare per step). Runs, in order:

@@ -1,10 +1,10 @@
-"""The answer-generation stage as the recipes run it: `data.generate.generate_conversations`
+"""The answer-generation stage as the recipes run it: `data.produce.generate.generate_conversations`
 with the real SmolLM2-135M-Instruct in bf16 on the GPU, its dynamic KV cache against its static
 one (`data.generation_cache`), on the same prompts in one process.
 
     python benchmarks/generate_stage.py --prompts 16384 --out generate_stage.json   # H200
 
-The prompts are the shipped ones (`data/build/prompts/default.jsonl`), repeated under new ids to
+The prompts are the shipped ones (`data/produce/prompts/default.jsonl`), repeated under new ids to
 --prompts records, answered greedily with at most --new tokens at --batch rows per call (the
 quality recipe's 256 and 4096). Each cache answers all of them into its own file; the static
 one pays its decoding step's compile inside its time, as a recipe would. Prints one row per
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.build.generate import generate_conversations
+from eyas.data.produce.generate import generate_conversations
 from eyas.data.common.log import setup_logging
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.prompts import prompts_path
 from eyas.data.common.targets import load_target
 
 

@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()
 
-    from eyas.data.build.prepare import prepare
+    from eyas.data.produce.prepare import prepare
     from eyas.data.common.targets import load_tokenizer
     tok = load_tokenizer(args.target)
     rows, first = [], None

@@ -4,11 +4,11 @@ Target-written prompts (`eyas synthesize`) should read like the prompts a drafte
 this prints one table row per prompts JSONL (the user messages, read as `eyas synthesize` reads
 them), e.g. the shipped and held-out prompts next to three synthesis modes:
 
-    S=data/build/prompts/default.jsonl
+    S=data/produce/prompts/default.jsonl
     eyas synthesize --target smollm2 --n 256 --out template.jsonl --exclude $S --batch-size 64 --seed 1
     eyas synthesize --target smollm2 --n 256 --out openers.jsonl --openers-from $S --exclude $S --batch-size 64 --seed 1
     eyas synthesize --target smollm2 --n 256 --out examples.jsonl --examples-from $S --exclude $S --batch-size 64 --seed 1
-    python benchmarks/prompt_style.py data/build/prompts/heldout.jsonl $S template.jsonl openers.jsonl examples.jsonl
+    python benchmarks/prompt_style.py data/produce/prompts/heldout.jsonl $S template.jsonl openers.jsonl examples.jsonl
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import json
 import statistics
 
-from eyas.data.build.synthesize import prompt_texts
+from eyas.data.produce.synthesize import prompt_texts
 
 
 def style(texts: list[str]) -> dict:

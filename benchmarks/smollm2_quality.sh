@@ -16,7 +16,7 @@
 # value (OUT/sweep/N/export), each evaluated in step 5. Stages whose output exists are skipped.
 # Real speculative decoding on all held-out prompts then runs on a CPU:
 #   eyas evaluate --drafter OUT/run/export --target smollm2 \
-#       --prompts data/build/prompts/heldout.jsonl --k 7 --max-new-tokens 128 --out real.json
+#       --prompts data/produce/prompts/heldout.jsonl --k 7 --max-new-tokens 128 --out real.json
 #
 # Usage: benchmarks/smollm2_quality.sh OUT_DIR [extra Hydra overrides for the training job]
 #   N_SYNTH (60000), OPENER_WORDS (2; 0 = the chat template alone), MAX_NEW_TOKENS (128), GEN_BATCH (4096; lower it on a smaller GPU),
@@ -28,8 +28,8 @@ py=${PYTHON:-python3}
 eyas() { "$py" -m eyas.train.cli "$@"; }
 mkdir -p "$out"
 export EYAS_RUN_ID=smollm2-quality
-shipped=${SHIPPED:-$("$py" -c "from eyas.data.build.prompts import prompts_path; print(prompts_path('default'))")}
-heldout=${HELDOUT:-$("$py" -c "from eyas.data.build.prompts import prompts_path; print(prompts_path('heldout'))")}
+shipped=${SHIPPED:-$("$py" -c "from eyas.data.produce.prompts import prompts_path; print(prompts_path('default'))")}
+heldout=${HELDOUT:-$("$py" -c "from eyas.data.produce.prompts import prompts_path; print(prompts_path('heldout'))")}
 
 if [ ! -f "$out/prompts.jsonl" ]; then
   openers=()

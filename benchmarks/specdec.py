@@ -5,7 +5,7 @@ speculation (models.serving.specdec; drafter loaded like vLLM, batch 1), interle
 see the same machine load. Reported: real τ (1 + accepted drafts per verify forward, the
 engines' acceptance length) and the emitted tokens per verify forward, per-position
 acceptance, target forwards, tokens/s of both and the speedup, token identity. Then the
-target-only answers become a hidden-state dataset (`data.extract`, the training capture path)
+target-only answers become a hidden-state dataset (`data.produce.extract`, the training capture path)
 and `train.evaluate.offline_eval` computes, on exactly that text, the all-starts τ (what the
 trainer logs) and the decoder-walk τ; the table shows their gaps to the real τ.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.prompts import prompts_path
 from eyas.models.serving.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
                             summarize)
 from eyas.data.common.targets import TARGET_DTYPES, load_target
@@ -55,7 +55,7 @@ def random_drafter(model, out: Path, k: int) -> Path:
 
 def hidden_dataset(model, target: str, prompts, answers, root: Path) -> Path:
     """prompt + target answer per record → token dataset → hidden-state dataset (extract)."""
-    from eyas.data.build.extract import extract
+    from eyas.data.produce.extract import extract
     from eyas.data.store.shards import write_manifest, write_shard
     samples = [{"input_ids": torch.tensor(p + a),
                 "loss_mask": torch.tensor([False] * len(p) + [True] * len(a))}

@@ -26,8 +26,8 @@ py=${PYTHON:-python3}
 eyas() { "$py" -m eyas.train.cli "$@"; }
 modes=(bf16 fp8 fp8k)
 mkdir -p "$out"
-heldout=$("$py" -c "from eyas.data.build.prompts import prompts_path; print(prompts_path('heldout'))")
-shipped=$("$py" -c "from eyas.data.build.prompts import prompts_path; print(prompts_path('default'))")
+heldout=$("$py" -c "from eyas.data.produce.prompts import prompts_path; print(prompts_path('heldout'))")
+shipped=$("$py" -c "from eyas.data.produce.prompts import prompts_path; print(prompts_path('default'))")
 
 extract_args() {
   case $1 in

@@ -23,7 +23,7 @@ eyas() { "$py" -m eyas.train.cli "$@"; }
 read -r -a temps <<< "${TEMPS:-0.7 1.0}"
 device=${DEVICE:-cpu}
 mkdir -p "$out"
-heldout=$("$py" -c "from eyas.data.build.prompts import prompts_path; print(prompts_path('heldout'))")
+heldout=$("$py" -c "from eyas.data.produce.prompts import prompts_path; print(prompts_path('heldout'))")
 
 data() {
   if [ ! -f "$out/answer-prompts.jsonl" ]; then

@@ -3,7 +3,7 @@
 What it does, in a work directory (default: a temporary one):
   1. target/   a config-only preset made loadable: its config.json plus model.safetensors with
                random bf16 `model.embed_tokens.weight` and `lm_head.weight` [V, tH]
-  2. data/     a hidden-state dataset written with data.shards.write_shard: documents of
+  2. data/     a hidden-state dataset written with data.store.shards.write_shard: documents of
                64-1536 tokens (`--doc-tokens`; 20 % prompt), random aux [n, 3, tH], last [n, tH], input_ids and
                target_argmax (90 % drawn from 30000 frequent ids, so the draft vocabulary the
                trainer builds covers them), ~`--epoch-steps` batches of `--tokens` per epoch

@@ -46,7 +46,7 @@ _FIXED_KEYS = {
 class DrafterShape(VocabSettings):
     """The drafter's shape as chosen by a user: None derives the field from the target
     (`Eagle3Config.from_target`). The Hydra schema's `drafter` group extends it. Its first
-    field, draft_vocab_size, is `data.settings.VocabSettings` (also `eyas vocab --size`)."""
+    field, draft_vocab_size, is `data.common.settings.VocabSettings` (also `eyas vocab --size`)."""
 
     ttt_steps: int = 7
     """K: training-time-test unroll length; must be >= the serving num_speculative_tokens

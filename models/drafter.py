@@ -214,7 +214,7 @@ class Eagle3Drafter(nn.Module):
         return aux
 
     def forward_batch(self, batch, ttt_steps: int | None = None, **kwargs) -> DrafterOutput:
-        """`forward` on a packed `data.loader.Batch` (or anything with those attributes)."""
+        """`forward` on a packed `data.store.loader.Batch` (or anything with those attributes)."""
         return self(batch.input_ids, batch.aux, batch.doc_ids, batch.positions, ttt_steps, **kwargs)
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
@@ -236,7 +236,7 @@ class Eagle3Drafter(nn.Module):
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor | None = None) -> None:
         """Install a draft vocabulary: d2t [Vd] int64 offsets (target id = i + d2t[i]); t2d [V] bool.
 
-        `data.vocab_map.VocabMap.validate` checks the invariants of models/serving/CONTRACT.md
+        `data.store.vocab_map.VocabMap.validate` checks the invariants of models/serving/CONTRACT.md
         §3 (ids strictly increasing, within [0, V), t2d equal to the selected set). t2d is
         derived from d2t when not given.
         """

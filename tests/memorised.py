@@ -52,7 +52,7 @@ MARKER = "memorised.json"
 STARTED = "memorised.settings.json"   # the arguments of the attempt whose stages root holds
 
 #: short chat prompts whose answers run long (a long answer has many full rounds of K drafts);
-#: the first n_prompts are used when no prompts file is given, then data/build/prompts/default.jsonl
+#: the first n_prompts are used when no prompts file is given, then data/produce/prompts/default.jsonl
 PROMPTS = [
     "Give me three tips for staying focused while studying.",
     "Explain how a car engine works.",
@@ -84,7 +84,7 @@ def _prompt_lines(prompts: Path | None, n: int) -> list[str]:
         lines = [json.dumps({"id": f"memo-{i}", "messages": [{"role": "user", "content": p}]})
                  for i, p in enumerate(PROMPTS)]
         if n > len(lines):
-            from eyas.data.build.prompts import prompts_path
+            from eyas.data.produce.prompts import prompts_path
             lines += [x for x in prompts_path("default").read_text(encoding="utf-8").splitlines()
                       if x.strip()]
     if not 1 <= n <= len(lines):

@@ -184,7 +184,7 @@ def test_export_onto_a_disk_too_small_is_refused_before_writing(checkpoint, smal
 
 @pytest.fixture(scope="module")
 def tokens_dir(tmp_path_factory):
-    from eyas.data.build.prepare import prepare
+    from eyas.data.produce.prepare import prepare
     from eyas.data.common.targets import load_tokenizer
     root = tmp_path_factory.mktemp("tokens")
     convs = [("Name a fruit.", "Apple."), ("Hi", "Hello! How can I help?"), ("What is 2+2?", "4.")]
@@ -222,7 +222,7 @@ def test_the_plan_knows_each_files_exact_size(extracted):
 
 def test_extract_onto_a_disk_too_small_is_refused_before_it_starts(tokens_dir, extracted,
                                                                     small_fs, tmp_path):
-    from eyas.data.build.extract_plan import (
+    from eyas.data.produce.extract_plan import (
         SMALL_FILES_BYTES,
         SMALL_FILES_BYTES_PER_SHARD,
     )

@@ -15,9 +15,9 @@ exceptions):
   eyas.models.serving;
 - data/ is three rooms and the runtime engine: data/common/ (the common base) imports nothing
   of eyas outside it; data/store/ (the dataset format and its readers) imports only the common
-  base; data/engine/ (vLLM in its own venv) imports only the common base; data/build/ (the
+  base; data/engine/ (vLLM in its own venv) imports only the common base; data/produce/ (the
   stages that build datasets) may import all three. models/ (network and serving) never
-  imports the build stages;
+  imports the dataset-producing stages;
 - no file loads a project module by string (``importlib.import_module``, ``__import__``,
   ``importlib.util``): every arrow is an ``import`` statement;
 - no file imports the bare folder names (``data``, ``models``, …) instead of ``eyas.…``;
@@ -43,10 +43,10 @@ FORBIDDEN = {
 }
 #: file path prefix -> project packages it must not import: the rooms of data/
 ROOMS = {
-    ("data", "common"): (f"{PACKAGE}.data.store", f"{PACKAGE}.data.build", f"{PACKAGE}.data.engine"),
-    ("data", "store"): (f"{PACKAGE}.data.build", f"{PACKAGE}.data.engine"),
-    ("data", "engine"): (f"{PACKAGE}.data.store", f"{PACKAGE}.data.build"),
-    ("models",): (f"{PACKAGE}.data.build",),
+    ("data", "common"): (f"{PACKAGE}.data.store", f"{PACKAGE}.data.produce", f"{PACKAGE}.data.engine"),
+    ("data", "store"): (f"{PACKAGE}.data.produce", f"{PACKAGE}.data.engine"),
+    ("data", "engine"): (f"{PACKAGE}.data.store", f"{PACKAGE}.data.produce"),
+    ("models",): (f"{PACKAGE}.data.produce",),
 }
 _LOADERS = {"import_module", "__import__", "spec_from_file_location", "find_spec",
             "module_from_spec", "spec_from_loader", "SourceFileLoader"}
@@ -239,16 +239,16 @@ def test_checker_reports_a_violating_tree(tmp_path):
     _write(tmp_path, "train/z.py", "import importlib\nimportlib.import_module('eyas.train.x')\n"
                                    "import models.drafter\n")
     _write(tmp_path, "data/store/__init__.py", "")
-    _write(tmp_path, "data/store/reader.py", "from eyas.data.build import stage\n")
-    _write(tmp_path, "data/build/__init__.py", "")
-    _write(tmp_path, "data/build/stage.py", "")
+    _write(tmp_path, "data/store/reader.py", "from eyas.data.produce import stage\n")
+    _write(tmp_path, "data/produce/__init__.py", "")
+    _write(tmp_path, "data/produce/stage.py", "")
     _write(tmp_path, "data/common/__init__.py", "")
     _write(tmp_path, "data/common/base.py", "import eyas.data.store.reader\n")
-    _write(tmp_path, "models/serving/uses_build.py", "from eyas.data.build.stage import x\n")
+    _write(tmp_path, "models/serving/uses_build.py", "from eyas.data.produce.stage import x\n")
     found = "\n".join(violations(tmp_path))
-    assert "data/store/reader.py:1: data/store/ must not import eyas.data.build" in found
+    assert "data/store/reader.py:1: data/store/ must not import eyas.data.produce" in found
     assert "data/common/base.py:1: data/common/ must not import eyas.data.store" in found
-    assert "models/serving/uses_build.py:1: models/ must not import eyas.data.build" in found
+    assert "models/serving/uses_build.py:1: models/ must not import eyas.data.produce" in found
     assert "data/a.py:2: data/ must not import eyas.models" in found
     assert "models/drafter.py:1: the network" in found
     assert "kernels/k.py:1: kernels/ must not import eyas.data" in found

@@ -5,7 +5,7 @@
     batches.state_dict()              # the loader's resume point for the batches handed out
     batches.take_wait()               # seconds spent waiting for the loader since the last call
 
-The loader (`data.loader.PackedLoader`) builds pinned host batches in its threads; moving one
+The loader (`data.store.loader.PackedLoader`) builds pinned host batches in its threads; moving one
 to the GPU is ~170 MB at the Llama-8B shape and T = 4096 (aux, teacher state, embedding rows).
 Copied in line, that transfer sits on the compute stream between two steps. With `prefetch`
 (`data.device_prefetch`, on with CUDA) batch n+1 is copied on a side stream while step n

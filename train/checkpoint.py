@@ -11,7 +11,7 @@ Layout under `<run>/checkpoints/`:
 
 A checkpoint is written to `.step-000100.tmp` and renamed only when every rank has finished,
 so a crash while saving leaves the previous checkpoint as `latest`. Before the rename rank 0
-records every file's SHA-256 in `SHA256SUMS` (data.checksums); resume checks them, so a
+records every file's SHA-256 in `SHA256SUMS` (data.common.checksums); resume checks them, so a
 checkpoint with changed bytes or a truncated file is refused with an error naming the file.
 Rotation keeps the `keep_last` newest checkpoints and the best one; it renames a checkpoint to
 `.step-000100.del` before deleting it, so an interrupted rotation never leaves a half-deleted
@@ -98,7 +98,7 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
     `best_record` is written with it into best.json.
 
     Every rank writes its part into one `.step-N.tmp` directory that all of them can name, then
-    rank 0 renames it onto `step-N` (a single-writer `data.utils.atomic_write_dir` cannot be
+    rank 0 renames it onto `step-N` (a single-writer `data.common.utils.atomic_write_dir` cannot be
     shared by the ranks)."""
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / _name(step), root / f".{_name(step)}.tmp"

@@ -29,23 +29,23 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
     """The `cli_main` of subcommand `name`, imported only when it runs (so `eyas --help` stays
     fast), each by a plain import."""
     if name == "prepare":
-        from eyas.data.build.prepare import cli_main
+        from eyas.data.produce.prepare import cli_main
     elif name == "generate":
-        from eyas.data.build.served_cli import cli_main
+        from eyas.data.produce.served_cli import cli_main
     elif name == "synthesize":
-        from eyas.data.build.synthesize import cli_main
+        from eyas.data.produce.synthesize import cli_main
     elif name == "extract":
-        from eyas.data.build.extract import cli_main
+        from eyas.data.produce.extract import cli_main
     elif name == "import":
-        from eyas.data.build.importers import cli_main
+        from eyas.data.produce.importers import cli_main
     elif name == "export-data":
-        from eyas.data.build.export_data import cli_main
+        from eyas.data.produce.export_data import cli_main
     elif name == "vocab":
-        from eyas.data.build.vocab import cli_main
+        from eyas.data.produce.vocab import cli_main
     elif name == "inspect":
         from eyas.data.store.inspect import cli_main
     elif name == "verify":
-        from eyas.data.build.verify import cli_main
+        from eyas.data.produce.verify import cli_main
     elif name == "export":
         from eyas.models.serving.export_cli import cli_main
     elif name == "validate":

@@ -32,7 +32,7 @@ from eyas.train.limits import (check_data, check_drafter, check_eval, check_loop
 
 @dataclass
 class TargetConfig(TargetSettings):
-    """The target group: its fields (name, aux_layer_ids, dtype) are `data.settings.TargetSettings`,
+    """The target group: its fields (name, aux_layer_ids, dtype) are `data.common.settings.TargetSettings`,
     shared with `eyas prepare`, `eyas extract` and `eyas import`."""
 
 
@@ -84,7 +84,7 @@ class DrafterConfig(DrafterShape):
 class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, GenerationSettings,
                  TokenizeSettings):
     """The data group: the settings it shares with `eyas prepare`, `eyas synthesize` and `eyas
-    extract` (`data.settings`: max_length; max_new_tokens, generation_batch_size, temperature,
+    extract` (`data.common.settings`: max_length; max_new_tokens, generation_batch_size, temperature,
     top_p; synthetic_temperature, synthetic_opener_words, synthetic_examples;
     extract_pad_batches, aux_format, teacher) plus the embedded default dataset and the loader. The embedded default answers with
     shorter turns than `eyas prepare --generate`, answer 0 greedy and the others sampled."""
@@ -105,14 +105,14 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
     """Token dataset (`eyas prepare`) a streamed run captures from (data.stream); null = the
     embedded default's."""
     stream: StreamSettings = field(default_factory=StreamSettings)
-    """Capture and train at once (data/build/stream.py); `data.stream=true` turns it on."""
+    """Capture and train at once (data/produce/stream.py); `data.stream=true` turns it on."""
     vocab_count: str = "auto"
     """Which tokens choose the draft vocabulary (data.vocab.count_tokens): auto (the target's
     argmax where the dataset stores it; a streamed run has none yet: next_token),
     target_argmax, next_token or masked_token."""
     endpoint: Optional[str] = None
     """OpenAI-compatible server (http://HOST:PORT/v1: vLLM, SGLang, transformers serve) that
-    writes the embedded default's answers instead of transformers.generate (data.served); the
+    writes the embedded default's answers instead of transformers.generate (data.produce.served); the
     target is still loaded locally for extraction. null = the target answers locally."""
     endpoint_model: Optional[str] = None
     """Model name sent to data.endpoint; null = the first that its /v1/models lists."""
@@ -123,7 +123,7 @@ class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, Genera
     samples_per_prompt: int = 1
     """Answers per prompt for the embedded default: answer 0 greedy, the others sampled."""
     synthetic_prompts: int = 0
-    """Extra prompts the embedded default samples from the target itself (data.synthesize),
+    """Extra prompts the embedded default samples from the target itself (data.produce.synthesize),
     answered like the shipped ones; the held-out prompts are never among them. With
     synthetic_opener_words or synthetic_examples > 0 their openers or example lists come from
     the shipped prompts (data.prompts)."""
@@ -267,7 +267,7 @@ class TrackerConfig:
 
 @dataclass
 class TrainConfig(SeedSettings):
-    """The train group: the seed (`data.settings.SeedSettings`, also the seed of generation and
+    """The train group: the seed (`data.common.settings.SeedSettings`, also the seed of generation and
     synthesis) plus the loop's settings."""
 
     epochs: int = 1

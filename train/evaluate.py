@@ -212,7 +212,7 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
     Trailing assistant messages are dropped (the target answers the last user turn itself);
     the target's chat template is applied with add_generation_prompt=True.
     """
-    from eyas.data.build.records import RecordError, iter_jsonl, normalise_record
+    from eyas.data.produce.records import RecordError, iter_jsonl, normalise_record
     from eyas.data.common.templates import for_template
     path = Path(path)
     if not path.is_file():
@@ -253,7 +253,7 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     """Real speculative decoding of the first `num_prompts` prompts vs target-only greedy.
 
     drafter_dir: the exported drafter (loaded like vLLM, `models.serving.reference.EngineDrafter`);
-    target: preset or model directory (`data.targets.load_target`), or pass an already loaded
+    target: preset or model directory (`data.common.targets.load_target`), or pass an already loaded
     `model` + `tokenizer`. dtype: "fp32" (default: token identity is exact, and on CPUs without
     bf16 units it is also ~1.6x faster) or "bf16" (the serving numerics; a near-tie may then
     flip between one-token and multi-token forwards, see `mismatches[*].target_top2_logit_gap`).

@@ -19,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.prompts import prompts_path
 from eyas.data.common.settings import KVCache
 from eyas.data.common.utils import atomic_path, atomic_write_bytes, atomic_write_dir
 from eyas.train.config import ConfigError, DataConfig, EvalConfig, TargetConfig
@@ -139,7 +139,7 @@ def _write_lines(path: Path, lines: list[str]) -> None:
 def _sampled_prompts(prepare, subset: Path, extra: int) -> list[str]:
     """Each record of `subset` `extra` times, ids `<id>#s1` .. `<id>#s<extra>`.
 
-    The base id is the one data.generate gives the record in `subset` (its "id", else
+    The base id is the one data.produce.generate gives the record in `subset` (its "id", else
     `<file name>:<line>`), so answer j of prompt X is stored as `X#sj` next to the greedy `X`.
     """
     out = []
@@ -159,7 +159,7 @@ def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer
                        prompts: Path) -> list[str]:
     """`data.synthetic_prompts` prompts sampled from the target (cached in root), as JSONL lines;
     none repeats a shipped prompt or a held-out one."""
-    from eyas.data.build.synthesize import prompt_openers, prompt_texts, synthesize_prompts
+    from eyas.data.produce.synthesize import prompt_openers, prompt_texts, synthesize_prompts
     path = root / "prompts.synthetic.jsonl"
     words, shots = data.synthetic_opener_words, data.synthetic_examples
     if not path.is_file():
@@ -175,9 +175,9 @@ def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer
 
 def _served_answers(data: DataConfig, root: Path, subset: Path, sampled: Path | None,
                     conversations: Path, seed: int) -> None:
-    """The embedded default's answers from `data.endpoint` (data.served): answer 0 greedy into
+    """The embedded default's answers from `data.endpoint` (data.produce.served): answer 0 greedy into
     `conversations` (with its data card), answers 1.. sampled into a second file appended to it."""
-    from eyas.data.build.served import generate_from_endpoint
+    from eyas.data.produce.served import generate_from_endpoint
     kw = dict(model=data.endpoint_model, max_tokens=data.max_new_tokens, seed=seed,
               concurrency=data.endpoint_concurrency, api_key_env=data.endpoint_api_key_env)
     if sampled is None:
@@ -211,7 +211,7 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
     target_dtype: the torch dtype the target runs in (`Resolved.target_dtype`).
     """
-    from eyas.data.build import extract
+    from eyas.data.produce import extract
     root = _embedded_root(data, target, seed, target_dtype)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
@@ -252,7 +252,7 @@ def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int
     layers = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
     paths = DatasetPaths(train=hidden, eval=None, conversations=conversations, tokens=tokens)
     if data.stream.enabled:
-        return paths        # the trainer captures while it trains (data/build/stream.py)
+        return paths        # the trainer captures while it trains (data/produce/stream.py)
     extract.extract(tokens, target.name, hidden, layers=layers, **data.extract_kwargs(),
                     dtype=str(target_dtype).removeprefix("torch."),
                     model=model if data.capture == "hf" else None, device=device)
@@ -263,7 +263,7 @@ def _answer_and_tokenise(data: DataConfig, target: TargetConfig, seed: int, root
                          lines: list[str], prompts: Path, model, tokenizer) -> None:
     """The prompts (shipped, then synthesized), the target's answers to them (greedy, then
     sampled; each step resumable) and their tokens, into `root`."""
-    from eyas.data.build import generate, prepare
+    from eyas.data.produce import generate, prepare
     samples, conversations = data.samples_per_prompt, root / "conversations.jsonl"
     subset = root / "prompts.jsonl"
     if not subset.is_file():
@@ -422,7 +422,7 @@ def _build_heldout(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
     """Answer, tokenise and extract the held-out prompts into root (`run_heldout_offline`)."""
     import torch
 
-    from eyas.data.build import extract, generate, prepare
+    from eyas.data.produce import extract, generate, prepare
     from eyas.data.common.targets import load_target
     log.info("held-out offline check: answering %d prompts of %s (<= %d tokens, float32, "
              "cached in %s)", eval_cfg.num_prompts, prompts.name, heldout_length(eval_cfg), root)

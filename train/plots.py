@@ -45,7 +45,7 @@ def _figure(ncols: int = 1, width: float = 6.4):
 
 
 def save_png(fig, path: str | Path) -> Path:
-    """`fig` as a PNG at `path`, written atomically (keeps the umask: data.utils)."""
+    """`fig` as a PNG at `path`, written atomically (keeps the umask: data.common.utils)."""
     from eyas.data.common.utils import atomic_write_bytes
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

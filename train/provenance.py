@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from eyas.data.common.provenance import capture_contract, dataset_record, software_record
-from eyas.data.build.vocab import count_tokens
+from eyas.data.produce.vocab import count_tokens
 from eyas.train.config import to_plain
 
 log = logging.getLogger(__name__)

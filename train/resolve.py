@@ -1,6 +1,6 @@
 """Every "auto" of the typed config decided once, for the device this process trains on.
 
-`resolve(cfg, device)` applies the device rule (`data.targets.fast_device`): the fast paths on
+`resolve(cfg, device)` applies the device rule (`data.common.targets.fast_device`): the fast paths on
 CUDA, the reference paths elsewhere; explicit settings are kept. The entry point calls it once
 and hands the `Resolved` values to the components.
 """
@@ -48,7 +48,7 @@ class Resolved:
 
 def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
     """Decide every "auto" of the config for `device` by the device rule
-    (`data.targets.fast_device`): the fast paths on CUDA, the reference paths elsewhere.
+    (`data.common.targets.fast_device`): the fast paths on CUDA, the reference paths elsewhere.
     Explicit settings are kept."""
     fast = fast_device(device)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from accelerate.utils import broadcast_object_list
 
-from eyas.data.build.vocab import save_vocab
+from eyas.data.produce.vocab import save_vocab
 from eyas.train.plots import write_run_plots
 from eyas.train.provenance import run_record
 from eyas.train.selection import describe, select_checkpoint

@@ -104,7 +104,7 @@ class TrainingModule(nn.Module):
 
 
 def batch_inputs(batch, rows: Tensor | None = None, embeds: Tensor | None = None) -> dict:
-    """The keyword arguments of TrainingModule.forward from a data.loader.Batch."""
+    """The keyword arguments of TrainingModule.forward from a data.store.loader.Batch."""
     return dict(input_ids=batch.input_ids, aux=batch.aux, doc_ids=batch.doc_ids,
                 positions=batch.positions, loss_mask=batch.loss_mask,
                 target_argmax=batch.target_argmax, last=batch.last, topk_ids=batch.topk_ids,

@@ -197,7 +197,7 @@ def progress_line(step: int, total: int, rec: dict[str, float], elapsed: float,
 class Progress:
     """Training progress on rank 0: the tqdm bar on a terminal, and a log line per metrics
     window (`progress_line`) for everything else. The line is a progress record
-    (data.log.PROGRESS): a terminal drops it (the bar shows the same), a redirected stderr
+    (data.common.log.PROGRESS): a terminal drops it (the bar shows the same), a redirected stderr
     (nohup, slurm) and the run's train.log keep it. The eta counts from the first window's end
     once there is one: that window holds the compile and the first batches' warm-up, which
     the rest of the run does not repeat."""

@@ -35,7 +35,7 @@ from eyas.data.store.format import DatasetError
 from eyas.data.store.loader import PackedLoader
 from eyas.data.store.packing import split_indices
 from eyas.data.store.read_checks import contract_mismatch
-from eyas.data.build.vocab import build_vocab, load_vocab, save_vocab
+from eyas.data.produce.vocab import build_vocab, load_vocab, save_vocab
 from eyas.models.alpha import target_head_rows
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
@@ -107,8 +107,8 @@ class Trainer:
 
 def open_stream(data_cfg: DataConfig, target: TargetConfig, datasets, *, rank: int,
                 world_size: int, device, target_dtype):
-    """data.stream: this rank's producer over `datasets.tokens` (data/build/stream.py)."""
-    from eyas.data.build.stream import open_stream as open_
+    """data.stream: this rank's producer over `datasets.tokens` (data/produce/stream.py)."""
+    from eyas.data.produce.stream import open_stream as open_
     if data_cfg.capture == "vllm" and world_size > 1:
         raise ConfigError("data.stream with data.capture=vllm runs one engine in one process; "
                           "for several ranks start `vllm serve` (docs/engine.md) and stream with "
@@ -169,7 +169,7 @@ def build_vocab_map(data_cfg: DataConfig, target: TargetConfig, draft_vocab_size
         return load_vocab(data_cfg.vocab)
     path = out / "vocab.safetensors"
     if accelerator.is_main_process:
-        from eyas.data.build.vocab import forced_special_ids
+        from eyas.data.produce.vocab import forced_special_ids
         force = forced_special_ids(target.name, data_cfg.cache_dir)
         size = min(int(draft_vocab_size), vocab_size)
         d2t, t2d = build_vocab(train_ds, size=size, force_ids=force, target_vocab_size=vocab_size,

@@ -85,7 +85,7 @@ class TokenizeSettings:
 
 @dataclass
 class GenerationSettings:
-    """How `data.generate` answers prompts with the target (`eyas prepare --generate`). The
+    """How `data.produce.generate` answers prompts with the target (`eyas prepare --generate`). The
     trainer's embedded default keeps short, partly sampled answers (`train.config.DataConfig`)."""
 
     max_new_tokens: int = setting(512, 'Length cap of generated assistant turns (tokens).')
@@ -102,7 +102,7 @@ class GenerationSettings:
         "generate_stage.py).")
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """These settings as `data.generate.generate_conversations` keywords."""
+        """These settings as `data.produce.generate.generate_conversations` keywords."""
         return dict(max_new_tokens=self.max_new_tokens, batch_size=self.generation_batch_size,
                     temperature=self.temperature, top_p=self.top_p,
                     cache=KVCache(self.generation_cache).value)
@@ -110,7 +110,7 @@ class GenerationSettings:
 
 @dataclass
 class EndpointSettings:
-    """How `eyas generate --endpoint` (data.served) talks to an OpenAI-compatible server."""
+    """How `eyas generate --endpoint` (data.produce.served) talks to an OpenAI-compatible server."""
 
     endpoint_concurrency: int = setting(8, 'Requests in flight at once to the served target.')
 
@@ -119,7 +119,7 @@ class EndpointSettings:
 class SynthesisSettings:
     synthetic_temperature: float = setting(
         1.0,
-        "Sampling temperature of the prompts the target writes itself (data.synthesize).")
+        "Sampling temperature of the prompts the target writes itself (data.produce.synthesize).")
     synthetic_opener_words: int = setting(
         0,
         "0: synthetic prompts come from the chat template alone. N > 0: each starts with the "
@@ -157,7 +157,7 @@ class ExtractionSettings:
         "Teacher stored by extraction: the post-norm last hidden state, or top-k logits.")
 
     def extract_kwargs(self) -> dict[str, Any]:
-        """These settings as `data.extract.extract` keywords."""
+        """These settings as `data.produce.extract.extract` keywords."""
         return dict(capture=self.capture, endpoint=self.capture_endpoint,
                     served_model=self.capture_model, aux_format=self.aux_format.value,
                     teacher=self.teacher.value, pad_batches=self.extract_pad_batches)
@@ -170,7 +170,7 @@ class StreamKeep(str, Enum):
 
 @dataclass
 class StreamSettings:
-    """`data.stream`: capture and train at once (data/build/stream.py)."""
+    """`data.stream`: capture and train at once (data/produce/stream.py)."""
 
     enabled: bool = setting(
         False,

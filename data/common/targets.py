@@ -257,7 +257,7 @@ def resolve_target(target: str | Path, cache_dir: str | Path | None = None,
     """A local directory for `target` holding what `need` asks for: "model" (config, weights,
     tokenizer), "embedding" (config, tokenizer, the shards with the embedding and lm_head) or
     "tokenizer" (config and tokenizer). Presets are materialised once; a hub id comes from the
-    HF cache (or a download when the hub is online: `data.hub`); a directory is used as it is."""
+    HF cache (or a download when the hub is online: `data.common.hub`); a directory is used as it is."""
     name = str(target)
     if need not in NEEDS:
         raise ValueError(f"need={need!r}: expected one of {', '.join(NEEDS)}")

@@ -1,7 +1,7 @@
 """Low-level pieces of the eyas dataset format: dtypes, header parsing, checksums, errors.
 
 The format itself is documented in data/store/FORMAT.md (format version `FORMAT_VERSION`).
-This module knows nothing about datasets or loaders; `data.shards` and `data.dataset` build on
+This module knows nothing about datasets or loaders; `data.store.shards` and `data.dataset` build on
 it (a shard's own metadata is checked here: `shard_meta_from_header`).
 """
 

@@ -3,7 +3,7 @@ shard's header and file size are checked: a truncated or garbled shard is an err
 no sample data is read).
 
 `--samples N` also shows the first N samples as decoded text with the trained tokens marked
-(`data.render`); `--raw` shows their ids instead.
+(`data.store.render`); `--raw` shows their ids instead.
 
 A directory with shards but no manifest (a producer still running, or one that stopped) is
 summarised from the shard headers and reported as incomplete.
@@ -159,7 +159,7 @@ def _raw_sample(i: int, x: dict[str, Any]) -> str:
 
 def print_samples(path: str | os.PathLike, n: int, raw: bool = False, target: str | None = None,
                   color: str = "auto") -> None:
-    """Print the first `n` samples: decoded with the loss mask marked (data.render), or, with
+    """Print the first `n` samples: decoded with the loss mask marked (data.store.render), or, with
     `raw` or when no tokenizer loads (one line says why), their ids and field shapes."""
     from eyas.data.store.dataset import open_dataset
     ds = open_dataset(path)

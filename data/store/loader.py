@@ -1,7 +1,7 @@
 """Packed, rank-sharded, resumable batches of an eyas dataset.
 
 `PackedLoader` packs whole samples into micro-batches of exactly `token_budget` tokens (padding
-at the end), following the deterministic plan of `data.packing` (read its docstring for the
+at the end), following the deterministic plan of `data.store.packing` (read its docstring for the
 packing order and the tail rule that gives every rank the same number of batches). Batches are
 built on CPU by background threads that read each sample straight into the batch buffers
 (`Dataset.read_into`: pread for bf16/bool fields, no intermediate tensors), optionally in pinned
@@ -125,10 +125,10 @@ class PackedLoader:
         token_budget: tokens per micro-batch T; every Batch tensor has leading dim T. A sample
             longer than T is truncated to its first T tokens (counted in `stats`, logged).
         rank, world_size: this process's share; every rank gets the same number of batches,
-            the ranks' batches are disjoint and together cover every sample (see data.packing).
+            the ranks' batches are disjoint and together cover every sample (see data.store.packing).
         seed: with the epoch, fixes the order; equal on all ranks.
         shuffle: permute samples (and batches) per epoch; False packs in index order.
-        drop_last: drop the tail bins instead of splitting them (see data.packing).
+        drop_last: drop the tail bins instead of splitting them (see data.store.packing).
         num_workers: background threads building batches (0: build in the iterating thread).
         pin_memory: allocate batches in pinned memory (ignored, with a warning, without CUDA).
         indices: restrict to these dataset indices (e.g. from `split_indices`).

@@ -224,7 +224,7 @@ def _check_tokenizer(report: Report, tok: dict[str, Any], tcfg: dict[str, Any] |
                    f"template differs (sha256 {drift[1][:12]}…)",
                    "at serving the tokens around turns (role headers, end-of-turn, thinking "
                    "markers) differ from the ones the drafter was trained on",
-                   "prepare the data with the template the server applies (data.prepare "
+                   "prepare the data with the template the server applies (data.produce.prepare "
                    "chat_template=…), or serve with the dataset's template")
     else:
         report.checked.append("dataset chat template = the target's")

@@ -140,7 +140,7 @@ class TargetRunner:
     """A transformers causal LM run on one sequence with a KV cache; returns argmax (+ aux) rows.
 
     aux_layer_ids: HF hidden_states ids to capture (pre-hooks on those decoder layers, the same
-    hooks `data.extract` uses to build training data); None captures nothing (plain decoding).
+    hooks `data.produce.extract` uses to build training data); None captures nothing (plain decoding).
     """
 
     def __init__(self, model, aux_layer_ids: list[int] | None = None):

@@ -2,7 +2,7 @@
 plausible for their role.
 
 `checksum_findings(dir)`: every file named in the export's `SHA256SUMS` (written by `eyas
-export`, data.checksums) is present with the same SHA-256; a safetensors or JSON file the list
+export`, data.common.checksums) is present with the same SHA-256; a safetensors or JSON file the list
 does not name is reported too (engines load every *.safetensors). An export without SHA256SUMS
 (older eyas, other tools) gets no finding here.
 

@@ -8,7 +8,7 @@ import torch
 
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.targets import default_aux_layer_ids, load_target, load_target_config
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.prompts import prompts_path
 
 PROMPTS = prompts_path("default")
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from eyas.data.store.dataset import open_dataset
 from eyas.data.store.shards import write_manifest, write_shard
-from eyas.data.build.vocab import count_tokens
+from eyas.data.produce.vocab import count_tokens
 from eyas.models.serving.card import CARD, PROVENANCE, serve_commands
 from eyas.models.serving.validate import validate
 from eyas.train.cli import main

@@ -1,7 +1,7 @@
 """Every `eyas` subcommand option that the trainer also configures defaults to the schema's value.
 
 Each parser is parsed with the fewest arguments it accepts and every default is compared with
-the schema (`train.config.EyasConfig`, whose data-side groups extend `data.settings`). An option
+the schema (`train.config.EyasConfig`, whose data-side groups extend `data.common.settings`). An option
 named like a schema field must be mapped here or listed, with its reason, as deliberately
 different, so a new literal default fails this test.
 """
@@ -11,7 +11,7 @@ from enum import Enum
 
 import pytest
 
-from eyas.data.build import extract, importers, prepare, served_cli, synthesize, vocab
+from eyas.data.produce import extract, importers, prepare, served_cli, synthesize, vocab
 from eyas.data.common.settings import GenerationSettings
 from eyas.models.serving import doctor, validate
 from eyas.models.serving import export_cli as export
@@ -62,7 +62,7 @@ SHARED = {
     ("evaluate", "processes"): "eval.processes",
 }
 
-# `eyas prepare --generate` answers like data.generate (`data.settings.GenerationSettings`); the
+# `eyas prepare --generate` answers like data.produce.generate (`data.common.settings.GenerationSettings`); the
 # trainer's embedded default overrides these three for its short, partly sampled answers
 GENERATOR = {("prepare", "max_new_tokens"), ("prepare", "temperature"), ("prepare", "top_p"),
              ("generate", "temperature"), ("generate", "top_p")}
@@ -83,9 +83,9 @@ DIFFERENT = {
                                  "(0 = greedy); data.temperature is the answer generator's",
     ("extract", "tokens"): "the required token dataset to capture; data.tokens null = the "
                            "embedded default's (a streamed run's source)",
-    ("vocab", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default",
+    ("vocab", "cache_dir"): "unset = data.common.targets.DEFAULT_CACHE_DIR, data.cache_dir's default",
     ("evaluate", "prompts"): "required choice of mode, no default",
-    ("evaluate", "cache_dir"): "unset = data.targets.DEFAULT_CACHE_DIR, data.cache_dir's default "
+    ("evaluate", "cache_dir"): "unset = data.common.targets.DEFAULT_CACHE_DIR, data.cache_dir's default "
                                "(test_unset_cache_dir_is_the_schema_default)",
     ("doctor", "data"): "the dataset the drafter was trained on; none means no data checks",
     ("validate", "engines"): "engine names to load with; eval.engines is an on/off switch",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data.build import (export_data, extract, importers, prepare, served_cli, synthesize,
+from eyas.data.produce import (export_data, extract, importers, prepare, served_cli, synthesize,
                              verify, vocab)
 from eyas.data.store import inspect
 from eyas.data.common.log import HelpFormatter

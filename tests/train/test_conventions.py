@@ -10,7 +10,7 @@ import torch
 from eyas.data.store.dataset import open_dataset
 from eyas.data.store.packing import split_indices
 from eyas.data.common.targets import load_target_config
-from eyas.data.build.vocab import cli_main as vocab_main, load_vocab
+from eyas.data.produce.vocab import cli_main as vocab_main, load_vocab
 from eyas.models.serving.export import export_drafter
 from eyas.train.config import DataConfig, TargetConfig
 from eyas.train.evaluate_cli import cli_main as evaluate_main, scored_samples

@@ -131,7 +131,7 @@ def test_speedup_sweep(memorised, tmp_path):
 @pytest.fixture(scope="module")
 def captured(memorised, tmp_path_factory):
     """(tokens, engine dataset, HF dataset) of the memorised run's token dataset, two shards."""
-    from eyas.data.build.extract import extract
+    from eyas.data.produce.extract import extract
     root, _, _ = memorised
     tokens = root / "tokens"
     base = tmp_path_factory.mktemp("capture")
@@ -171,7 +171,7 @@ def test_streamed_training_through_the_engine_trains_what_extraction_trains(capt
     the drafter and the kept dataset equal extraction through the engine then training."""
     from safetensors.torch import load_file
 
-    from eyas.data.build.extract import extract
+    from eyas.data.produce.extract import extract
     tokens = captured[0]
     ref = tmp_path / "extracted"
     extract(tokens, "smollm2", ref, capture="vllm", dtype="float32", shard_tokens=200)
@@ -194,8 +194,8 @@ def test_streamed_training_through_the_engine_trains_what_extraction_trains(capt
 
 
 def test_verify_passes_and_a_planted_off_by_one_fails(captured, tmp_path):
-    from eyas.data.build.extract import extract
-    from eyas.data.build.verify import verify
+    from eyas.data.produce.extract import extract
+    from eyas.data.produce.verify import verify
     tokens, engine, _ = captured
     assert verify(engine, "smollm2", samples=4)["ok"]
     planted = tmp_path / "planted"     # the engine's layer k + 1 stored as layer k
@@ -224,7 +224,7 @@ def _alive(pid: int) -> bool:
 
 def _start_capture(tokens: Path, out: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "eyas.data.build.extract", "--tokens", str(tokens), "--target",
+        [sys.executable, "-m", "eyas.data.produce.extract", "--tokens", str(tokens), "--target",
          "smollm2", "--out", str(out), "--capture", "vllm", "--dtype", "float32",
          "--teacher", "both", "--topk", "8", "--shard-tokens", "200"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
@@ -284,8 +284,8 @@ def test_kill_minus_9_then_resume(captured, tmp_path, victim):
 
 def test_deepseek_v3_miniature(memorised, tmp_path):
     """MLA + MoE through the engine: capture, verify against transformers, train, decode."""
-    from eyas.data.build.extract import extract
-    from eyas.data.build.verify import verify
+    from eyas.data.produce.extract import extract
+    from eyas.data.produce.verify import verify
     root, _, _ = memorised
     ds = tmp_path / "ds"
     extract(root / "tokens", "tiny-deepseek-v3", ds, capture="vllm", dtype="float32")

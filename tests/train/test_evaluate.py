@@ -10,7 +10,7 @@ import torch
 
 from eyas.data.store.dataset import open_dataset
 from eyas.data.store.loader import PackedLoader
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.prompts import prompts_path
 from eyas.models.serving.export import export_drafter
 from eyas.models.context import DEFAULT_EDGES, context_scalars, context_table
 from eyas.models.metrics import COUNT_KEYS, accept_counts, chain_counts, summarize, tau_curves

@@ -2,7 +2,7 @@
 
 Pipeline, with eyas' own parts end to end:
   1. the target answers held-out prompts greedily (models.serving.specdec.greedy_decode);
-  2. prompt + answer become a token dataset, and `data.extract.extract` (the training capture
+  2. prompt + answer become a token dataset, and `data.produce.extract.extract` (the training capture
      path) turns it into a hidden-state dataset (aux bf16, target argmax);
   3. a drafter with real, nontrivial acceptance: random layout-A layers (bf16 values) whose
      lm_head is fitted by least squares on the TTT features of these rows, each labelled with
@@ -36,9 +36,9 @@ import pytest
 import torch
 
 from eyas.data.store.dataset import open_dataset
-from eyas.data.build.extract import extract
+from eyas.data.produce.extract import extract
 from eyas.data.store.loader import PackedLoader
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.prompts import prompts_path
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter

@@ -1,7 +1,7 @@
 """The offline expected τ under sampling against real speculative sampling, on the tiny target.
 
 Text: the tiny random Llama (fp32) answers held-out prompts by SAMPLING at temperature T, the
-answers are extracted (`data.extract`, the training capture path: aux, last hidden state) and a
+answers are extracted (`data.produce.extract`, the training capture path: aux, last hidden state) and a
 drafter over the full vocabulary (random layers: at T = 1 both distributions are broad, so
 drafts are accepted often and every chain length occurs) is exported. Then
   * offline: `offline_sampling_eval` (TTT forward over the stored text, β = min(1, q(s)/p(s))
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from eyas.data.store.dataset import open_dataset
-from eyas.data.build.extract import extract
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.extract import extract
+from eyas.data.produce.prompts import prompts_path
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.targets import load_embedding_and_head, load_target
 from eyas.models.expected_tau import ratio_se_of

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.prompts import prompts_path
 from eyas.data.store.shards import open_dataset
 from eyas.data.common.targets import default_device
 from eyas.train.config import ConfigError, check, register
@@ -120,11 +120,11 @@ def test_samples_per_prompt_appends_sampled_answers(tmp_path):
 
 
 def test_sampled_ids_without_record_ids_follow_generate(tmp_path):
-    """Records without an "id" get `<file name>:<line>` (as data.generate), then `#sJ`."""
+    """Records without an "id" get `<file name>:<line>` (as data.produce.generate), then `#sJ`."""
     src = tmp_path / "mine.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
                            for q in ("Say hi.", "Name a color.")))
-    from eyas.data.build import prepare
+    from eyas.data.produce import prepare
     from eyas.train.pipeline import _sampled_prompts
     out = [json.loads(x) for x in _sampled_prompts(prepare, src, 2)]
     assert [r["id"] for r in out] == ["mine.jsonl:1#s1", "mine.jsonl:1#s2",
@@ -167,7 +167,7 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
     first = json.loads(prompts_path("default").read_text().splitlines()[0])["id"]
     assert sorted(recs) == sorted([first, "synth-000000", "synth-000001"])
     held = {" ".join(t.lower().split()) for t in
-            __import__("eyas.data.build.synthesize", fromlist=["x"]).prompt_texts(prompts_path("heldout"))}
+            __import__("eyas.data.produce.synthesize", fromlist=["x"]).prompt_texts(prompts_path("heldout"))}
     for rid in ("synth-000000", "synth-000001"):
         user, answer = recs[rid]["messages"][-2:]
         assert user["role"] == "user" and user["content"].strip()
@@ -177,7 +177,7 @@ def test_synthetic_prompts_join_the_shipped_ones(tmp_path):
 
 
 def test_generation_cache_reaches_the_greedy_answers(tmp_path, monkeypatch):
-    from eyas.data.build import generate
+    from eyas.data.produce import generate
     seen, real = [], generate.generate_conversations
 
     def recording(*args, **kw):
@@ -194,7 +194,7 @@ def test_generation_cache_reaches_the_greedy_answers(tmp_path, monkeypatch):
 def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, caplog):
     """Other aux layers are a dataset of their own (its own key and hidden states), but the
     prompts, answers and tokens are copied from the finished one, not generated again."""
-    from eyas.data.build import generate
+    from eyas.data.produce import generate
     base = ["data.num_prompts=3", "data.max_new_tokens=8", f"data.cache_dir={tmp_path}"]
     first = _build(_cfg(*base))
     mark = first.train.parent / "answers.key"

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data.build.extract import extract
-from eyas.data.build.prepare import prepare
+from eyas.data.produce.extract import extract
+from eyas.data.produce.prepare import prepare
 from eyas.data.common.targets import load_target, load_tokenizer, resolve_target
 from eyas.data.common.templates import load_template, template_sha256
 from eyas.train.config import ConfigError
 from eyas.train.pipeline import DatasetPaths, ensure_dataset
 from tests.train.test_pipeline import _cfg, _typed
-from tests.data.test_extract_template import CONVS, OWN, drifted_target, expected, own_template
+from tests.data.produce.test_extract_template import CONVS, OWN, drifted_target, expected, own_template
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.data.build.extract import extract
-from eyas.data.build.prepare import prepare
-from eyas.data.build.prompts import prompts_path
+from eyas.data.produce.extract import extract
+from eyas.data.produce.prepare import prepare
+from eyas.data.produce.prompts import prompts_path
 from eyas.data.common.targets import load_tokenizer
 from tests.ports import free_port
 from tests.train.test_trainer import MAIN, SMALL, _cmd, _env

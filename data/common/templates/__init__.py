@@ -79,7 +79,7 @@ class RecordError(ValueError):
 
 
 def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as a chat template gets them: eyas's own ``weight`` key (data.records) removed."""
+    """Messages as a chat template gets them: eyas's own ``weight`` key (data.produce.records) removed."""
     if not any("weight" in m for m in messages):
         return messages
     return [{k: v for k, v in m.items() if k != "weight"} for m in messages]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.data.common.checksums import read_checksums
-from eyas.data.build.vocab import save_vocab
+from eyas.data.produce.vocab import save_vocab
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.card import serve_commands

@@ -1,0 +1,297 @@
+"""Token dataset -> hidden-state dataset: run the target and keep what EAGLE-3 training needs.
+
+Per token t of every sample (see data/store/FORMAT.md for the stored layout):
+- ``aux [T, 3, tH]``: HF ``hidden_states[k][t]`` for k in the aux layer ids a < b < c, i.e. the
+  residual stream ENTERING decoder layer k (no norm). Captured with forward pre-hooks on
+  ``layers[k]`` only; ``output_hidden_states`` (all N+1 states) is never requested.
+- ``last [T, tH]`` (teacher "last"/"both"): the output of the target's final norm, i.e. what its
+  ``lm_head`` consumes (HF ``hidden_states[-1]``). Captured with a forward hook on the norm.
+- ``target_argmax [T]``: argmax of the target's full-vocabulary logits at t (its prediction of
+  token t+1). The logits are never materialised as ``[T, V]``: ``lm_head`` is applied to row
+  chunks of tokens and, for large V, to row chunks of the head (running max across chunks).
+- ``topk_ids / topk_logits [T, k]`` (teacher "topk"/"both"): the k largest logits (float32 of
+  the target's bf16 logits, soft-capping/scale applied where the config has them).
+
+Only the target's text model is run (no logits); finding it, the hooks and the chunked argmax
+live in ``data/common/capture.py``, the shard plan, the forward groups and one forward's fields in
+``data/produce/forward.py`` (which `eyas verify` and `eyas extract --estimate` run too).
+
+Batching: the samples of one output shard are sorted by length and run up to `batch_tokens`
+tokens per forward. By default a forward holds only samples of EQUAL length (no padding), which
+makes every stored value bitwise equal to a plain forward of the sample alone (padding can
+change the kernels' rounding); ``pad_batches=True`` pads different lengths together (right
+padding + attention mask) for throughput on many short samples.
+
+Resumable: output shard i always covers the same sample range (the plan, fixed by the token
+dataset and `shard_tokens`, is stored in ``extract_plan.json``). A shard file that exists is
+complete (data.store.shards writes atomically); its meta is read back from its header and it is not
+recomputed. The manifest is written last, once every planned shard exists.
+
+Several GPUs:
+- data parallel (the target fits one GPU): launch one process per GPU, e.g.
+  ``accelerate launch --num_processes 8 -m eyas.data.produce.extract --tokens T --target M --out O``
+  (or through ``eyas extract``). Process r takes shards i ≡ r (mod world) on ``cuda:<local
+  rank>``; after a barrier rank 0 writes the manifest. If the ranks ran as separate jobs,
+  ``eyas extract ... --finalize-only`` collects the metas from the shard headers and writes it.
+- a target too large for one GPU: ``--device-map auto`` loads it across every visible GPU
+  (transformers/accelerate place the layers; the hooks work unchanged). One process.
+CPU works with one process (the default).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eyas.data.common.capture import ExtractError
+from eyas.data.produce.forward import (DTYPES, TEACHERS, default_shard_tokens,  # noqa: F401
+                                     plan_shards)
+from eyas.data.common.lock import lock_for_ranks, writes_directory
+from eyas.data.produce.extract_args import build_parser, parse_max_memory  # noqa: F401
+from eyas.data.produce.extract_plan import (check_template, finalize, make_plan, pending_shards,
+                                          write_plan)
+from eyas.data.common.parent import exit_with_launcher
+from eyas.data.produce.outdir import check_extract_out
+from eyas.data.common.settings import Capture, ExtractionSettings
+from eyas.data.common.targets import target_dtype_name
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# Plan, run, finalize
+
+
+def _write(out: Path, j: int, samples: list[dict], aux_format: str) -> tuple[int, int]:
+    from eyas.data.store.shards import write_shard
+    write_shard(out, j, samples, aux_format=aux_format)
+    return j, len(samples)
+
+
+def _written(done: tuple[int, int], rank: int, tokens: int, t0: float, bar) -> None:
+    rate = tokens / max(time.perf_counter() - t0, 1e-9)
+    bar.set_postfix(shard=done[0], tok_s=f"{rate:.0f}")
+    log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, *done, rate)
+
+
+def _check_settings(teacher: str, topk: int, vocab_chunk: int, rank: int,
+                    world_size: int) -> None:
+    """Refuse an unknown teacher, a top-k outside [1, vocab_chunk] or a rank outside the world."""
+    if teacher not in TEACHERS:
+        raise ExtractError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
+    if teacher != "last" and not 1 <= topk <= vocab_chunk:
+        raise ExtractError(f"topk must be in [1, vocab_chunk={vocab_chunk}], got {topk}")
+    if not 0 <= rank < world_size:
+        raise ExtractError(f"rank {rank} is not in [0, world_size={world_size})")
+
+
+def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
+                lengths: list[int], *, aux_format: str, rank: int) -> int:
+    """Capture and write shards `todo` of the plan; returns the tokens processed. Shard j is
+    written on a thread while the producer computes shard j + 1 (at most one shard in flight,
+    so host memory holds two shards' features at most)."""
+    from eyas.data.common.utils import progress
+    total = sum(sum(lengths[a:b]) for a, b in (shards[j] for j in todo))
+    bar = progress(None, total=total, unit="tok", unit_scale=True,
+                   desc=f"extract[{capturer.kind.value}:{rank}]")
+    done_tokens, t0 = 0, time.perf_counter()
+    writer, pending = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer"), None
+    try:
+        for j in todo:
+            a, b = shards[j]
+            results = capturer.capture(list(range(a, b)))
+            ntok = sum(lengths[a:b])
+            done_tokens += ntok
+            bar.update(ntok)
+            if pending is not None:
+                _written(pending.result(), rank, done_tokens, t0, bar)
+            pending = writer.submit(_write, out, j, [results[i] for i in range(a, b)],
+                                    aux_format)
+        if pending is not None:
+            _written(pending.result(), rank, done_tokens, t0, bar)
+    finally:
+        writer.shutdown(wait=True)
+        bar.close()
+    return done_tokens
+
+
+@writes_directory("out_dir", what="hidden-state dataset",
+                  when=lambda a: a["world_size"] == 1)  # several ranks: cli_main's rank 0
+def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
+            capture: Capture | str = Capture.hf, endpoint: str | None = None,
+            served_model: str | None = None,
+            layers: list[int] | None = None, aux_format: str = ExtractionSettings.aux_format.value,
+            teacher: str = ExtractionSettings.teacher.value,
+            topk: int = 32, batch_tokens: int = 8192, shard_tokens: int | None = None,
+            shard_bytes: int = 1 << 30, max_samples: int | None = None,
+            device: str | torch.device | None = None, device_map: str | dict | None = None,
+            max_memory: dict | None = None,
+            rank: int = 0, world_size: int = 1, finalize_manifest: bool | None = None,
+            pad_batches: bool = ExtractionSettings.extract_pad_batches, row_chunk: int = 1024,
+            vocab_chunk: int = 65536,
+            dtype: str = "bfloat16", model: nn.Module | None = None) -> dict[str, Any]:
+    """Run `target` over the token dataset at `tokens_dir`; write a hidden dataset to `out_dir`.
+
+    Args:
+        capture: who runs the target (data/produce/capturers.py): hf (here, transformers), vllm
+            (a vLLM engine worker here) or endpoint (a `vllm serve` at `endpoint`, its model
+            `served_model`, default the first it lists). The engines take one process.
+        layers: aux layer ids (HF hidden_states indices, 2 <= a < b < c < N); None = the
+            default [2, N//2, N-3].
+        aux_format: "bf16" (exact) or "fp8" (see data/store/FORMAT.md for the error bound).
+        teacher: "last" (post-norm last state), "topk" (top-k ids + logits) or "both";
+            target_argmax is always stored.
+        topk: k for the top-k teacher.
+        batch_tokens: tokens per forward (a longer sample runs alone).
+        pad_batches: False (default): a forward holds only samples of equal length, so every
+            stored value is bitwise what a plain forward of that sample alone gives. True: pad
+            samples of different lengths together (faster for many short samples on a GPU;
+            values then differ from the unpadded forward by bf16 rounding).
+        dtype: "bfloat16" or "float32": what the target runs in when `model` is None. Match
+            the precision the target serves in; float32 costs ~2x the time on a GPU.
+        shard_tokens: tokens per output shard; None = shard_bytes / bytes per token.
+        max_samples: use only the first N samples of the token dataset.
+        device / device_map: where the target runs ("cuda:0", "cpu"; None: the first GPU if
+            there is one, else the CPU), or device_map "auto" to spread one large target over
+            all visible GPUs (or a dict module name -> device, as transformers takes it).
+        max_memory: with device_map, the most memory per device ({0: "60GiB", "cpu":
+            "200GiB"}); layers that do not fit the GPUs go to the CPU.
+        rank, world_size: data parallel: this process does shards i = rank (mod world_size).
+        finalize_manifest: write the manifest at the end (default: when world_size == 1).
+        row_chunk, vocab_chunk: logits chunk (tokens x vocabulary rows) for argmax/top-k.
+        model: an already loaded target (skips loading `target`).
+
+    Returns a summary dict (shards computed/resumed, tokens, tokens/s).
+    """
+    from eyas.data.produce.capturers import open_capturer
+    from eyas.data.produce.engine_capture import STATES_DIR, engine_stops
+    from eyas.data.store.shards import open_dataset, shard_name
+
+    _check_settings(teacher, topk, vocab_chunk, rank, world_size)
+    check_extract_out(out_dir, tokens_dir)
+    tokens = open_dataset(tokens_dir)
+    for f in ("input_ids", "loss_mask"):
+        if f not in tokens.fields:
+            raise ExtractError(f"{tokens_dir} has no {f!r} field; expected a token dataset from "
+                               f"data.produce.prepare")
+    check_template(tokens_dir, target)
+    n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
+    topk = topk if teacher != "last" else 0
+    lengths = [int(x) for x in tokens.sample_lengths[:n]]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open_capturer(capture, tokens, tokens_dir, target, storage=out / STATES_DIR,
+                       layers=layers, teacher=teacher, topk=topk, dtype=dtype,
+                       endpoint=endpoint, served_model=served_model,
+                       **_hf_keywords(capture, device, device_map, max_memory, model,
+                                      batch_tokens, pad_batches, row_chunk, vocab_chunk)
+                       ) as capturer:
+        fields = capturer.plan_fields()
+        if shard_tokens is None:
+            shard_tokens = default_shard_tokens(fields["hidden"], aux_format, teacher, topk,
+                                                shard_bytes)
+        plan = make_plan(tokens, tokens_dir, target, n, lengths, shard_tokens, teacher=teacher,
+                         topk=topk, aux_format=aux_format, **fields)
+        write_plan(out, plan)
+        todo, resumed = pending_shards(out, plan["shards"], rank, world_size)
+        t0 = time.perf_counter()
+        n_shards = len(plan["shards"])
+
+        def kept() -> str:
+            done = sum((out / shard_name(j)).is_file() for j in range(n_shards))
+            return (f"{done} of {n_shards} shard(s) of {out} are complete and kept: run the "
+                    f"same `eyas extract` command again to resume")
+        with engine_stops(kept):
+            done_tokens = _run_shards(capturer, out, plan["shards"], todo, lengths,
+                                      aux_format=aux_format, rank=rank)
+    dt = time.perf_counter() - t0
+    summary = {"out_dir": str(out), "capture": capturer.kind.value, "shards": n_shards,
+               "computed": todo, "resumed": resumed, "tokens": done_tokens,
+               "seconds": round(dt, 3),
+               "tokens_per_s": round(done_tokens / dt, 1) if dt > 0 and done_tokens else None,
+               "aux_layer_ids": fields["aux_ids"]}
+    if finalize_manifest if finalize_manifest is not None else world_size == 1:
+        summary["manifest"] = str(out / "manifest.json")
+        finalize(out)
+    return summary
+
+
+def _hf_keywords(capture, device, device_map, max_memory, model, batch_tokens, pad_batches,
+                 row_chunk, vocab_chunk) -> dict[str, Any]:
+    """The transformers capturer's own keywords (none for an engine)."""
+    if Capture(capture) != Capture.hf:
+        return {}
+    return dict(device=device, device_map=device_map, max_memory=max_memory, model=model,
+                batch_tokens=batch_tokens, pad_batches=pad_batches, row_chunk=row_chunk,
+                vocab_chunk=vocab_chunk)
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`; with
+    `--estimate` (no --out) the bytes and time it would take, capturing nothing."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.estimate:
+        from eyas.data.produce.estimate import cli_estimate
+        return cli_estimate(args)
+    if args.out is None:
+        parser.error("the following arguments are required: --out (or --estimate)")
+    exit_with_launcher()  # a rank of `accelerate launch -m eyas.data.produce.extract` ends with it
+    if args.finalize_only:
+        print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
+        return 0
+    if args.capture != Capture.hf.value:
+        return _extract_engine(args)
+    from accelerate import PartialState
+    use_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    state = PartialState(cpu=use_cpu)
+    device = state.device if args.device == "auto" else torch.device(args.device)
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    lock = lock_for_ranks(state, args.out, what="hidden-state dataset",
+                          check=lambda out: check_extract_out(out, args.tokens))
+    try:
+        _extract_ranks(args, state, device, layers)
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0
+
+
+def _extract_engine(args) -> int:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    summary = extract(args.tokens, args.target, args.out, capture=args.capture,
+                      endpoint=args.capture_endpoint, served_model=args.capture_model,
+                      layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
+                      aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
+                      shard_tokens=args.shard_tokens, max_samples=args.max_samples,
+                      dtype=target_dtype_name(args.dtype, device))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _extract_ranks(args, state, device, layers) -> None:
+    summary = extract(args.tokens, args.target, args.out, layers=layers,
+                      aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
+                      batch_tokens=args.batch_tokens, shard_tokens=args.shard_tokens,
+                      max_samples=args.max_samples, device=device, device_map=args.device_map,
+                      max_memory=parse_max_memory(args.max_memory),
+                      pad_batches=args.pad_batches,
+                      dtype=target_dtype_name(args.dtype, device),
+                      rank=state.process_index, world_size=state.num_processes,
+                      finalize_manifest=False)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        finalize(args.out)
+        summary["manifest"] = str(Path(args.out) / "manifest.json")
+        print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    from eyas.data.common.log import run_main
+    run_main(cli_main)
