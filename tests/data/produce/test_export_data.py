@@ -148,7 +148,7 @@ def test_export_files_hold_the_dataset(hidden, target_dir, tmp_path, rows):
     if rows is None:
         return
     data = rows.load_from_disk(str(out))
-    assert len(data) == len(ds) and data.store.format["type"] == "torch"
+    assert len(data) == len(ds) and data.format["type"] == "torch"
     for i in range(len(ds)):
         s, row = ds[i], data[i]
         assert row["input_ids"].dtype == row["loss_mask"].dtype == torch.int64
