@@ -409,12 +409,18 @@ def cli_main(argv: list[str] | None = None) -> int:
         p.error("--engine serves --prompts at one --temperature (not --temperatures)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.engine:             # before any decoding: a missing engine venv is refused at once
+        from eyas.data.engine.runner import engine_venv
+        engine_venv()
     args.out = args.out or str(default_out(args.drafter))
+    from eyas.data.common.utils import atomic_write_json
     with contextlib.ExitStack() as stack:
         real_at, model, tok = _real_decoding(args, p, stack) if args.prompts else (None,) * 3
         offline_at = _offline_acceptance(args) if args.data else None
         res = evaluate_temperatures(args.temperatures or [args.temperature], real_at,
                                     offline_at, table=bool(args.temperatures))
+        if args.engine or args.speedup:     # what is computed is kept if the next part fails
+            atomic_write_json(args.out, json_safe(res))
         if args.engine:
             prompts = _engine_prompts(args)
             res["engine"] = _engine_serve(args, res, prompts)
@@ -422,7 +428,6 @@ def cli_main(argv: list[str] | None = None) -> int:
             res["engine"]["speedup"] = _speedup_sweep(args, prompts)
         elif args.speedup:
             res["speedup_sweep"] = _decode_sweep(args, model, tok, res)
-    from eyas.data.common.utils import atomic_write_json
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
     if "engine" in res:

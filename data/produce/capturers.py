@@ -123,6 +123,8 @@ class EngineCapturer:
                                     log_path or self.storage.parent / "engine.log", connector))
         self.source.__enter__()
         self.record = capture_source(self.source, engine_ids, self.head.num_layers, dtype)
+        self.where = (f"the server at {endpoint}" if kind == Capture.endpoint
+                      else "the engine worker here")
 
     def plan_fields(self) -> dict[str, Any]:
         return {"target_config": json.loads(self.head.config.to_json_string()),
@@ -132,7 +134,8 @@ class EngineCapturer:
                 "vocab": int(self.head.head.weight.shape[0]), "num_layers": self.head.num_layers}
 
     def capture(self, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-        from eyas.data.produce.engine_capture import read_states, remove_states, sample_features
+        from eyas.data.produce.engine_capture import (UnreadableStates, read_states,
+                                                      remove_states, sample_features)
         out: dict[int, dict[str, torch.Tensor]] = {}
         indices = list(indices)
         for c in range(0, len(indices), self.batch_samples):
@@ -140,7 +143,13 @@ class EngineCapturer:
             samples = {i: self.tokens.sample(i, fields=("input_ids", "loss_mask")) for i in chunk}
             files = self.source.capture([(i, samples[i]["input_ids"].tolist()) for i in chunk])
             for i in chunk:
-                out[i] = sample_features(read_states(files[i]), samples[i], self.head,
+                try:
+                    states = read_states(files[i])
+                except UnreadableStates as e:
+                    raise ExtractError(f"sample {i} of {self.tokens_dir}, captured by "
+                                       f"{self.where}: {e}; capture it again (the same command "
+                                       f"resumes)") from None
+                out[i] = sample_features(states, samples[i], self.head,
                                          name=f"{self.tokens_dir} sample {i}",
                                          n_aux=len(self.aux_ids), teacher=self.teacher,
                                          topk=self.topk)

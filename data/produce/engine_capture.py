@@ -113,6 +113,10 @@ def sample_features(states: dict[str, torch.Tensor], sample: dict[str, torch.Ten
     return out
 
 
+class UnreadableStates(ExtractError):
+    """An engine's per-request file that is truncated or garbled."""
+
+
 def read_states(path: str | Path) -> dict[str, torch.Tensor]:
     """A connector file, once its writer released the `.lock` beside it."""
     import fcntl
@@ -122,7 +126,12 @@ def read_states(path: str | Path) -> dict[str, torch.Tensor]:
     if lock.exists():
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_SH)
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnreadableStates(f"{path}: the engine's hidden-states file is unreadable "
+                               f"({why})") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,13 @@
 """`eyas evaluate` without --out: the result goes beside the drafter directory (a run's export:
-into its run directory), named by the UTC time, never over an earlier result."""
+into its run directory), named by the UTC time, never over an earlier result. With --engine: a
+missing engine venv is refused before any work, and one that fails after decoding keeps the
+decoding's result."""
 
 import json
 import re
 import time
+
+import pytest
 
 from eyas.data.common.checksums import unlisted
 from eyas.data.common.targets import load_target_config
@@ -45,3 +49,44 @@ def test_cli_without_out_writes_beside_the_drafter(tiny_drafter, tiny_llama_data
     assert [line for line in printed.splitlines() if line.startswith("wrote ")] == [
         f"wrote {f}" for f in sorted(written, key=lambda f: printed.index(str(f)))]
     assert unlisted(out) == []                          # the export itself is unchanged
+
+
+def _tiny_export(tiny_drafter, path):
+    cfg = load_target_config("tiny-llama")
+    drafter = tiny_drafter(cfg, seed=3)
+    return export_drafter(drafter.state_dict(), drafter.config, drafter.d2t, drafter.t2d, path,
+                          target_config=cfg)
+
+
+def test_engine_without_its_venv_is_refused_before_anything_is_loaded(tiny_drafter, tmp_path,
+                                                                     monkeypatch):
+    from eyas.data.produce.prompts import prompts_path
+    from eyas.data.engine.runner import EngineError
+    monkeypatch.setenv("EYAS_ENGINES_ROOT", str(tmp_path / "no-engines"))
+    out = _tiny_export(tiny_drafter, tmp_path / "export")
+    # a target that cannot load: only a check made before loading it can answer first
+    with pytest.raises(EngineError, match=r"eyas engines setup --runtime"):
+        cli_main(["--drafter", str(out), "--target", str(tmp_path / "no-such-target"),
+                  "--prompts", str(prompts_path("heldout")), "--engine", "vllm",
+                  "--out", str(tmp_path / "r.json")])
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_an_engine_that_fails_after_decoding_keeps_what_was_computed(tiny_drafter, tmp_path,
+                                                                     monkeypatch):
+    from eyas.data.produce.prompts import prompts_path
+    from eyas.data.engine.runner import EngineError
+    from eyas.data.engine.venvs import READY, runtime_engine, venv_dir
+    root = tmp_path / "engines"
+    venv = venv_dir(runtime_engine(), root=root)
+    venv.mkdir(parents=True)
+    (venv / READY).write_text("{}")          # marked ready, but there is no interpreter in it
+    monkeypatch.setenv("EYAS_ENGINES_ROOT", str(root))
+    out = _tiny_export(tiny_drafter, tmp_path / "export")
+    result = tmp_path / "r.json"
+    with pytest.raises(EngineError):
+        cli_main(["--drafter", str(out), "--target", "tiny-llama", "--prompts",
+                  str(prompts_path("heldout")), "--num-prompts", "1", "--max-new-tokens", "4",
+                  "--k", "2", "--engine", "vllm", "--out", str(result)])
+    kept = json.loads(result.read_text())
+    assert kept["tau"] >= 1.0 and "engine" not in kept

@@ -72,3 +72,16 @@ def test_token_ids_the_engine_changed_are_refused_by_name(tiny):
     states["token_ids"] = states["token_ids"][:12]
     with pytest.raises(ExtractError, match="lengths 12 vs 20"):
         sample_features(states, sample, head, name="s", n_aux=3, teacher="last", topk=0)
+
+
+def test_a_truncated_engine_file_is_one_line_naming_it(tmp_path):
+    from safetensors.torch import save_file
+
+    from eyas.data.produce.engine_capture import UnreadableStates, read_states
+    path = tmp_path / "req-7.safetensors"
+    save_file({"hidden_states": torch.zeros(5, 4, 8), "token_ids": torch.arange(5)}, str(path))
+    path.write_bytes(path.read_bytes()[:-40])          # the writer died mid-file
+    with pytest.raises(UnreadableStates) as e:
+        read_states(path)
+    assert str(e.value).startswith(f"{path}: the engine's hidden-states file is unreadable (")
+    assert "\n" not in str(e.value)
