@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -386,21 +387,33 @@ def cli() -> None:
     sys.argv[1:] = expand_shorthands(sys.argv[1:])
     try:
         _main_told()
+    except KeyboardInterrupt:                # Ctrl-C outside the training loop (train/stop.py)
+        log.error("%s", INTERRUPTED)
+        _exit(128 + signal.SIGINT)
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if status == 1 and not _job_started:
             status = EXIT_USAGE
-        if status and os.environ.get("EYAS_EXIT_FILE"):
-            try:
-                with open(os.environ["EYAS_EXIT_FILE"], "a") as f:
-                    f.write(f"{status}\n")
-            except OSError:
-                pass
-            end_launcher(status)   # a refusal: torch's agent reports no crash after its line
-        raise SystemExit(status) from None
+        _exit(status)
 
+
+INTERRUPTED = ("interrupted (SIGINT) outside the training loop: run the same command again (with "
+               "train.resume=latest when the run has checkpoints; the dataset stages resume by "
+               "themselves)")
+
+
+def _exit(status: int) -> None:
+    """End with `status`; a failing one also goes to EYAS_EXIT_FILE (see cli)."""
+    if status and os.environ.get("EYAS_EXIT_FILE"):
+        try:
+            with open(os.environ["EYAS_EXIT_FILE"], "a") as f:
+                f.write(f"{status}\n")
+        except OSError:
+            pass
+        end_launcher(status)   # a refusal: torch's agent reports no crash after its line
+    raise SystemExit(status) from None
 
 if __name__ == "__main__":
     cli()

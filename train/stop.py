@@ -1,11 +1,12 @@
-"""Stopping a training on request: SIGTERM (or SIGUSR1) saves a checkpoint, then the job ends.
+"""Stopping a training on request: SIGTERM, SIGINT (Ctrl-C), SIGHUP, SIGQUIT or SIGUSR1 saves a
+checkpoint, then the job ends.
 
 Schedulers ask a job to end with SIGTERM before they kill it: SLURM on preemption or at its
 time limit (`--signal=USR1@120` sends SIGUSR1 that long before), Kubernetes when it evicts a
 pod, `timeout` and most batch runners when their limit is reached. While `fit` runs, such a
 signal no longer ends the process at once. The loop finishes the optimizer step it is in,
-saves a checkpoint of that step on every rank, and raises `Stopped` (exit status 143, as a
-process ended by SIGTERM reports). The same command with `train.resume=latest` then continues
+saves a checkpoint of that step on every rank, and raises `Stopped` (exit status 128 + the
+signal's number, as a process ended by it reports: 143 for SIGTERM, 130 for Ctrl-C). The same command with `train.resume=latest` then continues
 from that step, bit for bit as if never stopped. No summary and no final export are written, so a
 stopped run never looks finished.
 
@@ -14,7 +15,8 @@ several processes agree (a max all-reduce of their flags) every `train.log_every
 the loop synchronises for its metrics anyway, so they may run up to log_every - 1 steps more.
 A signal that arrives after the last check is sent again once the handlers are restored, so
 it still ends the process. Outside the training loop (building the dataset, the final
-export, the checks) the signals keep their default action.
+export, the checks) the signals keep their default action; Ctrl-C there ends the job with one
+line and status 130 (train/main.py).
 
 Launchers: torch's elastic agent (`accelerate launch` with several processes) forwards SIGTERM
 to the ranks and SIGKILLs them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by default);
@@ -34,21 +36,27 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 class Stopped(Exception):
     """The training stopped on a signal after saving a checkpoint (a usage-level outcome, not a
-    bug: one line and exit status 143)."""
+    bug: one line and exit status 128 + the signal's number; SIGTERM's when another rank's
+    signal stopped this one)."""
     exit_status = 128 + signal.SIGTERM
+
+    def __init__(self, message: str, signum: int | None = None):
+        super().__init__(message)
+        if signum is not None and signum != signal.SIGUSR1:   # USR1: a scheduler's TERM ahead
+            self.exit_status = 128 + int(signum)
 
 
 class StopRequest:
-    """A context manager that turns SIGTERM/SIGUSR1 into a flag for the training loop."""
+    """A context manager that turns the SIGNALS into a flag for the training loop."""
 
     def __init__(self) -> None:
         self.signal: str | None = None
-        self._signum: int | None = None
+        self.signum: int | None = None
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
@@ -61,12 +69,12 @@ class StopRequest:
         for sig, handler in self._previous.items():   # None: a handler installed from C
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         self._previous.clear()
-        if exc_type is None and self._signum is not None:
-            signal.raise_signal(self._signum)   # it came after the last check: act on it now
+        if exc_type is None and self.signum is not None:
+            signal.raise_signal(self.signum)   # it came after the last check: act on it now
 
     def _handle(self, signum: int, frame) -> None:
         if self.signal is None:
-            self._signum = signum
+            self.signum = signum
             self.signal = signal.Signals(signum).name
             log.warning("%s received: saving a checkpoint at the next step boundary, then "
                         "stopping", self.signal)

@@ -348,7 +348,7 @@ def fit(t: Trainer) -> dict[str, Any]:
             raise Stopped(f"stopped at step {step} of {t.total_steps} on {stop.signal}: "
                           f"checkpoint saved in {t.out / 'checkpoints'}; the same command "
                           f"with run_name={cfg.run_name} train.resume=latest continues "
-                          f"from it")
+                          f"from it", stop.signum)
     if step == start and t.data.eval is not None:   # resumed at the end: nothing ran
         last_eval = evaluate(t)
     if t.data.stream is not None:

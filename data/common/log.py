@@ -224,7 +224,7 @@ def error_exit_status(e: BaseException) -> int | None:
     cannot run here); a missing, unreadable or wrong path is a usage error (2), and so is a
     ValueError or KeyError that eyas raises itself about its input (ConfigError, DatasetError,
     ExtractError, a bad preset name, ...). The same types raised inside a library are bugs."""
-    status = getattr(type(e), "exit_status", None)
+    status = getattr(e, "exit_status", None)      # the class's, or the error's own
     if isinstance(status, int):
         return status
     if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError,

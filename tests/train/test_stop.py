@@ -135,10 +135,13 @@ def _in_session(sid: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_sigterm_to_launch_sh_alone_stops_the_whole_run(tmp_path, tiny_llama_dataset, nproc):
-    """`kill PID` of launch.sh (not its group): accelerate and every rank get the signal, the
-    run saves its step and stops, and launch.sh exits 143 once nothing of the run is left."""
+@pytest.mark.parametrize("nproc,sig", [(1, signal.SIGTERM), (2, signal.SIGTERM),
+                                       (1, signal.SIGINT)])
+def test_sigterm_to_launch_sh_alone_stops_the_whole_run(tmp_path, tiny_llama_dataset, nproc,
+                                                        sig):
+    """`kill PID` of launch.sh (not its group), or Ctrl-C's SIGINT: accelerate and every rank
+    get the signal, the run saves its step and stops, and launch.sh exits 128 + the signal's
+    number (143, 130) once nothing of the run is left."""
     from tests.train.test_launch import _launch_sh, _sh_env
     b = tmp_path / "b"
     b.mkdir()
@@ -158,9 +161,10 @@ def test_sigterm_to_launch_sh_alone_stops_the_whole_run(tmp_path, tiny_llama_dat
             time.sleep(0.05)
         ranks = [json.loads((b / "ranks" / f"rank{r}.json").read_text())["pid"]
                  for r in range(nproc)]
-        os.kill(p.pid, signal.SIGTERM)             # the script's own PID, as `kill PID` does
+        os.kill(p.pid, sig)                        # the script's own PID, as `kill PID` does
         _, err = p.communicate(timeout=300)
-        assert p.returncode == 143, err[-4000:]
+        assert p.returncode == 128 + sig, err[-4000:]
+        assert "Traceback" not in err, err[-4000:]
         assert _in_session(p.pid) == []            # accelerate ended before launch.sh did
         assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks), err[-4000:]
     finally:
@@ -170,8 +174,48 @@ def test_sigterm_to_launch_sh_alone_stops_the_whole_run(tmp_path, tiny_llama_dat
             except ProcessLookupError:
                 pass
     stopped = [line for line in err.splitlines() if "stopped at step" in line]
-    assert len(stopped) == 1 and "on SIGTERM: checkpoint saved in" in stopped[0], err[-4000:]
+    name = signal.Signals(sig).name
+    assert len(stopped) == 1 and f"on {name}: checkpoint saved in" in stopped[0], err[-4000:]
     saved = (b / "checkpoints" / "latest").read_text().strip()
     assert "step-000003" <= saved < "step-000400"
     assert f"stopped at step {int(saved.removeprefix('step-'))} of 400" in stopped[0]
     assert not (b / "export").exists() and not (b / "summary.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_sighup_and_sigquit_save_the_step_too(tmp_path, tiny_llama_dataset, sig):
+    b = tmp_path / "b"
+    p = _start(b, tiny_llama_dataset, _cmd(1, free_port()))
+    metrics = b / "metrics.jsonl"
+    deadline = time.time() + 400
+    while not (metrics.is_file() and '"step": 3,' in metrics.read_text()):
+        assert time.time() < deadline and p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(p.pid, sig)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 128 + sig, err[-4000:]
+    stopped = [line for line in err.splitlines() if "stopped at step" in line]
+    assert len(stopped) == 1 and f"on {signal.Signals(sig).name}: checkpoint saved" in stopped[0]
+    assert (b / "checkpoints" / "latest").read_text().strip() >= "step-000003"
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_outside_training_is_one_line_and_130(tmp_path):
+    """SIGINT while the job builds its dataset (before the training loop): no traceback."""
+    from tests.train.test_trainer import MAIN
+    cache = tmp_path / "cache"
+    p = subprocess.Popen([sys.executable, MAIN, "target=tiny_llama", f"data.cache_dir={cache}",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 300
+    while not (cache / "datasets").is_dir():          # the embedded default is being built
+        assert time.time() < deadline and p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    from eyas.train.main import INTERRUPTED
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].endswith(INTERRUPTED), err[-3000:]
