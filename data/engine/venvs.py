@@ -184,11 +184,25 @@ def find_uv(root: Path) -> Path | None:
     return uv
 
 
-def _torch_cpu_index() -> list[str]:
+def _torch_cpu_index(timeout: float = 10.0) -> list[str]:
     """pip's extra index for torch's CPU build: EYAS_TORCH_CPU_INDEX as launch.sh reads it (set
-    and empty: none, the configured sources only)."""
+    and empty: none, the configured sources only). Probed first, as launch.sh does: an index
+    this machine cannot reach within `timeout` s is left out (pip would sit in its retries for
+    minutes), and the configured sources must then hold the CPU torch."""
+    import urllib.error
+    import urllib.request
     url = os.environ.get("EYAS_TORCH_CPU_INDEX", "https://download.pytorch.org/whl/cpu")
-    return ["--extra-index-url", url] if url else []
+    if not url:
+        return []
+    log.info("probing PyTorch's CPU wheel index %s (at most %.0f s)", url, timeout)
+    try:
+        urllib.request.urlopen(url.rstrip("/") + "/torch/", timeout=timeout).close()
+    except (OSError, urllib.error.URLError, ValueError) as e:
+        log.warning("PyTorch's CPU wheel index %s is unreachable (%s): torch comes from pip's "
+                    "configured sources (set EYAS_TORCH_CPU_INDEX to a reachable mirror, or to "
+                    "nothing to skip this probe)", url, getattr(e, "reason", e))
+        return []
+    return ["--extra-index-url", url]
 
 
 def ensure_venv(engine: str, version: str | None = None, *, root: str | Path | None = None,
