@@ -34,6 +34,7 @@ import shutil
 import threading
 import time
 from bisect import bisect_right
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,7 @@ class StreamedDataset:
         self.pinned: set[int] = set()       # held-out samples: read at every eval, never dropped
         self.cond = threading.Condition()
         self.consumed = 0                   # training samples read so far
+        self.reads: dict[int, int] = {}     # keep=none: reads still due of each spool file
         self.spool_bytes = 0                # bytes of spool files written and not yet removed
         self.error: BaseException | None = None
         self.read_checks = None             # the read checks of an extracted dataset: not here
@@ -151,9 +153,13 @@ class StreamedDataset:
         with self.cond:
             self.consumed += 1
             if self.keep == "none" and shard.path.parent == self.spool:
-                size = shard.path.stat().st_size if shard.path.exists() else 0
-                shard.path.unlink(missing_ok=True)
-                self.spool_bytes -= size
+                left = self.reads.get(i, 0) - 1
+                self.reads[i] = left
+                if left <= 0:               # its last read in the producer's window
+                    self.reads.pop(i)
+                    size = shard.path.stat().st_size if shard.path.exists() else 0
+                    shard.path.unlink(missing_ok=True)
+                    self.spool_bytes -= size
             self.cond.notify_all()
 
 
@@ -226,9 +232,13 @@ class Producer(threading.Thread):
                 self._wait_for_room()
                 room = self.ahead - (self.issued - self.ds.consumed)
             chunk = order[pos:pos + max(1, min(self.window, room))]
-            todo = [i for i in chunk if not self.ds.available(i)]
+            due = Counter(chunk)            # a sample may come twice: the end of one epoch and
+            with self.ds.cond:              # the start of the next
+                todo = [i for i in due if not self.ds.available(i)]
+                for i in set(due) - set(todo):
+                    self.ds.reads[i] = self.ds.reads.get(i, 0) + due[i]
             if todo:
-                self._write(self.capturer.capture(todo))
+                self._write(self.capturer.capture(todo), due)
                 if self.ds.keep == "all":
                     self._write_complete_shards(todo)
             pos += len(chunk)
@@ -241,9 +251,11 @@ class Producer(threading.Thread):
                     or (self.ds.keep == "none" and self.ds.spool_bytes >= self.budget)):
                 self.ds.cond.wait(0.5)
 
-    def _write(self, samples: dict[int, dict[str, torch.Tensor]]) -> None:
+    def _write(self, samples: dict[int, dict[str, torch.Tensor]], due: Counter) -> None:
         from eyas.data.store.shards import write_shard
         for i, fields in samples.items():
+            with self.ds.cond:              # counted before the file appears
+                self.ds.reads[i] = self.ds.reads.get(i, 0) + due[i]
             meta = write_shard(self.ds.spool, i, [fields], file_name=spool_name(i), fsync=False)
             self.captured += 1
             with self.ds.cond:

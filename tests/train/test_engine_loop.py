@@ -327,7 +327,16 @@ def _serve(target_dir: Path, ids: list[int], storage: Path, port: int, log: Path
          str(target_dir), "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching",
          "--max-model-len", "2048", "--port", str(port), "--speculative-config",
          json.dumps(spec), "--kv-transfer-config", json.dumps(kv)],
-        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=storage.parent)
+        stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=storage.parent,
+        start_new_session=True)      # killed as a group: the server and its engine core
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
 
 
 def test_endpoint_capture_equals_the_workers_and_a_dead_server_is_one_line(captured, tmp_path):
@@ -368,8 +377,7 @@ def test_endpoint_capture_equals_the_workers_and_a_dead_server_is_one_line(captu
              "data.capture=endpoint", f"data.capture_endpoint={url}", f"data.tokens={tokens}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
         _wait_for(run / "checkpoints" / "step-000003", trainer, timeout=600)
-        server.kill()
-        server.wait()
+        _kill_group(server)
         _, err = trainer.communicate(timeout=300)
         last = err.strip().splitlines()[-1]
         assert trainer.returncode == 3, err[-3000:]
@@ -383,7 +391,7 @@ def test_endpoint_capture_equals_the_workers_and_a_dead_server_is_one_line(captu
         assert p.returncode == 3, p.stderr[-2000:]
         assert url in last and "run the same `eyas extract` command again to resume" in last
     finally:
-        server.kill()
+        _kill_group(server)
 
 
 def test_vllm_cpu_expands_no_float(tmp_path):

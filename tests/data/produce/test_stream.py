@@ -91,11 +91,14 @@ def test_keep_all_reads_and_writes_what_extract_does(tmp_path, tokens_dir, model
     assert not list((out / SPOOL).glob("sample-*"))
 
 
-def test_keep_none_recaptures_every_epoch_within_its_bound(tmp_path, tokens_dir, model):
+@pytest.mark.parametrize("ahead", [4, 30])
+def test_keep_none_recaptures_every_epoch_within_its_bound(tmp_path, tokens_dir, model, ahead):
+    """ahead=30, 1.5 epochs: the producer runs into the next epoch, so a sample's file is due twice
+    (the end of one epoch, the start of the next) before the loader reads it once."""
     ref = tmp_path / "extracted"
     extract(tokens_dir, TARGET, ref, model=model, shard_bytes=SHARD_BYTES)
     spool = tmp_path / "spool"
-    s = _stream(tokens_dir, spool, model, keep="none", ahead=4, spool_bytes=1 << 30)
+    s = _stream(tokens_dir, spool, model, keep="none", ahead=ahead, spool_bytes=1 << 30)
     peak, done = [0], threading.Event()
 
     def watch():
@@ -109,23 +112,34 @@ def test_keep_none_recaptures_every_epoch_within_its_bound(tmp_path, tokens_dir,
         s.attach(train, held)
         want_train, want_held = _loaders(open_dataset(ref))
         captured = []
-        for epoch in range(3):
-            for a, b in zip(train, want_train, strict=True):
-                _same(a, b)
-            for a, b in zip(held, want_held, strict=True):
-                _same(a, b)
-            captured.append(s.producer.captured)
+
+        def three_epochs():
+            for epoch in range(3):
+                for a, b in zip(train, want_train, strict=True):
+                    _same(a, b)
+                for a, b in zip(held, want_held, strict=True):
+                    _same(a, b)
+                captured.append(s.producer.captured)
+        reader = threading.Thread(target=three_epochs, daemon=True)
+        reader.start()
+        reader.join(timeout=180)                # a reader waiting on a sample never captured
+        assert not reader.is_alive(), "the loader waits for a sample the producer passed"
+        assert len(captured) == 3               # (the reader's own failure is raised below)
     finally:
         done.set()
         watcher.join()
         s.close()
     n_held = len(held.indices)
     per_epoch = len(train.indices)
-    # every epoch captured again: at least one more epoch's samples each time
-    assert captured[2] - captured[0] >= 2 * per_epoch - 4
-    # the held-out samples stay, the training samples go once read; never more than `ahead`
-    # training samples (plus the chunk in flight and sample 0) waited in the spool
-    assert peak[0] <= n_held + 4 + 2
+    if ahead < per_epoch:
+        # every epoch captured again: at least one more epoch's samples each time
+        assert captured[2] - captured[0] >= 2 * per_epoch - 4
+        # the held-out samples stay, the training samples go once read; never more than
+        # `ahead` training samples (plus the chunk in flight and sample 0) waited in the spool
+        assert peak[0] <= n_held + ahead + 2
+    else:
+        # far ahead: a file read again in the next epoch stays until its last read is done
+        assert peak[0] <= n_held + per_epoch + 1
     assert not (spool / "manifest.json").exists()
 
 
