@@ -127,3 +127,35 @@ def test_kill9_of_a_streamed_run_resumes_to_the_same_drafter(tmp_path, tokens, e
          "data.stream.shard_tokens=300", "train.save_every=1", "train.resume=latest")
     _same_export(ref, b)
     _same_dataset(extracted, kept)
+
+
+def test_the_embedded_default_streams_into_its_cache(tmp_path):
+    """No data.dataset and no data.tokens: the embedded default answers and tokenises as
+    always, then trains while it captures, keeping the shards in its cache, where a later run
+    finds the dataset complete; the cache equals `eyas extract` of the same tokens."""
+    cache = tmp_path / "cache"
+    small = [o for o in COMMON if not o.startswith(("data.vocab_count", "train.eval_every"))]
+    embedded = [f"data.cache_dir={cache}", "data.num_prompts=12", "data.max_new_tokens=24",
+                "train.epochs=1"]
+    r = subprocess.run([sys.executable, MAIN, *small, *embedded, "data.stream=true",
+                        f"hydra.run.dir={tmp_path / 'a'}"], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "stream: capturing (hf, keep=all)" in r.stderr
+    (root,) = (cache / "datasets").iterdir()
+    hidden = root / "hidden"
+    assert (hidden / "manifest.json").is_file() and (tmp_path / "a" / "export").is_dir()
+    ref = tmp_path / "extracted"
+    extract(root / "tokens", "tiny-llama", ref, dtype="float32", device="cpu")
+    _same_files(ref, hidden)
+    r = subprocess.run([sys.executable, MAIN, *small, *embedded,
+                        f"hydra.run.dir={tmp_path / 'b'}"], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "embedded dataset: cached at" in r.stderr, r.stderr[-3000:]
+
+
+def _same_files(a: Path, b: Path) -> None:
+    assert json.loads((a / "manifest.json").read_text()) == \
+        json.loads((b / "manifest.json").read_text())
+    for p in a.glob("*.safetensors"):
+        assert p.read_bytes() == (b / p.name).read_bytes(), p.name
