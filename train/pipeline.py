@@ -290,12 +290,14 @@ def _answer_and_tokenise(data: DataConfig, target: TargetConfig, seed: int, root
 
 
 def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int, target_dtype,
-                   run_dir: Path) -> DatasetPaths:
+                   run_dir: Path | None = None) -> DatasetPaths:
     """The hidden-state dataset(s) this run trains and evaluates on; refused when rendered with
     another chat template than the target serves (`templates.template_mismatch`). With
     data.stream the train dataset may not exist yet: `tokens` names what the trainer captures
     it from (data.tokens, else the embedded default's), into data.dataset or run_dir/dataset
     (keep=all) or a spool in run_dir (keep=none)."""
+    if data.stream.enabled and run_dir is None:
+        raise ValueError("ensure_dataset: data.stream needs the run directory (run_dir)")
     if data.stream.enabled and data.tokens:
         tokens = Path(data.tokens).expanduser()
         if not (tokens / "manifest.json").is_file():

@@ -188,7 +188,8 @@ def write_shard(dataset_dir: str | os.PathLike, index: int,
     }
     with atomic_path(path, fsync=fsync) as tmp:
         save_file(tensors, str(tmp), metadata={"eyas": json_meta(meta)})
-    meta = dict(meta, file=path.name, bytes=path.stat().st_size,
+        size = tmp.stat().st_size       # before it appears: a reader may remove it at once
+    meta = dict(meta, file=path.name, bytes=size,
                 sample_lengths=[int(x) for x in lengths])
     log.debug("wrote %s: %d samples, %d tokens", path, meta["n_samples"], meta["n_tokens"])
     return meta

@@ -146,12 +146,13 @@ def test_every_option_has_help_that_shows_its_default():
     for name, p in _all_parsers().items():
         assert p.formatter_class is HelpFormatter, name
         fmt = HelpFormatter(p.prog)
-        # one of a required group is given: no default to show (evaluate --prompts/--data)
+        # one of a required group is given: no default to show (evaluate --prompts/--data); a
+        # hidden option (a renamed spelling, refused with its new one) shows no help at all
         chosen = {id(a) for g in p._mutually_exclusive_groups if g.required
                   for a in g._group_actions}
         for action in p._actions:
             if (not action.option_strings or isinstance(action, argparse._HelpAction)
-                    or id(action) in chosen):
+                    or id(action) in chosen or action.help == argparse.SUPPRESS):
                 continue
             flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
             shown = (fmt._get_help_string(action) if action.help else "").lower()

@@ -67,7 +67,7 @@ def test_engine_without_its_venv_is_refused_before_anything_is_loaded(tiny_draft
     # a target that cannot load: only a check made before loading it can answer first
     with pytest.raises(EngineError, match=r"eyas engines setup --runtime"):
         cli_main(["--drafter", str(out), "--target", str(tmp_path / "no-such-target"),
-                  "--prompts", str(prompts_path("heldout")), "--engine", "vllm",
+                  "--prompts", str(prompts_path("heldout")), "--engine", "vllm", "--k", "2",
                   "--out", str(tmp_path / "r.json")])
     assert not (tmp_path / "r.json").exists()
 
@@ -79,8 +79,11 @@ def test_an_engine_that_fails_after_decoding_keeps_what_was_computed(tiny_drafte
     from eyas.data.engine.venvs import READY, runtime_engine, venv_dir
     root = tmp_path / "engines"
     venv = venv_dir(runtime_engine(), root=root)
-    venv.mkdir(parents=True)
-    (venv / READY).write_text("{}")          # marked ready, but there is no interpreter in it
+    (venv / "bin").mkdir(parents=True)
+    (venv / READY).write_text("{}")          # marked ready, but its interpreter cannot start
+    python = venv / "bin" / "python"
+    python.write_text("#!/bin/sh\necho 'a broken engine venv' >&2\nexit 1\n")
+    python.chmod(0o755)
     monkeypatch.setenv("EYAS_ENGINES_ROOT", str(root))
     out = _tiny_export(tiny_drafter, tmp_path / "export")
     result = tmp_path / "r.json"
