@@ -293,33 +293,20 @@ def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int, target_
                    run_dir: Path | None = None) -> DatasetPaths:
     """The hidden-state dataset(s) this run trains and evaluates on; refused when rendered with
     another chat template than the target serves (`templates.template_mismatch`). With
-    data.stream the train dataset may not exist yet: `tokens` names what the trainer captures
-    it from (data.tokens, else the embedded default's), into data.dataset or run_dir/dataset
-    (keep=all) or a spool in run_dir (keep=none)."""
-    if data.stream.enabled and run_dir is None:
-        raise ValueError("ensure_dataset: data.stream needs the run directory (run_dir)")
-    if data.stream.enabled and data.tokens:
-        tokens = Path(data.tokens).expanduser()
-        if not (tokens / "manifest.json").is_file():
-            raise FileNotFoundError(f"data.tokens={tokens}: no manifest.json there; write a token "
-                                    f"dataset with `eyas prepare`")
-        train = Path(data.dataset).expanduser() if data.dataset else run_dir / "dataset"
-        eval_dir = Path(data.eval_dataset).expanduser() if data.eval_dataset else None
-        paths = DatasetPaths(train=train, eval=eval_dir, tokens=tokens)
-    elif data.dataset:
+    data.stream, `tokens` names what the trainer captures `train` from (train/streaming.py)."""
+    from eyas.train.streaming import settle, stream_source
+    paths = stream_source(data, run_dir)    # data.stream from data.tokens, else None
+    if paths is None and data.dataset:
         train_dir = Path(data.dataset).expanduser()
         if not (train_dir / "manifest.json").is_file():
             raise FileNotFoundError(f"data.dataset={train_dir}: no manifest.json there; write one "
                                     f"with `eyas extract --tokens DIR --target MODEL --out DIR`")
         eval_dir = Path(data.eval_dataset).expanduser() if data.eval_dataset else None
         paths = DatasetPaths(train=train_dir, eval=eval_dir)
-    else:
+    elif paths is None:
         paths = build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
     from eyas.data.common.templates import template_mismatch
-    if (paths.train / "manifest.json").is_file():
-        paths.tokens = None             # complete: read, nothing to capture
-    elif paths.tokens is not None and data.stream.keep == "none":
-        paths.train = run_dir / "stream-spool"
+    paths = settle(paths, data, run_dir)
     for key, d in (("data.dataset", paths.train), ("data.eval_dataset", paths.eval),
                    ("data.tokens", paths.tokens)):
         why = d and (d / "manifest.json").is_file() and template_mismatch(

@@ -105,25 +105,6 @@ class Trainer:
 # Building
 
 
-def open_stream(data_cfg: DataConfig, target: TargetConfig, datasets, *, rank: int,
-                world_size: int, device, target_dtype):
-    """data.stream: this rank's producer over `datasets.tokens` (data/produce/stream.py)."""
-    from eyas.data.produce.stream import open_stream as open_
-    if data_cfg.capture == "vllm" and world_size > 1:
-        raise ConfigError("data.stream with data.capture=vllm runs one engine in one process; "
-                          "for several ranks start `vllm serve` (docs/engine.md) and stream with "
-                          "data.capture=endpoint data.capture_endpoint=URL")
-    kw = data_cfg.extract_kwargs()
-    hf = dict(device=device, pad_batches=kw.pop("pad_batches"))
-    return open_(datasets.tokens, target.name, datasets.train, **kw,
-                 **(hf if data_cfg.capture == "hf" else {}),
-                 keep=data_cfg.stream.keep.value, ahead=data_cfg.stream.ahead,
-                 spool_bytes=data_cfg.stream.spool_bytes,
-                 shard_tokens=data_cfg.stream.shard_tokens, rank=rank, world_size=world_size,
-                 layers=None if target.aux_layer_ids is None else list(target.aux_layer_ids),
-                 dtype=str(target_dtype).removeprefix("torch."))
-
-
 def build_data(data_cfg: DataConfig, target: TargetConfig, datasets, *, seed: int, rank: int,
                world_size: int, pin_memory: bool, stream=None) -> Data:
     """Open the dataset(s) (or take the streamed one), split the held-out part off, and build
@@ -242,6 +223,7 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
     set_seed(cfg.train.seed)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
+    from eyas.train.streaming import open_stream
     stream = None if datasets.tokens is None else open_stream(
         cfg.data, cfg.target, datasets, rank=accelerator.process_index,
         world_size=accelerator.num_processes, device=accelerator.device,

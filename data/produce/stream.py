@@ -397,7 +397,9 @@ def open_stream(tokens_dir: str | Path, target, out: str | Path, *, capture, kee
     from eyas.data.produce.outdir import check_extract_out
     from eyas.data.common.space import require_free
     from eyas.data.store.shards import open_dataset
-    check_stream_settings(keep, ahead, spool_bytes)
+    if keep not in ("all", "none") or ahead < 1 or spool_bytes < 1:
+        raise ExtractError(f"data.stream: keep={keep!r}, ahead={ahead}, spool_bytes={spool_bytes}:"
+                           f" expected keep all or none, ahead and spool_bytes >= 1")
     out = Path(out)
     check_extract_out(out, tokens_dir)
     tokens = open_dataset(tokens_dir)
@@ -442,11 +444,3 @@ def _fields(capturer, tokens, spool: Path) -> dict[str, Any]:
     if not path.is_file():
         write_shard(spool, 0, [capturer.capture([0])[0]], file_name=path.name, fsync=False)
     return read_shard_meta(path)["fields"]
-
-
-def check_stream_settings(keep: str, ahead: int, spool_bytes: int) -> None:
-    if keep not in ("all", "none"):
-        raise ExtractError(f"data.stream.keep={keep!r}: expected all or none")
-    if ahead < 1 or spool_bytes < 1:
-        raise ExtractError(f"data.stream.ahead={ahead}, data.stream.spool_bytes={spool_bytes}: "
-                           f"both must be >= 1")
