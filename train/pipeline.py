@@ -295,7 +295,8 @@ def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int, target_
     another chat template than the target serves (`templates.template_mismatch`). With
     data.stream, `tokens` names what the trainer captures `train` from (train/streaming.py)."""
     from eyas.train.streaming import settle, stream_source
-    paths = stream_source(data, run_dir)    # data.stream from data.tokens, else None
+    streamed = stream_source(data, run_dir)     # data.stream from data.tokens, else None
+    paths = None if streamed is None else DatasetPaths(**streamed)
     if paths is None and data.dataset:
         train_dir = Path(data.dataset).expanduser()
         if not (train_dir / "manifest.json").is_file():

@@ -8,22 +8,21 @@ from pathlib import Path
 from eyas.train.config import ConfigError, DataConfig, TargetConfig
 
 
-def stream_source(data: DataConfig, run_dir: Path | None):
-    """With data.stream and data.tokens: the `DatasetPaths` of a dataset to capture from those
-    tokens into data.dataset (default run_dir/dataset); else None (the embedded default's
+def stream_source(data: DataConfig, run_dir: Path | None) -> dict | None:
+    """With data.stream and data.tokens: the `DatasetPaths` fields of a dataset to capture from
+    those tokens into data.dataset (default run_dir/dataset); else None (the embedded default's
     tokens stream from its own stage)."""
     if data.stream.enabled and run_dir is None:
         raise ValueError("data.stream needs the run directory (run_dir)")
     if not (data.stream.enabled and data.tokens):
         return None
-    from eyas.train.pipeline import DatasetPaths
     tokens = Path(data.tokens).expanduser()
     if not (tokens / "manifest.json").is_file():
         raise FileNotFoundError(f"data.tokens={tokens}: no manifest.json there; write a token "
                                 f"dataset with `eyas prepare`")
     train = Path(data.dataset).expanduser() if data.dataset else run_dir / "dataset"
     eval_dir = Path(data.eval_dataset).expanduser() if data.eval_dataset else None
-    return DatasetPaths(train=train, eval=eval_dir, tokens=tokens)
+    return dict(train=train, eval=eval_dir, tokens=tokens)
 
 
 def settle(paths, data: DataConfig, run_dir: Path | None):
