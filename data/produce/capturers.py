@@ -59,7 +59,7 @@ class HFCapturer:
         self.target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.record = hf_capture_source(self.target_dtype)
         self.hooks = LayerHooks(dec_layers, self.aux_ids, self.norm)
-        self.lengths = tokens.sample_lengths
+        self.lengths = [int(x) for x in tokens.sample_lengths]    # once, not per capture
         self.device = next(self.text.parameters()).device
 
     def plan_fields(self) -> dict[str, Any]:
@@ -71,9 +71,9 @@ class HFCapturer:
 
     def capture(self, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
         from eyas.data.produce.forward import length_groups, run_batch
-        lengths = [int(x) for x in self.lengths]
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for idx in length_groups(lengths, list(indices), self.batch_tokens, self.pad_batches):
+        for idx in length_groups(self.lengths, list(indices), self.batch_tokens,
+                                 self.pad_batches):
             batch = [self.tokens.sample(i, fields=("input_ids", "loss_mask")) for i in idx]
             top = max(int(s["input_ids"].max()) for s in batch)
             if top >= self.vocab:

@@ -171,16 +171,10 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     """
     from eyas.data.produce.capturers import open_capturer
     from eyas.data.produce.engine_capture import STATES_DIR, engine_stops
-    from eyas.data.store.shards import open_dataset, shard_name
+    from eyas.data.store.shards import shard_name
 
     _check_settings(teacher, topk, vocab_chunk, rank, world_size)
-    check_extract_out(out_dir, tokens_dir)
-    tokens = open_dataset(tokens_dir)
-    for f in ("input_ids", "loss_mask"):
-        if f not in tokens.fields:
-            raise ExtractError(f"{tokens_dir} has no {f!r} field; expected a token dataset from "
-                               f"data.produce.prepare")
-    check_template(tokens_dir, target)
+    tokens = _open_tokens(tokens_dir, target, out_dir)
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     topk = topk if teacher != "last" else 0
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
@@ -220,6 +214,20 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         summary["manifest"] = str(out / "manifest.json")
         finalize(out)
     return summary
+
+
+def _open_tokens(tokens_dir, target, out_dir):
+    """The token dataset, refused when it is not one, when --out is it or holds other data,
+    or when it was rendered with another chat template than the target's."""
+    from eyas.data.store.shards import open_dataset
+    check_extract_out(out_dir, tokens_dir)
+    tokens = open_dataset(tokens_dir)
+    for f in ("input_ids", "loss_mask"):
+        if f not in tokens.fields:
+            raise ExtractError(f"{tokens_dir} has no {f!r} field; expected a token dataset from "
+                               f"data.produce.prepare")
+    check_template(tokens_dir, target)
+    return tokens
 
 
 def _hf_keywords(capture, device, device_map, max_memory, model, batch_tokens, pad_batches,
