@@ -1,12 +1,12 @@
 """Benchmark real speculative decoding, and check the offline estimate against it.
 
 For each K: every prompt is decoded by target-only greedy decoding and by greedy chain
-speculation (models.serving.specdec; drafter loaded like vLLM, batch 1), interleaved per prompt so both
+speculation (train.evaluate.specdec; drafter loaded like vLLM, batch 1), interleaved per prompt so both
 see the same machine load. Reported: real τ (1 + accepted drafts per verify forward, the
 engines' acceptance length) and the emitted tokens per verify forward, per-position
 acceptance, target forwards, tokens/s of both and the speedup, token identity. Then the
 target-only answers become a hidden-state dataset (`data.produce.extract`, the training capture path)
-and `train.evaluate.offline_eval` computes, on exactly that text, the all-starts τ (what the
+and `train.evaluate.offline.offline_eval` computes, on exactly that text, the all-starts τ (what the
 trainer logs) and the decoder-walk τ; the table shows their gaps to the real τ.
 
 Without --drafter a random-weight drafter is exported first (τ ≈ 1): the speedup column then
@@ -30,10 +30,11 @@ import torch
 
 
 from eyas.data.produce.prompts import prompts_path
-from eyas.models.serving.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
+from eyas.train.evaluate.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
                             summarize)
 from eyas.data.common.targets import TARGET_DTYPES, load_target
-from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, load_prompts, offline_eval
+from eyas.data.common.utils import json_safe
+from eyas.train.evaluate.offline import SPECDEC_DTYPES, load_prompts, offline_eval
 
 
 def random_drafter(model, out: Path, k: int) -> Path:

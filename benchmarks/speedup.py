@@ -7,7 +7,7 @@ the plain step, and the round time fitted linearly in K per concurrency) with τ
 per-position acceptance the engine counted at the largest K. With `--decoder eyas` the same
 command without `--engine` measures eyas's own real decoding instead (one sequence at a time,
 on --device), predicted from step costs it times apart from the decoding
-(train/decode_sweep.py). This script runs that command per drafter, prints one table
+(train/evaluate/decode_sweep.py). This script runs that command per drafter, prints one table
 (measured, predicted, their ratio) and writes JSON.
 
     python benchmarks/speedup.py --drafter memorised=/tmp/memo/run/export \\

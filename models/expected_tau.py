@@ -1,7 +1,7 @@
 """Acceptance length under speculative SAMPLING at temperature T, computed offline from stored
 text that the target sampled at T.
 
-The rejection rule of `models.serving.sampling` proposes draft x for the next token and accepts
+The rejection rule of `train.evaluate.sampling` proposes draft x for the next token and accepts
 it with probability min(1, p(x)/q(x)); on rejection it samples the residual ∝ max(p − q, 0).
 The emitted token y is then distributed as p, the target at T, and
 
@@ -22,7 +22,7 @@ renormalised over those k ids (the top-k teacher over-states p of its ids and bo
 outside them by the k-th probability: both can only lower β). The drafter's later steps are
 fed the stored tokens, which are exactly the tokens an accepted chain holds. So on a text the
 target sampled at T the walk below is an unbiased estimate of served τ at T; for argmax drafts
-it is exactly what real decoding of that text counts (`tests/train/test_evaluate_agreement.py`).
+it is exactly what real decoding of that text counts (`tests/train/evaluate/test_agreement.py`).
 On greedy answers (or human text) it is not: the answers must be sampled at the temperature
 being predicted (`eyas prepare --generate --temperature T`, or `eyas generate` against a
 server); several answers per prompt lower the text's sampling noise.

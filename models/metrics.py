@@ -3,7 +3,7 @@
 Counts are int64 tensors computed on the device without host syncs; sum them over micro-batches
 and ranks (all-reduce SUM), then `summarize` once when logging.
 
-Definitions (used by the trainer and by `train.evaluate`). Row (k, t) COUNTS iff mask(k, t) =
+Definitions (used by the trainer and by `train.evaluate.offline`). Row (k, t) COUNTS iff mask(k, t) =
 valid(k, t) · loss_mask[t+1+k] (`models.objective.metric_mask`; no position mask: a target argmax
 outside the draft vocabulary is a miss, never dropped). It is CORRECT iff it counts and the draft
 argmax mapped to a target id equals the target's argmax at index t+1+k:
@@ -23,7 +23,7 @@ argmax mapped to a target id equals the target's argmax at index t+1+k:
                   span (`trajectory_counts`: start after the span's first token, accept
                   L = min(L(t), K') drafts, jump past them and the bonus, stop once the span's
                   last token is committed), counted the way vLLM and SGLang count their mean
-                  acceptance length (`models.serving.specdec`): a round's accepted drafts are
+                  acceptance length (`train.evaluate.specdec`): a round's accepted drafts are
                   all counted, also where they run past the span's end (the stored argmax of
                   the span's last token verifies one draft beyond it). On target-generated text
                   this is the τ real greedy decoding reports; `tau` averages over EVERY start

@@ -18,6 +18,9 @@ exceptions):
   base; data/engine/ (vLLM in its own venv) imports only the common base; data/produce/ (the
   stages that build datasets) may import all three. models/ (network and serving) never
   imports the dataset-producing stages;
+- evaluation (train/evaluate/) sits between the job and the serving contract: of train/ it
+  imports only itself, the schema (train/config.py) and train/plots.py; models/ never imports it
+  (the rule above);
 - no file loads a project module by string (``importlib.import_module``, ``__import__``,
   ``importlib.util``): every arrow is an ``import`` statement;
 - no file imports the bare folder names (``data``, ``models``, …) instead of ``eyas.…``;
@@ -48,6 +51,9 @@ ROOMS = {
     ("data", "engine"): (f"{PACKAGE}.data.store", f"{PACKAGE}.data.produce"),
     ("models",): (f"{PACKAGE}.data.produce",),
 }
+#: what evaluation may import of train/ besides itself
+EVALUATION = f"{PACKAGE}.train.evaluate"
+EVALUATION_READS = (EVALUATION, f"{PACKAGE}.train.config", f"{PACKAGE}.train.plots")
 _LOADERS = {"import_module", "__import__", "spec_from_file_location", "find_spec",
             "module_from_spec", "spec_from_loader", "SourceFileLoader"}
 
@@ -194,6 +200,10 @@ def violations(root: Path) -> list[str]:
                         if _is_under(a.target, bad):
                             out.append(f"{where}: {'/'.join(prefix)}/ must not import {bad} "
                                        f"({a.target})")
+            if (rel.parts[:2] == ("train", "evaluate") and _is_under(a.target, f"{PACKAGE}.train")
+                    and not any(_is_under(a.target, ok) for ok in EVALUATION_READS)):
+                out.append(f"{where}: evaluation (train/evaluate/) must not import the job "
+                           f"({a.target})")
             if network and _is_under(a.target, SERVING):
                 out.append(f"{where}: the network (models/ outside serving/) must not import "
                            f"the serving contract ({a.target})")
@@ -238,6 +248,9 @@ def test_checker_reports_a_violating_tree(tmp_path):
     _write(tmp_path, "train/y.py", "def g():\n    from eyas.train import x\n")
     _write(tmp_path, "train/z.py", "import importlib\nimportlib.import_module('eyas.train.x')\n"
                                    "import models.drafter\n")
+    _write(tmp_path, "train/evaluate/__init__.py", "")
+    _write(tmp_path, "train/evaluate/walk.py", "from eyas.train.config import C\n"
+                                              "from eyas.train import trainer\n")
     _write(tmp_path, "data/store/__init__.py", "")
     _write(tmp_path, "data/store/reader.py", "from eyas.data.produce import stage\n")
     _write(tmp_path, "data/produce/__init__.py", "")
@@ -255,3 +268,5 @@ def test_checker_reports_a_violating_tree(tmp_path):
     assert "import cycle: train/x.py -> train/y.py" in found
     assert "train/z.py:2: loads a module by string" in found
     assert "train/z.py:3: imports 'models.drafter'" in found
+    assert "train/evaluate/walk.py:2: evaluation (train/evaluate/) must not import the job" in found
+    assert "train/evaluate/walk.py:1" not in found

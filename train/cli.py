@@ -55,7 +55,7 @@ def _cli_main(name: str) -> Callable[[list[str]], int]:
     elif name == "engines":
         from eyas.models.serving.engines import cli_main
     else:
-        from eyas.train.evaluate_cli import cli_main
+        from eyas.train.evaluate.cli import cli_main
     return cli_main
 
 

@@ -358,7 +358,7 @@ class EvalConfig:
     decoding runs beside the target."""
     processes: int = 1
     """Real decoding in this many processes side by side, the prompts split into parts
-    (`train.decode_pool`). Each loads its own copy of the target and the drafter once: for
+    (`train.evaluate.pool`). Each loads its own copy of the target and the drafter once: for
     small targets, whose batch-1 decoding leaves the device mostly idle. The tokens and
     acceptance are those of one process; tokens/s and speedup are measured with the
     processes sharing the machine."""

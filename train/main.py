@@ -172,7 +172,7 @@ def _checks(cfg, export: str, stages: dict) -> dict:
     """Real speculative decoding, the engines' loaders and (eval.heldout_offline) the offline
     walk on the held-out answers, on the export (rank 0)."""
     from eyas.train import pipeline
-    from eyas.train.engine_eval import run_engine_serve
+    from eyas.train.evaluate.engine import run_engine_serve
     found: dict = {}
     with _timed(stages, "speculative"):
         spec = pipeline.run_speculative_check(cfg.eval, cfg.target.name, export,
@@ -234,7 +234,7 @@ def _write_summary(out: Path, summary: dict) -> None:
     import json
 
     from eyas.data.common.utils import atomic_write_bytes
-    from eyas.train.evaluate import json_safe
+    from eyas.data.common.utils import json_safe
     text = json.dumps(json_safe(summary), indent=1, allow_nan=False, default=str) + "\n"
     atomic_write_bytes(out / "summary.json", text.encode())
 

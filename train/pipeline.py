@@ -328,7 +328,7 @@ def run_speculative_check(eval_cfg: EvalConfig, target: str, export_dir: str | P
     prompts (rank 0 only)."""
     if not eval_cfg.speculative:
         return None
-    from eyas.train import evaluate
+    from eyas.train.evaluate import offline as evaluate
     prompts = heldout_prompts(eval_cfg)
     return evaluate.speculative_eval(export_dir, target, prompts, k=k,
                                      num_prompts=eval_cfg.num_prompts,
@@ -383,7 +383,7 @@ def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetCo
     if not eval_cfg.heldout_offline:
         return None
     from eyas.data.common.lock import dir_lock
-    from eyas.train import evaluate
+    from eyas.train.evaluate import offline as evaluate
     prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
     root = (Path(data.cache_dir).expanduser() / "heldout"
             / _heldout_key(eval_cfg, data, target, prompts))

@@ -46,9 +46,9 @@ def write_export_meta(t, path: Path, step: int, evaluated: dict | None) -> None:
     the run record its export's model card is made from (train/provenance.py)."""
     if not t.accelerator.is_main_process:
         return
-    from eyas.data.common.utils import atomic_write_json
-    from eyas.models.serving.card import PROVENANCE, json_clean
-    atomic_write_json(path / PROVENANCE, json_clean(run_record(t, step, evaluated)))
+    from eyas.data.common.utils import atomic_write_json, json_safe
+    from eyas.models.serving.card import PROVENANCE
+    atomic_write_json(path / PROVENANCE, json_safe(run_record(t, step, evaluated)))
     m = t.model
     save_vocab(path / "vocab.safetensors", m.d2t, m.t2d)
     atomic_write_json(path / "eyas.json", {"drafter": m.config.to_dict(),

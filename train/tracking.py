@@ -134,7 +134,7 @@ class MetricsLogger:
     def log(self, step: int, record: dict[str, Any], *, prefix: str = "train") -> None:
         if not self.acc.is_main_process:
             return
-        from eyas.train.evaluate import json_safe
+        from eyas.data.common.utils import json_safe
         clean = {f"{prefix}/{k}": json_safe(v) for k, v in record.items()}
         self._fh.write(json.dumps({"step": step, **clean}) + "\n")
         if self.use_trackers:   # scalars only: tables (eval/by_context) stay in metrics.jsonl

@@ -6,7 +6,7 @@ Reading order: `build_data` (datasets, held-out split, loaders), `build_model` (
 drafter, training module), `build_optimizer` (optimizer, schedule), `setup` (all three, then
 `accelerator.prepare`), `fit` (the loop: resume → step → log → eval → save → export) and
 `train_step` (the micro-batches of one optimizer step). Evaluation runs the loop of
-`train.evaluate.count_acceptance`; metrics and their names come from `models.metrics`.
+`train.evaluate.offline.count_acceptance`; metrics and their names come from `models.metrics`.
 
 Off DeepSpeed the optimizer step never waits for the device (`train.update.micro_step`):
 whether a step with a NaN/inf loss or gradient is skipped is decided on the device, and the
@@ -50,7 +50,7 @@ from eyas.train.config import (ConfigError, DataConfig, DistBackend, DrafterConf
 from eyas.train.batches import DeviceBatches
 from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
-from eyas.train.evaluate import count_acceptance
+from eyas.train.evaluate.offline import count_acceptance
 from eyas.train.optim import build_optimizer as make_optimizer
 from eyas.train.optim import apply_optim_settings, build_scheduler
 from eyas.train.profiling import StepProfiler
@@ -383,7 +383,7 @@ def _every(step: int, n: int) -> bool:
 
 
 def evaluate(t: Trainer) -> dict[str, Any]:
-    """Exact acceptance on the held-out split (`train.evaluate.count_acceptance`, summed over
+    """Exact acceptance on the held-out split (`train.evaluate.offline.count_acceptance`, summed over
     ranks): `tau` averages the chain over every start, `tau_trajectory` walks the text as a
     greedy decoder does and counts as the engines do (`models.metrics`), and
     `tau_trajectory_capped` within each answer's first eval.max_new_tokens tokens, the length

@@ -12,7 +12,7 @@
   a dataset names the exact weights it came from (`eyas verify` compares it);
   ``files_fingerprint`` the same hash read from the checkpoint files (engine capture).
 
-`data.produce.extract` runs these over a token dataset; `models.serving.specdec` uses them while decoding.
+`data.produce.extract` runs these over a token dataset; `train.evaluate.specdec` uses them while decoding.
 """
 
 from __future__ import annotations

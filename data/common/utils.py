@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -24,7 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -189,6 +190,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | bytearray | memory
         with open(tmp, "wb") as f:
             f.write(data)
     return Path(path)
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` as strict JSON values, recursively: NaN/inf -> None, tuples -> lists, keys -> str,
+    other objects -> str."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    return str(obj)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> Path:

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from eyas.data.common.checksums import CHECKSUMS_NAME, file_sha256, read_checksums
 from eyas.data.common.provenance import software_record
-from eyas.data.common.utils import atomic_write_bytes
+from eyas.data.common.utils import atomic_write_bytes, json_safe
 from eyas.models.serving.card_render import render_card, render_speculators_card
 from eyas.models.serving.contract import (PROVENANCE, is_speculators_config,
                                           resolve_target_config)
@@ -49,19 +48,6 @@ def serve_commands(export_dir: str | Path, target: str, k: int) -> tuple[str, st
               f"--speculative-draft-model-path {export_dir} --speculative-num-steps {k} "
               f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
     return vllm, sglang
-
-
-def json_clean(obj: Any) -> Any:
-    """`obj` as strict JSON values: NaN/inf -> None, tuples -> lists, other objects -> str."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {str(k): json_clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_clean(v) for v in obj]
-    if obj is None or isinstance(obj, (str, int, bool)):
-        return obj
-    return str(obj)
 
 
 def _drafter(cfg: Mapping[str, Any], meta: Mapping[str, Any],
@@ -143,7 +129,7 @@ def build_provenance(run: Mapping[str, Any] | None, cfg: Mapping[str, Any],
             # checks of another directory (a re-exported one) are not this export's
             "checks": {"validator": _validator(findings, None if where is None
                                                else Path(where))}}
-    return json_clean(prov)
+    return json_safe(prov)
 
 
 def _write(path: Path, text: str) -> None:
@@ -180,7 +166,7 @@ def write_card(export_dir: str | Path, prov: Mapping[str, Any]) -> None:
     d = Path(export_dir)
     if not (prov.get("predicted_speedup") or {}).get("rows"):
         # made once: the acceptance, drafter and target it reads do not change after export
-        prov = {**prov, "predicted_speedup": json_clean(predicted_speedup(prov))}
+        prov = {**prov, "predicted_speedup": json_safe(predicted_speedup(prov))}
     _write(d / PROVENANCE, json.dumps(prov, indent=1, allow_nan=False) + "\n")
     k = (prov.get("drafter") or {}).get("ttt_steps") or 3
     target = (prov.get("target") or {}).get("name") or "TARGET"
@@ -224,7 +210,7 @@ def record_checks(export_dir: str | Path, **checks: Any) -> dict[str, Any]:
     prov = read_provenance(d)
     if prov is None:
         raise ValueError(f"{d} has no {PROVENANCE}: re-export it with this eyas to record checks")
-    prov["checks"] = {**(prov.get("checks") or {}), **json_clean(checks)}
+    prov["checks"] = {**(prov.get("checks") or {}), **json_safe(checks)}
     write_card(d, prov)
     listed = read_checksums(d)
     if listed is not None:

@@ -10,7 +10,7 @@ import torch
 from eyas.models.expected_tau import (add_expected, expected_counts, paired_ratio_se, ratio_se,
                                       ratio_se_of, step_acceptance, summarize_expected,
                                       topk_step_acceptance)
-from eyas.models.serving.sampling import accept_or_resample, probs
+from eyas.train.evaluate.sampling import accept_or_resample, probs
 
 V, VD, T = 8, 5, 0.8
 

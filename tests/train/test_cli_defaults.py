@@ -16,7 +16,7 @@ from eyas.data.common.settings import GenerationSettings
 from eyas.models.serving import doctor, validate
 from eyas.models.serving import export_cli as export
 from eyas.models.serving.engines.cli import build_check_parser
-from eyas.train import evaluate_cli as evaluate
+from eyas.train.evaluate import cli as evaluate
 from eyas.train.config import EyasConfig
 
 PARSERS = {

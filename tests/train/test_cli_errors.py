@@ -16,7 +16,7 @@ from eyas.data.common.log import HelpFormatter
 from eyas.models.serving import doctor, validate
 from eyas.models.serving import export_cli as export
 from eyas.models.serving.engines import cli as engines_cli
-from eyas.train import evaluate_cli as evaluate
+from eyas.train.evaluate import cli as evaluate
 from eyas.train.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from eyas.data.common.targets import load_target_config
 from eyas.data.produce.vocab import cli_main as vocab_main, load_vocab
 from eyas.models.serving.export import export_drafter
 from eyas.train.config import DataConfig, TargetConfig
-from eyas.train.evaluate_cli import cli_main as evaluate_main, scored_samples
+from eyas.train.evaluate.cli import cli_main as evaluate_main, scored_samples
 from eyas.train.trainer import build_vocab_map
 
 
@@ -46,7 +46,7 @@ def test_scored_samples_default_to_the_training_split(tmp_path):
 
 
 def test_evaluate_seed_reaches_the_split_however_the_cli_is_called(monkeypatch):
-    from eyas.train.evaluate_cli import build_parser
+    from eyas.train.evaluate.cli import build_parser
     need = ["--drafter", "x", "--k", "2", "--out", "o.json", "--data", "d"]
     assert build_parser().parse_args(need).seed is None      # the drafter's record decides
     monkeypatch.setattr("sys.argv", ["evaluate_cli", *need, "--seed", "5"])

@@ -247,7 +247,7 @@ def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
     """eval.heldout_max_new_tokens: one set of longer held-out answers gives the walk over them
     and the walk within their first eval.max_new_tokens tokens; the shorter answers of the
     default are those answers' greedy prefixes, cached apart."""
-    from eyas.train.evaluate import offline_eval
+    from eyas.train.evaluate.offline import offline_eval
     from eyas.train.main import heldout_walk_text
     from eyas.train.pipeline import run_heldout_offline
     export, base = _heldout_setup(tmp_path, full_vocab_export, prompts=2)

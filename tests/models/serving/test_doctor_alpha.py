@@ -12,7 +12,7 @@ from eyas.models.serving.doctor import diagnose, format_report
 from eyas.models.serving.doctor_alpha import alpha_on_data
 from eyas.models.serving.importer import load_training_drafter
 from eyas.models.objective import metric_mask
-from eyas.train.evaluate import offline_eval
+from eyas.train.evaluate.offline import offline_eval
 from tests.train.conftest import build_hidden_dataset
 
 K = 2

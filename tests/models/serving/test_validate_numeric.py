@@ -70,7 +70,7 @@ def test_a_speculators_export_is_checked_numerically_as_vllm_reads_it(tcfg, tmp_
     assert [f.code for f in validate(spec, tcfg, numeric=True, trainer_state_dict=sd)] == \
         ["SPECULATORS_FORMAT"]
     # decoding loads it with the same engine math as the layout-A export
-    from eyas.models.serving.specdec import load_engine_drafter
+    from eyas.train.evaluate.specdec import load_engine_drafter
     emb = torch.randn(cfg.vocab_size, cfg.hidden_size)
     (a, cfg_a), (b, cfg_b) = (load_engine_drafter(d, emb, dtype=torch.float32)
                               for d in (out, spec))

@@ -18,7 +18,7 @@ Batch size 1, one sequence at a time, each with its own KV caches. One request r
               (models/serving/CONTRACT.md §4)
 
 At temperature T > 0 the round is the engines' speculative sampling instead
-(`models.serving.sampling`: drafts proposed by argmax, as vLLM and SGLang do, or sampled from
+(`train.evaluate.sampling`: drafts proposed by argmax, as vLLM and SGLang do, or sampled from
 the drafter at T; accepted with probability min(1, p/q), a rejection resampled from the
 residual), the output is a sample of the target at T, and a seeded `torch.Generator` per
 request makes it reproducible. T = 0 is the greedy path, unchanged:
@@ -50,7 +50,7 @@ So `tau` = 1 + Σ accepted drafts / rounds = 1 + `mean_accepted_drafts`. The tok
 to the output can be fewer (the last round is cut by the token cap or a stop token):
 `tau_emitted` = emitted decode tokens / rounds keeps that figure.
 
-Result keys (`summarize`, in `models.serving.specdec_summary`), flat as `eyas.models.metrics.summarize` writes them (j = 0..K-1, the
+Result keys (`summarize`, in `train.evaluate.specdec_summary`), flat as `eyas.models.metrics.summarize` writes them (j = 0..K-1, the
 draft position, = the TTT step k that drafts it):
     cond_acc_{j}  = accepted[j] / reached[j]: P(draft j accepted | drafts 0..j-1 accepted), the
                     offline `cond_acc_{k}` measured on real rounds
@@ -78,9 +78,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from eyas.models.serving import sampling
+from eyas.train.evaluate import sampling
 from eyas.models.serving.reference import EngineDrafter
-from eyas.models.serving.specdec_summary import summarize  # noqa: F401  (callers import it here)
+from eyas.train.evaluate.specdec_summary import summarize  # noqa: F401  (callers import it here)
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ def speculative_decode(target: TargetRunner, drafter: EngineDrafter, prompt: lis
                        draft: str = "argmax", generator: torch.Generator | None = None
                        ) -> Decoded:
     """Chain speculation with K drafts per round (see the module docstring): greedy at
-    temperature 0; at T > 0 the engines' rejection sampling (`models.serving.sampling`,
+    temperature 0; at T > 0 the engines' rejection sampling (`train.evaluate.sampling`,
     draft "argmax" or "sample"), seeded by `generator`."""
     if k < 1:
         raise ValueError(f"k (draft tokens per round) must be >= 1, got {k}")

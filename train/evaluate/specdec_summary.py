@@ -1,5 +1,5 @@
 """The evaluation record of many real speculative decodes: `summarize` aggregates the
-(name, target-only, speculative) `Decoded` pairs of `models.serving.specdec.decode_prompts`
+(name, target-only, speculative) `Decoded` pairs of `train.evaluate.specdec.decode_prompts`
 into the result keys that module's docstring defines (tau = 1 + accepted drafts per round,
 tau_emitted, cond_acc_{j}, alive_{j}, by_context, tau_se, tau_se_prompts, speed and token
 identity)."""
@@ -10,7 +10,7 @@ from typing import Any
 
 from eyas.models.context import DEFAULT_EDGES, ratio, rounds_table
 from eyas.models.expected_tau import ratio_se_of
-from eyas.models.serving import sampling
+from eyas.train.evaluate import sampling
 
 
 def _tau(accepted: int, rounds: int) -> float:

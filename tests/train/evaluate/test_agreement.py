@@ -1,7 +1,7 @@
 """Offline τ vs real speculative decoding on SmolLM2-135M-Instruct (fp32): same text, same drafter.
 
 Pipeline, with eyas' own parts end to end:
-  1. the target answers held-out prompts greedily (models.serving.specdec.greedy_decode);
+  1. the target answers held-out prompts greedily (train.evaluate.specdec.greedy_decode);
   2. prompt + answer become a token dataset, and `data.produce.extract.extract` (the training capture
      path) turns it into a hidden-state dataset (aux bf16, target argmax);
   3. a drafter with real, nontrivial acceptance: random layout-A layers (bf16 values) whose
@@ -44,11 +44,11 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.models.objective import metric_mask
-from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
+from eyas.train.evaluate.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, speculative_decode, stop_token_ids)
 from eyas.data.common.targets import default_aux_layer_ids, load_target
-from eyas.train.evaluate import load_prompts, load_training_drafter, offline_eval
-from eyas.train.evaluate_sampling import offline_sampling_eval
+from eyas.train.evaluate.offline import load_prompts, load_training_drafter, offline_eval
+from eyas.train.evaluate.sampled import offline_sampling_eval
 
 N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512
 N_CAP = 11                      # real decoding's max_new_tokens for the capped walk

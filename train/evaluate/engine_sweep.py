@@ -28,7 +28,7 @@ from typing import Any
 from eyas.data.common.targets import resolve_target
 from eyas.data.engine.runner import Engine
 from eyas.models.speedup import MeasuredCosts, tau
-from eyas.train.engine_eval import ENGINE_DTYPES, engine_counts
+from eyas.train.evaluate.engine import ENGINE_DTYPES, engine_counts
 
 log = logging.getLogger(__name__)
 

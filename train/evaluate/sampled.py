@@ -10,7 +10,7 @@ lm_head, else the stored top-k logits). The estimate predicts serving at T when 
 answers were sampled by the target at T (`eyas prepare --generate --temperature T`); the
 result records the temperature(s) the answers were generated at where the dataset says so
 (`text_temperature`) and warns when they differ. Real decoding at T > 0 is
-`models.serving.specdec` with `temperature=` (the engines' rejection sampling).
+`train.evaluate.specdec` with `temperature=` (the engines' rejection sampling).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from eyas.data.common.options import option
 from eyas.models.expected_tau import (add_expected, expected_counts, step_acceptance,
                                       summarize_expected, topk_step_acceptance)
 from eyas.models.objective import metric_mask
-from eyas.models.serving.sampling import DRAFT_MODES, check_sampling
-from eyas.train.evaluate import drafter_for
+from eyas.train.evaluate.sampling import DRAFT_MODES, check_sampling
+from eyas.train.evaluate.offline import drafter_for
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def offline_sampling_eval(drafter, dataset_dir: str | Path, *, k: int, temperatu
 
 def offline_at_temperature(args, indices, temperature: float) -> dict[str, Any]:
     """`eyas evaluate --data` at temperature > 0 (the exported drafter imported onto the device
-    with the target's embedding, as `train.evaluate.offline_eval` does)."""
+    with the target's embedding, as `train.evaluate.offline.offline_eval` does)."""
     from eyas.data.store.dataset import open_dataset
     from eyas.data.common.targets import TARGET_DTYPES, load_embedding_and_head
     ds = open_dataset(args.data)

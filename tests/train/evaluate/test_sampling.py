@@ -1,4 +1,4 @@
-"""Speculative sampling (models.serving.sampling): the output is distributed as the target.
+"""Speculative sampling (train.evaluate.sampling): the output is distributed as the target.
 
 Two levels, both seeded so every statistic below is one fixed number:
   * the rejection rule on a 6-token vocabulary, vectorised over many independent rows: the
@@ -14,9 +14,9 @@ Two levels, both seeded so every statistic below is one fixed number:
 import pytest
 import torch
 
-from eyas.models.serving.sampling import (accept_or_resample, probs, round_lengths_se, sample,
+from eyas.train.evaluate.sampling import (accept_or_resample, probs, round_lengths_se, sample,
                                           verify)
-from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids,
+from eyas.train.evaluate.specdec import (TargetRunner, drafter_aux_layer_ids,
                                          load_engine_drafter, speculative_decode)
 from eyas.data.common.targets import load_target
 

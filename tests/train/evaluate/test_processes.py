@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from eyas.data.common.targets import load_target
-from eyas.models.serving.specdec import decode_prompts, load_engine_drafter, stop_token_ids
-from eyas.train.decode_pool import DecodePool, decode_in_processes, decode_job
-from eyas.train.evaluate import json_safe, load_prompts, speculative_eval
+from eyas.train.evaluate.specdec import decode_prompts, load_engine_drafter, stop_token_ids
+from eyas.train.evaluate.pool import DecodePool, decode_in_processes, decode_job
+from eyas.data.common.utils import json_safe
+from eyas.train.evaluate.offline import load_prompts, speculative_eval
 
 QUESTIONS = ["Hi there", "What is 2+2?", "Tell me a story about a cat.", "Name a colour.",
              "Why is the sky blue?"]
@@ -134,7 +135,7 @@ def test_a_worker_that_cannot_load_reports_the_loading_error(tmp_path, prompts_f
 _OWNER = """
 import sys
 from eyas.data.common.targets import load_tokenizer
-from eyas.train.decode_pool import DecodePool, decode_job
+from eyas.train.evaluate.pool import DecodePool, decode_job
 if __name__ == "__main__":
     tok = load_tokenizer("tiny-llama")
     prompts = [(f"q{i}", tok.encode(f"Tell me a long story, number {i}")) for i in range(200)]

@@ -1,5 +1,5 @@
 """`eyas evaluate --prompts --speedup K,...` without an engine: eyas's own decoding measured at
-each K, and predicted from the step costs timed inside it (train/decode_sweep.py). Target: the
+each K, and predicted from the step costs timed inside it (train/evaluate/decode_sweep.py). Target: the
 tiny random Llama preset in fp32; drafter: a random-weight export over the whole vocabulary."""
 
 import json
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from eyas.data.common.targets import load_target
-from eyas.models.serving.specdec import (TargetRunner, greedy_decode, load_engine_drafter,
+from eyas.train.evaluate.specdec import (TargetRunner, greedy_decode, load_engine_drafter,
                                          speculative_decode)
-from eyas.train.decode_sweep import decode_rates, decode_sweep, rows_from
-from eyas.train.evaluate_cli import cli_main
+from eyas.train.evaluate.decode_sweep import decode_rates, decode_sweep, rows_from
+from eyas.train.evaluate.cli import cli_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

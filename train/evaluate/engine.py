@@ -1,7 +1,7 @@
 """`eyas evaluate --engine vllm`: serve the export with vLLM's speculative decoding and read the
 engine's own acceptance counters.
 
-The prompts eyas decodes itself (train.evaluate.speculative_eval) are decoded again by a real
+The prompts eyas decodes itself (train.evaluate.offline.speculative_eval) are decoded again by a real
 vLLM engine (data/engine: its own venv, a worker process), twice: with the export as its EAGLE-3
 drafter at K, and without speculation (the engine's own greedy output and its tokens/s). The
 counters are vLLM's (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
@@ -127,7 +127,7 @@ def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict |
     prompts real decoding used, when the engine venv exists; None when it does not run."""
     from eyas.data.engine.venvs import ready_info, runtime_engine, venv_dir
     from eyas.data.common.targets import load_target_config, load_tokenizer, text_config
-    from eyas.train.evaluate import load_prompts
+    from eyas.train.evaluate.offline import load_prompts
     if not eval_cfg.engine_serve or not spec:
         return None
     engine = runtime_engine()

@@ -44,8 +44,8 @@ def decode_job(drafter_dir, target, *, dtype: str, cache_dir, device, k: int,
 def load_pair(job: dict[str, Any], model=None, tokenizer=None):
     """(model, tokenizer, engine drafter, its config) for a `speculative_eval` or `DecodePool`
     job: the target is loaded unless given, the drafter beside it (the engine reference,
-    `models.serving.specdec.load_engine_drafter`), and their hidden sizes must agree."""
-    from eyas.models.serving.specdec import load_engine_drafter
+    `train.evaluate.specdec.load_engine_drafter`), and their hidden sizes must agree."""
+    from eyas.train.evaluate.specdec import load_engine_drafter
     dtype = TARGET_DTYPES[job["dtype"]]
     if model is None or tokenizer is None:
         from eyas.data.common.targets import load_target
@@ -72,7 +72,7 @@ def _decode_part(job: dict[str, Any], threads: int, prompts: list, names: list[s
     (loading here rather than in a pool initializer lets a loading error reach the caller as
     itself)."""
     global _LOADED
-    from eyas.models.serving.specdec import decode_prompts, stop_token_ids
+    from eyas.train.evaluate.specdec import decode_prompts, stop_token_ids
     loaded = _LOADED is None or _LOADED[-1] != job
     if loaded:
         torch.set_num_threads(threads)

@@ -23,11 +23,11 @@ from eyas.data.produce.prompts import prompts_path
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.targets import load_embedding_and_head, load_target
 from eyas.models.expected_tau import ratio_se_of
-from eyas.models.serving.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
+from eyas.train.evaluate.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                                          load_engine_drafter, speculative_decode)
-from eyas.train.evaluate import load_prompts, load_training_drafter, offline_eval
-from eyas.train.evaluate_cli import cli_main
-from eyas.train.evaluate_sampling import answer_temperatures, offline_sampling_eval
+from eyas.train.evaluate.offline import load_prompts, load_training_drafter, offline_eval
+from eyas.train.evaluate.cli import cli_main
+from eyas.train.evaluate.sampled import answer_temperatures, offline_sampling_eval
 
 N_PROMPTS, N_NEW, K, T, SEEDS = 6, 20, 2, 1.0, 3
 REAL_SE = 3.0

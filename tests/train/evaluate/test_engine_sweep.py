@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from eyas.train.engine_sweep import assemble, format_sweep
-from eyas.train.evaluate_cli import cli_main
+from eyas.train.evaluate.engine_sweep import assemble, format_sweep
+from eyas.train.evaluate.cli import cli_main
 
 NEEDS = "--speedup needs --prompts (the sweep decodes them)"
 

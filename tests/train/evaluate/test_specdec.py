@@ -1,4 +1,4 @@
-"""Real speculative decoding (models.serving.specdec) against target-only greedy decoding.
+"""Real speculative decoding (train.evaluate.specdec) against target-only greedy decoding.
 
 Target: the tiny random Llama preset in fp32 (one-token and multi-token forwards then agree to
 float noise, so greedy outputs must be identical token for token). Drafters:
@@ -22,7 +22,7 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.models.serving.reference import EngineDrafter
-from eyas.models.serving.specdec import (TargetRunner, decode_prompts, drafter_aux_layer_ids,
+from eyas.train.evaluate.specdec import (TargetRunner, decode_prompts, drafter_aux_layer_ids,
                                           greedy_decode, load_engine_drafter, speculative_decode,
                                           stop_token_ids, summarize)
 from eyas.data.common.targets import default_aux_layer_ids, load_target
@@ -73,7 +73,7 @@ def test_random_drafter_is_token_identical(tiny, random_export, caplog):
     model, tok, prompts = tiny
     emb = model.get_input_embeddings().weight.detach()
     engine, cfg = load_engine_drafter(random_export, emb, dtype=torch.float32)
-    with caplog.at_level(logging.INFO, logger="eyas.models.serving.specdec"):
+    with caplog.at_level(logging.INFO, logger="eyas.train.evaluate.specdec"):
         res = run_prompts(model, engine, cfg, prompts, k=K, max_new_tokens=12,
                           stop_ids=stop_token_ids(model, tok))
     assert res["tokens_identical"], res["mismatches"]

@@ -6,7 +6,7 @@
 Without --out the result goes beside the drafter directory, `<drafter>-eval-<UTC time>.json` (a
 run's export: into its run directory), never over an earlier result.
 
-The evaluations themselves are `train.evaluate` (`offline_eval`, `speculative_eval`).
+The evaluations themselves are `train.evaluate.offline` (`offline_eval`, `speculative_eval`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from eyas.data.common.options import option, parser
 from eyas.data.common.targets import TARGET_DTYPES
 from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
 from eyas.train.config import DataConfig, EvalConfig, TrainConfig
-from eyas.train.decode_pool import decode_job
-from eyas.train.evaluate import SPECDEC_DTYPES, json_safe, offline_eval, speculative_eval
-from eyas.train.evaluate_sampling import (SamplingOptions, evaluate_temperatures,
+from eyas.train.evaluate.pool import decode_job
+from eyas.train.evaluate.offline import SPECDEC_DTYPES, offline_eval, speculative_eval
+from eyas.train.evaluate.sampled import (SamplingOptions, evaluate_temperatures,
                                           format_by_temperature, format_sampled,
                                           offline_at_temperature)
 
@@ -279,7 +279,7 @@ def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack
     dtype = args.dtype or "fp32"
     model = tok = pool = None
     if args.processes > 1:
-        from eyas.train.decode_pool import DecodePool
+        from eyas.train.evaluate.pool import DecodePool
         pool = stack.enter_context(DecodePool(decode_job(
             args.drafter, args.target, dtype=dtype, cache_dir=args.cache_dir,
             device=args.device, k=args.k, max_new_tokens=args.max_new_tokens), args.processes))
@@ -302,14 +302,14 @@ def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack
 def _engine_prompts(args) -> list[tuple[str, list[int]]]:
     """--prompts as the engine is given them: (name, token ids), chat template applied."""
     from eyas.data.common.targets import load_tokenizer
-    from eyas.train.evaluate import load_prompts
+    from eyas.train.evaluate.offline import load_prompts
     return load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
                         num_prompts=args.num_prompts)
 
 
 def _engine_serve(args, res: dict[str, Any], prompts) -> dict[str, Any]:
     """The `engine` object: the export served by vLLM, its counters against eyas's."""
-    from eyas.train.engine_eval import compare_with_eyas, engine_eval
+    from eyas.train.evaluate.engine import compare_with_eyas, engine_eval
     engine = engine_eval(args.drafter, args.target, prompts, k=args.k,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          seed=args.sampling_seed, dtype=args.dtype or "fp32",
@@ -320,7 +320,7 @@ def _engine_serve(args, res: dict[str, Any], prompts) -> dict[str, Any]:
 
 def _speedup_sweep(args, prompts) -> dict[str, Any]:
     """The `engine.speedup` object: the engine's measured speedup by K and concurrency."""
-    from eyas.train.engine_sweep import engine_sweep
+    from eyas.train.evaluate.engine_sweep import engine_sweep
     return engine_sweep(args.drafter, args.target, prompts, ks=args.speedup,
                         concurrencies=args.concurrency, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.sampling_seed,
@@ -350,7 +350,7 @@ def _check_sweep(args, p: argparse.ArgumentParser) -> None:
 def _decode_sweep(args, model, tokenizer, res: dict[str, Any]) -> dict[str, Any]:
     """The `speedup_sweep` object: eyas's own decoding measured and predicted at each K (the
     run at --k, `res`, is one of them)."""
-    from eyas.train.decode_sweep import decode_sweep
+    from eyas.train.evaluate.decode_sweep import decode_sweep
     return decode_sweep(args.drafter, args.target, args.prompts, ks=args.speedup,
                         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                         model=model, tokenizer=tokenizer,
@@ -413,7 +413,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         from eyas.data.engine.runner import engine_venv
         engine_venv()
     args.out = args.out or str(default_out(args.drafter))
-    from eyas.data.common.utils import atomic_write_json
+    from eyas.data.common.utils import atomic_write_json, json_safe
     with contextlib.ExitStack() as stack:
         real_at, model, tok = _real_decoding(args, p, stack) if args.prompts else (None,) * 3
         offline_at = _offline_acceptance(args) if args.data else None
@@ -436,7 +436,7 @@ def cli_main(argv: list[str] | None = None) -> int:
         print(format_by_temperature(res))
     sweep = res.get("engine", {}).get("speedup") or res.get("speedup_sweep")
     if sweep:
-        from eyas.train.engine_sweep import format_sweep
+        from eyas.train.evaluate.engine_sweep import format_sweep
         print(format_sweep(sweep))
     print(f"wrote {args.out}")
     if args.plot:

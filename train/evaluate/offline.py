@@ -3,7 +3,7 @@ speculative decoding with the target.
 
     offline_eval(drafter_dir_or_module, dataset_dir, k=K, token_budget=T)     -> dict
     speculative_eval(drafter_dir, target, prompts_path, k=K, num_prompts=N, max_new_tokens=M)
-(the `eyas evaluate` command around them is `train.evaluate_cli`)
+(the `eyas evaluate` command around them is `train.evaluate.cli`)
 
 Offline: the exported drafter is imported into the training module (`Eagle3Drafter`, target
 embedding) and run with the trainer's TTT forward; row (k, t) is CORRECT iff it counts (valid,
@@ -12,16 +12,15 @@ The counts, τ, its variants and their key names are defined once, in `models.me
 (`chain_counts`, `summarize`, `tau_curves`); `count_acceptance` is the one evaluation loop, used by
 `offline_eval` and by the trainer. On target-generated text `tau_trajectory` is the τ real greedy
 decoding measures, both counted as the engines count their acceptance length, 1 + accepted drafts
-per round (tests/train/test_evaluate_agreement.py). Both also report τ per context bucket
+per round (tests/train/evaluate/test_agreement.py). Both also report τ per context bucket
 (`by_context`, `models.context`).
 
-Real decoding: `models.serving.specdec` (target via transformers, drafter via the engine reference).
+Real decoding: `train.evaluate.specdec` (target via transformers, drafter via the engine reference).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from eyas.models.serving.importer import load_training_drafter  # noqa: F401 (ca
 from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
-from eyas.train.decode_pool import decode_in_processes, decode_job, load_pair
+from eyas.train.evaluate.pool import decode_in_processes, decode_job, load_pair
 
 log = logging.getLogger(__name__)
 
@@ -260,18 +259,18 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     Batch size 1; the target runs on `device` (when it is loaded here), the drafter (the
     engine-math reference, `EngineDrafter`) on the target's device. context_buckets: edges of
     the `by_context` buckets (the verified position of each round, `models.context`).
-    temperature > 0: the engines' rejection sampling (`models.serving.sampling`; draft "argmax"
+    temperature > 0: the engines' rejection sampling (`train.evaluate.sampling`; draft "argmax"
     or "sample"), prompt i seeded seed + i.
     processes > 1 (when the target is loaded here): the prompts are split into parts that many
     processes decode, each with its own copy of the target and the drafter
-    (`train.decode_pool`): the same tokens and acceptance as in one process, while the
+    (`train.evaluate.pool`): the same tokens and acceptance as in one process, while the
     per-prompt timings (tokens/s, speedup) are measured with the processes sharing the machine
     and `wall_seconds` includes their start. pool: a `DecodePool` made for this drafter,
     target and dtype, reused across calls (several temperatures; only its first decoding's
     `wall_seconds` includes the loading); processes is then the pool's.
-    Returns models.serving.specdec_summary.summarize's dict plus the run settings.
+    Returns train.evaluate.specdec_summary.summarize's dict plus the run settings.
     """
-    from eyas.models.serving.specdec import summarize
+    from eyas.train.evaluate.specdec import summarize
     if dtype not in SPECDEC_DTYPES:
         raise ValueError(f"dtype must be one of {list(SPECDEC_DTYPES)}, got {dtype!r}")
     if processes < 1 or ((processes > 1 or pool is not None) and model is not None):
@@ -301,7 +300,7 @@ def _decode(job: dict[str, Any], prompts_path, num_prompts: int | None, *, seed:
             tokenizer, progress: bool, processes: int, pool) -> tuple[list, list, float]:
     """(prompts, `decode_prompts`' pairs, the start time) of `speculative_eval`: here, or in
     `processes` processes, or in `pool`."""
-    from eyas.models.serving.specdec import decode_prompts, stop_token_ids
+    from eyas.train.evaluate.specdec import decode_prompts, stop_token_ids
     if processes > 1 or pool is not None:
         from eyas.data.common.targets import load_tokenizer
         if pool is not None:
@@ -322,18 +321,3 @@ def _decode(job: dict[str, Any], prompts_path, num_prompts: int | None, *, seed:
                                    names=[n for n, _ in prompts], progress=progress,
                                    temperature=job["temperature"], draft=job["draft"],
                                    seed=seed), t0
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI
-
-
-def json_safe(x):
-    """NaN/inf → None (strict JSON), recursively."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    return x

@@ -1,9 +1,9 @@
 """`eyas evaluate --prompts P --speedup K1,K2,...` without `--engine`: eyas's own real decoding
-(`models.serving.specdec`, one sequence at a time, on --device) measured at each K against
+(`train.evaluate.specdec`, one sequence at a time, on --device) measured at each K against
 target-only decoding, and predicted from the step costs it measured.
 
 Measured: at each K every prompt is decoded target-only and with speculation, interleaved
-(`train.evaluate.speculative_eval`). The speedup is that of the decoding phase, the phase
+(`train.evaluate.offline.speculative_eval`). The speedup is that of the decoding phase, the phase
 `models.speedup` models: tokens after the first over the seconds after the prompt's forward,
 with speculation against without (`measured`); `measured_end_to_end` keeps the prompt forwards.
 
@@ -78,7 +78,7 @@ def decode_sweep(drafter_dir: str | Path, target: str | Path, prompts_path: str 
     """The `speedup_sweep` object of `eyas evaluate --speedup` without an engine. decoded:
     `speculative_eval` results of these prompts already made, by K (`eyas evaluate`'s own
     run at --k), taken as they are instead of decoding that K again."""
-    from eyas.train.evaluate import speculative_eval
+    from eyas.train.evaluate.offline import speculative_eval
     results = dict(decoded or {})
     for k in sorted(set(ks) - set(results)):
         results[k] = speculative_eval(drafter_dir, target, prompts_path, k=k,

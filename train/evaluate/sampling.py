@@ -31,7 +31,7 @@ Two proposals q (`DRAFT_MODES`):
 Randomness: every call takes a `torch.Generator` and draws a fixed amount from it per round
 (one multinomial per draft in "sample" mode, K uniforms, K residual draws and one bonus draw),
 so a seed reproduces a run exactly. T = 0 never comes here: greedy decoding keeps its argmax
-path (`models.serving.specdec`).
+path (`train.evaluate.specdec`).
 """
 
 from __future__ import annotations
