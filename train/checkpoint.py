@@ -1,9 +1,9 @@
 """Checkpoints: accelerate `save_state` + the loop's own state, atomic, rotated, checked on resume.
 
 Layout under `<run>/checkpoints/`:
-    step-000100/          accelerate state (model, optimizer, scheduler, RNG per rank; DeepSpeed
+    step-000100/          accelerate state (model, optimizer, RNG per rank; DeepSpeed
                           shards under DeepSpeed) + eyas_state.json (step, loader position,
-                          objective settings, metrics)
+                          learning-rate schedule, objective settings, metrics)
     latest                text file naming the newest complete checkpoint
     best                  text file naming the checkpoint with the best decoder-walk τ
     best.json             {"checkpoint", "step", "tau_trajectory", "tau",
@@ -309,6 +309,10 @@ def load(accelerator, path: Path, objective: dict[str, Any]) -> dict[str, Any]:
     objective settings match."""
     verify(path)
     state = json.loads((path / STATE_FILE).read_text())
+    if "schedule" not in state:
+        raise CheckpointError(f"refusing to resume from {path}: its {STATE_FILE} has no "
+                              f"learning-rate schedule (an older eyas wrote it); start a new run "
+                              f"warm-started from its export (drafter.warm_start=DIR)")
     saved = state.get("objective", {})
     saved = {**OBJECTIVE_DEFAULTS, **saved}
     diff = {k: (saved.get(k), v) for k, v in objective.items() if saved.get(k) != v}

@@ -131,9 +131,6 @@ def _release_gpu_memory(accelerator, stage: str) -> None:
     import torch
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     reserved = torch.cuda.memory_reserved() if cuda else 0
-    # free_memory leaves what register_for_checkpointing holds (the scheduler, and through it
-    # the optimizer with its masters and moments); accelerate has no public call for that
-    accelerator._custom_objects.clear()
     accelerator.free_memory()     # models, optimizers, DeepSpeed engine; gc; empty_cache
     if cuda:
         log.info("after %s: released %.1f GiB of cached GPU memory (%.1f GiB still reserved)",

@@ -251,7 +251,6 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
         compact=resolved.compact_masters, moments=resolved.moments,
         master_weights=not deepspeed and resolved.param_dtype != torch.float32)
     module, optimizer = accelerator.prepare(model.module, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     c = model.config
     lengths = data.train.dataset.sample_lengths
     fpt = flops_per_token(c, c.ttt_steps, float(lengths.mean()) if len(lengths) else 0)
@@ -418,6 +417,7 @@ def _resume(t: Trainer, objective: dict) -> tuple[int, int, BestWalk]:
         return 0, 0, BestWalk()
     state = ckpt.load(t.accelerator, path, objective)
     t.data.train.load_state_dict(state["loader"])
+    t.scheduler.load_state_dict(state["schedule"])
     for line in apply_optim_settings(t.scheduler, t.cfg.optim):
         log.warning("resumed with a changed setting: %s", line)
     best = state.get("best") or {}
@@ -435,7 +435,7 @@ def _save(t: Trainer, step: int, loader_state: dict, objective: dict, skipped: S
     `best`; `train.selection`); its provenance holds the eval record when `evaluated`.
     loader_state: where the training batches resume (`DeviceBatches.state_dict`)."""
     state = {"step": step, "nonfinite": skipped.read(step), "objective": objective,
-             "loader": loader_state,
+             "loader": loader_state, "schedule": t.scheduler.state_dict(),
              "eval": {k: v for k, v in last_eval.items()
                       if isinstance(v, (int, float)) and math.isfinite(v)},
              "best": {"tau_trajectory": best.value, "step": best.step}}

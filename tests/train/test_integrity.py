@@ -106,6 +106,15 @@ def test_resume_checks_the_checkpoints_sha256(tmp_path, tiny_llama_dataset):
     listed = (step4 / CHECKSUMS_NAME).read_text()
     assert "model.safetensors" in listed and "eyas.json" in listed and "eyas_state.json" in listed
     ckpt.verify(step4)
+    state = json.loads((step4 / ckpt.STATE_FILE).read_text())
+    assert state["schedule"]["last_epoch"] == 4               # the LR schedule, in eyas's state
+    old = shutil.copytree(step4, tmp_path / "old")            # as an older eyas wrote it
+    (old / CHECKSUMS_NAME).unlink()
+    del state["schedule"]
+    (old / ckpt.STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ckpt.CheckpointError, match=f"{old}: its eyas_state.json has no "
+                                                   f"learning-rate schedule"):
+        ckpt.load(None, old, {})
     model = step4 / "model.safetensors"
     good = model.read_bytes()
     _flip(model, len(good) // 2)
