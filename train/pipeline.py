@@ -1,292 +1,118 @@
-"""The stages of the main job, each a function over the config: dataset → train → export →
-eval (real decoding on held-out prompts, the engines' loaders, and with eval.heldout_offline
-the offline walk on the held-out prompts' own answers).
+"""The main job's stages, in the order `train/main.py` runs them (`STAGES`):
 
-`train/main.py` calls them in order. The embedded default dataset (SmolLM2 answering the
-shipped prompts, then hidden states extracted from it) is built once and cached under
-`data.cache_dir/datasets/<key>`, where the key hashes every setting that changes its bytes.
-A dataset that differs from a finished one only in what is extracted (aux layers, storage
-format, teacher, padded batches) copies that one's prompts, answers and tokens instead of
-generating them again.
+    dataset          the hidden-state datasets: rank 0 builds them, the other ranks find them
+    train            the drafter trained and exported (every rank; `train.trainer`)
+    speculative      real speculative decoding of held-out prompts with the export
+    engines          vLLM's and SGLang's own loaders load the export, where their venvs exist
+    served           a real engine serves the export and counts acceptance (eval.engine_serve)
+    heldout_offline  the offline walk on the held-out prompts' own answers
+
+A stage is a function of the `Job` that returns what it found for summary.json. The checks
+after training run on rank 0 once there is an export; `engines` and `served` are checks of the
+export, not part of training, so their failure is a warning. The datasets the job builds itself
+(the embedded default, the held-out answers) are `data.produce.recipe`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from eyas.data.produce.prompts import prompts_path
-from eyas.data.common.settings import KVCache
-from eyas.data.common.utils import atomic_path, atomic_write_bytes, atomic_write_dir
+from eyas.data.produce.recipe import (DatasetPaths, embedded_dataset, heldout_dataset,
+                                      heldout_length)
 from eyas.train.config import ConfigError, DataConfig, EvalConfig, TargetConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class DatasetPaths:
-    train: Path
-    eval: Path | None
-    conversations: Path | None = None
-    tokens: Path | None = None      # with data.stream: what the trainer captures `train` from
+class Job:
+    """One run's config, resolutions and accelerator, and what its stages found so far."""
+    cfg: Any
+    resolved: Any
+    accelerator: Any
+    found: dict = field(default_factory=dict)
+    datasets: DatasetPaths | None = None
 
 
-def _embedded_key(data: DataConfig, target: TargetConfig, seed: int, target_dtype) -> str:
-    """The dataset's directory name: a hash of every setting that changes its bytes.
-    target_dtype: what target.dtype resolved to; target.dtype=auto is keyed by it unless it is
-    float32 (the resolution the keys of existing caches were made with)."""
-    ids = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
-    # str(enum) is "AuxFormat.bf16": the spelling the keys of existing caches were made with
-    fields = [target.name, target.dtype, ids, data.num_prompts, data.max_new_tokens,
-              data.max_length, str(data.aux_format), str(data.teacher), seed]
-    fields += _answer_extras(data)
-    resolved = str(target_dtype).removeprefix("torch.")
-    if target.dtype == "auto" and resolved != "float32":
-        fields += ["auto", resolved]
-    if data.extract_pad_batches:
-        fields += ["pad_batches"]
-    if data.endpoint:                 # answers from a served target
-        fields += ["endpoint", data.endpoint, data.endpoint_model]
-    if data.capture != "hf":          # states captured by the engine
-        fields += ["capture", data.capture.value]
-    return _hash(data, fields)
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[Job], dict | None]
+    every_rank: bool = False   # else rank 0 only, once training has exported a drafter
+    optional: bool = False     # a check of the export: its failure is logged, not raised
 
 
-def _answers_key(data: DataConfig, target: TargetConfig, seed: int, target_dtype) -> str:
-    """A hash of the settings the prompts, answers and tokens depend on: two datasets that
-    differ only in what is extracted from those tokens (aux layers, storage format, teacher,
-    padded batches) share it, and the second reuses the first's answers (`_reuse_answers`).
-    target_dtype: the dtype the target generated in (target.dtype=auto resolves by device)."""
-    fields = ["answers", target.name, str(target_dtype), data.num_prompts, data.max_new_tokens,
-              data.max_length, seed, *_answer_extras(data)]
-    if data.endpoint:
-        fields += ["endpoint", data.endpoint, data.endpoint_model]
-    return _hash(data, fields)
+def _dataset(job: Job) -> dict:
+    cfg, acc = job.cfg, job.accelerator
+
+    def find() -> DatasetPaths:
+        return ensure_dataset(cfg.data, cfg.target, seed=cfg.train.seed,
+                              target_dtype=job.resolved.target_dtype, run_dir=Path(cfg.output_dir))
+    if acc.is_main_process:
+        job.datasets = find()
+    acc.wait_for_everyone()
+    if not acc.is_main_process:
+        job.datasets = find()      # built by rank 0: only resolves its paths
+    return {"dataset": str(job.datasets.train)}
 
 
-def _embedded_root(data: DataConfig, target: TargetConfig, seed: int, target_dtype) -> Path:
-    """The embedded dataset's cache directory (`_embedded_key`)."""
-    return Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed,
-                                                                          target_dtype)
+def _train(job: Job) -> dict:
+    from eyas.train import trainer
+    return trainer.train(job.cfg, job.resolved, job.accelerator, job.datasets)
 
 
-def _answer_extras(data: DataConfig) -> list:
-    """The key fields of the optional generation settings, each appended only when it is not
-    the default, so caches built before it existed keep their key."""
-    fields: list = []
-    if data.samples_per_prompt > 1:
-        fields += [data.samples_per_prompt, data.temperature, data.top_p]
-    if KVCache(data.generation_cache) != KVCache.dynamic and not data.endpoint:
-        fields += ["cache", KVCache(data.generation_cache).value]   # its answers differ
-    if data.samples_per_prompt > 1 and not data.endpoint:
-        fields += ["batch", data.generation_batch_size]   # chunk c of answers is seeded by c
-    if data.synthetic_prompts > 0:
-        fields += ["synthetic", data.synthetic_prompts, data.synthetic_temperature,
-                   data.generation_batch_size]   # batch b of prompts is seeded by b
-        if data.synthetic_opener_words > 0:
-            fields += ["openers", data.synthetic_opener_words]
-        if data.synthetic_examples > 0:
-            fields += ["examples", data.synthetic_examples]
-    return fields
+def _speculative(job: Job) -> dict | None:
+    cfg = job.cfg
+    spec = run_speculative_check(cfg.eval, cfg.target.name, job.found["export"],
+                                 k=cfg.drafter.ttt_steps)
+    if spec:
+        log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards for "
+                 "%d tokens, identical to greedy: %s", spec["tau"], spec["target_forwards"],
+                 spec["tokens_generated"], spec["tokens_identical"])
+    return {"speculative": spec} if spec else None
 
 
-def _hash(data: DataConfig, fields: list) -> str:
-    prompts = Path(data.prompts or prompts_path("default"))
-    if not prompts.is_file():
-        raise ConfigError(f"dataset: the prompts file {prompts} does not exist "
-                          f"(set data.prompts=FILE.jsonl)")
-    h = hashlib.sha256()
-    h.update(prompts.read_bytes())
-    h.update(json.dumps(fields).encode())
-    return h.hexdigest()[:16]
+def _engines(job: Job) -> dict | None:
+    engines = run_engine_check(job.cfg.eval, job.cfg.target.name, job.found["export"])
+    return {"engines": engines} if engines else None
 
 
-# What a dataset directory holds before extraction: reused whole by a dataset with the same
-# answers key (tokens/ last: its manifest marks the answers complete).
-_ANSWER_FILES = ("prompts.synthetic.jsonl", "prompts.jsonl", "prompts.sampled.jsonl",
-                 "answers.greedy.jsonl", "answers.greedy.card.json", "answers.sampled.jsonl",
-                 "answers.sampled.card.json", "conversations.jsonl", "conversations.card.json")
-_ANSWERS_KEY_FILE = "answers.key"
+def _served(job: Job) -> dict | None:
+    from eyas.train.evaluate.engine import run_engine_serve
+    cfg = job.cfg
+    served = run_engine_serve(cfg.eval, cfg.target.name, job.found["export"],
+                              job.found.get("speculative"), k=cfg.drafter.ttt_steps,
+                              prompts_file=heldout_prompts(cfg.eval))
+    return {"served": served} if served else None
 
 
-def _reuse_answers(root: Path, key: str) -> Path | None:
-    """Copy the prompts, answers and tokens of a complete sibling cache with answers key `key`
-    into `root`, each file whole or not at all; the sibling, or None if there is none."""
-    for other in sorted(root.parent.iterdir()):
-        mark = other / _ANSWERS_KEY_FILE
-        if (other == root or not mark.is_file() or mark.read_text().strip() != key
-                or not (other / "tokens" / "manifest.json").is_file()):
-            continue
-        for name in _ANSWER_FILES:
-            if (other / name).is_file():
-                with atomic_path(root / name) as tmp:
-                    shutil.copyfile(other / name, tmp)
-        atomic_write_dir(root / "tokens", lambda tmp: shutil.copytree(
-            other / "tokens", tmp, dirs_exist_ok=True, copy_function=shutil.copyfile),
-            if_exists="replace")
-        return other
-    return None
+def _heldout_offline(job: Job) -> dict | None:
+    cfg = job.cfg
+    off = run_heldout_offline(cfg.eval, cfg.data, cfg.target, job.found["export"],
+                              k=cfg.drafter.ttt_steps)
+    if off:
+        log.info("offline decoder walk on the held-out answers: %s (%d chain starts)",
+                 heldout_walk_text(off), off["chain_starts"])
+    return {"heldout_offline": off} if off else None
 
 
-def _write_lines(path: Path, lines: list[str]) -> None:
-    atomic_write_bytes(path, "".join(line + "\n" for line in lines).encode("utf-8"))
+STAGES = (Stage("dataset", _dataset, every_rank=True), Stage("train", _train, every_rank=True),
+          Stage("speculative", _speculative), Stage("engines", _engines, optional=True),
+          Stage("served", _served, optional=True), Stage("heldout_offline", _heldout_offline))
 
 
-def _sampled_prompts(prepare, subset: Path, extra: int) -> list[str]:
-    """Each record of `subset` `extra` times, ids `<id>#s1` .. `<id>#s<extra>`.
-
-    The base id is the one data.produce.generate gives the record in `subset` (its "id", else
-    `<file name>:<line>`), so answer j of prompt X is stored as `X#sj` next to the greedy `X`.
-    """
-    out = []
-    for lineno, rec in prepare.iter_jsonl(subset):
-        if isinstance(rec, prepare.RecordError):
-            raise prepare.PrepareError(f"{subset}:{lineno}: {rec}")
-        try:
-            base = prepare.normalise_record(rec, default_id=f"{subset.name}:{lineno}").id
-        except prepare.RecordError as e:
-            raise prepare.PrepareError(f"{subset}:{lineno}: {e}") from None
-        out += [json.dumps({**rec, "id": f"{base}#s{j}"}, ensure_ascii=False)
-                for j in range(1, extra + 1)]
-    return out
-
-
-def _synthetic_prompts(data: DataConfig, seed: int, root: Path, model, tokenizer,
-                       prompts: Path) -> list[str]:
-    """`data.synthetic_prompts` prompts sampled from the target (cached in root), as JSONL lines;
-    none repeats a shipped prompt or a held-out one."""
-    from eyas.data.produce.synthesize import prompt_openers, prompt_texts, synthesize_prompts
-    path = root / "prompts.synthetic.jsonl"
-    words, shots = data.synthetic_opener_words, data.synthetic_examples
-    if not path.is_file():
-        shipped = prompt_texts(prompts)
-        synthesize_prompts(model, tokenizer, data.synthetic_prompts, path,
-                           openers=prompt_openers(shipped, words) if words > 0 else [],
-                           examples=shipped if shots > 0 else [], shots=max(shots, 1),
-                           temperature=data.synthetic_temperature,
-                           batch_size=data.generation_batch_size, seed=seed,
-                           exclude=shipped + prompt_texts(prompts_path("heldout")))
-    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def _served_answers(data: DataConfig, root: Path, subset: Path, sampled: Path | None,
-                    conversations: Path, seed: int) -> None:
-    """The embedded default's answers from `data.endpoint` (data.produce.served): answer 0 greedy into
-    `conversations` (with its data card), answers 1.. sampled into a second file appended to it."""
-    from eyas.data.produce.served import generate_from_endpoint
-    kw = dict(model=data.endpoint_model, max_tokens=data.max_new_tokens, seed=seed,
-              concurrency=data.endpoint_concurrency, api_key_env=data.endpoint_api_key_env)
-    if sampled is None:
-        generate_from_endpoint(subset, data.endpoint, conversations, temperature=0.0, **kw)
-        return
-    greedy, rest = root / "answers.greedy.jsonl", root / "answers.sampled.jsonl"
-    generate_from_endpoint(subset, data.endpoint, greedy, temperature=0.0, **kw)
-    generate_from_endpoint(sampled, data.endpoint, rest, temperature=data.temperature,
-                           top_p=data.top_p, **kw)
-    atomic_write_bytes(conversations, greedy.read_bytes() + rest.read_bytes())
-
-
-def build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
-                           target_dtype) -> DatasetPaths:
-    """The embedded dataset (`_build_embedded_dataset`); its cache directory is locked
-    (data/common/lock.py) while it is written, so a second training building the same one at the same
-    time fails at once naming the first. A complete cache is only read, without the lock."""
-    from eyas.data.common.lock import dir_lock
-    root = _embedded_root(data, target, seed, target_dtype)
-    if (root / "hidden" / "manifest.json").is_file():
-        return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
-    with dir_lock(root, what="embedded dataset cache"):
-        return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
-
-
-def _build_embedded_dataset(data: DataConfig, target: TargetConfig, *, seed: int,
-                            target_dtype) -> DatasetPaths:
-    """Generate conversations with the target, tokenise, extract hidden states (cached).
-
-    Each prompt is answered `data.samples_per_prompt` times into one conversations file: answer
-    0 greedily (id X), answers 1.. sampled at `data.temperature` / `data.top_p` (ids X#s1, ..).
-    target_dtype: the torch dtype the target runs in (`Resolved.target_dtype`).
-    """
-    from eyas.data.produce import extract
-    root = _embedded_root(data, target, seed, target_dtype)
-    hidden = root / "hidden"
-    conversations = root / "conversations.jsonl"
-    if (hidden / "manifest.json").is_file():
-        log.info("embedded dataset: cached at %s", hidden)
-        if not (root / _ANSWERS_KEY_FILE).is_file():   # built before the file existed
-            try:
-                atomic_write_bytes(root / _ANSWERS_KEY_FILE,
-                                   (_answers_key(data, target, seed, target_dtype) + "\n").encode())
-            except OSError as e:                        # a read-only cache is still read
-                log.debug("embedded dataset: cannot mark %s for reuse (%s)", root, e)
-        return DatasetPaths(train=hidden, eval=None, conversations=conversations)
-    root.mkdir(parents=True, exist_ok=True)
-    tokens = root / "tokens"
-    if data.stream.enabled and (tokens / "manifest.json").is_file():
-        return DatasetPaths(train=hidden, eval=None, conversations=conversations, tokens=tokens)
-    prompts = Path(data.prompts or prompts_path("default"))
-    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
-    lines = lines[:data.num_prompts]
-    from eyas.data.common.targets import default_device, load_target
-    device = default_device().type
-    model, tokenizer = load_target(target.name, dtype=target_dtype, device=device)
-    akey = _answers_key(data, target, seed, target_dtype)
-    if not (tokens / "manifest.json").is_file():
-        donor = _reuse_answers(root, akey)
-        if donor is not None:
-            log.info("embedded dataset: prompts, answers and tokens reused from %s (the same "
-                     "prompts, target and generation settings; only the extraction differs)",
-                     donor)
-    if not (tokens / "manifest.json").is_file():
-        n_synth = data.synthetic_prompts
-        log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each "
-                 "(resumable; cached in %s)", target.name, len(lines), prompts.name,
-                 f" and {n_synth} it writes itself" if n_synth else "",
-                 data.samples_per_prompt, root)
-        _answer_and_tokenise(data, target, seed, root, lines, prompts, model, tokenizer)
-    atomic_write_bytes(root / _ANSWERS_KEY_FILE, (akey + "\n").encode())
-    layers = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
-    paths = DatasetPaths(train=hidden, eval=None, conversations=conversations, tokens=tokens)
-    if data.stream.enabled:
-        return paths        # the trainer captures while it trains (data/produce/stream.py)
-    extract.extract(tokens, target.name, hidden, layers=layers, **data.extract_kwargs(),
-                    dtype=str(target_dtype).removeprefix("torch."),
-                    model=model if data.capture == "hf" else None, device=device)
-    return paths
-
-
-def _answer_and_tokenise(data: DataConfig, target: TargetConfig, seed: int, root: Path,
-                         lines: list[str], prompts: Path, model, tokenizer) -> None:
-    """The prompts (shipped, then synthesized), the target's answers to them (greedy, then
-    sampled; each step resumable) and their tokens, into `root`."""
-    from eyas.data.produce import generate, prepare
-    samples, conversations = data.samples_per_prompt, root / "conversations.jsonl"
-    subset = root / "prompts.jsonl"
-    if not subset.is_file():
-        if data.synthetic_prompts:
-            lines = lines + _synthetic_prompts(data, seed, root, model, tokenizer, prompts)
-        _write_lines(subset, lines)
-    sampled = root / "prompts.sampled.jsonl"
-    if samples > 1 and not sampled.is_file():
-        _write_lines(sampled, _sampled_prompts(prepare, subset, samples - 1))
-    if data.endpoint:
-        _served_answers(data, root, subset, sampled if samples > 1 else None, conversations,
-                        seed)
-    else:
-        generate.generate_conversations(
-            subset, target.name, conversations, max_new_tokens=data.max_new_tokens,
-            batch_size=data.generation_batch_size, temperature=0.0, seed=seed,
-            cache=KVCache(data.generation_cache).value, model=model, tokenizer=tokenizer)
-    if samples > 1 and not data.endpoint:   # answers 1.., sampled, appended to the same file
-        generate.generate_conversations(sampled, target.name, conversations,
-                                        **data.generate_kwargs(), seed=seed, model=model,
-                                        tokenizer=tokenizer)
-    prepare.prepare(conversations, target.name, root / "tokens", max_length=data.max_length,
-                    on_error="skip")
+def heldout_walk_text(off: dict) -> str:
+    """"tau X" for the held-out walk; with answers longer than the real check's, also the walk
+    within their first eval.max_new_tokens tokens."""
+    text = f"tau {off['tau_trajectory']:.3f}"
+    if off.get("tau_trajectory_capped") is not None:
+        text += (f" over answers of up to {off['max_new_tokens']} tokens, "
+                 f"{off['tau_trajectory_capped']:.3f} within their first {off['walk_cap']}")
+    return text
 
 
 def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int, target_dtype,
@@ -305,7 +131,7 @@ def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int, target_
         eval_dir = Path(data.eval_dataset).expanduser() if data.eval_dataset else None
         paths = DatasetPaths(train=train_dir, eval=eval_dir)
     elif paths is None:
-        paths = build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
+        paths = embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
     from eyas.data.common.templates import template_mismatch
     paths = settle(paths, data, run_dir)
     for key, d in (("data.dataset", paths.train), ("data.eval_dataset", paths.eval),
@@ -317,20 +143,15 @@ def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int, target_
     return paths
 
 
-def run_training(cfg, resolved, accelerator, datasets: DatasetPaths):
-    from eyas.train import trainer
-    return trainer.train(cfg, resolved, accelerator, datasets)
-
-
 def run_speculative_check(eval_cfg: EvalConfig, target: str, export_dir: str | Path, *,
                           k: int) -> dict | None:
     """Real greedy speculative decoding of `k` drafts per round with the target on held-out
     prompts (rank 0 only)."""
     if not eval_cfg.speculative:
         return None
-    from eyas.train.evaluate import offline as evaluate
+    from eyas.train.evaluate.offline import speculative_eval
     prompts = heldout_prompts(eval_cfg)
-    return evaluate.speculative_eval(export_dir, target, prompts, k=k,
+    return speculative_eval(export_dir, target, prompts, k=k,
                                      num_prompts=eval_cfg.num_prompts,
                                      max_new_tokens=eval_cfg.max_new_tokens,
                                      device=eval_device(eval_cfg),
@@ -350,54 +171,21 @@ def eval_device(eval_cfg: EvalConfig) -> str:
     return default_device().type
 
 
-def _heldout_key(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
-                 prompts: Path) -> str:
-    """The held-out cache's key: every setting its answers, tokens and hidden states depend on
-    (data.max_length decides which answers the tokeniser keeps)."""
-    h = hashlib.sha256(prompts.read_bytes())
-    ids = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
-    h.update(json.dumps([target.name, ids, eval_cfg.num_prompts, heldout_length(eval_cfg),
-                         "float32", data.max_length]).encode())
-    return h.hexdigest()[:16]
-
-
-def heldout_length(eval_cfg: EvalConfig) -> int:
-    """How many tokens the offline held-out check answers each prompt with."""
-    return eval_cfg.heldout_max_new_tokens or eval_cfg.max_new_tokens
-
-
-#: how long a run waits for another run that is building the same held-out cache
-HELDOUT_WAIT_S = 3600.0
-
-
 def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
                         export_dir: str | Path, *, k: int) -> dict | None:
-    """The export's offline acceptance on the held-out prompts' own greedy answers (rank 0):
-    the first eval.num_prompts prompts answered by the target in float32 (the precision of real
-    decoding), tokenised and extracted once, cached under data.cache_dir/heldout/<key> (each
-    step resumable: generation continues where it stopped), then `evaluate.offline_eval`; with
-    answers longer than eval.max_new_tokens (eval.heldout_max_new_tokens) the walk within each
-    answer's first eval.max_new_tokens tokens too.
-    Runs that finish side by side share the cache: the second waits for the first to write
-    it (HELDOUT_WAIT_S), then reads it."""
+    """The export's offline acceptance on the held-out prompts' own greedy answers (rank 0,
+    `data.produce.recipe.heldout_dataset`), then `offline_eval`; with answers longer than
+    eval.max_new_tokens (eval.heldout_max_new_tokens) the walk within each answer's first
+    eval.max_new_tokens tokens too."""
     if not eval_cfg.heldout_offline:
         return None
-    from eyas.data.common.lock import dir_lock
-    from eyas.train.evaluate import offline as evaluate
-    prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
-    root = (Path(data.cache_dir).expanduser() / "heldout"
-            / _heldout_key(eval_cfg, data, target, prompts))
-    hidden = root / "hidden"
+    from eyas.train.evaluate.offline import offline_eval
     device = eval_device(eval_cfg)
-    if not (hidden / "manifest.json").is_file():
-        with dir_lock(root, what="held-out dataset cache", wait=HELDOUT_WAIT_S):
-            if not (hidden / "manifest.json").is_file():   # not written while this one waited
-                _build_heldout(eval_cfg, data, target, prompts, root, device)
+    hidden = heldout_dataset(eval_cfg, data, target, device)
     length = heldout_length(eval_cfg)
     cap = eval_cfg.max_new_tokens if length > eval_cfg.max_new_tokens else None
-    res = evaluate.offline_eval(export_dir, hidden, k=k, token_budget=data.token_budget,
-                                device=device, target=target.name, cache_dir=data.cache_dir,
-                                walk_cap=cap)
+    res = offline_eval(export_dir, hidden, k=k, token_budget=data.token_budget, device=device,
+                       target=target.name, cache_dir=data.cache_dir, walk_cap=cap)
     keep = ("tau", "tau_trajectory", "tau_trajectory_capped", "chain_starts", "num_samples",
             "dataset")
     out = {key: res[key] for key in keep if key in res}
@@ -405,31 +193,6 @@ def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetCo
     if cap is not None:
         out["walk_cap"] = cap
     return out
-
-
-def _build_heldout(eval_cfg: EvalConfig, data: DataConfig, target: TargetConfig,
-                   prompts: Path, root: Path, device: str) -> None:
-    """Answer, tokenise and extract the held-out prompts into root (`run_heldout_offline`)."""
-    import torch
-
-    from eyas.data.produce import extract, generate, prepare
-    from eyas.data.common.targets import load_target
-    log.info("held-out offline check: answering %d prompts of %s (<= %d tokens, float32, "
-             "cached in %s)", eval_cfg.num_prompts, prompts.name, heldout_length(eval_cfg), root)
-    model, tokenizer = load_target(target.name, dtype=torch.float32, device=device)
-    subset = root / "prompts.jsonl"
-    lines = [x for x in prompts.read_text().splitlines() if x.strip()]
-    _write_lines(subset, lines[:eval_cfg.num_prompts])
-    conversations = generate.generate_conversations(
-        subset, target.name, root / "conversations.jsonl",
-        max_new_tokens=heldout_length(eval_cfg), batch_size=data.generation_batch_size,
-        temperature=0.0, model=model, tokenizer=tokenizer)
-    if not (root / "tokens" / "manifest.json").is_file():
-        prepare.prepare(conversations, target.name, root / "tokens",
-                        max_length=data.max_length, on_error="skip")
-    extract.extract(root / "tokens", target.name, root / "hidden",
-                    layers=None if target.aux_layer_ids is None
-                    else list(target.aux_layer_ids), model=model, device=device)
 
 
 def run_engine_check(eval_cfg: EvalConfig, target: str,

@@ -14,7 +14,7 @@ from eyas.data.store.shards import open_dataset
 from eyas.data.common.targets import default_device
 from eyas.train.config import ConfigError, check, register
 from eyas.train.resolve import resolve
-from eyas.train.pipeline import _embedded_key, build_embedded_dataset
+from eyas.data.produce.recipe import _embedded_key, embedded_dataset
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -39,7 +39,7 @@ def _key(cfg, target_dtype=torch.float32) -> str:
 
 def _build(cfg):
     c = _typed(cfg)
-    return build_embedded_dataset(c.data, c.target, seed=c.train.seed,
+    return embedded_dataset(c.data, c.target, seed=c.train.seed,
                                   target_dtype=resolve(c, default_device()).target_dtype)
 
 
@@ -124,9 +124,8 @@ def test_sampled_ids_without_record_ids_follow_generate(tmp_path):
     src = tmp_path / "mine.jsonl"
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
                            for q in ("Say hi.", "Name a color.")))
-    from eyas.data.produce import prepare
-    from eyas.train.pipeline import _sampled_prompts
-    out = [json.loads(x) for x in _sampled_prompts(prepare, src, 2)]
+    from eyas.data.produce.recipe import _sampled_prompts
+    out = [json.loads(x) for x in _sampled_prompts(src, 2)]
     assert [r["id"] for r in out] == ["mine.jsonl:1#s1", "mine.jsonl:1#s2",
                                       "mine.jsonl:2#s1", "mine.jsonl:2#s2"]
     assert out[1]["messages"] == [{"role": "user", "content": "Say hi."}]
@@ -197,9 +196,7 @@ def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, 
     from eyas.data.produce import generate
     base = ["data.num_prompts=3", "data.max_new_tokens=8", f"data.cache_dir={tmp_path}"]
     first = _build(_cfg(*base))
-    mark = first.train.parent / "answers.key"
-    mark.unlink()                      # as a cache built before answer keys existed
-    assert _build(_cfg(*base)).train == first.train and mark.is_file()   # read, marked
+    assert _build(_cfg(*base)).train == first.train                     # the cache is read
     seen, real = [], generate.generate_conversations
 
     def recording(*args, **kw):
@@ -208,7 +205,7 @@ def test_a_change_of_extraction_alone_reuses_the_answers(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(generate, "generate_conversations", recording)
     other = _cfg(*base, "target.aux_layer_ids=[2,3,6]")
-    with caplog.at_level("INFO", logger="eyas.train.pipeline"):
+    with caplog.at_level("INFO", logger="eyas.data.produce.recipe"):
         second = _build(other)
     assert seen == [] and "reused from" in caplog.text
     assert second.train != first.train and _key(other) != _key(_cfg(*base))
@@ -248,7 +245,7 @@ def test_the_heldout_walk_over_longer_answers_carries_the_capped_one(tmp_path,
     and the walk within their first eval.max_new_tokens tokens; the shorter answers of the
     default are those answers' greedy prefixes, cached apart."""
     from eyas.train.evaluate.offline import offline_eval
-    from eyas.train.main import heldout_walk_text
+    from eyas.train.pipeline import heldout_walk_text
     from eyas.train.pipeline import run_heldout_offline
     export, base = _heldout_setup(tmp_path, full_vocab_export, prompts=2)
     short_cfg = _typed(_cfg(*base))

@@ -15,7 +15,8 @@ from eyas.data.produce.prepare import prepare
 from eyas.data.common.targets import load_target, load_tokenizer, resolve_target
 from eyas.data.common.templates import load_template, template_sha256
 from eyas.train.config import ConfigError
-from eyas.train.pipeline import DatasetPaths, ensure_dataset
+from eyas.data.produce.recipe import DatasetPaths
+from eyas.train.pipeline import ensure_dataset
 from tests.train.test_pipeline import _cfg, _typed
 from tests.data.produce.test_extract_template import CONVS, OWN, drifted_target, expected, own_template
 

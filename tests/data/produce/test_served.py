@@ -307,7 +307,7 @@ def test_main_job_data_stage_takes_answers_from_the_endpoint(server, tmp_path):
 
     from eyas.data.common.targets import default_device
     from eyas.train.config import register
-    from eyas.train.pipeline import _embedded_key, build_embedded_dataset
+    from eyas.data.produce.recipe import _embedded_key, embedded_dataset
     from eyas.train.resolve import resolve
     register()
     conf = Path(__file__).resolve().parents[3] / "conf"
@@ -321,7 +321,7 @@ def test_main_job_data_stage_takes_answers_from_the_endpoint(server, tmp_path):
     local, c = OmegaConf.to_object(local), OmegaConf.to_object(cfg)
     assert _embedded_key(c.data, c.target, 0, torch.float32) != \
         _embedded_key(local.data, local.target, 0, torch.float32)
-    paths = build_embedded_dataset(c.data, c.target, seed=c.train.seed,
+    paths = embedded_dataset(c.data, c.target, seed=c.train.seed,
                                    target_dtype=resolve(c, default_device()).target_dtype)
     recs = lines(paths.conversations)
     assert len(recs) == 4 and len({r["id"] for r in recs}) == 4
