@@ -15,24 +15,24 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from eyas.data.common.settings import (DTYPE_CHOICES, EndpointSettings, ExtractionSettings,
-                                       StreamSettings,
-                                GenerationSettings, SeedSettings, SynthesisSettings,
-                                TargetSettings, TokenizeSettings)
-from eyas.data.common.targets import AUX_IDS_RULE, aux_layer_ids_error, weights_error
+from eyas.data.common.settings import (EndpointSettings, ExtractionSettings, GenerationSettings,
+                                       SeedSettings, StreamSettings, SynthesisSettings,
+                                       TargetSettings, TokenizeSettings)
+from eyas.data.common.targets import weights_error
 from eyas.models.config import DrafterShape
 from eyas.models.context import DEFAULT_EDGES
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS
 from eyas.train.choices import (AttentionImpl, DistBackend,  # noqa: F401
                                 ExportSelect, FP8Recipe, LossImpl, LossObjective, MuonAdjustLR,
                                 Normalisation, OptimName, ParamDtype, Moments, Schedule, WandbMode)
-from eyas.train.limits import (check_data, check_drafter, check_eval, check_loop, check_optim,
-                               check_trackers, run_name_message)
+from eyas.train.limits import (check_data, check_dist, check_drafter, check_eval, check_loop,
+                               check_loss, check_optim, check_target, check_trackers,
+                               run_name_message)
 
 
 @dataclass
 class TargetConfig(TargetSettings):
-    """The target group: its fields (name, aux_layer_ids, dtype) are `data.common.settings.TargetSettings`,
+    """The target group (`data.common.settings.TargetSettings`: name, aux_layer_ids, dtype),
     shared with `eyas prepare`, `eyas extract` and `eyas import`."""
 
 
@@ -84,10 +84,8 @@ class DrafterConfig(DrafterShape):
 class DataConfig(EndpointSettings, ExtractionSettings, SynthesisSettings, GenerationSettings,
                  TokenizeSettings):
     """The data group: the settings it shares with `eyas prepare`, `eyas synthesize` and `eyas
-    extract` (`data.common.settings`: max_length; max_new_tokens, generation_batch_size, temperature,
-    top_p; synthetic_temperature, synthetic_opener_words, synthetic_examples;
-    extract_pad_batches, aux_format, teacher) plus the embedded default dataset and the loader. The embedded default answers with
-    shorter turns than `eyas prepare --generate`, answer 0 greedy and the others sampled."""
+    extract` (`data.common.settings`), the embedded default dataset (answers shorter than
+    `eyas prepare --generate`'s, answer 0 greedy, the others sampled) and the loader."""
 
     max_new_tokens: int = 96
     """Length cap of generated assistant turns for the embedded default."""
@@ -364,10 +362,9 @@ class EvalConfig:
     processes sharing the machine."""
     heldout_offline: bool = False
     """Also answer the held-out prompts greedily in float32 (the first num_prompts, at most
-    heldout_max_new_tokens tokens, else max_new_tokens; cached under
-    data.cache_dir/heldout/<key>), extract them and report
-    the export's offline decoder walk on that text: the offline figure next to the real one
-    (`heldout_offline` in summary.json)."""
+    heldout_max_new_tokens tokens, else max_new_tokens; cached under data.cache_dir/heldout/),
+    extract them and report the export's offline decoder walk on that text: the offline figure
+    next to the real one (`heldout_offline` in summary.json)."""
     heldout_max_new_tokens: Optional[int] = None
     """Length of the held-out answers eval.heldout_offline walks (null: max_new_tokens). A
     longer one (e.g. 384) reports the walk over those answers (`tau_trajectory`) and, beside
@@ -396,8 +393,7 @@ class EyasConfig:
 
 
 def register() -> None:
-    """Register the schema so `conf/config.yaml` can extend it, and the resolver its --help
-    lists the config groups with (idempotent)."""
+    """The schema for `conf/config.yaml` to extend, and --help's config-group resolver."""
     from eyas.train.hydra_cli import config_groups
     ConfigStore.instance().store(name="eyas_schema", node=EyasConfig)
     OmegaConf.register_new_resolver("eyas_help_groups", config_groups, replace=True)
@@ -408,8 +404,8 @@ class ConfigError(ValueError):
 
 
 def check_run_name(name: Any) -> None:
-    """run_name names one directory inside runs/ (`limits.run_name_error`); the entry point
-    also checks it before Hydra makes that directory (train/hydra_cli.py)."""
+    """run_name names one directory inside runs/ (`limits.run_name_error`; train/hydra_cli.py
+    checks it before Hydra makes that directory)."""
     if (message := run_name_message(name)) is not None:
         raise ConfigError(message)
 
@@ -420,62 +416,17 @@ def check(cfg: DictConfig | Any) -> None:
         raise ConfigError(f"{key}={value!r}: expected {expected}. Fix: {fix}")
 
     check_run_name(cfg.run_name)
+    check_target(cfg.target, fail)
     check_drafter(cfg.drafter, fail)
-    if cfg.drafter.draft_vocab_size < 2:
-        fail("drafter.draft_vocab_size", cfg.drafter.draft_vocab_size, ">= 2",
-             "drafter.draft_vocab_size=32000")
-    ids = cfg.target.aux_layer_ids
-    if ids is not None and aux_layer_ids_error(ids) is not None:
-        fail("target.aux_layer_ids", list(ids), f"{AUX_IDS_RULE} ({aux_layer_ids_error(ids)})",
-             "target.aux_layer_ids=[2,16,29] (or null for 2, N//2, N-3)")
-    if cfg.target.dtype not in DTYPE_CHOICES:
-        fail("target.dtype", cfg.target.dtype, f"one of {list(DTYPE_CHOICES)}",
-             "target.dtype=auto")
     check_data(cfg.data, fail)
     check_optim(cfg.optim, fail, deepspeed=cfg.dist.backend == DistBackend.deepspeed,
                 fp32_params=cfg.train.param_dtype == ParamDtype.fp32,
                 zero_stage=cfg.dist.zero_stage)
     check_loop(cfg.train, cfg.export, fail)
-    if cfg.dist.backend == DistBackend.deepspeed and cfg.dist.zero_stage not in (1, 2, 3):
-        fail("dist.zero_stage", cfg.dist.zero_stage, "1, 2 or 3 with backend=deepspeed",
-             "dist=zero2 (or dist.zero_stage=2)")
-    if cfg.dist.backend == DistBackend.deepspeed and cfg.dist.zero_stage == 3:
-        why = {"compile": "ZeRO-3 gathers its partitioned weights in module hooks, which "
-                          "compiled graphs bypass",
-               "embedding_qkv_once": "its q/k/v views would hold ZeRO-3's gathered weights from "
-                                     "the forward to the backward"}
-        for key, reason in why.items():
-            if getattr(cfg.drafter, key):
-                fail(f"drafter.{key}", True, f"false under ZeRO-3 ({reason})",
-                     f"drafter.{key}=false (dist=zero3 sets it), or dist=zero2")
-    if cfg.dist.backend == DistBackend.ddp and cfg.dist.zero_stage != 0:
-        fail("dist.zero_stage", cfg.dist.zero_stage, "0 with backend=ddp",
-             f"dist=zero{cfg.dist.zero_stage} to use DeepSpeed ZeRO-{cfg.dist.zero_stage}, "
-             f"or dist.zero_stage=0")
-    if cfg.drafter.fp8 != FP8Recipe.off and cfg.dist.backend == DistBackend.deepspeed \
-            and cfg.dist.zero_stage == 3:
-        fail("drafter.fp8", cfg.drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "
-             "bypass the float8 linears)", "dist=zero2 (or drafter.fp8=off)")
-    if cfg.dist.backend == DistBackend.ddp and cfg.dist.deepspeed_config is not None:
-        fail("dist.deepspeed_config", cfg.dist.deepspeed_config, "null with dist=ddp (DDP reads "
-             "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
+    check_dist(cfg.dist, cfg.drafter, fail)
     check_trackers(cfg.tracker, fail)
     check_eval(cfg.eval, fail)
-    if cfg.loss.step_weight <= 0:
-        fail("loss.step_weight", cfg.loss.step_weight, "> 0", "loss.step_weight=0.8")
-    mix = cfg.loss.mix
-    weights = {k: getattr(mix, k) for k in ("kl", "tv", "lk_alpha", "lk_lambda")}
-    if min(weights.values()) < 0 or max(weights.values()) <= 0:
-        fail("loss.mix", weights, "weights >= 0, at least one > 0",
-             "loss.mix.kl=0.5 loss.mix.tv=0.5")
-    if cfg.loss.lk_eta < 0:
-        fail("loss.lk_eta", cfg.loss.lk_eta, ">= 0", "loss.lk_eta=3.0")
-    if cfg.train.overwrite and cfg.train.resume == "latest":
-        fail("train.overwrite", True, "false with train.resume=latest (overwrite removes the "
-             "checkpoints that resume would continue from)",
-             "drop train.overwrite=true to resume, or train.resume=null to start over")
-    if cfg.train.epochs < 1 and cfg.train.max_steps is None:
-        fail("train.epochs", cfg.train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
+    check_loss(cfg.loss, fail)
     # generation, extraction (no data.dataset) and decoding run the model; training reads the
     # embedding and lm_head only
     need = ("model" if cfg.data.dataset is None or cfg.eval.speculative

@@ -21,8 +21,10 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from eyas.data.common.settings import DTYPE_CHOICES
+from eyas.data.common.targets import AUX_IDS_RULE, aux_layer_ids_error
 from eyas.models.context import check_edges
-from eyas.train.choices import TRACKER_PACKAGES, FP8Recipe, WandbMode
+from eyas.train.choices import TRACKER_PACKAGES, DistBackend, FP8Recipe, WandbMode
 
 Fail = Callable[[str, Any, str, str], None]
 
@@ -97,10 +99,24 @@ def check_data(data, fail: Fail) -> None:
         fail("data.top_p", data.top_p, "in (0, 1]", "data.top_p=0.95")
 
 
+def check_target(target, fail: Fail) -> None:
+    """The aux layer ids (`data.common.targets.AUX_IDS_RULE`) and the target's dtype."""
+    ids = target.aux_layer_ids
+    if ids is not None and aux_layer_ids_error(ids) is not None:
+        fail("target.aux_layer_ids", list(ids), f"{AUX_IDS_RULE} ({aux_layer_ids_error(ids)})",
+             "target.aux_layer_ids=[2,16,29] (or null for 2, N//2, N-3)")
+    if target.dtype not in DTYPE_CHOICES:
+        fail("target.dtype", target.dtype, f"one of {list(DTYPE_CHOICES)}", "target.dtype=auto")
+
+
 def check_drafter(drafter, fail: Fail) -> None:
-    """drafter.ttt_steps in [1, MAX_TTT_STEPS] (module doc: where the bound comes from), and
-    drafter.fp8_layers naming the drafter's linear layers."""
+    """A draft vocabulary of two tokens or more, drafter.ttt_steps in [1, MAX_TTT_STEPS] (module
+    doc: where the bound comes from), and drafter.fp8_layers naming the drafter's linear
+    layers."""
     from eyas.models.fp8 import DEFAULT_FP8_LAYERS, fp8_layers_error
+    if drafter.draft_vocab_size < 2:
+        fail("drafter.draft_vocab_size", drafter.draft_vocab_size, ">= 2",
+             "drafter.draft_vocab_size=32000")
     K = drafter.ttt_steps
     if not 1 <= K <= MAX_TTT_STEPS:
         fail("drafter.ttt_steps", K, f"an integer in [1, {MAX_TTT_STEPS}] (each step adds a "
@@ -120,6 +136,12 @@ def check_drafter(drafter, fail: Fail) -> None:
 
 def check_loop(train, export, fail: Fail) -> None:
     """The loop's counts and intervals: no negative interval, no max_steps=0."""
+    if train.overwrite and train.resume == "latest":
+        fail("train.overwrite", True, "false with train.resume=latest (overwrite removes the "
+             "checkpoints that resume would continue from)",
+             "drop train.overwrite=true to resume, or train.resume=null to start over")
+    if train.epochs < 1 and train.max_steps is None:
+        fail("train.epochs", train.epochs, ">= 1 (or set train.max_steps)", "train.epochs=1")
     if train.max_steps is not None and train.max_steps < 1:
         fail("train.max_steps", train.max_steps, "an integer >= 1, or null (train.epochs "
              "decides)", "train.max_steps=100 (or train.max_steps=null)")
@@ -144,6 +166,47 @@ def check_loop(train, export, fail: Fail) -> None:
     if train.profile_start < 1:
         fail("train.profile_start", train.profile_start, "an integer >= 1 (steps are "
              "numbered from 1, as in metrics.jsonl)", "train.profile_start=10")
+
+
+def check_dist(dist, drafter, fail: Fail) -> None:
+    """The backend's ZeRO stage and what ZeRO-3 cannot run (compiled graphs, views of gathered
+    weights, float8 linears)."""
+    if dist.backend == DistBackend.deepspeed and dist.zero_stage not in (1, 2, 3):
+        fail("dist.zero_stage", dist.zero_stage, "1, 2 or 3 with backend=deepspeed",
+             "dist=zero2 (or dist.zero_stage=2)")
+    if dist.backend == DistBackend.deepspeed and dist.zero_stage == 3:
+        why = {"compile": "ZeRO-3 gathers its partitioned weights in module hooks, which "
+                          "compiled graphs bypass",
+               "embedding_qkv_once": "its q/k/v views would hold ZeRO-3's gathered weights from "
+                                     "the forward to the backward"}
+        for key, reason in why.items():
+            if getattr(drafter, key):
+                fail(f"drafter.{key}", True, f"false under ZeRO-3 ({reason})",
+                     f"drafter.{key}=false (dist=zero3 sets it), or dist=zero2")
+    if dist.backend == DistBackend.ddp and dist.zero_stage != 0:
+        fail("dist.zero_stage", dist.zero_stage, "0 with backend=ddp",
+             f"dist=zero{dist.zero_stage} to use DeepSpeed ZeRO-{dist.zero_stage}, "
+             f"or dist.zero_stage=0")
+    if drafter.fp8 != FP8Recipe.off and dist.backend == DistBackend.deepspeed \
+            and dist.zero_stage == 3:
+        fail("drafter.fp8", drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "
+             "bypass the float8 linears)", "dist=zero2 (or drafter.fp8=off)")
+    if dist.backend == DistBackend.ddp and dist.deepspeed_config is not None:
+        fail("dist.deepspeed_config", dist.deepspeed_config, "null with dist=ddp (DDP reads "
+             "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
+
+
+def check_loss(loss, fail: Fail) -> None:
+    """The objective's weights."""
+    if loss.step_weight <= 0:
+        fail("loss.step_weight", loss.step_weight, "> 0", "loss.step_weight=0.8")
+    mix = loss.mix
+    weights = {k: getattr(mix, k) for k in ("kl", "tv", "lk_alpha", "lk_lambda")}
+    if min(weights.values()) < 0 or max(weights.values()) <= 0:
+        fail("loss.mix", weights, "weights >= 0, at least one > 0",
+             "loss.mix.kl=0.5 loss.mix.tv=0.5")
+    if loss.lk_eta < 0:
+        fail("loss.lk_eta", loss.lk_eta, ">= 0", "loss.lk_eta=3.0")
 
 
 def check_optim(optim, fail: Fail, *, deepspeed: bool = False, fp32_params: bool = False,
