@@ -28,7 +28,6 @@ from typing import Any, Callable, Sequence
 from eyas.data.common.log import HelpFormatter
 
 _KEY = "eyas.option"
-Rule = str | Sequence[str] | dict[str, str]   # option names, or each name with its error line
 
 
 def option(default: Any = MISSING, help: str | None = None, *, flags: Sequence[str] = (),
@@ -36,26 +35,21 @@ def option(default: Any = MISSING, help: str | None = None, *, flags: Sequence[s
            choices: Sequence[Any] | None = None, metavar: str | None = None,
            group: str | None = None, exclusive: str | None = None,
            action: str | None = None, min: float | None = None, max: float | None = None,
-           requires: Rule = (), excludes: Rule = (), needed: str | None = None) -> Any:
+           requires: str | dict[str, str] = {}, excludes: dict[str, str] = {},
+           needed: str | None = None) -> Any:
     """A dataclass field that is a command-line option: required without a default (or a
     positional); `flags` replaces the `--field-name` spelling; `type` parses the text (default:
     an int or float annotation; a bool field is a flag); `group` titles a help section; fields
     sharing an `exclusive` name exclude each other; `action="append"` repeats.
 
     Rules `parse` checks: `min`/`max` bound the value; given (not its default), the option
-    `requires` the named options given too and `excludes` them, each name mapped to its error
-    line or listed for the plain one; of the fields sharing a `needed` name one must be given."""
+    `requires` the options it maps to their error lines given too (one name: a plain line) and
+    `excludes` them; of the fields sharing a `needed` name one must be given."""
     meta = dict(help=help, flags=tuple(flags), positional=positional, type=type,
                 choices=choices, metavar=metavar, group=group, exclusive=exclusive, action=action,
-                min=min, max=max, requires=_rule(requires), excludes=_rule(excludes),
-                needed=needed)
+                min=min, max=max, excludes=excludes, needed=needed,
+                requires={requires: None} if isinstance(requires, str) else requires)
     return _field(default, {_KEY: meta})
-
-
-def _rule(names: Rule) -> dict[str, str | None]:
-    if isinstance(names, str):
-        return {names: None}
-    return dict(names) if isinstance(names, dict) else dict.fromkeys(names)
 
 
 def setting(default: Any, help: str) -> Any:
@@ -159,9 +153,9 @@ def broken_rule(opts: Any) -> str | None:
     needed: dict[str, list[Any]] = {}
     for f in every.values():
         meta, value = f.metadata[_KEY], getattr(opts, f.name)
-        for bound, bad, word in ((meta["min"], lambda v, b: v < b, ">="),
-                                 (meta["max"], lambda v, b: v > b, "<=")):
-            if bound is not None and value is not None and bad(value, bound):
+        for bound, ok, word in ((meta["min"], lambda v, b: v >= b, ">="),
+                                (meta["max"], lambda v, b: v <= b, "<=")):
+            if bound is not None and value is not None and not ok(value, bound):
                 return f"{flag(f)} must be {word} {bound}, got {value}"
         if meta["needed"]:
             needed.setdefault(meta["needed"], []).append(f)

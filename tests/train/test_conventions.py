@@ -54,9 +54,10 @@ def test_evaluate_seed_reaches_the_split_however_the_cli_is_called(monkeypatch):
     from eyas.data.common.options import parse
     from eyas.train.evaluate.cli import EvaluateOptions
     need = ["--drafter", "x", "--k", "2", "--out", "o.json", "--data", "d"]
-    assert parse(EvaluateOptions, "eyas evaluate", need).seed is None      # the drafter's record decides
+    # the drafter's record decides
+    assert parse(EvaluateOptions, "eyas evaluate", need).seed is None
     monkeypatch.setattr("sys.argv", ["evaluate_cli", *need, "--seed", "5"])
-    assert parse(EvaluateOptions, "eyas evaluate").seed == 5          # argv read by argparse, not by us
+    assert parse(EvaluateOptions, "eyas evaluate").seed == 5   # argv read by argparse, not by us
 
 
 def test_evaluate_cli_scores_the_held_out_split_and_says_so(tiny_drafter, tiny_llama_dataset,
