@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-Run = Callable[[Any], int]
 #: command -> (loader, one-line help); the loader imports the command's module only when it runs
 #: (`eyas --help` stays fast) and returns its (options class, run function), or the commands
 #: nested under it, {name: (options class, run function, one-line help)}
@@ -103,7 +102,7 @@ def _():
     return EvaluateOptions, main
 
 
-def nested_usage(name: str, nested: dict[str, tuple[type, Run, str]]) -> str:
+def nested_usage(name: str, nested: dict[str, tuple]) -> str:
     """The usage of command `name`, which runs one of `nested`."""
     w = max(map(len, nested))
     return (f"usage: eyas {name} {{{','.join(nested)}}} [--help]\n\n" + "\n".join(
@@ -123,22 +122,23 @@ def call(name: str, argv: list[str]) -> int:
             print(f"{prog}: unknown subcommand {sub!r}\n\n{nested_usage(name, target)}",
                   file=sys.stderr)
             return 2
-        target, prog, argv = target[sub][:2], f"{prog} {sub}", argv[1:]
+        target, prog, argv = target[sub], f"{prog} {sub}", argv[1:]
     from eyas.data.common.options import parse
-    cls, run = target
-    return run(parse(cls, prog, argv))
+    return target[1](parse(target[0], prog, argv))
+
+
+def _each(name: str, target: Any) -> list[tuple[str, type]]:
+    """(words, options class) of command `name`, whose loader gave `target`, or of each nested
+    in it."""
+    if isinstance(target, dict):
+        return [(f"{name} {sub}", cls) for sub, (cls, _, _) in target.items()]
+    return [(name, target[0])]
 
 
 def options() -> dict[str, type]:
     """Every command's options class, by its words ("inspect", "engines check")."""
-    out = {}
-    for name, (load, _) in COMMANDS.items():
-        target = load()
-        if isinstance(target, dict):
-            out.update({f"{name} {sub}": cls for sub, (cls, _, _) in target.items()})
-        else:
-            out[name] = target[0]
-    return out
+    return {words: cls for name, (load, _) in COMMANDS.items()
+            for words, cls in _each(name, load())}
 
 
 def reference() -> str:
@@ -146,23 +146,13 @@ def reference() -> str:
     from eyas.data.common.options import markdown, parser
     out = []
     for name, (load, help) in COMMANDS.items():
-        target = load()
         out.append(f"## `eyas {name}`\n\n*{help}.*")
-        if isinstance(target, dict):
+        if isinstance(target := load(), dict):
             out.append(f"```\n{nested_usage(name, target)}\n```")
-            out += [f"### `eyas {name} {sub}`\n\n"
-                    + markdown(parser(cls, f"eyas {name} {sub}"), WIDTH)
-                    for sub, (cls, _, _) in target.items()]
-        else:
-            out.append(markdown(parser(target[0], f"eyas {name}"), WIDTH))
+        out += [(f"### `eyas {words}`\n\n" if words != name else "")
+                + markdown(parser(cls, f"eyas {words}"), WIDTH)
+                for words, cls in _each(name, target)]
     return "\n\n".join(out) + "\n"
-
-
-def write_reference(path: str) -> None:
-    """Rewrites the generated part of the markdown file `path` (from its first command heading)."""
-    from pathlib import Path
-    text = Path(path).read_text(encoding="utf-8")
-    Path(path).write_text(text[:text.index("\n## `eyas ") + 1] + reference(), encoding="utf-8")
 
 
 USAGE = "usage: eyas <command> [--help] [args...]\n       eyas --version\n\ncommands:\n" + (
@@ -206,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("-V", "--version"):
         print(f"eyas {version()}")
         return 0
-    if argv[0] == "--markdown" and len(argv) == 2:     # docs/cli.md's generated part
-        write_reference(argv[1])
+    if argv[0] == "--markdown" and len(argv) == 2:     # rewrite docs/cli.md's generated part
+        from pathlib import Path
+        text = Path(argv[1]).read_text(encoding="utf-8")
+        Path(argv[1]).write_text(text[:text.index("\n## `eyas ") + 1] + reference(), "utf-8")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -63,11 +63,9 @@ def _field(default: Any, metadata: dict[str, Any]) -> Any:
     return field(default=default, metadata=metadata)
 
 
-def default(cls: type, name: str) -> Any:
-    """The default of field `name` of dataclass `cls`, an enum as its value."""
-    f = next(f for f in fields(cls) if f.name == name)
-    value = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-    return value.value if isinstance(value, Enum) else value
+def _default(f: Any) -> Any:
+    """The default of dataclass field `f` (MISSING: none)."""
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 def shared(cls: type, name: str, key: str | None = None, note: str = "", **kw: Any) -> Any:
@@ -77,8 +75,8 @@ def shared(cls: type, name: str, key: str | None = None, note: str = "", **kw: A
     if isinstance(f.default, Enum):
         kw.setdefault("choices", [e.value for e in type(f.default)])
     text = " ".join(t for t in (f.metadata.get("help", ""), note) if t)
-    named = f"{key}, " if key else ""
-    value = default(cls, name)
+    named, value = f"{key}, " if key else "", _default(f)
+    value = value.value if isinstance(value, Enum) else value
     return option(value, f"{text} (default: {named}{value})".replace("%", "%%"), **kw)
 
 
@@ -91,8 +89,8 @@ def _add(box: Any, f: Any, meta: dict[str, Any], hint: Any) -> None:
         kw["action"] = "store_true"
     elif meta["type"] is not None or hint in (int, float):
         kw["type"] = meta["type"] or hint
-    if f.default is not MISSING or f.default_factory is not MISSING:
-        kw["default"] = f.default if f.default is not MISSING else f.default_factory()
+    if (value := _default(f)) is not MISSING:
+        kw["default"] = value
     elif not meta["positional"]:
         kw["required"] = True
     names = ([f.name] if meta["positional"]
@@ -140,10 +138,7 @@ def flag(f: Any) -> str:
 
 
 def _given(opts: Any, f: Any) -> bool:
-    if f.default is MISSING and f.default_factory is MISSING:
-        return True
-    return getattr(opts, f.name) != (f.default if f.default is not MISSING
-                                     else f.default_factory())
+    return (value := _default(f)) is MISSING or getattr(opts, f.name) != value
 
 
 def broken_rule(opts: Any) -> str | None:
