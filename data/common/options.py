@@ -1,12 +1,10 @@
 """Command-line options declared once: a subcommand's options are the fields of one dataclass,
-its docstring the command's description; `parse` turns the command line into an instance of it.
+its docstring the description; `parse` turns the command line into an instance of it.
 
-A field's type and default are the option's; `option()` adds the rest (help, flags, choices, a
-help group, and the rules between options: a range, `requires`, `excludes`, `needed`), checked
-by `parse`, which reports a broken one through argparse (one line, exit 2); a rule no
-declaration states is the dataclass's `check()` method. `shared()` declares an option the
-trainer also configures, with the default and help of the setting's own field
-(`data.common.settings`) and its Hydra key named, so the two cannot drift
+A field's type and default are the option's; `option()` adds the rest, the rules between
+options included (checked by `parse`; an irregular one is the dataclass's `check()`). `shared()`
+declares an option the trainer also configures, with the default and help of the setting's own
+field (`data.common.settings`) and its Hydra key named, so the two cannot drift
 (tests/train/test_cli_defaults.py). `markdown` renders a parser as docs/cli.md shows it.
 
 Plain argparse, not tyro, simple-parsing or jsonargparse: they take help from attribute
@@ -42,9 +40,9 @@ def option(default: Any = MISSING, help: str | None = None, *, flags: Sequence[s
     an int or float annotation; a bool field is a flag); `group` titles a help section; fields
     sharing an `exclusive` name exclude each other; `action="append"` repeats.
 
-    Rules `parse` checks: `min`/`max` bound the value; given (not its default), the option
-    `requires` the options it maps to their error lines given too (one name: a plain line) and
-    `excludes` them; of the fields sharing a `needed` name one must be given."""
+    Rules: `min`/`max` bound the value; given (not its default), the option `requires` the
+    options it maps to their error lines (one name: a plain line) and `excludes` them; one of
+    the fields sharing a `needed` name must be given."""
     meta = dict(help=help, flags=tuple(flags), positional=positional, type=type,
                 choices=choices, metavar=metavar, group=group, exclusive=exclusive, action=action,
                 min=min, max=max, excludes=excludes, needed=needed,

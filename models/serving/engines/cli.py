@@ -40,24 +40,17 @@ class EnginesOptions:
 
 
 @dataclass(kw_only=True)
-class _CheckTarget:
-    dir: str = option(help="the exported drafter directory", positional=True)
-    target_config: str = option(
-        help="the target's config.json, its directory, hub id (org/name[@revision]) or preset "
-        "name (only config.json is used: no weights, no tokenizer)")
-
-
-@dataclass(kw_only=True)
-class EnginesCheckOptions(EnginesOptions, _CheckTarget):
+class EnginesCheckOptions(EnginesOptions):
     """Load an exported drafter with vLLM's and SGLang's own loaders on CPU (each in its own
     venv) and report load errors, silently dropped tensors, parameters never written, NaN/inf and
     a logits smoke check. Installs a missing engine venv only with --setup (or a yes on a
     terminal). Exit 0 = clean, 1 = findings, 2 = usage error, 3 = an engine could not run here or
     its venv is missing."""
 
-    # options in this order: _CheckTarget's, EnginesOptions', then these (a dataclass puts the
-    # fields of its last base first)
-
+    dir: str = option(help="the exported drafter directory", positional=True)
+    target_config: str = option(
+        help="the target's config.json, its directory, hub id (org/name[@revision]) or preset "
+        "name (only config.json is used: no weights, no tokenizer)")
     num_speculative_tokens: int = option(3, "K (default 3)")
     setup: bool = option(False, "install the missing engine venvs first (several GB each, "
                          "minutes, once); without it a missing venv is asked about on a "
