@@ -127,28 +127,18 @@ def call(name: str, argv: list[str]) -> int:
     return target[1](parse(target[0], prog, argv))
 
 
-def options() -> dict[str, type]:
-    """Every command's options class, by its words ("inspect", "engines check")."""
-    out = {}
-    for name, (load, _) in COMMANDS.items():
-        target = load()
-        nested = target.items() if isinstance(target, dict) else [("", target)]
-        out.update({f"{name} {sub}".rstrip(): entry[0] for sub, entry in nested})
-    return out
-
-
 def reference() -> str:
     """docs/cli.md from its first command on: each command's help, as markdown."""
     from eyas.data.common.options import markdown, parser
-    out: list[str] = []
-    for words, cls in options().items():
-        name, _, sub = words.partition(" ")
-        if sub in ("", next(iter(COMMANDS[name][0]()))):    # a command, or its first nested
-            load, help = COMMANDS[name]
-            out.append(f"## `eyas {name}`\n\n*{help}.*")
-            out += [f"```\n{nested_usage(name, load())}\n```"] if sub else []
-        out.append((f"### `eyas {words}`\n\n" if sub else "")
-                   + markdown(parser(cls, f"eyas {words}"), WIDTH))
+    out = []
+    for name, (load, help) in COMMANDS.items():
+        out.append(f"## `eyas {name}`\n\n*{help}.*")
+        if isinstance(target := load(), dict):
+            out.append(f"```\n{nested_usage(name, target)}\n```")
+        for sub, (cls, *_) in target.items() if isinstance(target, dict) else [("", target)]:
+            words = f"{name} {sub}".rstrip()
+            out.append((f"### `eyas {words}`\n\n" if sub else "")
+                       + markdown(parser(cls, f"eyas {words}"), WIDTH))
     return "\n\n".join(out) + "\n"
 
 

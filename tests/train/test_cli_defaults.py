@@ -13,7 +13,7 @@ import pytest
 
 from eyas.data.common.options import parse
 from eyas.data.common.settings import GenerationSettings
-from eyas.train.cli import options
+from eyas.train.cli import COMMANDS
 from eyas.train.config import EyasConfig
 
 # subcommand -> the fewest arguments it accepts
@@ -111,7 +111,9 @@ def _schema_field_names() -> set[str]:
 
 @pytest.mark.parametrize("name", sorted(ARGV))
 def test_cli_defaults_are_the_schema_defaults(name):
-    args = vars(parse(options()[name], f"eyas {name}", ARGV[name]))
+    command, _, sub = name.partition(" ")
+    target = COMMANDS[command][0]()
+    args = vars(parse((target[sub] if sub else target)[0], f"eyas {name}", ARGV[name]))
     for (cli, dest), key in SHARED.items():
         if cli == name:
             assert args[dest] == _schema_value(key), f"eyas {name} --{dest}: not {key}'s default"

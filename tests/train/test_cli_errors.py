@@ -11,7 +11,7 @@ import pytest
 
 from eyas.data.common.log import HelpFormatter
 from eyas.data.common.options import parser
-from eyas.train.cli import main, options
+from eyas.train.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[2]
 NO = "/no/such/path"
@@ -96,6 +96,16 @@ def test_version_is_the_pyproject_version(capsys):
     r = subprocess.run([sys.executable, "-m", "eyas.train.cli", "--version"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == f"eyas {want}"
+
+
+def options() -> dict[str, type]:
+    """Every command's options class, by its words ("inspect", "engines check")."""
+    out = {}
+    for name, (load, _) in COMMANDS.items():
+        target = load()
+        nested = target.items() if isinstance(target, dict) else [("", target)]
+        out.update({f"{name} {sub}".rstrip(): entry[0] for sub, entry in nested})
+    return out
 
 
 def _all_parsers():
