@@ -3,6 +3,7 @@ trainer's own counts, across ranks, and the `eyas evaluate` CLI in both modes.""
 
 import json
 import random
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,10 @@ from eyas.models.objective import metric_mask
 from eyas.data.common.targets import load_embedding_and_head, load_target_config
 from eyas.models.ttt import structural_valid
 from eyas.train.evaluate.offline import draft_argmax, offline_eval
+from eyas.train.cli import call
 from eyas.train.step import TrainingModule, batch_inputs
+
+cli_main = partial(call, "evaluate")
 
 K = 3
 
@@ -261,10 +265,6 @@ def test_offline_eval_directory_module_and_rank_split(tiny_drafter, tiny_llama_d
 _RANK1 = """
 import json, sys, torch, torch.distributed as dist
 from eyas.train.evaluate.offline import offline_eval
-from functools import partial
-from eyas.train.cli import call
-
-cli_main = partial(call, "evaluate")
 port, out, ds = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
