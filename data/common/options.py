@@ -123,8 +123,8 @@ def parser(cls: type, prog: str) -> argparse.ArgumentParser:
             box = boxes.get(meta["exclusive"]) or boxes.setdefault(
                 meta["exclusive"], box.add_mutually_exclusive_group())
         _add(box, f, meta, hints[f.name])
-    for flag, new in getattr(cls, "renamed", {}).items():
-        p.add_argument(flag, action=_Renamed, const=new, help=argparse.SUPPRESS,
+    for old, new in getattr(cls, "renamed", {}).items():
+        p.add_argument(old, action=_Renamed, const=new, help=argparse.SUPPRESS,
                        default=argparse.SUPPRESS)
     return p
 
