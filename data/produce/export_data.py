@@ -26,7 +26,6 @@ built in a temporary sibling and renamed into place when complete (`atomic_write
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import logging
 import os
@@ -42,7 +41,7 @@ import torch
 from eyas.data.produce.outdir import WrongDirectory
 from eyas.data.common.deps import MissingDependency
 from eyas.data.common.lock import writes_directory
-from eyas.data.common.options import option, parser
+from eyas.data.common.options import option
 from eyas.data.common.utils import (LogEvery, atomic_write_dir, atomic_write_json, progress,
                                     remove_leftover_dirs)
 from eyas.data.store.format import DatasetError
@@ -277,7 +276,8 @@ def export_speculators(dataset: str | os.PathLike, out: str | os.PathLike, *,
 
 @dataclass(kw_only=True)
 class ExportDataOptions:
-    """`eyas export-data`'s options."""
+    """Write an eyas hidden-state dataset in another trainer's on-disk layout (speculators: the
+    preprocessed dataset, hidden_states/hs_<i>.safetensors, token_freq.pt, d2t.npy/t2d.npy)."""
 
     dataset: str = option(help="eyas hidden-state dataset directory", positional=True,
                           metavar="DATASET")
@@ -297,15 +297,8 @@ class ExportDataOptions:
     overwrite: bool = option(False, "replace an earlier export at OUT")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return parser(ExportDataOptions, "eyas export-data", "Write an eyas hidden-state dataset in "
-                  "another trainer's on-disk layout (speculators: the preprocessed dataset, "
-                  "hidden_states/hs_<i>.safetensors, token_freq.pt, d2t.npy/t2d.npy).")
-
-
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: ExportDataOptions) -> int:
     """`eyas export-data [--format speculators] DATASET OUT [--target MODEL] [--vocab FILE]`."""
-    args = build_parser().parse_args(argv)
     r = export_speculators(args.dataset, args.out, target=args.target, vocab=args.vocab,
                            num_samples=args.num_samples, overwrite=args.overwrite)
     print(f"exported {r['n_samples']} samples ({r['n_tokens']} tokens) to {args.out} "

@@ -54,7 +54,7 @@ from eyas.data.common.capture import ExtractError
 from eyas.data.produce.forward import (DTYPES, TEACHERS, default_shard_tokens,  # noqa: F401
                                      plan_shards)
 from eyas.data.common.lock import lock_for_ranks, writes_directory
-from eyas.data.produce.extract_args import build_parser, parse_max_memory  # noqa: F401
+from eyas.data.produce.extract_args import ExtractOptions, parse_max_memory
 from eyas.data.produce.extract_plan import (check_template, finalize, make_plan, pending_shards,
                                           write_plan)
 from eyas.data.common.parent import exit_with_launcher
@@ -122,7 +122,7 @@ def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
 
 
 @writes_directory("out_dir", what="hidden-state dataset",
-                  when=lambda a: a["world_size"] == 1)  # several ranks: cli_main's rank 0
+                  when=lambda a: a["world_size"] == 1)  # several ranks: main's rank 0
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             capture: Capture | str = Capture.hf, endpoint: str | None = None,
             served_model: str | None = None,
@@ -240,16 +240,12 @@ def _hf_keywords(capture, device, device_map, max_memory, model, batch_tokens, p
                 vocab_chunk=vocab_chunk)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: ExtractOptions) -> int:
     """`eyas extract --tokens DIR --target MODEL --out DIR [--layers a,b,c] ...`; with
     `--estimate` (no --out) the bytes and time it would take, capturing nothing."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
     if args.estimate:
         from eyas.data.produce.estimate import cli_estimate
         return cli_estimate(args)
-    if args.out is None:
-        parser.error("the following arguments are required: --out (or --estimate)")
     exit_with_launcher()  # a rank of `accelerate launch -m eyas.data.produce.extract` ends with it
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
@@ -302,4 +298,5 @@ def _extract_ranks(args, state, device, layers) -> None:
 
 if __name__ == "__main__":
     from eyas.data.common.log import run_main
-    run_main(cli_main)
+    from eyas.data.common.options import parse
+    run_main(lambda argv: main(parse(ExtractOptions, "eyas extract", argv)), "eyas extract")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
-
 from dataclasses import dataclass
 
 from eyas.data.produce.forward import TEACHERS
 from eyas.data.common.capture import ExtractError
-from eyas.data.common.options import option, parser, shared
+from eyas.data.common.options import option, shared
 from eyas.data.common.settings import DTYPE_CHOICES, ExtractionSettings, TargetSettings
 
 
@@ -29,13 +27,19 @@ def parse_max_memory(text: str | None) -> dict | None:
 
 @dataclass(kw_only=True)
 class ExtractOptions:
-    """`eyas extract`'s options."""
+    """Run the target over a token dataset and store the EAGLE-3 training features (aux states,
+    teacher, target argmax). Resumable; launch with `accelerate launch --num_processes G` for
+    data parallel over G GPUs."""
+
+    renamed = {"--engine": "--capture {}",
+               "--endpoint": "--capture endpoint --capture-endpoint {}"}
 
     tokens: str = option(help="token dataset (from eyas prepare)")
     target: str = option(help="model directory, hub id (org/name[@revision]) or preset name")
     out: str | None = option(
         None, "output hidden-state dataset directory (none with --estimate, required otherwise; "
-        "locked while written; resumes its own run, refuses other data and --tokens itself)")
+        "locked while written; resumes its own run, refuses other data and --tokens itself)",
+        needed="out")
     layers: str | None = shared(TargetSettings, "aux_layer_ids", "target.aux_layer_ids",
                                 metavar="A,B,C")
     aux_format: str = shared(ExtractionSettings, "aux_format", "data.aux_format")
@@ -67,27 +71,10 @@ class ExtractOptions:
     finalize_only: bool = option(False, "only write the manifest from the shards present")
     estimate: bool = option(
         False, "capture nothing: print the bytes on disk of every storage mode and the expected "
-        "time (a few timed forwards of the target on this device)")
+        "time (a few timed forwards of the target on this device)", needed="out")
     estimate_batches: int = option(3, "with --estimate: forwards timed after one warm-up",
                                    metavar="N")
     tokens_per_s: float | None = option(
         None, "with --estimate: a stated capture rate instead of timing the target (default: "
         "none, the target is loaded and timed)", metavar="RATE")
 
-
-class _Renamed(argparse.Action):
-    """An option that was renamed: refused with the new spelling."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} {values} is now {self.const.format(values)}")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = parser(ExtractOptions, "eyas extract", "Run the target over a token dataset and store "
-               "the EAGLE-3 training features (aux states, teacher, target argmax). Resumable; "
-               "launch with `accelerate launch --num_processes G` for data parallel over G GPUs.")
-    for flag, new in (("--engine", "--capture {}"),
-                      ("--endpoint", "--capture endpoint --capture-endpoint {}")):
-        p.add_argument(flag, action=_Renamed, const=new, help=argparse.SUPPRESS,
-                       default=argparse.SUPPRESS)
-    return p

@@ -25,7 +25,6 @@ speculators (vLLM hidden-state extraction): `<datapath>/hidden_states/hs_<i>.saf
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ import torch
 from eyas.data.store.format import DatasetError
 from eyas.data.common.lock import writes_directory
 from eyas.data.produce.outdir import check_import_out
-from eyas.data.common.options import option, parser, shared
+from eyas.data.common.options import option, shared
 from eyas.data.common.settings import ExtractionSettings, TargetSettings
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.utils import progress
@@ -323,7 +322,8 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
 
 @dataclass(kw_only=True)
 class ImportOptions:
-    """`eyas import`'s options."""
+    """Convert hidden states written by SpecForge (offline .ckpt files) or speculators
+    (hs_*.safetensors) into an eyas dataset, without running the target again."""
 
     source: str = option(positional=True, choices=SOURCES)
     src: str = option(help="the tool's output directory", positional=True)
@@ -339,16 +339,8 @@ class ImportOptions:
     shard_mb: int = option(1024, "payload per shard (MiB)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `eyas import` arguments (defaults shared with training come from `data.common.settings`)."""
-    return parser(ImportOptions, "eyas import", "Convert hidden states written by SpecForge "
-                  "(offline .ckpt files) or speculators (hs_*.safetensors) into an eyas dataset, "
-                  "without running the target again.")
-
-
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: ImportOptions) -> int:
     """`eyas import {specforge,speculators} SRC --out DIR --target MODEL [--layers a,b,c]`."""
-    args = build_parser().parse_args(argv)
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     m = import_hidden_states(args.source, args.src, args.out, target=args.target, layers=layers,
                              aux_format=args.aux_format, loss_mask=args.loss_mask,

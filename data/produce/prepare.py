@@ -53,12 +53,12 @@ from eyas.data.common.lock import writes_directory
 from eyas.data.produce.records import (ERROR_MODES, Conversation, InputFile, PrepareError,
                                      RecordError, iter_jsonl, normalise_record,
                                      resolve_template)
-from eyas.data.common.options import option, parser, shared
+from eyas.data.common.options import option, shared
 from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, KVCache, SeedSettings,
                                 TargetSettings, TokenizeSettings)
 from eyas.data.common.templates import EOT_STRINGS, TemplateRenderer, tokenizer_identity
 
-__all__ = ["prepare", "cli_main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
+__all__ = ["prepare", "main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
            "PrepareError", "TemplateRenderer"]
 
 log = logging.getLogger(__name__)
@@ -286,7 +286,9 @@ _GENERATION = "generation (--generate)"
 
 @dataclass(kw_only=True)
 class PrepareOptions:
-    """`eyas prepare`'s options."""
+    """Tokenise conversations (OpenAI messages or ShareGPT JSONL) with the target's chat template
+    into a token dataset with assistant loss masks. With --generate, the target first writes the
+    assistant turns for the given prompts."""
 
     input: str = option(help="conversations (or prompts) JSONL, read once: a file, a FIFO, "
                         "<(command) or - (standard input); gzip, bz2 and xz are read directly")
@@ -325,17 +327,8 @@ class PrepareOptions:
                         group=_GENERATION)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `eyas prepare` arguments (defaults shared with training come from `data.common.settings`)."""
-    return parser(PrepareOptions, "eyas prepare", "Tokenise conversations (OpenAI messages or "
-                  "ShareGPT JSONL) with the target's chat template into a token dataset with "
-                  "assistant loss masks. With --generate, the target first writes the assistant "
-                  "turns for the given prompts.")
-
-
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: PrepareOptions) -> int:
     """`eyas prepare --input FILE.jsonl --target MODEL --out DIR [--generate ...]`."""
-    args = build_parser().parse_args(argv)
     gen = GenerationSettings(max_new_tokens=args.max_new_tokens,
                              generation_batch_size=args.batch_size,
                              temperature=args.temperature, top_p=args.top_p,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.data.common.log import setup_logging
-from eyas.data.common.options import option, parser, shared
+from eyas.data.common.options import option, shared
 from eyas.data.common.settings import EndpointSettings, GenerationSettings
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,10 @@ def _json_object(text: str) -> dict[str, Any]:
 
 @dataclass(kw_only=True)
 class GenerateOptions:
-    """`eyas generate`'s options."""
+    """Answer prompts (OpenAI messages or ShareGPT JSONL) with a target served by an
+    OpenAI-compatible server (vLLM, SGLang, transformers serve) into a conversations JSONL that
+    `eyas prepare` reads. Written to OUT.partial until every prompt x sample is in, then renamed
+    to OUT beside its data card (OUT's .card.json); re-running the same command resumes."""
 
     endpoint: str = option(help="the server's API root, e.g. http://localhost:8000/v1",
                            metavar="URL")
@@ -60,18 +63,9 @@ class GenerateOptions:
         None, "also append the log here (default: OUT's .log, e.g. conv.log)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    return parser(GenerateOptions, "eyas generate", "Answer prompts (OpenAI messages or ShareGPT "
-                  "JSONL) with a target served by an OpenAI-compatible server (vLLM, SGLang, "
-                  "transformers serve) into a conversations JSONL that `eyas prepare` reads. "
-                  "Written to OUT.partial until every prompt x sample is in, then renamed to OUT "
-                  "beside its data card (OUT's .card.json); re-running the same command resumes.")
-
-
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: GenerateOptions) -> int:
     """`eyas generate --endpoint URL --prompts P.jsonl --out C.jsonl [...]`."""
     from eyas.data.produce.served import generate_from_endpoint
-    args = build_parser().parse_args(argv)
     out = Path(args.out)
     log_file = args.log_file or out.with_name(
         f"{out.stem if out.suffix == '.jsonl' else out.name}.log")

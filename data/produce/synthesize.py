@@ -30,7 +30,6 @@ written atomically (nothing appears until all `n` are there).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -45,7 +44,7 @@ import torch
 from eyas.data.produce.generate import _generate_batch, _stop_ids
 from eyas.data.common.log import PROGRESS
 from eyas.data.produce.records import PrepareError, RecordError, iter_jsonl, normalise_record
-from eyas.data.common.options import option, parser, shared
+from eyas.data.common.options import option, shared
 from eyas.data.common.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings,
                                        TargetSettings)
 from eyas.data.common.utils import LogEvery, atomic_write_bytes, progress
@@ -272,7 +271,10 @@ def _log_done(n: int, dt: float, batches: int, counts: Counter[str], max_new_tok
 
 @dataclass(kw_only=True)
 class SynthesizeOptions:
-    """`eyas synthesize`'s options."""
+    """Prompts written by the target itself: the chat template up to the start of a user turn,
+    sampled until the end-of-turn token (`eyas synthesize`).
+
+    Answer them afterwards with `eyas prepare --generate --input OUT ...`."""
 
     target: str = option(help="model directory, hub id (org/name[@revision]) or preset name")
     n: int = option(help="prompts to write")
@@ -302,14 +304,7 @@ class SynthesizeOptions:
     dtype: str = shared(TargetSettings, "dtype", "target.dtype", choices=DTYPE_CHOICES)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `eyas synthesize` arguments (defaults shared with training come from `data.common.settings`)."""
-    return parser(SynthesizeOptions, "eyas synthesize", __doc__.split("\n\n")[0],
-                  epilog="Answer them afterwards with `eyas prepare --generate --input OUT ...`.")
-
-
-def cli_main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(args: SynthesizeOptions) -> int:
     starts = prompt_openers([t for f in args.openers_from for t in prompt_texts(f)],
                             args.opener_words) if args.openers_from else []
     examples = [t for f in args.examples_from for t in prompt_texts(f)]

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.data.common.options import option, parser
+from eyas.data.common.options import option
 from eyas.data.produce.verify_checks import argmax_check, ids_check, state_check, topk_checks
 
 log = logging.getLogger(__name__)
@@ -246,20 +246,22 @@ def format_report(r: dict[str, Any]) -> str:
 
 @dataclass(kw_only=True)
 class VerifyOptions:
-    """`eyas verify`'s options."""
+    """Re-run random samples of a hidden-state dataset through the target and compare the stored
+    ids, aux states, teacher and argmax with what it computes now, against the storage mode's
+    bound. Exit 0 clean, 1 findings, 2 usage error."""
 
     dataset: str = option(help="hidden-state dataset directory (from eyas extract)",
                           positional=True)
     target: str = option(help="model directory, hub id (org/name[@revision]) or preset name")
     samples: int = option(16, "samples to re-run, drawn at random (0: every sample)",
-                          metavar="N")
+                          metavar="N", min=0)
     seed: int = option(0, "seed of the sample draw")
     tokens: str | None = option(
         None, "the token dataset extraction read (default: the manifest's)", metavar="DIR")
     compute_tol: float = option(
         COMPUTE_TOL, "room for the target's own rounding when it runs differently than at "
         "extraction (another device, padded batches): c x the row's RMS for states, c x the "
-        "top-1 logit for logits; 0 on the extracting machine", metavar="C")
+        "top-1 logit for logits; 0 on the extracting machine", metavar="C", min=0)
     dtype: str | None = option(None, "what the target runs in (default: the manifest's "
                                "target_dtype)", choices=("bfloat16", "float32"))
     device: str | None = option(None, "cpu, cuda:0, ... (default: the first GPU if there is "
@@ -268,16 +270,8 @@ class VerifyOptions:
         None, "also write the report as JSON (default: none, the table only)", metavar="FILE")
 
 
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: VerifyOptions) -> int:
     """`eyas verify DATASET --target MODEL [--samples N] [--seed S] [--json FILE]`."""
-    p = parser(VerifyOptions, "eyas verify", "Re-run random samples of a hidden-state dataset "
-               "through the target and compare the stored ids, aux states, teacher and argmax "
-               "with what it computes now, against the storage mode's bound. Exit 0 clean, 1 "
-               "findings, 2 usage error.")
-    args = p.parse_args(argv)
-    if args.samples < 0 or args.compute_tol < 0:
-        raise VerifyError(f"--samples {args.samples} / --compute-tol {args.compute_tol}: "
-                          f"expected numbers >= 0")
     report = verify(args.dataset, args.target, samples=args.samples, seed=args.seed,
                     tokens=args.tokens, device=args.device, dtype=args.dtype,
                     compute_tol=args.compute_tol)
@@ -287,7 +281,3 @@ def cli_main(argv: list[str] | None = None) -> int:
         atomic_write_json(args.json, report)
     return 0 if report["ok"] else 1
 
-
-if __name__ == "__main__":
-    from eyas.data.common.log import run_main
-    run_main(cli_main)

@@ -13,7 +13,6 @@ tokens of the manifest's target are forced by default, as the trainer forces the
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.data.common.options import option, parser, shared
+from eyas.data.common.options import option, shared
 from eyas.data.common.settings import VocabSettings
 from eyas.data.common.utils import atomic_path, progress
 from eyas.data.store.vocab_map import VocabMap
@@ -261,7 +260,9 @@ def forced_special_ids(target: str | None, cache_dir: str | os.PathLike | None =
 
 @dataclass(kw_only=True)
 class VocabOptions:
-    """`eyas vocab`'s options."""
+    """Build a draft vocabulary (d2t offsets, t2d mask) from the most frequent prediction targets
+    of a dataset. When fine-tuning an existing drafter, keep its mapping instead of building a new
+    one."""
 
     data: str = option(help="dataset directory (tokens or hidden)")
     size: int = shared(VocabSettings, "draft_vocab_size", "drafter.draft_vocab_size",
@@ -283,16 +284,8 @@ class VocabOptions:
         "--target or the manifest's target)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `eyas vocab` arguments (defaults shared with training come from `data.common.settings`)."""
-    return parser(VocabOptions, "eyas vocab", "Build a draft vocabulary (d2t offsets, t2d mask) "
-                  "from the most frequent prediction targets of a dataset. When fine-tuning an "
-                  "existing drafter, keep its mapping instead of building a new one.")
-
-
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: VocabOptions) -> int:
     """`eyas vocab`: build a draft vocabulary from a dataset and save it."""
-    args = build_parser().parse_args(argv)
     from eyas.data.store.dataset import open_dataset
 
     ds = open_dataset(args.data)

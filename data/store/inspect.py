@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from eyas.data.store.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
-from eyas.data.common.options import option, parser
+from eyas.data.common.options import option
 from eyas.data.store.render import dataset_tokenizer, default_style, render_sample, sample_header
 from eyas.data.common.space import human_bytes
 
@@ -180,7 +180,7 @@ def print_samples(path: str | os.PathLike, n: int, raw: bool = False, target: st
 
 @dataclass(kw_only=True)
 class InspectOptions:
-    """`eyas inspect`'s options."""
+    """Summarise an eyas dataset (tokens or hidden states)."""
 
     dir: str = option(help="dataset directory", positional=True)
     json: bool = option(False, "print the summary as JSON")
@@ -199,11 +199,8 @@ class InspectOptions:
                          "summarising", choices=("none", "header", "checksum"))
 
 
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: InspectOptions) -> int:
     """`eyas inspect DIR [--json] [--samples N [--raw] [--target MODEL]] [--verify LEVEL]`."""
-    p = parser(InspectOptions, "eyas inspect", "Summarise an eyas dataset (tokens or hidden "
-               "states).")
-    args = p.parse_args(argv)
     if args.verify != "none":
         from eyas.data.store.dataset import open_dataset
         open_dataset(args.dir, verify=args.verify)

@@ -20,7 +20,6 @@ serve it. The doctor collects what can be checked offline, before a server start
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from eyas.data.common.options import option, parser
+from eyas.data.common.options import option
 from eyas.data.common.templates import target_chat_template, template_drift
 from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
                                           read_config, require_dir, resolve_target_config)
@@ -386,7 +385,9 @@ def report_json(report: Report, export_dir: str | Path) -> str:
 
 @dataclass(kw_only=True)
 class DoctorOptions:
-    """`eyas doctor`'s options."""
+    """Explain the likely causes of low acceptance of an exported drafter: contract violations,
+    data/export mismatches, the target it was trained for, draft vocabulary coverage, TTT depth.
+    Exit 0 = nothing found, 1 = likely causes listed, 2 = usage error (e.g. a mistyped path)."""
 
     dir: str = option(help="the exported drafter directory", positional=True)
     target_config: str = option(help="the target's config.json, its directory (also gives its "
@@ -414,22 +415,13 @@ class DoctorOptions:
                         "checked, stats) instead of text")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `eyas doctor` arguments."""
-    return parser(DoctorOptions, "eyas doctor", "Explain the likely causes of low acceptance of "
-                  "an exported drafter: contract violations, data/export mismatches, the "
-                  "target it was trained for, draft vocabulary coverage, TTT depth. Exit 0 = "
-                  "nothing found, 1 = likely causes listed, 2 = usage error (e.g. a mistyped "
-                  "path).")
+    def check(self) -> str | None:
+        return deployment_error(self.concurrency, self.gpus, self.weight_bytes)
 
 
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: DoctorOptions) -> int:
     """`eyas doctor DIR --target-config FILE [--data DATASET_DIR] [--num-speculative-tokens K]
     [--json]`."""
-    p = build_parser()
-    args = p.parse_args(argv)
-    if (bad := deployment_error(args.concurrency, args.gpus, args.weight_bytes)) is not None:
-        p.error(bad)
     require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
     # a wrong or unfinished --data is refused by diagnose first (require_dataset): exit 2
     report = diagnose(args.dir, args.target_config, data=args.data,
@@ -440,7 +432,3 @@ def cli_main(argv: list[str] | None = None) -> int:
     print(report_json(report, args.dir) if args.json else format_report(report, args.dir))
     return 1 if report.findings else 0
 
-
-if __name__ == "__main__":
-    from eyas.data.common.log import run_main
-    run_main(cli_main)

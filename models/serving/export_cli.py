@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.data.common.options import option, parser
+from eyas.data.common.options import option
 from eyas.models.serving.card import serve_commands
 from eyas.models.serving.export import EXPORT_META, export_checkpoint
 
 
 @dataclass(kw_only=True)
 class ExportOptions:
-    """`eyas export`'s options."""
+    """Write a trained drafter as a directory vLLM and SGLang serve as is (config.json +
+    model.safetensors, layout A of models/serving/CONTRACT.md), with a model card (README.md) and
+    eyas_provenance.json made from the checkpoint's run record: the same card as the run's own
+    export."""
 
     checkpoint: str = option(
         help="trainer checkpoint dir (DDP or DeepSpeed, with eyas.json), a state-dict file, or an "
@@ -43,19 +45,8 @@ class ExportOptions:
         None, "split model.safetensors into shards of at most this size (default: one file)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `eyas export` arguments."""
-    return parser(ExportOptions, "eyas export", "Write a trained drafter as a directory vLLM and "
-                  "SGLang serve as is (config.json + model.safetensors, layout A of "
-                  "models/serving/CONTRACT.md), with a model card (README.md) and "
-                  "eyas_provenance.json made from the checkpoint's run record: the same card as "
-                  "the run's own export.")
-
-
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: ExportOptions) -> int:
     """`eyas export CHECKPOINT OUT_DIR [--target-config FILE] [--speculators-config] …`."""
-    p = build_parser()
-    args = p.parse_args(argv)
     config = json.loads(Path(args.drafter_config).read_text()) if args.drafter_config else None
     # ExportError, a missing checkpoint, an existing OUT_DIR: one line, exit 2 (log.run_command)
     out = export_checkpoint(
@@ -75,7 +66,3 @@ def cli_main(argv: list[str] | None = None) -> int:
         print(f"\nvLLM (speculators format): vllm serve {out.resolve()}-speculators")
     return 0
 
-
-if __name__ == "__main__":
-    from eyas.data.common.log import run_main
-    run_main(cli_main)

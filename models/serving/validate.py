@@ -19,7 +19,6 @@ exits 0 when the directory is clean and 1 when there are findings (errors or war
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from dataclasses import dataclass
@@ -28,7 +27,8 @@ from typing import Any
 
 import torch
 
-from eyas.data.common.options import option, parser
+from eyas.data.common.options import option
+from eyas.models.serving.engines.cli import engine_names
 from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, finding,
                                           format_findings, is_speculators_config, read_config,
                                           require_dir, resolve_target_config)
@@ -137,7 +137,9 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
 
 @dataclass(kw_only=True)
 class ValidateOptions:
-    """`eyas validate`'s options."""
+    """Check an exported EAGLE-3 drafter directory against what vLLM and SGLang load
+    (models/serving/CONTRACT.md). Exit 0 = clean, 1 = findings, 2 = usage error (e.g. a mistyped
+    path)."""
 
     dir: str = option(help="the exported drafter directory (config.json + model.safetensors)",
                       positional=True)
@@ -153,21 +155,13 @@ class ValidateOptions:
         False, "skip the NaN/inf and magnitude scans of the weights (headers, vocab map and "
         "SHA256SUMS only)")
     json: bool = option(False, "print findings as JSON")
-    engines: str | None = option(
+    engines: list[str] | None = option(
         None, "also load DIR with these engines' own loaders on CPU, in their own venvs, e.g. "
-        "vllm,sglang (see `eyas engines --help`; default: none)")
+        "vllm,sglang (see `eyas engines --help`; default: none)", type=engine_names)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `eyas validate` arguments."""
-    return parser(ValidateOptions, "eyas validate", "Check an exported EAGLE-3 drafter directory "
-                  "against what vLLM and SGLang load (models/serving/CONTRACT.md). Exit 0 = "
-                  "clean, 1 = findings, 2 = usage error (e.g. a mistyped path).")
-
-
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: ValidateOptions) -> int:
     """`eyas validate DIR --target-config FILE [--target-weights DIR] [--numeric]`."""
-    args = build_parser().parse_args(argv)
     require_dir(args.dir)  # a mistyped path is a usage error (2), not a finding (1)
     findings = validate(args.dir, args.target_config, check_values=not args.no_values,
                         numeric=args.numeric, target_weights=args.target_weights)
@@ -176,13 +170,9 @@ def cli_main(argv: list[str] | None = None) -> int:
     else:
         print(format_findings(findings))
     if args.engines:
-        from eyas.models.serving.engines import engines_cli_main
-        engines = engines_cli_main([args.dir, "--target-config", args.target_config,
-                                    "--engines", args.engines])
+        from eyas.models.serving.engines.cli import EnginesCheckOptions, check
+        engines = check(EnginesCheckOptions(dir=args.dir, target_config=args.target_config,
+                                            engines=args.engines))
         return max(1 if findings else 0, engines)
     return 1 if findings else 0
 
-
-if __name__ == "__main__":
-    from eyas.data.common.log import run_main
-    run_main(cli_main)

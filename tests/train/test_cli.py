@@ -48,3 +48,13 @@ def test_console_script_runs():
     r = subprocess.run([sys.executable, "-m", "eyas.train.cli", "--help"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "evaluate" in r.stdout
+
+
+def test_cli_reference_is_the_options_help():
+    from pathlib import Path
+
+    from eyas.train.cli import reference
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert text[text.index("\n## `eyas ") + 1:] == reference(), (
+        "docs/cli.md differs from the options' help: python -m eyas.train.cli --markdown "
+        "docs/cli.md")

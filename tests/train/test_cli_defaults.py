@@ -11,26 +11,24 @@ from enum import Enum
 
 import pytest
 
-from eyas.data.produce import extract, importers, prepare, served_cli, synthesize, vocab
+from eyas.data.common.options import parse
 from eyas.data.common.settings import GenerationSettings
-from eyas.models.serving import doctor, validate
-from eyas.models.serving import export_cli as export
-from eyas.models.serving.engines.cli import build_check_parser
-from eyas.train.evaluate import cli as evaluate
+from eyas.train.cli import COMMANDS
 from eyas.train.config import EyasConfig
 
-PARSERS = {
-    "prepare": (prepare.build_parser, ["--input", "i", "--target", "t", "--out", "o"]),
-    "generate": (served_cli.build_parser, ["--endpoint", "u", "--prompts", "p", "--out", "o"]),
-    "synthesize": (synthesize.build_parser, ["--target", "t", "--n", "1", "--out", "o"]),
-    "extract": (extract.build_parser, ["--tokens", "i", "--target", "t", "--out", "o"]),
-    "import": (importers.build_parser, ["specforge", "s", "--out", "o", "--target", "t"]),
-    "vocab": (vocab.build_parser, ["--data", "d", "--out", "o"]),
-    "export": (export.build_parser, ["ckpt", "out"]),
-    "validate": (validate.build_parser, ["d", "--target-config", "t"]),
-    "doctor": (doctor.build_parser, ["d", "--target-config", "t"]),
-    "engines check": (build_check_parser, ["d", "--target-config", "t"]),
-    "evaluate": (evaluate.build_parser, ["--drafter", "d", "--data", "x", "--k", "3", "--out", "o"]),
+# subcommand -> the fewest arguments it accepts
+ARGV = {
+    "prepare": ["--input", "i", "--target", "t", "--out", "o"],
+    "generate": ["--endpoint", "u", "--prompts", "p", "--out", "o"],
+    "synthesize": ["--target", "t", "--n", "1", "--out", "o"],
+    "extract": ["--tokens", "i", "--target", "t", "--out", "o"],
+    "import": ["specforge", "s", "--out", "o", "--target", "t"],
+    "vocab": ["--data", "d", "--out", "o"],
+    "export": ["ckpt", "out"],
+    "validate": ["d", "--target-config", "t"],
+    "doctor": ["d", "--target-config", "t"],
+    "engines check": ["d", "--target-config", "t"],
+    "evaluate": ["--drafter", "d", "--data", "x", "--k", "3", "--out", "o"],
 }
 
 # (subcommand, option dest) -> the schema key whose default it must have
@@ -111,10 +109,11 @@ def _schema_field_names() -> set[str]:
             for f in fields(getattr(cfg, g.name))}
 
 
-@pytest.mark.parametrize("name", sorted(PARSERS))
+@pytest.mark.parametrize("name", sorted(ARGV))
 def test_cli_defaults_are_the_schema_defaults(name):
-    build, argv = PARSERS[name]
-    args = vars(build().parse_args(argv))
+    command, _, sub = name.partition(" ")
+    target = COMMANDS[command][0]()
+    args = vars(parse((target[sub] if sub else target)[0], f"eyas {name}", ARGV[name]))
     for (cli, dest), key in SHARED.items():
         if cli == name:
             assert args[dest] == _schema_value(key), f"eyas {name} --{dest}: not {key}'s default"

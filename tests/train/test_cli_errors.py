@@ -9,15 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from eyas.data.produce import (export_data, extract, importers, prepare, served_cli, synthesize,
-                             verify, vocab)
-from eyas.data.store import inspect
 from eyas.data.common.log import HelpFormatter
-from eyas.models.serving import doctor, validate
-from eyas.models.serving import export_cli as export
-from eyas.models.serving.engines import cli as engines_cli
-from eyas.train.evaluate import cli as evaluate
-from eyas.train.cli import main
+from eyas.data.common.options import parser
+from eyas.train.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[2]
 NO = "/no/such/path"
@@ -104,41 +98,18 @@ def test_version_is_the_pyproject_version(capsys):
     assert r.returncode == 0 and r.stdout.strip() == f"eyas {want}"
 
 
-PARSERS = {
-    "prepare": prepare.build_parser, "generate": served_cli.build_parser,
-    "synthesize": synthesize.build_parser,
-    "extract": extract.build_parser, "import": importers.build_parser,
-    "export-data": export_data.build_parser,
-    "vocab": vocab.build_parser, "export": export.build_parser,
-    "validate": validate.build_parser, "doctor": doctor.build_parser,
-    "engines check": engines_cli.build_check_parser, "evaluate": evaluate.build_parser,
-}
-
-
-def _parser_of(cli_main) -> argparse.ArgumentParser:
-    """The parser a cli_main builds, caught at parse_args."""
-    seen = []
-
-    def grab(self, *a, **k):
-        seen.append(self)
-        raise SystemExit(0)
-    orig = argparse.ArgumentParser.parse_args
-    argparse.ArgumentParser.parse_args = grab
-    try:
-        with pytest.raises(SystemExit):
-            cli_main([])
-    finally:
-        argparse.ArgumentParser.parse_args = orig
-    return seen[0]
+def options() -> dict[str, type]:
+    """Every command's options class, by its words ("inspect", "engines check")."""
+    out = {}
+    for name, (load, _) in COMMANDS.items():
+        target = load()
+        nested = target.items() if isinstance(target, dict) else [("", target)]
+        out.update({f"{name} {sub}".rstrip(): entry[0] for sub, entry in nested})
+    return out
 
 
 def _all_parsers():
-    out = {name: build() for name, build in PARSERS.items()}
-    out["inspect"] = _parser_of(inspect.cli_main)
-    out["verify"] = _parser_of(verify.cli_main)
-    out["engines setup"] = _parser_of(engines_cli._setup)
-    out["engines list"] = _parser_of(engines_cli._list)
-    return out
+    return {words: parser(cls, f"eyas {words}") for words, cls in options().items()}
 
 
 def test_every_option_has_help_that_shows_its_default():

@@ -10,11 +10,16 @@ import torch
 from eyas.data.store.dataset import open_dataset
 from eyas.data.store.packing import split_indices
 from eyas.data.common.targets import load_target_config
-from eyas.data.produce.vocab import cli_main as vocab_main, load_vocab
+from eyas.data.produce.vocab import load_vocab
 from eyas.models.serving.export import export_drafter
 from eyas.train.config import DataConfig, TargetConfig
-from eyas.train.evaluate.cli import cli_main as evaluate_main, scored_samples
+from eyas.train.evaluate.cli import scored_samples
 from eyas.train.trainer import build_vocab_map
+from functools import partial
+from eyas.train.cli import call
+
+vocab_main = partial(call, "vocab")
+evaluate_main = partial(call, "evaluate")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,11 +51,13 @@ def test_scored_samples_default_to_the_training_split(tmp_path):
 
 
 def test_evaluate_seed_reaches_the_split_however_the_cli_is_called(monkeypatch):
-    from eyas.train.evaluate.cli import build_parser
+    from eyas.data.common.options import parse
+    from eyas.train.evaluate.cli import EvaluateOptions
     need = ["--drafter", "x", "--k", "2", "--out", "o.json", "--data", "d"]
-    assert build_parser().parse_args(need).seed is None      # the drafter's record decides
+    # the drafter's record decides
+    assert parse(EvaluateOptions, "eyas evaluate", need).seed is None
     monkeypatch.setattr("sys.argv", ["evaluate_cli", *need, "--seed", "5"])
-    assert build_parser().parse_args().seed == 5          # argv read by argparse, not by us
+    assert parse(EvaluateOptions, "eyas evaluate").seed == 5   # argv read by argparse, not by us
 
 
 def test_evaluate_cli_scores_the_held_out_split_and_says_so(tiny_drafter, tiny_llama_dataset,

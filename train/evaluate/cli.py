@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from eyas.data.common.options import option, parser
+from eyas.data.common.options import option
 from eyas.data.common.targets import TARGET_DTYPES
 from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
 from eyas.train.config import DataConfig, EvalConfig, TrainConfig
@@ -180,12 +180,13 @@ class _EvaluateHead:
         "--prompts; default with --data: the dataset manifest's target)")
     prompts: str | None = option(
         None, "prompts JSONL (OpenAI `messages`); the target's chat template is applied with "
-        "add_generation_prompt (none: no real decoding; one of --prompts and --data is required)")
+        "add_generation_prompt (none: no real decoding; one of --prompts and --data is required)",
+        requires="target", needed="mode")
     data: str | None = option(
         None, "hidden-state dataset directory (from eyas extract); with --prompts too, its offline "
         "estimate is reported beside the real figure (`offline`, `offline_tau`) (none: no "
-        "offline estimate)")
-    k: int = option(help="draft tokens per round / chain length K")
+        "offline estimate)", needed="mode")
+    k: int = option(help="draft tokens per round / chain length K", min=1)
     out: str | None = option(
         None, "results JSON file (written atomically; default: DRAFTER-eval-<UTC "
         "time>.json beside the drafter directory, never over an earlier result)")
@@ -193,7 +194,7 @@ class _EvaluateHead:
         EvalConfig.max_new_tokens, "--prompts: tokens generated per prompt; --data: the decoder "
         "walk is also reported within each answer's first N tokens (tau_trajectory_capped, at "
         "T = 0 the offline_tau beside real decoding) (default: eval.max_new_tokens, "
-        f"{EvalConfig.max_new_tokens})")
+        f"{EvalConfig.max_new_tokens})", min=1)
     num_prompts: int | None = option(None, "--prompts: the first N prompts (default all)")
     dtype: str | None = option(
         None, "compute dtype (--prompts default fp32: exact token identity, and faster than bf16 "
@@ -229,9 +230,13 @@ class _EvaluateHead:
 
 @dataclass(kw_only=True)
 class EvaluateOptions(SamplingOptions, _EvaluateHead):
-    """`eyas evaluate`'s options, in this order: _EvaluateHead's, SamplingOptions', then these
-    (a dataclass puts the fields of its last base first); defaults shared with training come
-    from the schema."""
+    """Measure a drafter before serving it. With --prompts: real greedy speculative decoding with
+    the target (batch 1, on --device; the exported drafter is run the way vLLM runs it), checked
+    token for token against target-only greedy decoding. With --data: exact offline chain
+    acceptance on a hidden-state dataset (every K' <= K)."""
+
+    # options in this order: _EvaluateHead's, SamplingOptions', then these (a dataclass puts the
+    # fields of its last base first); defaults shared with training come from the schema
 
     engine: str | None = option(
         None, "--prompts: also serve the export with a real vLLM engine (its own venv: `eyas "
@@ -246,36 +251,34 @@ class EvaluateOptions(SamplingOptions, _EvaluateHead):
         "side, each with its own copy of the target and drafter (the same tokens and acceptance "
         "as one process; the threads are shared out, and the timings are measured with the "
         "processes sharing the machine) (default: eval.processes, "
-        f"{EvalConfig.processes})")
+        f"{EvalConfig.processes})", min=1)
     speedup: list[int] | None = option(
         None, "--prompts: also measure tokens/s with speculation at each of these K against "
         "no speculation, predict each from timed step costs, and name the best K. With "
         "--engine vllm: the engine's, at each --concurrency, as `engine.speedup` (one engine "
         "start per K); without: eyas's own decoding on --device (one sequence at a time), as "
-        "`speedup_sweep` (none: no sweep)",
-        type=_int_list, metavar="K1,K2,...")
+        "`speedup_sweep` (none: no sweep)", type=_int_list, metavar="K1,K2,...",
+        requires={"prompts": "--speedup needs --prompts (the sweep decodes them)"},
+        excludes={"temperatures": "--speedup sweeps at one --temperature (not --temperatures)"})
     concurrency: list[int] = option(
         [1], "--speedup --engine vllm: requests in flight for each measurement (default: 1)",
-        type=_int_list, metavar="C1,C2,...")
+        type=_int_list, metavar="C1,C2,...", requires={
+            "speedup": "--concurrency goes with --speedup K1,K2,... (the sweep it sets)",
+            "engine": "eyas's own decoding runs one sequence at a time: --concurrency above 1 "
+                      "needs --engine vllm"})
+
+    def check(self) -> str | None:
+        if self.engine and (not self.prompts or self.temperatures):
+            return "--engine serves --prompts at one --temperature (not --temperatures)"
+        if self.speedup and not self.engine and self.processes != 1:
+            return "--speedup times one decoding process: leave --processes at 1"
+        return None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The options of `eyas evaluate`; defaults shared with training come from the schema."""
-    return parser(EvaluateOptions, "eyas evaluate", "Measure a drafter before serving it. With "
-                  "--prompts: real greedy speculative decoding with the target (batch 1, on "
-                  "--device; the exported drafter is run the way vLLM runs it), checked token for "
-                  "token against target-only greedy decoding. With --data: exact offline chain "
-                  "acceptance on a hidden-state dataset (every K' <= K).")
-
-
-def _real_decoding(args, p: argparse.ArgumentParser, stack: contextlib.ExitStack):
+def _real_decoding(args, stack: contextlib.ExitStack):
     """(`real_at(temperature)` of --prompts, the target model, its tokenizer): the target
     loaded here, or with --processes N one `DecodePool` whose workers serve every temperature
     (closed with `stack`; the model and tokenizer are then None)."""
-    if not args.target:
-        p.error("--prompts needs --target")
-    if args.processes < 1:
-        p.error(f"--processes must be >= 1, got {args.processes}")
     dtype = args.dtype or "fp32"
     model = tok = pool = None
     if args.processes > 1:
@@ -328,25 +331,6 @@ def _speedup_sweep(args, prompts) -> dict[str, Any]:
                         log_path=Path(args.out).with_suffix(".sweep.log"))
 
 
-def _check_sweep(args, p: argparse.ArgumentParser) -> None:
-    """--speedup's and --concurrency's combinations (one-line errors naming the fix)."""
-    if not args.speedup:
-        if args.concurrency != [1]:
-            p.error("--concurrency goes with --speedup K1,K2,... (the sweep it sets)")
-        return
-    if not args.prompts:
-        p.error("--speedup needs --prompts (the sweep decodes them)")
-    if args.temperatures:
-        p.error("--speedup sweeps at one --temperature (not --temperatures)")
-    if args.engine:
-        return
-    if args.concurrency != [1]:
-        p.error("eyas's own decoding runs one sequence at a time: --concurrency above 1 needs "
-                "--engine vllm")
-    if args.processes != 1:
-        p.error("--speedup times one decoding process: leave --processes at 1")
-
-
 def _decode_sweep(args, model, tokenizer, res: dict[str, Any]) -> dict[str, Any]:
     """The `speedup_sweep` object: eyas's own decoding measured and predicted at each K (the
     run at --k, `res`, is one of them)."""
@@ -394,19 +378,8 @@ def _offline_acceptance(args):
     return offline_at
 
 
-def cli_main(argv: list[str] | None = None) -> int:
+def main(args: EvaluateOptions) -> int:
     """`eyas evaluate`: real speculative decoding (--prompts) or offline acceptance (--data)."""
-    p = build_parser()
-    args = p.parse_args(argv)
-    if args.k < 1:
-        p.error("--k must be >= 1")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
-    if not (args.prompts or args.data):
-        p.error("one of the arguments --prompts --data is required")
-    _check_sweep(args, p)
-    if args.engine and (not args.prompts or args.temperatures):
-        p.error("--engine serves --prompts at one --temperature (not --temperatures)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.engine:             # before any decoding: a missing engine venv is refused at once
@@ -415,7 +388,7 @@ def cli_main(argv: list[str] | None = None) -> int:
     args.out = args.out or str(default_out(args.drafter))
     from eyas.data.common.utils import atomic_write_json, json_safe
     with contextlib.ExitStack() as stack:
-        real_at, model, tok = _real_decoding(args, p, stack) if args.prompts else (None,) * 3
+        real_at, model, tok = _real_decoding(args, stack) if args.prompts else (None,) * 3
         offline_at = _offline_acceptance(args) if args.data else None
         res = evaluate_temperatures(args.temperatures or [args.temperature], real_at,
                                     offline_at, table=bool(args.temperatures))
@@ -445,7 +418,3 @@ def cli_main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.plot}")
     return 0
 
-
-if __name__ == "__main__":
-    from eyas.data.common.log import run_main
-    run_main(cli_main)

@@ -219,16 +219,6 @@ def parse_temperatures(text: str) -> list[float]:
     return temps
 
 
-def _temperature(text: str) -> float:
-    try:
-        t = float(text)
-    except ValueError:
-        t = float("nan")
-    if not t >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number >= 0 (0 = greedy)")
-    return t
-
-
 @dataclass(kw_only=True)
 class SamplingOptions:
     """--temperature, --temperatures, --draft-sampling, --sampling-seed of `eyas evaluate`."""
@@ -237,7 +227,7 @@ class SamplingOptions:
         0.0, "sampling temperature T (default 0 = greedy). T > 0: --prompts decodes with the "
         "engines' rejection sampling (the output is a sample of the target at T), --data "
         "estimates it from answers the target sampled at T (each stored token scored with the "
-        "probability its draft was accepted)", type=_temperature, exclusive="temperature")
+        "probability its draft was accepted)", min=0, exclusive="temperature")
     temperatures: list[float] | None = option(
         None, "comma-separated temperatures, e.g. 0,0.7,1.0: one evaluation each, listed under "
         "by_temperature, the first one's full result at the top level (none: one evaluation, at "

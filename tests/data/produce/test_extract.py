@@ -268,7 +268,10 @@ def test_float32_target_is_recorded_and_guards_resume(tmp_path, tokens_dir):
 def test_cli_dtype_auto_is_the_trainers_rule(tmp_path, tokens_dir):
     """`eyas extract --dtype` defaults to target.dtype's auto: float32 on the CPU (as the
     trainer extracts there); an explicit alias such as bf16 is kept."""
-    from eyas.data.produce.extract import cli_main
+    from functools import partial
+
+    from eyas.train.cli import call
+    cli_main = partial(call, "extract")
     base = ["--tokens", str(tokens_dir), "--target", "tiny-llama", "--device", "cpu"]
     assert cli_main(base + ["--out", str(tmp_path / "auto")]) == 0
     assert open_dataset(tmp_path / "auto").manifest["target_dtype"] == "float32"

@@ -8,10 +8,14 @@ import pytest
 import torch
 
 from eyas.data.common.capture import ExtractError
-from eyas.data.produce.extract import cli_main, extract, parse_max_memory
+from eyas.data.produce.extract import extract, parse_max_memory
 from eyas.data.produce.prepare import prepare
 from eyas.data.store.shards import open_dataset
 from eyas.data.common.targets import load_tokenizer
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "extract")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NAME = "tiny-deepseek-v3"

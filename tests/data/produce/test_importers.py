@@ -9,9 +9,13 @@ import torch
 from safetensors.torch import save_file
 
 from eyas.data.store.format import DatasetError
-from eyas.data.produce.importers import cli_main, import_hidden_states
+from eyas.data.produce.importers import import_hidden_states
 from eyas.data.store.shards import open_dataset
 from eyas.data.common.targets import load_target_config
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "import")
 
 TH = 64          # tiny-llama hidden size (real: 4096 for Llama-3.1-8B)
 LAYERS = [2, 4, 5]  # default_aux_layer_ids(8)

@@ -13,7 +13,8 @@ import multiprocessing
 import pytest
 
 from eyas.data.produce import encoding
-from eyas.data.produce.prepare import PrepareError, build_parser, prepare
+from eyas.data.common.options import parse
+from eyas.data.produce.prepare import PrepareError, PrepareOptions, prepare
 from eyas.data.common.targets import load_tokenizer
 
 from tests.data.produce.test_prepare import BAD, GOOD, TWO_TURNS, chat, write_jsonl
@@ -100,9 +101,9 @@ def test_a_bad_worker_count_is_refused_before_any_generation(tmp_path, capsys):
         prepare(tmp_path / "missing.jsonl", "smollm2", tmp_path / "out", generate=True,
                 workers=0)
     args = ["--input", "a", "--target", "b", "--out", "c", "--workers"]
-    assert build_parser().parse_args(args + ["2"]).workers == 2
+    assert parse(PrepareOptions, "eyas prepare", args + ["2"]).workers == 2
     with pytest.raises(SystemExit) as stop:
-        build_parser().parse_args(args + ["0"])
+        parse(PrepareOptions, "eyas prepare", args + ["0"])
     assert stop.value.code == 2
     assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err
 

@@ -1,13 +1,18 @@
 """Draft vocabulary: selection rule, serving invariants, messages, files, special tokens."""
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 
 from eyas.data.store.shards import open_dataset, write_manifest, write_shard
-from eyas.data.produce.vocab import (build_vocab, cli_main, count_tokens, load_vocab, save_vocab,
+from eyas.data.produce.vocab import (build_vocab, count_tokens, load_vocab, save_vocab,
                              special_token_ids)
 from eyas.data.store.vocab_map import VocabMap
+from eyas.train.cli import call
+
+cli_main = partial(call, "vocab")
 
 
 def test_selection_ties_and_forced():

@@ -26,11 +26,14 @@ from pathlib import Path
 import pytest
 
 from eyas.data.store.dataset import open_dataset
-from eyas.data.store.inspect import cli_main
 from eyas.data.produce.prepare import prepare
 from eyas.data.store.render import ANSI_ON, render_samples
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.targets import load_tokenizer
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "inspect")
 
 GOLDEN = Path(__file__).parent / "golden"
 SYSTEM, USER, USER2 = "You are terse.", "Capital of France?", "And of Italy?"

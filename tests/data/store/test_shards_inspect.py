@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from eyas.data.store.format import MANIFEST_NAME
-from eyas.data.store.inspect import cli_main, summarize
+from eyas.data.store.inspect import summarize
 from eyas.data.store.shards import write_manifest, write_shard
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "inspect")
 
 TH = 16  # target hidden (real: 4096)
 

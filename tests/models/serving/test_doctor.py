@@ -13,11 +13,15 @@ from eyas.data.common.checksums import write_checksums
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.templates import template_sha256
 from eyas.models.config import Eagle3Config
-from eyas.models.serving.doctor import cli_main, diagnose, format_report
+from eyas.models.serving.doctor import diagnose, format_report
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.data.common.targets import load_target_config
 from eyas.train.cli import main
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "doctor")
 
 VD = 256
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"

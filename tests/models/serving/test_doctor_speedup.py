@@ -14,10 +14,14 @@ from eyas.data.common.targets import load_target_config, text_config
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.card import CARD, PROVENANCE
-from eyas.models.serving.doctor import cli_main, diagnose
+from eyas.models.serving.doctor import diagnose
 from eyas.models.serving.doctor_speedup import drafter_params, fewest_gpus
 from eyas.models.serving.export import export_drafter
 from eyas.models.speedup import HARDWARE, RooflineCosts, TargetShape, chain
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "doctor")
 
 VD = 256
 

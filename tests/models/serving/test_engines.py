@@ -25,7 +25,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.serving.engines import check_engines, check_engines_many, cli_main
+from eyas.models.serving.engines import check_engines, check_engines_many
 from eyas.data.engine.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
 from eyas.models.serving.engines.verdicts import verdict, verdict_table
 from eyas.models.serving.engine_rope import EngineRope
@@ -33,6 +33,10 @@ from eyas.models.serving.export import export_drafter
 from eyas.data.common.targets import load_target_config, text_config
 
 from eyas.models.serving.contract import TensorDir
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "engines")
 
 _spec = importlib.util.spec_from_file_location(  # a helper next to this file, not a package
     "_eyas_broken_exports", Path(__file__).with_name("broken_exports.py"))

@@ -18,13 +18,16 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.card import serve_commands
 from eyas.models.serving.export import EXPORT_META, ExportError, export_checkpoint, export_drafter
-from eyas.models.serving.export_cli import cli_main
 from eyas.data.common.targets import load_target_config
 from eyas.models.serving.contract import CORE_TENSORS, TensorDir
 from eyas.models.serving.validate import validate
 from eyas.train.cli import main
 
 from tests.ports import free_port
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "export")
 
 VD = 512
 ROOT = Path(__file__).resolve().parents[3]

@@ -202,7 +202,10 @@ def test_warm_start_loads_into_the_drafter(source, tcfg):
 def test_a_zero_checkpoint_without_deepspeed_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     from eyas.data.common.deps import MissingDependency
     from eyas.data.common.log import run_command
-    from eyas.models.serving.export_cli import cli_main
+    from functools import partial
+
+    from eyas.train.cli import call
+    cli_main = partial(call, "export")
     from eyas.models.serving.importer import load_deepspeed_state_dict
     ck = tmp_path / "step-000004"
     (ck / "pytorch_model").mkdir(parents=True)

@@ -16,8 +16,12 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.data.common.targets import load_target_config
 from eyas.models.serving.contract import ERROR, WARNING, TensorDir
-from eyas.models.serving.validate import cli_main, validate
+from eyas.models.serving.validate import validate
 from eyas.models.serving.validate_static import CODES, check_config
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "validate")
 
 VD = 512  # draft vocabulary of the tiny drafter (target vocabulary: 49152)
 

@@ -11,7 +11,10 @@ from eyas.data.common.targets import load_target
 from eyas.train.evaluate.specdec import (TargetRunner, greedy_decode, load_engine_drafter,
                                          speculative_decode)
 from eyas.train.evaluate.decode_sweep import decode_rates, decode_sweep, rows_from
-from eyas.train.evaluate.cli import cli_main
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "evaluate")
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 from eyas.train.evaluate.engine_sweep import assemble, format_sweep
-from eyas.train.evaluate.cli import cli_main
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "evaluate")
 
 NEEDS = "--speedup needs --prompts (the sweep decodes them)"
 

@@ -3,6 +3,7 @@ trainer's own counts, across ranks, and the `eyas evaluate` CLI in both modes.""
 
 import json
 import random
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -18,8 +19,10 @@ from eyas.models.objective import metric_mask
 from eyas.data.common.targets import load_embedding_and_head, load_target_config
 from eyas.models.ttt import structural_valid
 from eyas.train.evaluate.offline import draft_argmax, offline_eval
-from eyas.train.evaluate.cli import cli_main
+from eyas.train.cli import call
 from eyas.train.step import TrainingModule, batch_inputs
+
+cli_main = partial(call, "evaluate")
 
 K = 3
 

@@ -12,7 +12,11 @@ import pytest
 from eyas.data.common.checksums import unlisted
 from eyas.data.common.targets import load_target_config
 from eyas.models.serving.export import export_drafter
-from eyas.train.evaluate.cli import cli_main, default_out
+from eyas.train.evaluate.cli import default_out
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "evaluate")
 
 
 def test_default_out_takes_the_next_free_name(tmp_path):

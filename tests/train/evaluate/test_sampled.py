@@ -26,8 +26,11 @@ from eyas.models.expected_tau import ratio_se_of
 from eyas.train.evaluate.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                                          load_engine_drafter, speculative_decode)
 from eyas.train.evaluate.offline import load_prompts, load_training_drafter, offline_eval
-from eyas.train.evaluate.cli import cli_main
 from eyas.train.evaluate.sampled import answer_temperatures, offline_sampling_eval
+from functools import partial
+from eyas.train.cli import call
+
+cli_main = partial(call, "evaluate")
 
 N_PROMPTS, N_NEW, K, T, SEEDS = 6, 20, 2, 1.0, 3
 REAL_SE = 3.0
