@@ -299,4 +299,4 @@ def _extract_ranks(args, state, device, layers) -> None:
 if __name__ == "__main__":
     from eyas.data.common.log import run_main
     from eyas.data.common.options import parse
-    run_main(lambda argv: main(parse(ExtractOptions, "eyas extract", argv)), "eyas extract")
+    run_main(lambda argv: main(parse(ExtractOptions, "extract", argv)))
