@@ -75,7 +75,8 @@ from eyas.models.fp8 import DEFAULT_FP8_LAYERS, FP8_LAYERS, convert_drafter_to_f
 from eyas.models.metrics import accept_counts
 from eyas.models.objective import metric_rows
 from eyas.data.common.targets import load_target_config, text_config
-from eyas.train.config import LossConfig, OptimConfig, Schedule
+from eyas.train.choices import Schedule
+from eyas.train.config import LossConfig, OptimConfig
 from eyas.train.optim import MasterAdamW, build_scheduler
 from eyas.data.store.packing import embedding_ids
 from eyas.train.step import TrainingModule, batch_inputs, send

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from eyas.data.common.settings import VocabSettings
 from eyas.data.common.targets import AUX_IDS_RULE, aux_layer_ids_error, default_aux_layer_ids
-from eyas.models.rope import SUPPORTED_ROPE_TYPES, rope_type, target_rope_scaling  # noqa: F401
+from eyas.models.rope import rope_type, target_rope_scaling
 
 log = logging.getLogger(__name__)
 

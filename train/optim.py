@@ -29,7 +29,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from eyas.train.config import Schedule
+from eyas.train.choices import Schedule
 from eyas.train.muon import (MuonAdamW, muon_settings, split_muon, zero_lr_ratio,
                              zero_muon)
 

@@ -19,7 +19,7 @@ from eyas.models.alpha import teacher_rows
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.metrics import alpha_counts
 from eyas.models.objective import metric_mask, metric_rows, row_objective, row_weights
-from eyas.train.config import Normalisation
+from eyas.train.choices import Normalisation
 
 
 @dataclass

@@ -51,8 +51,7 @@ import torch
 from torch import nn
 
 from eyas.data.common.capture import ExtractError
-from eyas.data.produce.forward import (DTYPES, TEACHERS, default_shard_tokens,  # noqa: F401
-                                     plan_shards)
+from eyas.data.produce.forward import TEACHERS, default_shard_tokens
 from eyas.data.common.lock import lock_for_ranks, writes_directory
 from eyas.data.produce.extract_args import ExtractOptions, parse_max_memory
 from eyas.data.produce.extract_plan import (check_template, finalize, make_plan, pending_shards,
@@ -123,6 +122,14 @@ def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
 
 @writes_directory("out_dir", what="hidden-state dataset",
                   when=lambda a: a["world_size"] == 1)  # several ranks: main's rank 0
+def _kept(out: Path, n_shards: int) -> str:
+    """What an extraction stopped by its engine leaves, and how to go on."""
+    from eyas.data.store.shards import shard_name
+    done = sum((out / shard_name(j)).is_file() for j in range(n_shards))
+    return (f"{done} of {n_shards} shard(s) of {out} are complete and kept: run the same "
+            f"`eyas extract` command again to resume")
+
+
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             capture: Capture | str = Capture.hf, endpoint: str | None = None,
             served_model: str | None = None,
@@ -147,38 +154,33 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         aux_format: "bf16" (exact) or "fp8" (see data/store/FORMAT.md for the error bound).
         teacher: "last" (post-norm last state), "topk" (top-k ids + logits) or "both";
             target_argmax is always stored.
-        topk: k for the top-k teacher.
-        batch_tokens: tokens per forward (a longer sample runs alone).
+        topk: k for the top-k teacher. batch_tokens: tokens per forward (a longer sample runs
+            alone).
         pad_batches: False (default): a forward holds only samples of equal length, so every
             stored value is bitwise what a plain forward of that sample alone gives. True: pad
             samples of different lengths together (faster for many short samples on a GPU;
             values then differ from the unpadded forward by bf16 rounding).
-        dtype: "bfloat16" or "float32": what the target runs in when `model` is None. Match
-            the precision the target serves in; float32 costs ~2x the time on a GPU.
+        dtype: "bfloat16" or "float32": what the target runs in when `model` is None (match the
+            precision it serves in; float32 costs ~2x the time on a GPU).
         shard_tokens: tokens per output shard; None = shard_bytes / bytes per token.
-        max_samples: use only the first N samples of the token dataset.
+        max_samples: only the first N samples of the token dataset.
         device / device_map: where the target runs ("cuda:0", "cpu"; None: the first GPU if
             there is one, else the CPU), or device_map "auto" to spread one large target over
             all visible GPUs (or a dict module name -> device, as transformers takes it).
         max_memory: with device_map, the most memory per device ({0: "60GiB", "cpu":
             "200GiB"}); layers that do not fit the GPUs go to the CPU.
-        rank, world_size: data parallel: this process does shards i = rank (mod world_size).
-        finalize_manifest: write the manifest at the end (default: when world_size == 1).
+        rank, world_size: data parallel: this process does shards i = rank (mod world_size);
+            finalize_manifest: write the manifest at the end (default: when world_size == 1).
         row_chunk, vocab_chunk: logits chunk (tokens x vocabulary rows) for argmax/top-k.
         model: an already loaded target (skips loading `target`).
-
-    Returns a summary dict (shards computed/resumed, tokens, tokens/s).
-    """
+    Returns a summary dict (shards computed/resumed, tokens, tokens/s)."""
     from eyas.data.produce.capturers import open_capturer
     from eyas.data.produce.engine_capture import STATES_DIR, engine_stops
-    from eyas.data.store.shards import shard_name
 
     _check_settings(teacher, topk, vocab_chunk, rank, world_size)
-    tokens = _open_tokens(tokens_dir, target, out_dir)
+    tokens, out = _open_tokens(tokens_dir, target, out_dir), Path(out_dir)
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
-    topk = topk if teacher != "last" else 0
-    lengths = [int(x) for x in tokens.sample_lengths[:n]]
-    out = Path(out_dir)
+    topk, lengths = (topk if teacher != "last" else 0), [int(x) for x in tokens.sample_lengths[:n]]
     out.mkdir(parents=True, exist_ok=True)
     with open_capturer(capture, tokens, tokens_dir, target, storage=out / STATES_DIR,
                        layers=layers, teacher=teacher, topk=topk, dtype=dtype,
@@ -195,19 +197,12 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
         write_plan(out, plan)
         todo, resumed = pending_shards(out, plan["shards"], rank, world_size)
         t0 = time.perf_counter()
-        n_shards = len(plan["shards"])
-
-        def kept() -> str:
-            done = sum((out / shard_name(j)).is_file() for j in range(n_shards))
-            return (f"{done} of {n_shards} shard(s) of {out} are complete and kept: run the "
-                    f"same `eyas extract` command again to resume")
-        with engine_stops(kept):
+        with engine_stops(lambda: _kept(out, len(plan["shards"]))):
             done_tokens = _run_shards(capturer, out, plan["shards"], todo, lengths,
                                       aux_format=aux_format, rank=rank)
     dt = time.perf_counter() - t0
-    summary = {"out_dir": str(out), "capture": capturer.kind.value, "shards": n_shards,
-               "computed": todo, "resumed": resumed, "tokens": done_tokens,
-               "seconds": round(dt, 3),
+    summary = {"out_dir": str(out), "capture": capturer.kind.value, "shards": len(plan["shards"]),
+               "computed": todo, "resumed": resumed, "tokens": done_tokens, "seconds": round(dt, 3),
                "tokens_per_s": round(done_tokens / dt, 1) if dt > 0 and done_tokens else None,
                "aux_layer_ids": fields["aux_ids"]}
     if finalize_manifest if finalize_manifest is not None else world_size == 1:

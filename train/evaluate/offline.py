@@ -30,10 +30,10 @@ from torch import Tensor
 
 from eyas.data.common.targets import target_dtype
 from eyas.models.alpha import batch_alpha, target_head_rows
-from eyas.models.serving.importer import load_training_drafter  # noqa: F401 (callers use it here)
 from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
+from eyas.models.serving.importer import load_training_drafter
 from eyas.train.evaluate.pool import decode_in_processes, decode_job, load_pair
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ def speculative_eval(drafter_dir: str | Path, target: str | Path, prompts_path: 
     `wall_seconds` includes the loading); processes is then the pool's.
     Returns train.evaluate.specdec_summary.summarize's dict plus the run settings.
     """
-    from eyas.train.evaluate.specdec import summarize
+    from eyas.train.evaluate.specdec_summary import summarize
     if dtype not in SPECDEC_DTYPES:
         raise ValueError(f"dtype must be one of {list(SPECDEC_DTYPES)}, got {dtype!r}")
     if processes < 1 or ((processes > 1 or pool is not None) and model is not None):

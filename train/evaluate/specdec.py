@@ -80,7 +80,6 @@ from torch import Tensor
 
 from eyas.train.evaluate import sampling
 from eyas.models.serving.reference import EngineDrafter
-from eyas.train.evaluate.specdec_summary import summarize  # noqa: F401  (callers import it here)
 
 log = logging.getLogger(__name__)
 

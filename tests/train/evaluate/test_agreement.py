@@ -47,7 +47,8 @@ from eyas.models.objective import metric_mask
 from eyas.train.evaluate.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                             load_engine_drafter, speculative_decode, stop_token_ids)
 from eyas.data.common.targets import default_aux_layer_ids, load_target
-from eyas.train.evaluate.offline import load_prompts, load_training_drafter, offline_eval
+from eyas.models.serving.importer import load_training_drafter
+from eyas.train.evaluate.offline import load_prompts, offline_eval
 from eyas.train.evaluate.sampled import offline_sampling_eval
 
 N_PROMPTS, N_NEW, K, VD = 4, 20, 3, 512

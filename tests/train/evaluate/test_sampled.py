@@ -25,7 +25,8 @@ from eyas.data.common.targets import load_embedding_and_head, load_target
 from eyas.models.expected_tau import ratio_se_of
 from eyas.train.evaluate.specdec import (TargetRunner, drafter_aux_layer_ids, greedy_decode,
                                          load_engine_drafter, speculative_decode)
-from eyas.train.evaluate.offline import load_prompts, load_training_drafter, offline_eval
+from eyas.models.serving.importer import load_training_drafter
+from eyas.train.evaluate.offline import load_prompts, offline_eval
 from eyas.train.evaluate.sampled import answer_temperatures, offline_sampling_eval
 from functools import partial
 from eyas.train.cli import call
