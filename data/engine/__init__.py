@@ -4,6 +4,6 @@
 - runner.py: `Engine`, one worker process and its pipe (used by capture and by serving);
 - worker.py, hs_connector.py: run INSIDE the engine venv (vLLM's interpreter, never eyas's).
 
-Capture through the engine is data/produce/engine_capture.py; serving an export and reading vLLM's
-acceptance counters is models/serving/engine_serve.py.
+Capture through the engine is data/produce/engine_capture.py; serving an export and reading
+vLLM's acceptance counters is train/evaluate/engine.py.
 """
