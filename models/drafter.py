@@ -13,6 +13,7 @@ dict minus `embed_tokens.weight` is the export:
     midlayer.mlp.{gate,up}_proj.weight [I, H],  midlayer.mlp.down_proj.weight [H, I]
     norm.weight [H],  lm_head.weight [Vd, H]
     buffers: d2t [Vd] int64 (offsets: target id = i + d2t[i]),  t2d [V] bool
+             (unsaved: their `VocabMap` lookups target_ids [Vd], t2d_index [V])
     embed_tokens.weight [V, H]: the target's embedding, frozen, never exported
 
 One step computes exactly models/serving/CONTRACT.md §4 (`models.serving.reference` re-derives it
@@ -62,6 +63,14 @@ class DrafterOutput:
     """[K, T] bool structural validity (models.ttt.structural_valid)"""
 
 
+def _index_vocab(drafter: nn.Module, _=None) -> None:
+    """Derive the unsaved lookups of the drafter's vocab map from its d2t/t2d buffers (also after
+    every `load_state_dict`, which may replace them)."""
+    vocab = VocabMap(drafter.d2t, drafter.t2d)
+    drafter.register_buffer("target_ids", vocab.target_ids, persistent=False)
+    drafter.register_buffer("t2d_index", vocab.t2d_index, persistent=False)
+
+
 # ---------------------------------------------------------------------- the drafter
 class Eagle3Drafter(nn.Module):
     """EAGLE-3 drafter (layout A) with the TTT unroll as its forward.
@@ -109,6 +118,8 @@ class Eagle3Drafter(nn.Module):
         t2d = torch.zeros(V, dtype=torch.bool)
         t2d[:Vd] = True                                                   # consistent with d2t = 0
         self.register_buffer("t2d", t2d)
+        _index_vocab(self)
+        self.register_load_state_dict_post_hook(_index_vocab)
         self.reset_parameters()
         for weight in self.hidden_matrices():       # optim=muon's half (train/muon.py)
             weight.use_muon = True
@@ -249,6 +260,7 @@ class Eagle3Drafter(nn.Module):
         vocab.validate(target_vocab_size=V, draft_vocab_size=Vd)
         self.d2t.copy_(vocab.d2t.to(self.d2t.device))
         self.t2d.copy_(vocab.t2d.to(self.t2d.device))
+        _index_vocab(self)
 
     def init_lm_head_from_target(self, target_head_weight: Tensor, d2t: Tensor) -> None:
         """Install the vocabulary map `d2t` and copy target head rows into lm_head (row i ← id i+d2t[i]).
@@ -259,9 +271,9 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"target head has width {target_head_weight.shape[1]}, lm_head "
                              f"needs {self.config.hidden_size}")
         self.set_vocab_map(d2t)
-        ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
         with torch.no_grad():
-            self.lm_head.weight.copy_(target_head_weight[ids.to(target_head_weight.device)])
+            self.lm_head.weight.copy_(target_head_weight[self.target_ids.to(
+                target_head_weight.device)])
 
     def direct_weights(self) -> list[nn.Parameter]:
         """Weights read outside their own module's forward: the lm_head (applied by the loss),

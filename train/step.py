@@ -74,8 +74,7 @@ class TrainingModule(nn.Module):
     def teacher(self, last: Tensor | None, topk_ids: Tensor | None,
                 topk_logits: Tensor | None) -> Tensor:
         """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1."""
-        d = self.drafter
-        return teacher_rows(self.target_head_rows, d.d2t, d.config.vocab_size, last, topk_ids,
+        return teacher_rows(self.target_head_rows, self.drafter.t2d_index, last, topk_ids,
                             topk_logits)
 
     def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,

@@ -70,11 +70,7 @@ def batch_acceptance(drafter, batch, k: int, *, temperature: float, draft: str, 
     mask = metric_mask(out.valid, batch.loss_mask)                      # [K, T]
     T = mask.shape[1]
     hidden = out.hidden.reshape(k, T, -1)                               # [K, T, H]
-    d2t = drafter.d2t
-    to_draft = torch.full((int(drafter.config.vocab_size),), -1, dtype=torch.long,
-                          device=d2t.device)
-    to_draft[torch.arange(d2t.shape[0], device=d2t.device) + d2t] = \
-        torch.arange(d2t.shape[0], device=d2t.device)
+    to_draft = drafter.t2d_index
     beta = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
     for j in range(k):
         rows = mask[j].nonzero()[:, 0]
