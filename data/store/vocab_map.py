@@ -3,12 +3,11 @@
     d2t [Vd] int64   offsets: target_id = i + d2t[i]     (strictly increasing ids)
     t2d [V]  bool    t2d[v] == (v is selected);  t2d.sum() == Vd
 
-(models/serving/CONTRACT.md §3). `VocabMap.from_d2t` derives t2d from d2t; `target_ids` and
-`t2d_index` are the two lookups (draft row -> target id, target id -> draft row), each built
-once per map;
+(models/serving/CONTRACT.md §3). `VocabMap.from_d2t` derives t2d from d2t; `target_ids` (draft
+row -> target id) and `t2d_index` (target id -> draft row) are built once per map;
 `VocabMap.validate` checks every invariant and raises a ValueError naming the tensor, the entry
-and the value that break it. Builders (data.vocab), the exporter, the importer and the doctor
-all go through this type.
+and the value that break it. Builders (data.vocab), the exporter, the importer, the doctor and
+the drafter all go through this type.
 """
 
 from __future__ import annotations
@@ -17,17 +16,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-
-
-def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bool mask [V] of the target ids the draft vocabulary selects: {i + d2t[i]}."""
-    ids = VocabMap(d2t.long(), None).target_ids
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
-                         f"(target_id - i), not absolute ids or ids of another vocabulary")
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return t2d
 
 
 def _describe(t) -> str:
@@ -43,8 +31,15 @@ class VocabMap:
 
     @classmethod
     def from_d2t(cls, d2t: torch.Tensor, vocab_size: int) -> VocabMap:
-        """The map of offsets `d2t` over a target vocabulary of `vocab_size` ids."""
-        return cls(d2t, t2d_from_d2t(d2t, vocab_size))
+        """The map of offsets `d2t` over a target vocabulary of `vocab_size` ids: t2d marks the
+        ids {i + d2t[i]} the draft vocabulary selects."""
+        vocab = cls(d2t, torch.zeros(vocab_size, dtype=torch.bool))
+        ids = vocab.target_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ValueError(f"i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
+                             f"(target_id - i), not absolute ids or ids of another vocabulary")
+        vocab.t2d[ids] = True
+        return vocab
 
     @property
     def draft_vocab_size(self) -> int:
