@@ -28,8 +28,7 @@ def teacher_rows(head_rows: Tensor, t2d_index: Tensor, last: Tensor | None,
                  topk_ids: Tensor | None, topk_logits: Tensor | None) -> Tensor:
     """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1 (the
     last row zero), from the stored post-norm last state or the stored top-k. head_rows [Vd, tH]:
-    the target lm_head rows of the draft vocabulary (`head[drafter.target_ids]`); t2d_index [V]:
-    the drafter's `VocabMap.t2d_index`."""
+    `head[drafter.target_ids]`; t2d_index [V]: `drafter.t2d_index` (`VocabMap.t2d_index`)."""
     if last is not None:
         p = teacher_probs(last.to(head_rows.dtype), head_rows)
     elif topk_ids is not None:

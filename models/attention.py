@@ -44,22 +44,17 @@ ATTENTION_KINDS = ("flex", "eager", "lse-eager")
 _COMPILED: dict[Callable, Callable] = {}
 
 
-def compiled(fn: Callable, *, dynamic: bool | None = None,
-             recompile_limit: int | None = None) -> Callable:
-    """torch.compile(fn, dynamic=dynamic), one per function for the whole process.
-
-    dynamic=None: static shapes for the first batch length T; a second T switches to a symbolic
-    T (torch's automatic dynamic shapes), so varying T costs one more compile, not one per
-    length. recompile_limit: dynamo's limit of graphs per function, raised to at least this for
-    the calls of fn only (a patch around each call), not process-wide."""
-    c = _COMPILED.get(fn)
-    if c is None:
+def compiled(fn: Callable, *, dynamic: bool | None = None, recompile_limit: int = 0) -> Callable:
+    """torch.compile(fn, dynamic=dynamic), one per function for the whole process. dynamic=None:
+    static shapes for the first batch length T, then a symbolic T (torch's automatic dynamic
+    shapes: one more compile, not one per length). recompile_limit: dynamo's limit of graphs
+    per function, raised to at least this for the calls of fn only (a patch around each call)."""
+    if fn not in _COMPILED:
         c = torch.compile(fn, dynamic=dynamic)
-        if recompile_limit is not None:
-            c = torch._dynamo.config.patch(
-                recompile_limit=max(torch._dynamo.config.recompile_limit, recompile_limit))(c)
-        _COMPILED[fn] = c
-    return c
+        limit = max(torch._dynamo.config.recompile_limit, recompile_limit)
+        _COMPILED[fn] = c if not recompile_limit else torch._dynamo.config.patch(
+            recompile_limit=limit)(c)
+    return _COMPILED[fn]
 
 
 # ---------------------------------------------------------------------- the mask (definition)

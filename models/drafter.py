@@ -64,8 +64,7 @@ class DrafterOutput:
 
 
 def _index_vocab(drafter: nn.Module, _=None) -> None:
-    """Derive the unsaved lookups of the drafter's vocab map from its d2t/t2d buffers (also after
-    every `load_state_dict`, which may replace them)."""
+    """The unsaved lookups of the drafter's vocab map, anew after each change of d2t/t2d."""
     vocab = VocabMap(drafter.d2t, drafter.t2d)
     drafter.register_buffer("target_ids", vocab.target_ids, persistent=False)
     drafter.register_buffer("t2d_index", vocab.t2d_index, persistent=False)
@@ -115,9 +114,7 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[:Vd] = True                                                   # consistent with d2t = 0
-        self.register_buffer("t2d", t2d)
+        self.register_buffer("t2d", torch.arange(V) < Vd)                # consistent with d2t = 0
         _index_vocab(self)
         self.register_load_state_dict_post_hook(_index_vocab)
         self.reset_parameters()
