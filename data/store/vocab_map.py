@@ -33,7 +33,7 @@ class VocabMap:
     def from_d2t(cls, d2t: torch.Tensor, vocab_size: int) -> VocabMap:
         """The map of offsets `d2t` over a target vocabulary of `vocab_size` ids: t2d marks the
         ids {i + d2t[i]} the draft vocabulary selects."""
-        vocab = cls(d2t, torch.zeros(vocab_size, dtype=torch.bool))
+        vocab = cls(d2t, torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device))
         ids = vocab.target_ids
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             raise ValueError(f"i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
