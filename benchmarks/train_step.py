@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -68,7 +69,6 @@ import torch
 
 from eyas.data.store.loader import Batch
 from eyas.models import attention
-from eyas.models import drafter as drafter_module
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.fp8 import DEFAULT_FP8_LAYERS, FP8_LAYERS, convert_drafter_to_float8
@@ -258,27 +258,13 @@ def run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,
         if c.vmap_mask:                    # the attention module looks the builder up per batch
             stack.enter_context(mock.patch.object(attention, "step0_block_mask",
                                                   attention.reference_block_mask))
-        if c.compile_mode:   # every step graph: layer pieces, flex attention and the merge
-            stack.enter_context(mock.patch.object(drafter_module, "compiled",
-                                                  compiled_with_mode(c.compile_mode)))
-            from torch.nn.attention.flex_attention import flex_attention
-            for name, fn, dyn in (("_COMPILED_FLEX", flex_attention, False),
-                                  ("_COMPILED_MERGE", attention._merge_and_cast, None)):
-                stack.enter_context(mock.patch.object(attention, name, torch.compile(
-                    fn, dynamic=dyn, mode=c.compile_mode)))
+        if c.compile_mode:   # every step graph (layer pieces, flex attention, the merge) in
+            # a cache of its own: the default-mode graphs of the other cases are neither reused
+            # nor replaced
+            stack.enter_context(mock.patch.dict(attention._COMPILED, clear=True))
+            stack.enter_context(mock.patch.object(torch, "compile", functools.partial(
+                torch.compile, mode=c.compile_mode)))
         return _run_case(cfg, case, T, K, iters, warmup, device, profile_steps, diagnose_steps)
-
-
-def compiled_with_mode(mode: str):
-    """`models.layer.compiled` with torch.compile's `mode` (its own cache: the default-mode
-    graphs of the other cases are neither reused nor replaced)."""
-    cache = {}
-
-    def compiled(fn):
-        if fn.__name__ not in cache:
-            cache[fn.__name__] = torch.compile(fn, dynamic=None, mode=mode)
-        return cache[fn.__name__]
-    return compiled
 
 
 def _run_case(cfg, case: str, T: int, K: int, iters: int, warmup: int, device,

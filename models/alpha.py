@@ -24,23 +24,15 @@ from eyas.kernels.teacher import teacher_from_topk, teacher_probs
 from eyas.models.metrics import alpha_counts
 
 
-def target_head_rows(head: Tensor, d2t: Tensor) -> Tensor:
-    """[Vd, tH] rows i + d2t[i] of the target lm_head [V, tH]: the teacher's logits rows."""
-    return head[torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)]
-
-
-def teacher_rows(head_rows: Tensor, d2t: Tensor, vocab_size: int, last: Tensor | None,
+def teacher_rows(head_rows: Tensor, t2d_index: Tensor, last: Tensor | None,
                  topk_ids: Tensor | None, topk_logits: Tensor | None) -> Tensor:
     """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1 (the
-    last row zero), from the stored post-norm last state or the stored top-k."""
+    last row zero), from the stored post-norm last state or the stored top-k. head_rows [Vd, tH]:
+    `head[drafter.target_ids]`; t2d_index [V]: `drafter.t2d_index` (`VocabMap.t2d_index`)."""
     if last is not None:
         p = teacher_probs(last.to(head_rows.dtype), head_rows)
     elif topk_ids is not None:
-        dev = topk_ids.device
-        t2d_index = torch.full((vocab_size,), -1, dtype=torch.int64, device=dev)
-        ids = torch.arange(d2t.numel(), device=dev) + d2t
-        t2d_index[ids] = torch.arange(ids.numel(), device=dev)
-        p = teacher_from_topk(topk_ids, topk_logits, t2d_index, d2t.numel())
+        p = teacher_from_topk(topk_ids, topk_logits, t2d_index, head_rows.shape[0])
     else:
         raise ValueError("the batch has no teacher: neither `last` nor `topk_ids` is present "
                          "(re-extract with --teacher last or --teacher topk)")
@@ -53,8 +45,8 @@ def batch_alpha(drafter, hidden: Tensor, mask: Tensor, batch, head_rows: Tensor
                 ) -> dict[str, Tensor]:
     """`models.metrics.alpha_counts` of one batch: α of every counted row (mask [K, T], the
     metric mask) of the drafter's unrolled hidden states [K, T, H] against the batch's teacher."""
-    teacher = teacher_rows(head_rows.to(hidden.dtype), drafter.d2t, drafter.config.vocab_size,
-                           batch.last, batch.topk_ids, batch.topk_logits)
+    teacher = teacher_rows(head_rows.to(hidden.dtype), drafter.t2d_index, batch.last,
+                           batch.topk_ids, batch.topk_logits)
     w = mask.to(torch.float32)
     impl = "triton" if hidden.is_cuda and triton_available() else "torch"
     res = eagle3_loss(hidden.contiguous(), drafter.lm_head.weight.to(hidden.dtype),

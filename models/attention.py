@@ -41,7 +41,20 @@ except ImportError:  # pragma: no cover
 
 ATTENTION_KINDS = ("flex", "eager", "lse-eager")
 
-_COMPILED_FLEX: Callable | None = None
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compiled(fn: Callable, *, dynamic: bool | None = None, recompile_limit: int = 0) -> Callable:
+    """torch.compile(fn, dynamic=dynamic), one per function for the whole process. dynamic=None:
+    static shapes for the first batch length T, then a symbolic T (torch's automatic dynamic
+    shapes: one more compile, not one per length). recompile_limit: dynamo's limit of graphs
+    per function, raised to at least this for the calls of fn only (a patch around each call)."""
+    if fn not in _COMPILED:
+        c = torch.compile(fn, dynamic=dynamic)
+        limit = max(torch._dynamo.config.recompile_limit, recompile_limit)
+        _COMPILED[fn] = c if not recompile_limit else torch._dynamo.config.patch(
+            recompile_limit=limit)(c)
+    return _COMPILED[fn]
 
 
 # ---------------------------------------------------------------------- the mask (definition)
@@ -116,14 +129,11 @@ def _causal_document(doc: Tensor) -> Callable:
 
 # ---------------------------------------------------------------------- step-0 kernels: (out, lse)
 def _flex_fn(compile_flex: bool, on_cuda: bool) -> Callable:
-    global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
     if not (compile_flex and on_cuda):
         return flex_attention  # CPU: the unfused implementation (same math)
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+    return compiled(flex_attention, dynamic=False)
 
 
 def flex_step0(q: Tensor, k0: Tensor, v0: Tensor, block_mask, scale: float,
@@ -188,9 +198,6 @@ def merge_lists(out0: Tensor, lse0: Tensor, q: Tensor, ks: list[Tensor], vs: lis
     return out.reshape(nkv * g, T, d)
 
 
-_COMPILED_MERGE: Callable | None = None
-
-
 def _merge_and_cast(out0: Tensor, lse0: Tensor, q: Tensor, ks: list[Tensor], vs: list[Tensor],
                     scale: float) -> Tensor:
     return merge_lists(out0, lse0, q, ks, vs, scale).to(q.dtype)
@@ -198,15 +205,9 @@ def _merge_and_cast(out0: Tensor, lse0: Tensor, q: Tensor, ks: list[Tensor], vs:
 
 def compiled_merge() -> Callable:
     """torch.compile of the merge (+ cast to q's dtype): one graph per step k (list length)."""
-    global _COMPILED_MERGE
-    if _COMPILED_MERGE is None:
-        # K - 1 list lengths, each static and then symbolic in T: more than dynamo's default
-        # eight entries per function when K = 7 and batch lengths vary. The limit is raised
-        # for the calls of this function only (a patch around each call), not process-wide
-        compiled = torch.compile(_merge_and_cast, dynamic=None)
-        _COMPILED_MERGE = torch._dynamo.config.patch(
-            recompile_limit=max(torch._dynamo.config.recompile_limit, 32))(compiled)
-    return _COMPILED_MERGE
+    # K - 1 list lengths, each static and then symbolic in T: more than dynamo's default
+    # eight entries per function when K = 7 and batch lengths vary
+    return compiled(_merge_and_cast, recompile_limit=32)
 
 
 def eager_ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], mask: Tensor,

@@ -13,6 +13,7 @@ dict minus `embed_tokens.weight` is the export:
     midlayer.mlp.{gate,up}_proj.weight [I, H],  midlayer.mlp.down_proj.weight [H, I]
     norm.weight [H],  lm_head.weight [Vd, H]
     buffers: d2t [Vd] int64 (offsets: target id = i + d2t[i]),  t2d [V] bool
+             (unsaved: their `VocabMap` lookups target_ids [Vd], t2d_index [V])
     embed_tokens.weight [V, H]: the target's embedding, frozen, never exported
 
 One step computes exactly models/serving/CONTRACT.md §4 (`models.serving.reference` re-derives it
@@ -43,8 +44,8 @@ from eyas.data.store.vocab_map import VocabMap
 from eyas.models.attention import ATTENTION_KINDS, TTTAttention
 from eyas.models.config import Eagle3Config
 from eyas.models.fp8 import is_float8_linear
-from eyas.models.layer import MLP, Midlayer, RMSNorm, StepPlan, step_plan  # noqa: F401 (MLP)
-from eyas.models.rope import apply_rope, rope_inv_freq, rope_parameters  # noqa: F401 (re-export)
+from eyas.models.layer import Midlayer, RMSNorm, StepPlan, step_plan
+from eyas.models.rope import rope_parameters
 from eyas.models.ttt import step_positions, structural_valid
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,13 @@ class DrafterOutput:
     """[K, T, H] pre-norm outputs p (fed back as the next step's hidden); None unless requested"""
     valid: Tensor
     """[K, T] bool structural validity (models.ttt.structural_valid)"""
+
+
+def _index_vocab(drafter: nn.Module, _=None) -> None:
+    """The unsaved lookups of the drafter's vocab map, anew after each change of d2t/t2d."""
+    vocab = VocabMap(drafter.d2t, drafter.t2d)
+    drafter.register_buffer("target_ids", vocab.target_ids, persistent=False)
+    drafter.register_buffer("t2d_index", vocab.t2d_index, persistent=False)
 
 
 # ---------------------------------------------------------------------- the drafter
@@ -106,9 +114,9 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.int64))
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[:Vd] = True                                                   # consistent with d2t = 0
-        self.register_buffer("t2d", t2d)
+        self.register_buffer("t2d", torch.arange(V) < Vd)                # consistent with d2t = 0
+        _index_vocab(self)
+        self.register_load_state_dict_post_hook(_index_vocab)
         self.reset_parameters()
         for weight in self.hidden_matrices():       # optim=muon's half (train/muon.py)
             weight.use_muon = True
@@ -249,6 +257,7 @@ class Eagle3Drafter(nn.Module):
         vocab.validate(target_vocab_size=V, draft_vocab_size=Vd)
         self.d2t.copy_(vocab.d2t.to(self.d2t.device))
         self.t2d.copy_(vocab.t2d.to(self.t2d.device))
+        _index_vocab(self)
 
     def init_lm_head_from_target(self, target_head_weight: Tensor, d2t: Tensor) -> None:
         """Install the vocabulary map `d2t` and copy target head rows into lm_head (row i ← id i+d2t[i]).
@@ -259,9 +268,9 @@ class Eagle3Drafter(nn.Module):
             raise ValueError(f"target head has width {target_head_weight.shape[1]}, lm_head "
                              f"needs {self.config.hidden_size}")
         self.set_vocab_map(d2t)
-        ids = torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
         with torch.no_grad():
-            self.lm_head.weight.copy_(target_head_weight[ids.to(target_head_weight.device)])
+            self.lm_head.weight.copy_(target_head_weight[self.target_ids.to(
+                target_head_weight.device)])
 
     def direct_weights(self) -> list[nn.Parameter]:
         """Weights read outside their own module's forward: the lm_head (applied by the loss),

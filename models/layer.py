@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
+from eyas.models.attention import compiled
 from eyas.models.config import Eagle3Config
 from eyas.models.fp8 import fp8_linear
 from eyas.models.rope import apply_rope
@@ -206,20 +207,6 @@ def layer_output(layer: Midlayer, attn_out: Tensor, g: Tensor, final_norm: RMSNo
     """(p, final_norm(p)) of one step from the attention output attn_out [nh,T,d]."""
     h, x = attention_residual(layer, attn_out, g)
     return mlp_residual(layer, h, x, final_norm)
-
-
-_COMPILED: dict[str, Callable] = {}
-
-
-def compiled(fn: Callable) -> Callable:
-    """torch.compile(fn), one per function for the whole process.
-
-    Static shapes for the first batch length T; a second T switches to a symbolic T (torch's
-    automatic dynamic shapes), so varying T costs one more compile, not one per length."""
-    c = _COMPILED.get(fn.__name__)
-    if c is None:
-        c = _COMPILED[fn.__name__] = torch.compile(fn, dynamic=None)
-    return c
 
 
 # ---------------------------------------------------------------------- one step, planned

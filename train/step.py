@@ -7,7 +7,8 @@ lm_head weight is registered as an external parameter of this module for that re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -74,8 +75,7 @@ class TrainingModule(nn.Module):
     def teacher(self, last: Tensor | None, topk_ids: Tensor | None,
                 topk_logits: Tensor | None) -> Tensor:
         """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1."""
-        d = self.drafter
-        return teacher_rows(self.target_head_rows, d.d2t, d.config.vocab_size, last, topk_ids,
+        return teacher_rows(self.target_head_rows, self.drafter.t2d_index, last, topk_ids,
                             topk_logits)
 
     def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,
@@ -104,11 +104,11 @@ class TrainingModule(nn.Module):
 
 
 def batch_inputs(batch, rows: Tensor | None = None, embeds: Tensor | None = None) -> dict:
-    """The keyword arguments of TrainingModule.forward from a data.store.loader.Batch."""
-    return dict(input_ids=batch.input_ids, aux=batch.aux, doc_ids=batch.doc_ids,
-                positions=batch.positions, loss_mask=batch.loss_mask,
-                target_argmax=batch.target_argmax, last=batch.last, topk_ids=batch.topk_ids,
-                topk_logits=batch.topk_logits, rows=rows, embeds=embeds)
+    """The keyword arguments of TrainingModule.forward from a data.store.loader.Batch: each of
+    its fields that forward names, the loss rows and the embedding rows."""
+    names = inspect.signature(TrainingModule.forward).parameters
+    return dict({f.name: getattr(batch, f.name) for f in fields(batch) if f.name in names},
+                rows=rows, embeds=embeds)
 
 
 def to_device(batch, device, ttt_steps: int, skip_masked_rows: bool) -> tuple[Any, dict]:

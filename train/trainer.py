@@ -36,7 +36,6 @@ from eyas.data.store.loader import PackedLoader
 from eyas.data.store.packing import split_indices
 from eyas.data.store.read_checks import contract_mismatch
 from eyas.data.produce.vocab import build_vocab, load_vocab, save_vocab
-from eyas.models.alpha import target_head_rows
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.fp8 import convert_drafter_to_float8
@@ -201,7 +200,7 @@ def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: Data
     drafter.to(resolved.param_dtype)
     convert_drafter_to_float8(drafter, FP8Recipe(drafter_cfg.fp8).value,
                               tuple(drafter_cfg.fp8_layers))
-    head_rows = target_head_rows(head, d2t).to(resolved.param_dtype).contiguous()
+    head_rows = head[drafter.target_ids].to(resolved.param_dtype).contiguous()
     module = TrainingModule(drafter, head_rows, loss_cfg, loss_impl=resolved.loss_impl,
                             host_embedding=resolved.host_embedding)
     return Model(module, config, d2t, t2d)

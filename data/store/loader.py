@@ -32,14 +32,13 @@ import numpy as np
 import torch
 
 from eyas.data.store.dataset import Dataset
+from eyas.data.store.format import READ_DTYPES
 from eyas.data.store.packing import PlanStats, build_plan, embedding_ids, split_indices
 from eyas.data.store.read_checks import SkippedSample
 
 __all__ = ["Batch", "PackedLoader", "split_indices"]
 
 log = logging.getLogger(__name__)
-
-_BATCH_FIELDS = ("aux", "last", "topk_ids", "topk_logits", "target_argmax")
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -115,6 +114,10 @@ class Batch:
     def pin_memory(self) -> Batch:
         """A copy with every tensor in page-locked memory (needs an accelerator)."""
         return self._map(lambda t: t.pin_memory())
+
+
+#: the optional `Batch` fields a dataset stores (aux, last, topk_ids, topk_logits, target_argmax)
+_BATCH_FIELDS = tuple(f.name for f in fields(Batch) if f.default is None and f.name in READ_DTYPES)
 
 
 class PackedLoader:
@@ -257,9 +260,7 @@ class PackedLoader:
                  "doc_ids": ((T,), torch.int32), "positions": ((T,), torch.int64)}
         for f in self._fields:
             shape = (T, int(np.prod(self._shapes[f]))) if f == "aux" else (T, *self._shapes[f])
-            dtype = {"topk_logits": torch.float32, "aux": torch.bfloat16,
-                     "last": torch.bfloat16}.get(f, torch.int64)
-            specs[f] = (shape, dtype)
+            specs[f] = (shape, READ_DTYPES[f])
         if self._embedding is not None:
             table, K = self._embedding
             specs["embeds"] = ((T + K, table.shape[1]), table.dtype)

@@ -3,28 +3,19 @@
     d2t [Vd] int64   offsets: target_id = i + d2t[i]     (strictly increasing ids)
     t2d [V]  bool    t2d[v] == (v is selected);  t2d.sum() == Vd
 
-(models/serving/CONTRACT.md §3). `VocabMap.from_d2t` derives t2d from d2t;
+(models/serving/CONTRACT.md §3). `VocabMap.from_d2t` derives t2d from d2t; `target_ids` (draft
+row -> target id) and `t2d_index` (target id -> draft row) are built once per map;
 `VocabMap.validate` checks every invariant and raises a ValueError naming the tensor, the entry
-and the value that break it. Builders (data.vocab), the exporter, the importer and the doctor
-all go through this type.
+and the value that break it. Builders (data.vocab), the exporter, the importer, the doctor and
+the drafter all go through this type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
-
-
-def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The bool mask [V] of the target ids the draft vocabulary selects: {i + d2t[i]}."""
-    ids = torch.arange(d2t.numel()) + d2t.long()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
-                         f"(target_id - i), not absolute ids or ids of another vocabulary")
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return t2d
 
 
 def _describe(t) -> str:
@@ -40,8 +31,15 @@ class VocabMap:
 
     @classmethod
     def from_d2t(cls, d2t: torch.Tensor, vocab_size: int) -> VocabMap:
-        """The map of offsets `d2t` over a target vocabulary of `vocab_size` ids."""
-        return cls(d2t, t2d_from_d2t(d2t, vocab_size))
+        """The map of offsets `d2t` over a target vocabulary of `vocab_size` ids: t2d marks the
+        ids {i + d2t[i]} the draft vocabulary selects."""
+        vocab = cls(d2t, torch.zeros(vocab_size, dtype=torch.bool, device=d2t.device))
+        ids = vocab.target_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ValueError(f"i + d2t[i] leaves [0, {vocab_size}): d2t must hold offsets "
+                             f"(target_id - i), not absolute ids or ids of another vocabulary")
+        vocab.t2d[ids] = True
+        return vocab
 
     @property
     def draft_vocab_size(self) -> int:
@@ -51,9 +49,17 @@ class VocabMap:
     def vocab_size(self) -> int:
         return self.t2d.numel()
 
+    @cached_property
     def target_ids(self) -> torch.Tensor:
         """[Vd] int64: the target id of each draft row, i + d2t[i]."""
-        return torch.arange(self.d2t.numel()) + self.d2t
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    @cached_property
+    def t2d_index(self) -> torch.Tensor:
+        """[V] int64: the draft row of each target id, -1 for ids outside the draft vocabulary."""
+        index = torch.full((self.t2d.numel(),), -1, dtype=torch.int64, device=self.d2t.device)
+        index[self.target_ids] = torch.arange(self.d2t.numel(), device=self.d2t.device)
+        return index
 
     def validate(self, *, target_vocab_size: int | None = None,
                  draft_vocab_size: int | None = None) -> VocabMap:
@@ -81,7 +87,7 @@ class VocabMap:
             raise ValueError("d2t holds absolute target ids (d2t == the ids t2d selects); eyas "
                              "and both engines expect offsets d2t[i] = id_i - i: use "
                              "d2t - arange(Vd)")
-        ids = self.target_ids()
+        ids = self.target_ids
         out = ((ids < 0) | (ids >= V)).nonzero().flatten()
         if out.numel():
             i = int(out[0])

@@ -25,7 +25,7 @@ def alpha_on_data(export_dir: Path, data: Path, target, k: int, samples: int,
     from eyas.data.common.targets import load_embedding_and_head
     from eyas.data.store.dataset import open_dataset
     from eyas.data.store.loader import PackedLoader
-    from eyas.models.alpha import batch_alpha, target_head_rows
+    from eyas.models.alpha import batch_alpha
     from eyas.models.metrics import add_counts, alpha_chain, alpha_rates
     from eyas.models.objective import metric_mask
     from eyas.models.serving.importer import load_training_drafter
@@ -33,7 +33,7 @@ def alpha_on_data(export_dir: Path, data: Path, target, k: int, samples: int,
     teacher = ("last",) if "last" in ds.fields else ("topk_ids", "topk_logits")
     drafter = load_training_drafter(export_dir, target, device=device)
     _, head = load_embedding_and_head(target)
-    rows = target_head_rows(head, drafter.d2t.cpu()).to(device, torch.float32)
+    rows = head[drafter.target_ids.cpu()].to(device, torch.float32)
     idx = np.unique(np.linspace(0, len(ds) - 1, min(samples, len(ds))).round().astype(int))
     loader = PackedLoader(ds, TOKEN_BUDGET, 0, 1, seed=0, shuffle=False, indices=idx,
                           load_fields=("aux", *teacher))

@@ -378,7 +378,7 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
     attention: TTT attention kind (default: "flex" on CUDA, "lse-eager" on CPU).
     """
     from eyas.data.common.targets import fast_device, load_embedding_and_head
-    from eyas.data.store.vocab_map import t2d_from_d2t
+    from eyas.data.store.vocab_map import VocabMap
     from eyas.models.drafter import Eagle3Drafter
     dev = torch.device(device)
     imp = import_drafter(drafter_dir)
@@ -393,7 +393,7 @@ def load_training_drafter(drafter_dir: str | Path, target: str | Path, *,
                          f"hidden_size] = {[cfg.vocab_size, cfg.hidden_size]}, target {target} "
                          f"has {list(embed.shape)}: wrong --target?")
     d2t = imp.d2t if imp.d2t is not None else torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
-    t2d = imp.t2d if imp.t2d is not None else t2d_from_d2t(d2t, cfg.vocab_size)
+    t2d = imp.t2d if imp.t2d is not None else VocabMap.from_d2t(d2t, cfg.vocab_size).t2d
     state = dict(imp.state_dict, **{"embed_tokens.weight": embed, "d2t": d2t, "t2d": t2d})
     drafter.load_state_dict(state, strict=True, assign=True)
     return drafter.to(device=dev, dtype=dtype).eval()

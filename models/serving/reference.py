@@ -30,6 +30,7 @@ import math
 import torch
 from torch import Tensor
 
+from eyas.data.store.vocab_map import VocabMap
 from eyas.models.serving.contract import norm_before_fc
 from eyas.models.serving.engine_rope import EngineRope
 
@@ -71,9 +72,8 @@ class EngineDrafter:
         keep = set(REQUIRED_TENSORS) | {NORM_BEFORE_FC_TENSOR, *FC_NORM_TENSORS}
         self.w = {k: v.to(self.device).to(dtype).float() for k, v in tensors.items() if k in keep}
         self.Vd = self.w["lm_head.weight"].shape[0]
-        d2t = tensors.get("d2t")
-        self.target_ids = (torch.arange(self.Vd) + (d2t.to(torch.long) if d2t is not None else 0)
-                           ).to(self.device)
+        d2t = tensors.get("d2t", torch.zeros(self.Vd, dtype=torch.long))
+        self.target_ids = VocabMap.from_d2t(d2t.to(torch.long), self.V).target_ids.to(self.device)
         self.embedding = embedding.to(device=self.device, dtype=dtype)
         self.rope = EngineRope(cfg, self.hd, engine)   # engine: whose RoPE where they differ
         self.reset()
@@ -135,11 +135,12 @@ class EngineDrafter:
             if "d2t" not in tensors:
                 raise ValueError(f"draft_vocab_size {Vd} < vocab_size {V} but no d2t tensor: every "
                                  f"draft id would be read as target id i (acceptance collapses)")
-            ids = torch.arange(Vd) + tensors["d2t"].to(torch.long)
-            if tensors["d2t"].shape != (Vd,) or not bool((ids[1:] > ids[:-1]).all()) \
-                    or int(ids.min()) < 0 or int(ids.max()) >= V:
-                raise ValueError("d2t must be [draft_vocab_size] OFFSETS with i + d2t[i] strictly "
-                                 "increasing within [0, vocab_size)")
+            try:
+                VocabMap.from_d2t(tensors["d2t"].to(torch.long).reshape(-1), V).validate(
+                    draft_vocab_size=Vd)
+            except ValueError as e:
+                raise ValueError(f"d2t must be [draft_vocab_size] OFFSETS with i + d2t[i] "
+                                 f"strictly increasing within [0, vocab_size): {e}") from None
         return cls(cfg, tensors, target_embedding, dtype or tensors["fc.weight"].dtype, engine,
                    device)
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from eyas.models.config import Eagle3Config
-from eyas.models.drafter import Eagle3Drafter, apply_rope, rope_inv_freq
+from eyas.models.drafter import Eagle3Drafter
+from eyas.models.rope import apply_rope, rope_inv_freq
 from eyas.data.common.targets import load_target_config
 from eyas.models.ttt import shifted_for_steps, step_positions, step_tokens, structural_valid
 
@@ -166,7 +167,7 @@ def test_vocab_map_and_lm_head_init():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_swiglu_down_recomputes_the_product_with_the_same_values_and_gradients(dtype):
-    from eyas.models.drafter import MLP
+    from eyas.models.layer import MLP
     torch.manual_seed(0)
     mlp = MLP(16, 48).to(dtype)
     x = torch.randn(10, 16, dtype=dtype, requires_grad=True)

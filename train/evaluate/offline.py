@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from eyas.data.common.targets import target_dtype
-from eyas.models.alpha import batch_alpha, target_head_rows
+from eyas.models.alpha import batch_alpha
 from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
@@ -88,7 +88,7 @@ def draft_argmax(drafter, batch, k: int, *, chunk_rows: int = 4096,
                  head_rows: Tensor | None = None) -> tuple:
     """(draft argmax [K, T] draft-vocab ids, metric mask [K, T]) of one packed batch, with the
     trainer's TTT forward; lm_head logits (fp32) are formed `chunk_rows` rows at a time. With
-    the target's head rows (`models.alpha.target_head_rows`) also the batch's α counts against
+    the target's head rows (`head[drafter.target_ids]`) also the batch's α counts against
     its stored teacher (`models.alpha.batch_alpha`)."""
     out = drafter(batch.input_ids, batch.aux, batch.doc_ids, batch.positions, k)
     hidden = out.hidden.reshape(-1, out.hidden.shape[-1])                 # [K·T, H]
@@ -111,8 +111,7 @@ def teacher_head_rows(drafter, ds, target, cache_dir, device) -> Tensor | None:
     except (OSError, ValueError) as e:
         log.warning("no expected acceptance: the target's lm_head did not load (%s)", e)
         return None
-    d2t = drafter.d2t.to("cpu")
-    return target_head_rows(head, d2t).to(device, drafter.lm_head.weight.dtype)
+    return head[drafter.target_ids.cpu()].to(device, drafter.lm_head.weight.dtype)
 
 
 def drafter_for(drafter_dir_or_module, ds, dataset_dir, *, target, cache_dir, dtype,

@@ -70,11 +70,6 @@ def batch_acceptance(drafter, batch, k: int, *, temperature: float, draft: str, 
     mask = metric_mask(out.valid, batch.loss_mask)                      # [K, T]
     T = mask.shape[1]
     hidden = out.hidden.reshape(k, T, -1)                               # [K, T, H]
-    d2t = drafter.d2t
-    to_draft = torch.full((int(drafter.config.vocab_size),), -1, dtype=torch.long,
-                          device=d2t.device)
-    to_draft[torch.arange(d2t.shape[0], device=d2t.device) + d2t] = \
-        torch.arange(d2t.shape[0], device=d2t.device)
     beta = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
     for j in range(k):
         rows = mask[j].nonzero()[:, 0]
@@ -88,12 +83,12 @@ def batch_acceptance(drafter, batch, k: int, *, temperature: float, draft: str, 
             token = batch.input_ids[t + 1]                              # the stored token
             if teacher == "last":
                 beta[j, r] = step_acceptance(z, _target_logits(batch.last[t], head, transform),
-                                              to_draft, token, temperature=temperature,
+                                              drafter.t2d_index, token, temperature=temperature,
                                               draft=draft)
             else:
                 beta[j, r] = topk_step_acceptance(z, batch.topk_ids[t], batch.topk_logits[t],
-                                                   to_draft, token, temperature=temperature,
-                                                   draft=draft)
+                                                   drafter.t2d_index, token,
+                                                   temperature=temperature, draft=draft)
     return beta, mask
 
 

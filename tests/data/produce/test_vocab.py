@@ -192,7 +192,7 @@ def test_vocab_map_from_d2t():
     vm = VocabMap.from_d2t(torch.tensor([0, 1, 4, 4]), 8)
     assert vm.t2d.dtype == torch.bool and vm.t2d.nonzero().flatten().tolist() == [0, 2, 6, 7]
     assert vm.validate(target_vocab_size=8, draft_vocab_size=4) is vm
-    assert vm.target_ids().tolist() == [0, 2, 6, 7]
+    assert vm.target_ids.tolist() == [0, 2, 6, 7]
     assert (vm.draft_vocab_size, vm.vocab_size) == (4, 8)
     with pytest.raises(ValueError, match=r"leaves \[0, 8\)"):
         VocabMap.from_d2t(torch.tensor([0, 7]), 8)
