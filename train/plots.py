@@ -168,11 +168,7 @@ def acceptance_figure(records: list[dict], selected_step: int | None = None):
 
 def context_axes(ax, groups: dict[str, list[dict]], title: str) -> None:
     """Grouped bars of τ per context bucket; `groups` maps a legend label to a `by_context` list."""
-    buckets = []
-    for rows in groups.values():
-        for b in rows:
-            if b["bucket"] not in buckets:
-                buckets.append(b["bucket"])
+    buckets = list(dict.fromkeys(b["bucket"] for rows in groups.values() for b in rows))
     width = 0.8 / max(1, len(groups))
     for i, (label, rows) in enumerate(groups.items()):
         by = {b["bucket"]: b for b in rows}

@@ -33,11 +33,6 @@ CONTRACT_KEYS = ("target", "target_fingerprint", "aux_layer_ids", "convention", 
                  "num_layers", "vocab_size", "target_dtype", "teacher", "aux_format")
 
 
-def _manifest(root: Path) -> tuple[dict[str, Any], str]:
-    path = root / MANIFEST
-    return json.loads(path.read_text()), file_sha256(path)
-
-
 def capture_contract(manifest: dict[str, Any]) -> dict[str, Any]:
     """The entries of a hidden-state manifest that say which features were captured, plus the
     stored fields' dtypes and shapes."""
@@ -62,7 +57,7 @@ def dataset_record(root: str | Path, role: str) -> dict[str, Any]:
     lineage the manifest records (the token dataset it came from, the prepared input file and
     the generation settings of `eyas generate`)."""
     root = Path(root)
-    m, digest = _manifest(root)
+    m, digest = json.loads((root / MANIFEST).read_text()), file_sha256(root / MANIFEST)
     prepare = m.get("prepare") if isinstance(m.get("prepare"), dict) else {}
     rec: dict[str, Any] = {
         "role": role, "path": str(root.resolve()), "manifest_sha256": digest,

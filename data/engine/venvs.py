@@ -84,7 +84,8 @@ def default_root() -> Path:
 
 def venv_dir(engine: str, version: str | None = None, root: str | Path | None = None) -> Path:
     """Where the venv of `engine`==`version` lives (whether or not it exists yet)."""
-    _check_engine(engine)
+    if engine not in VENV_ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose from {', '.join(VENV_ENGINES)}")
     version = version or DEFAULT_VERSIONS[engine]
     return Path(root or default_root()).expanduser() / f"{engine}-{version}"
 
@@ -120,11 +121,6 @@ def disk_usage(path: Path) -> int:
             seen.add(key)
             total += st.st_blocks * 512
     return total
-
-
-def _check_engine(engine: str) -> None:
-    if engine not in VENV_ENGINES:
-        raise ValueError(f"unknown engine {engine!r}: choose from {', '.join(VENV_ENGINES)}")
 
 
 @contextmanager

@@ -135,10 +135,6 @@ def default_out(drafter: str | Path) -> Path:
     return out
 
 
-def _same_path(a: str | Path | None, b: str | Path) -> bool:
-    return a is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-
-
 def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
     """(dataset indices to score or None for all, how they were chosen) for `eyas evaluate
     --data`: by default the held-out split the trainer made when the dataset is the training
@@ -151,7 +147,8 @@ def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
     if args.eval_fraction is not None:
         idx = split_indices(n, args.eval_fraction, seed)[1]
         return idx, f"the held-out split eval_fraction={args.eval_fraction}, seed={seed}"
-    if rec.get("dataset") is not None and not _same_path(rec["dataset"], args.data):
+    if rec.get("dataset") is not None and (Path(rec["dataset"]).expanduser().resolve()
+                                           != Path(args.data).expanduser().resolve()):
         return None, f"every sample (not the drafter's training set {rec['dataset']})"
     if rec.get("eval_dataset") is not None:
         log.warning("%s is the drafter's training set (it was evaluated on %s): every sample "
