@@ -15,15 +15,12 @@ SHA-256). The export's model card and `eyas_provenance.json` are built from thes
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from eyas.data.common.checksums import file_sha256
-
-log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 #: libraries whose versions change what a drafter computes or how it was trained
