@@ -117,8 +117,7 @@ USAGE = "usage: eyas <command> [--help] [args...]\n       eyas --version\n\ncomm
 
 def version() -> str:
     """The installed distribution's version (pyproject.toml's `version`)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
+    from importlib.metadata import PackageNotFoundError, version as dist_version
     try:
         return dist_version("eyas")
     except PackageNotFoundError:
