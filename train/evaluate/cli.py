@@ -299,14 +299,6 @@ def _real_decoding(args, stack: contextlib.ExitStack):
     return real_at, model, tok
 
 
-def _engine_prompts(args) -> list[tuple[str, list[int]]]:
-    """--prompts as the engine is given them: (name, token ids), chat template applied."""
-    from eyas.data.common.targets import load_tokenizer
-    from eyas.train.evaluate.offline import load_prompts
-    return load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
-                        num_prompts=args.num_prompts)
-
-
 def _engine_serve(args, res: dict[str, Any], prompts) -> dict[str, Any]:
     """The `engine` object: the export served by vLLM, its counters against eyas's."""
     from eyas.train.evaluate.engine import compare_with_eyas, engine_eval
@@ -391,8 +383,11 @@ def main(args: EvaluateOptions) -> int:
                                     offline_at, table=bool(args.temperatures))
         if args.engine or args.speedup:     # what is computed is kept if the next part fails
             atomic_write_json(args.out, json_safe(res))
-        if args.engine:
-            prompts = _engine_prompts(args)
+        if args.engine:     # --prompts as (name, token ids), chat template applied
+            from eyas.data.common.targets import load_tokenizer
+            from eyas.train.evaluate.offline import load_prompts
+            prompts = load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
+                                   num_prompts=args.num_prompts)
             res["engine"] = _engine_serve(args, res, prompts)
         if args.speedup and args.engine:   # `engine.speedup`: the top-level one is eyas's
             res["engine"]["speedup"] = _speedup_sweep(args, prompts)

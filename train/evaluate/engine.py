@@ -114,11 +114,6 @@ def served_summary(engine: dict[str, Any]) -> dict[str, Any]:
             "tokens_identical_to_engine_greedy": engine.get("tokens_identical_to_engine_greedy")}
 
 
-def is_mla(target_config: dict[str, Any]) -> bool:
-    """An MLA target (DeepSeek-V2/V3, Kimi-K2.5): its KV layout is not a Llama drafter's."""
-    return bool(target_config.get("kv_lora_rank"))
-
-
 def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict | None, *,
                      k: int, prompts_file: str | Path) -> dict[str, Any] | None:
     """The main job's served check (eval.engine_serve): the export served by vLLM on the
@@ -133,7 +128,8 @@ def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict |
         log.info("served check skipped: no %s venv (`eyas engines setup --runtime` builds it)",
                  engine)
         return None
-    if engine == "vllm-cpu" and is_mla(text_config(load_target_config(target))):
+    # an MLA target (DeepSeek-V2/V3, Kimi-K2.5): its KV layout is not a Llama drafter's
+    if engine == "vllm-cpu" and text_config(load_target_config(target)).get("kv_lora_rank"):
         log.info("served check skipped: vLLM's CPU build cannot run EAGLE-3 beside an MLA "
                  "target (no common KV block size); it needs vLLM's GPU build (docs/engine.md)")
         return None
