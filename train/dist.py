@@ -36,18 +36,6 @@ class MissingDependency(ConfigError, deps.MissingDependency):
     cannot be imported; the message is one line with the fix."""
 
 
-# wandb and deepspeed are imported only on the paths that use them (data/common/deps.py: these
-# config checks, train/trackers.py's wandb artifact, train/step.py under ZeRO-3, and the ZeRO
-# checkpoint reader of models/serving/importer.py), so a broken or absent one costs only those
-# paths.
-def require_deepspeed(used_by: str) -> None:
-    deps.require_deepspeed(used_by, "dist=ddp", MissingDependency)
-
-
-def require_wandb(used_by: str) -> None:
-    deps.require_wandb(used_by, "tracker=none", MissingDependency)
-
-
 def set_cpu_threads(threads: int | None, processes_per_node: int) -> int:
     """Intra-op threads of this process on CPU (see train.cpu_threads)."""
     if threads is None:
@@ -269,10 +257,15 @@ def build_accelerator(dist_cfg, optim_cfg, project_dir: str | Path, *, bf16: boo
                           "partitions the parameters across processes; one process has nothing "
                           "to partition and its backward fails). Fix: dist=zero2 or dist=ddp for "
                           "one process, or launch several (./launch.sh --gpus N or --cpu N)")
+    # wandb and deepspeed are imported only on the paths that use them (data/common/deps.py:
+    # these checks, train/trackers.py's wandb artifact, train/step.py under ZeRO-3, and the ZeRO
+    # checkpoint reader of models/serving/importer.py), so a broken or absent one costs only
+    # those paths.
     if deepspeed:
-        require_deepspeed(f"dist=zero{dist_cfg.zero_stage} (dist.backend=deepspeed)")
+        deps.require_deepspeed(f"dist=zero{dist_cfg.zero_stage} (dist.backend=deepspeed)",
+                               "dist=ddp", MissingDependency)
     if log_with == "wandb" or (isinstance(log_with, (list, tuple)) and "wandb" in log_with):
-        require_wandb("tracker=wandb")
+        deps.require_wandb("tracker=wandb", "tracker=none", MissingDependency)
     kwargs = dict(
         gradient_accumulation_steps=optim_cfg.grad_accum,
         project_config=ProjectConfiguration(project_dir=str(project_dir),

@@ -148,11 +148,7 @@ def _record_checks(export: str, found: dict) -> None:
     """The engine loaders' verdicts and the real decoding's headline figures, into the export's
     model card and provenance (models/serving/card.py)."""
     from eyas.models.serving.card import record_checks
-    checks = {}
-    if found.get("engines"):
-        checks["engines"] = found["engines"]
-    if found.get("served"):
-        checks["served"] = found["served"]
+    checks = {key: found[key] for key in ("engines", "served") if found.get(key)}
     if isinstance(found.get("speculative"), dict):
         checks["speculative"] = {k: v for k, v in found["speculative"].items()
                                  if isinstance(v, (int, float, str, bool))}
@@ -175,8 +171,7 @@ def _write_summary(out: Path, summary: dict) -> None:
     """summary.json: everything the job prints, as strict JSON (NaN/inf → null), atomically."""
     import json
 
-    from eyas.data.common.utils import atomic_write_bytes
-    from eyas.data.common.utils import json_safe
+    from eyas.data.common.utils import atomic_write_bytes, json_safe
     text = json.dumps(json_safe(summary), indent=1, allow_nan=False, default=str) + "\n"
     atomic_write_bytes(out / "summary.json", text.encode())
 

@@ -168,11 +168,7 @@ def acceptance_figure(records: list[dict], selected_step: int | None = None):
 
 def context_axes(ax, groups: dict[str, list[dict]], title: str) -> None:
     """Grouped bars of τ per context bucket; `groups` maps a legend label to a `by_context` list."""
-    buckets = []
-    for rows in groups.values():
-        for b in rows:
-            if b["bucket"] not in buckets:
-                buckets.append(b["bucket"])
+    buckets = list(dict.fromkeys(b["bucket"] for rows in groups.values() for b in rows))
     width = 0.8 / max(1, len(groups))
     for i, (label, rows) in enumerate(groups.items()):
         by = {b["bucket"]: b for b in rows}
@@ -235,10 +231,6 @@ def write_run_plots(run_dir: str | Path, selected_step: int | None = None) -> li
 # `eyas evaluate --plot`
 
 
-def _result_positions(res: dict) -> list[float]:
-    return [v if _num(v) else math.nan for v in _positions(res, prefix="")]
-
-
 def _temperature_axes(ax, rows: list[dict]) -> None:
     rows = sorted(rows, key=lambda r: r["temperature"])
     x = [r["temperature"] for r in rows]
@@ -257,7 +249,8 @@ def evaluation_figure(res: dict[str, Any]):
     """The figure of an `eyas evaluate` result: per-position acceptance (overall and per context
     bucket), τ by context bucket and τ by temperature, each panel when its keys are present
     (`cond_acc_k`, `by_context`, `by_temperature`); None when none is."""
-    acc, buckets = _result_positions(res), res.get("by_context") or []
+    acc = [v if _num(v) else math.nan for v in _positions(res, prefix="")]
+    buckets = res.get("by_context") or []
     temps = res.get("by_temperature") or []
     panels = [p for p, present in (("positions", acc), ("context", buckets),
                                    ("temperature", temps)) if present]

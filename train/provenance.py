@@ -11,7 +11,6 @@ steps and tokens trained, the eval record of `step` and which checkpoint the exp
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Mapping
 
@@ -20,8 +19,6 @@ import torch
 from eyas.data.common.provenance import capture_contract, dataset_record, software_record
 from eyas.data.produce.vocab import count_tokens
 from eyas.train.config import to_plain
-
-log = logging.getLogger(__name__)
 
 
 def vocab_coverage(dataset, t2d: torch.Tensor, count: str = "auto") -> float | None:

@@ -58,10 +58,6 @@ class BestWalk:
         return True
 
 
-def _step_of(name: str) -> int:
-    return int(name.rsplit("-", 1)[-1])
-
-
 def select_checkpoint(root: Path, select: str, step: int, last_eval: dict[str, Any],
                       has_eval: bool) -> dict[str, Any]:
     """The record (module docstring) of what the final export holds; logged on the way.
@@ -72,7 +68,7 @@ def select_checkpoint(root: Path, select: str, step: int, last_eval: dict[str, A
     last = {"step": step, **{key: _finite(last_eval.get(key)) for key in scores}}
     found = ckpt.read_best(root)
     best = None if found is None else {
-        "step": int(found.get("step", _step_of(found["checkpoint"]))),
+        "step": int(found.get("step", found["checkpoint"].rsplit("-", 1)[-1])),
         "checkpoint": found["checkpoint"], **{key: _finite(found.get(key)) for key in scores}}
     rec: dict[str, Any] = {"select": select, "best": best, "last": last}
     if select == "last":

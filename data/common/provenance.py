@@ -15,7 +15,6 @@ SHA-256). The export's model card and `eyas_provenance.json` are built from thes
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -23,19 +22,12 @@ from typing import Any
 
 from eyas.data.common.checksums import file_sha256
 
-log = logging.getLogger(__name__)
-
 MANIFEST = "manifest.json"
 #: libraries whose versions change what a drafter computes or how it was trained
 LIBRARIES = ("torch", "transformers", "accelerate", "deepspeed", "triton", "safetensors")
 #: manifest entries that define the features a drafter reads (serving must capture the same)
 CONTRACT_KEYS = ("target", "target_fingerprint", "aux_layer_ids", "convention", "hidden_size",
                  "num_layers", "vocab_size", "target_dtype", "teacher", "aux_format")
-
-
-def _manifest(root: Path) -> tuple[dict[str, Any], str]:
-    path = root / MANIFEST
-    return json.loads(path.read_text()), file_sha256(path)
 
 
 def capture_contract(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +54,7 @@ def dataset_record(root: str | Path, role: str) -> dict[str, Any]:
     lineage the manifest records (the token dataset it came from, the prepared input file and
     the generation settings of `eyas generate`)."""
     root = Path(root)
-    m, digest = _manifest(root)
+    m, digest = json.loads((root / MANIFEST).read_text()), file_sha256(root / MANIFEST)
     prepare = m.get("prepare") if isinstance(m.get("prepare"), dict) else {}
     rec: dict[str, Any] = {
         "role": role, "path": str(root.resolve()), "manifest_sha256": digest,

@@ -212,18 +212,6 @@ def _smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file=SMOLLM2_GGUF)
 
 
-def _build_smollm2(out: Path) -> None:
-    from transformers import AutoModelForCausalLM, GgufConfig
-    quiet_libraries()
-    log.info("materialising SmolLM2-135M-Instruct from its GGUF file into %s (once)", out)
-    d = _smollm2_dir()
-    model = AutoModelForCausalLM.from_pretrained(
-        d, gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16,
-        quantization_config=GgufConfig(dequantize=True))
-    model.save_pretrained(out)
-    _smollm2_tokenizer().save_pretrained(out)
-
-
 def build_random_target(name: str, seed: int = 0):
     """A random-weight transformers model of a tiny (or, on meta, any) preset's config."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -235,8 +223,19 @@ def build_random_target(name: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
-def _build_tiny(name: str, out: Path) -> None:
-    build_random_target(name).save_pretrained(out)
+def _build_preset(name: str, out: Path) -> None:
+    """Loadable preset `name` written to `out`: smollm2 dequantised from its GGUF file, a tiny
+    one with random weights; both with SmolLM2's tokenizer."""
+    if name == "smollm2":
+        from transformers import AutoModelForCausalLM, GgufConfig
+        quiet_libraries()
+        log.info("materialising SmolLM2-135M-Instruct from its GGUF file into %s (once)", out)
+        model = AutoModelForCausalLM.from_pretrained(
+            _smollm2_dir(), gguf_file=SMOLLM2_GGUF, dtype=torch.bfloat16,
+            quantization_config=GgufConfig(dequantize=True))
+    else:
+        model = build_random_target(name)
+    model.save_pretrained(out)
     _smollm2_tokenizer().save_pretrained(out)
 
 
@@ -276,9 +275,9 @@ def resolve_target(target: str | Path, cache_dir: str | Path | None = None,
     final = Path(cache_dir or DEFAULT_CACHE_DIR).expanduser() / "targets" / name
     if (final / "config.json").is_file() and not _stale(final, name):
         return final
-    builder = _build_smollm2 if name == "smollm2" else (lambda out: _build_tiny(name, out))
     # a racing process may win; a preset whose shapes changed is rebuilt
-    return atomic_write_dir(final, builder, if_exists="replace" if final.exists() else "keep")
+    return atomic_write_dir(final, lambda out: _build_preset(name, out),
+                            if_exists="replace" if final.exists() else "keep")
 
 
 def _stale(built: Path, name: str) -> bool:

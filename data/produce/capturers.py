@@ -100,8 +100,7 @@ class EngineCapturer:
 
     def __init__(self, tokens, tokens_dir, target, *, kind: Capture, storage: Path,
                  layers, teacher: str, topk: int, dtype: str, endpoint: str | None = None,
-                 served_model: str | None = None, connector: str = "host",
-                 batch_samples: int = 32, log_path: Path | None = None):
+                 served_model: str | None = None, batch_samples: int = 32, log_path: Path | None = None):
         from eyas.data.produce.engine_capture import (EndpointSource, TargetHead, WorkerSource,
                                                     capture_source)
         from eyas.data.common.targets import resolve_target
@@ -120,7 +119,7 @@ class EngineCapturer:
         max_len = int(max(tokens.sample_lengths)) + 8
         self.source = (EndpointSource(endpoint, served_model) if kind == Capture.endpoint else
                        WorkerSource(target_dir, engine_ids, self.storage, dtype, max_len,
-                                    log_path or self.storage.parent / "engine.log", connector))
+                                    log_path or self.storage.parent / "engine.log"))
         self.source.__enter__()
         self.record = capture_source(self.source, engine_ids, self.head.num_layers, dtype)
         self.where = (f"the server at {endpoint}" if kind == Capture.endpoint

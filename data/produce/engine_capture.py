@@ -142,12 +142,12 @@ class WorkerSource:
     """`--capture vllm`: the target in a vLLM worker process (data/engine/runner.py)."""
 
     def __init__(self, target_dir: Path, engine_ids: list[int], storage: Path, dtype: str,
-                 max_len: int, log_path: Path, connector: str = "host"):
+                 max_len: int, log_path: Path):
         from eyas.data.engine.runner import Engine, runtime_engine
         self.engine = Engine({"target": str(target_dir), "dtype": dtype, "max_num_seqs": 16,
                               "max_model_len": max_len,
                               "capture": {"layers": engine_ids, "storage": str(storage),
-                                          "connector": connector}},
+                                          "connector": "host"}},
                              log_path=log_path, engine=runtime_engine())
 
     def __enter__(self):

@@ -16,15 +16,12 @@ warm-up forward first), or from a throughput you state (`--tokens-per-s`, nothin
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Any
 
 import torch
 
 from eyas.data.store.format import AUX_FORMATS, SHARD_FORMAT, json_meta
-
-log = logging.getLogger(__name__)
 
 #: safetensors writes tensors by dtype (this rank, eyas's dtypes), then by name
 _DTYPE_RANK = {"I64": 0, "F32": 1, "I32": 2, "BF16": 3, "F8_E4M3": 4, "BOOL": 5}

@@ -110,11 +110,9 @@ def request_seed(seed: int, task_id: str, turn: int) -> int:
 
 def _assistant_message(message: dict[str, Any]) -> dict[str, Any]:
     """The returned message with its null and empty fields dropped (vLLM sends tool_calls: [])."""
-    out = {"role": "assistant", "content": message.get("content")}
-    for key, value in message.items():
-        if key not in ("role", "content") and value not in (None, [], {}, ""):
-            out[key] = value
-    return out
+    return {"role": "assistant", "content": message.get("content"),
+            **{key: value for key, value in message.items()
+               if key not in ("role", "content") and value not in (None, [], {}, "")}}
 
 
 def answer(client, task: Task, setup: dict[str, Any]) -> dict[str, Any]:

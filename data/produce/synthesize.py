@@ -111,10 +111,7 @@ def line_break_ids(tokenizer) -> list[int]:
     """Ids of the tokens whose text holds a line break (where a list item ends): bare line
     breaks and, in tokenizers that merge them, tokens like "?\\n" (the text before the break
     is kept, `_end_of_line`)."""
-    out = []
-    for i in range(len(tokenizer)):
-        if "\n" in tokenizer.decode([i]):
-            out.append(i)
+    out = [i for i in range(len(tokenizer)) if "\n" in tokenizer.decode([i])]
     if not out:
         raise ValueError("the tokenizer has no line-break token; list items could not end")
     return out

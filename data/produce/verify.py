@@ -22,7 +22,6 @@ Exit status: 0 clean, 1 findings, 2 usage error (like `eyas validate`).
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,6 @@ import torch
 
 from eyas.data.common.options import option
 from eyas.data.produce.verify_checks import argmax_check, ids_check, state_check, topk_checks
-
-log = logging.getLogger(__name__)
 
 #: default compute tolerance: room for the target's own rounding across devices and batching
 COMPUTE_TOL = 2.0**-5

@@ -12,7 +12,6 @@ summarised from the shard headers and reported as incomplete.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,6 @@ from eyas.data.store.format import MANIFEST_NAME, SHARD_GLOB, dtype_from_name
 from eyas.data.common.options import option
 from eyas.data.store.render import dataset_tokenizer, default_style, render_sample, sample_header
 from eyas.data.common.space import human_bytes
-
-log = logging.getLogger(__name__)
 
 
 def _field_bytes(fields: dict[str, Any], aux_format: str | None) -> dict[str, float]:

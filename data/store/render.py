@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterable, Sequence
+from itertools import groupby
+from operator import itemgetter
+from typing import Any, Sequence
 
 OPEN, CLOSE = "[[", "]]"
 #: trained text in a terminal: black on green; reset before every newline so the colour stops there
@@ -27,14 +29,8 @@ def mask_runs(ids: Sequence[int], mask: Sequence[bool]) -> list[tuple[bool, list
     """Maximal runs of equal mask value: [(trained, ids), ...] in order (empty for no tokens)."""
     if len(ids) != len(mask):
         raise ValueError(f"{len(ids)} ids but {len(mask)} mask values")
-    runs: list[tuple[bool, list[int]]] = []
-    for t, m in zip(ids, mask):
-        m = bool(m)
-        if runs and runs[-1][0] == m:
-            runs[-1][1].append(int(t))
-        else:
-            runs.append((m, [int(t)]))
-    return runs
+    return [(m, [int(t) for _, t in run])
+            for m, run in groupby(zip(map(bool, mask), ids), key=itemgetter(0))]
 
 
 def _ansi(text: str) -> str:
@@ -71,13 +67,6 @@ def render_sample(tokenizer: Any, i: int, ids: Sequence[int], mask: Sequence[boo
             if style == "brackets" and (OPEN in plain or CLOSE in plain) else "")
     body = render_text(tokenizer, ids, mask, style)
     return f"{sample_header(i, ids, mask, note)}\n{body}\n[{i}] end"
-
-
-def render_samples(tokenizer: Any, samples: Iterable[tuple[Sequence[int], Sequence[bool]]],
-                   style: str = "brackets") -> str:
-    """`render_sample` of each (ids, mask), separated by blank lines."""
-    return "\n\n".join(render_sample(tokenizer, i, ids, mask, style)
-                       for i, (ids, mask) in enumerate(samples))
 
 
 def default_style(stream=None, color: str = "auto") -> str:

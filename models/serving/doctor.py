@@ -21,7 +21,6 @@ serve it. The doctor collects what can be checked offline, before a server start
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,8 +39,6 @@ from eyas.models.serving.doctor_speedup import (check_speedup, deployment_error,
                                                 recorded_eval)
 from eyas.models.serving.validate import validate
 from eyas.models.speedup import HARDWARE
-
-log = logging.getLogger(__name__)
 
 COVERAGE_WARN = 0.95   # below this share of the target's choices in the draft vocabulary: a cause
 AGREEMENT_WARN = 0.5   # below this share of trained tokens = target argmax: not target-written

