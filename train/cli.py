@@ -4,66 +4,102 @@
 from __future__ import annotations
 
 import sys
-from functools import partial
 from typing import Any, Callable
 
-
-def _load(name: str) -> Any:
-    """Command `name`'s (options class, run function), or the commands nested under it,
-    {name: (options class, run function, one-line help)}."""
-    if name == "engines":
-        from eyas.models.serving.engines.cli import COMMANDS as nested
-        return nested
-    if name == "prepare":
-        from eyas.data.produce.prepare import PrepareOptions as options, main
-    elif name == "generate":
-        from eyas.data.produce.served_cli import GenerateOptions as options, main
-    elif name == "synthesize":
-        from eyas.data.produce.synthesize import SynthesizeOptions as options, main
-    elif name == "extract":
-        from eyas.data.produce.extract import ExtractOptions as options, main
-    elif name == "import":
-        from eyas.data.produce.importers import ImportOptions as options, main
-    elif name == "export-data":
-        from eyas.data.produce.export_data import ExportDataOptions as options, main
-    elif name == "vocab":
-        from eyas.data.produce.vocab import VocabOptions as options, main
-    elif name == "inspect":
-        from eyas.data.store.inspect import InspectOptions as options, main
-    elif name == "verify":
-        from eyas.data.produce.verify import VerifyOptions as options, main
-    elif name == "export":
-        from eyas.models.serving.export_cli import ExportOptions as options, main
-    elif name == "validate":
-        from eyas.models.serving.validate import ValidateOptions as options, main
-    elif name == "doctor":
-        from eyas.models.serving.doctor import DoctorOptions as options, main
-    else:
-        assert name == "evaluate", name
-        from eyas.train.evaluate.cli import EvaluateOptions as options, main
-    return options, main
-
-
-#: command -> (loader, one-line help); the loader (`_load`) imports the command's module only
-#: when it runs (`eyas --help` stays fast)
-COMMANDS: dict[str, tuple[Callable[[], Any], str]] = {
-    name: (partial(_load, name), help) for name, help in (
-    ("prepare", "tokenise conversations (or generate them with the target) into a token dataset"),
-    ("generate", "answer prompts with a served target (OpenAI-compatible endpoint)"),
-    ("synthesize", "sample user prompts from the target itself (more, different prompts)"),
-    ("extract", "run the target over a token dataset and store its hidden states"),
-    ("import", "convert SpecForge/speculators hidden states into an eyas dataset"),
-    ("export-data", "write a hidden-state dataset in speculators' offline training layout"),
-    ("vocab", "build the draft vocabulary map (d2t/t2d) from a dataset"),
-    ("inspect", "summarise a dataset: samples, tokens, bytes/token, modes"),
-    ("verify", "re-run dataset samples through the target and compare what is stored"),
-    ("export", "turn a training checkpoint into a directory vLLM and SGLang load"),
-    ("validate", "check an exported drafter against the serving contract"),
-    ("doctor", "explain the likely causes of low acceptance"),
-    ("engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)"),
-    ("evaluate", "offline acceptance on a dataset, or real speculative decoding"),
-)}
+#: command -> (loader, one-line help); the loader imports the command's module only when it runs
+#: (`eyas --help` stays fast) and returns its (options class, run function), or the commands
+#: nested under it, {name: (options class, run function, one-line help)}
+COMMANDS: dict[str, tuple[Callable[[], Any], str]] = {}
 WIDTH = 98      # columns of the usage docs/cli.md shows
+
+
+def _command(name: str, help: str) -> Callable[[Callable[[], Any]], Any]:
+    return lambda load: COMMANDS.setdefault(name, (load, help))
+
+
+@_command("prepare", "tokenise conversations (or generate them with the target) into a token "
+          "dataset")
+def _():
+    from eyas.data.produce.prepare import PrepareOptions, main
+    return PrepareOptions, main
+
+
+@_command("generate", "answer prompts with a served target (OpenAI-compatible endpoint)")
+def _():
+    from eyas.data.produce.served_cli import GenerateOptions, main
+    return GenerateOptions, main
+
+
+@_command("synthesize", "sample user prompts from the target itself (more, different prompts)")
+def _():
+    from eyas.data.produce.synthesize import SynthesizeOptions, main
+    return SynthesizeOptions, main
+
+
+@_command("extract", "run the target over a token dataset and store its hidden states")
+def _():
+    from eyas.data.produce.extract import ExtractOptions, main
+    return ExtractOptions, main
+
+
+@_command("import", "convert SpecForge/speculators hidden states into an eyas dataset")
+def _():
+    from eyas.data.produce.importers import ImportOptions, main
+    return ImportOptions, main
+
+
+@_command("export-data", "write a hidden-state dataset in speculators' offline training layout")
+def _():
+    from eyas.data.produce.export_data import ExportDataOptions, main
+    return ExportDataOptions, main
+
+
+@_command("vocab", "build the draft vocabulary map (d2t/t2d) from a dataset")
+def _():
+    from eyas.data.produce.vocab import VocabOptions, main
+    return VocabOptions, main
+
+
+@_command("inspect", "summarise a dataset: samples, tokens, bytes/token, modes")
+def _():
+    from eyas.data.store.inspect import InspectOptions, main
+    return InspectOptions, main
+
+
+@_command("verify", "re-run dataset samples through the target and compare what is stored")
+def _():
+    from eyas.data.produce.verify import VerifyOptions, main
+    return VerifyOptions, main
+
+
+@_command("export", "turn a training checkpoint into a directory vLLM and SGLang load")
+def _():
+    from eyas.models.serving.export_cli import ExportOptions, main
+    return ExportOptions, main
+
+
+@_command("validate", "check an exported drafter against the serving contract")
+def _():
+    from eyas.models.serving.validate import ValidateOptions, main
+    return ValidateOptions, main
+
+
+@_command("doctor", "explain the likely causes of low acceptance")
+def _():
+    from eyas.models.serving.doctor import DoctorOptions, main
+    return DoctorOptions, main
+
+
+@_command("engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)")
+def _():
+    from eyas.models.serving.engines.cli import COMMANDS as nested
+    return nested
+
+
+@_command("evaluate", "offline acceptance on a dataset, or real speculative decoding")
+def _():
+    from eyas.train.evaluate.cli import EvaluateOptions, main
+    return EvaluateOptions, main
 
 
 def nested_usage(name: str, nested: dict[str, tuple]) -> str:
