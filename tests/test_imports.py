@@ -7,8 +7,8 @@ import sys
 import textwrap
 
 # modules that run inside an engine's own venv (vLLM, SGLang), not eyas's
-ENGINE_SIDE = ("eyas.data.engine.hs_connector", "eyas.models.serving.engines.probe_sglang",
-               "eyas.models.serving.engines.probe_vllm")
+ENGINE_SIDE = ("eyas.data.engine.hs_connector", "eyas.models.serving.loaders.probe_sglang",
+               "eyas.models.serving.loaders.probe_vllm")
 
 
 def test_no_eyas_module_imports_deepspeed_or_wandb():

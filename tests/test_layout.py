@@ -225,7 +225,7 @@ def test_graph_sees_the_known_arrows():
     f = ROOT / "models" / "serving" / "validate.py"
     dsts = {a.dst for a in arrows(f, ast.parse(f.read_text()), mods)}
     assert ROOT / "models" / "serving" / "contract.py" in dsts
-    probe = ROOT / "models" / "serving" / "engines" / "probe_vllm.py"
+    probe = ROOT / "models" / "serving" / "loaders" / "probe_vllm.py"
     dsts = {a.dst for a in arrows(probe, ast.parse(probe.read_text()), mods)}
     assert probe.with_name("_probe_common.py") in dsts
 

@@ -92,7 +92,7 @@ def _():
 
 @_command("engines", "load an export with vLLM's and SGLang's own loaders (CPU, own venvs)")
 def _():
-    from eyas.models.serving.engines.cli import COMMANDS as nested
+    from eyas.models.serving.loaders.cli import COMMANDS as nested
     return nested
 
 

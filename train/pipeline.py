@@ -209,7 +209,7 @@ def run_engine_check(eval_cfg: EvalConfig, target: str,
     if not present:
         log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
         return None
-    from eyas.models.serving.engines import check_engines
+    from eyas.models.serving.loaders import check_engines
     from eyas.data.common.targets import load_target_config
     reports = check_engines(export_dir, load_target_config(target), engines=present,
                             setup=False)

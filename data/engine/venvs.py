@@ -2,7 +2,7 @@
 
 The engines pin torch/transformers versions that differ from eyas's, so each lives in its own
 venv and is only ever run as a subprocess (`<venv>/bin/python -I <script>.py`): the loader
-probes (models/serving/engines/) and the engine that runs (data/engine/worker.py). Layout:
+probes (models/serving/loaders/) and the engine that runs (data/engine/worker.py). Layout:
 
     <root>/                       default ~/.cache/eyas/engines (outside any checkout)
       vllm-0.33.0/                ~9.4 GB: the CUDA wheels of torch, vLLM and their deps

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from eyas.data.common.options import option
-from eyas.models.serving.engines.cli import engine_names
+from eyas.models.serving.loaders.cli import engine_names
 from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, finding,
                                           format_findings, is_speculators_config, read_config,
                                           require_dir, resolve_target_config)
@@ -170,7 +170,7 @@ def main(args: ValidateOptions) -> int:
     else:
         print(format_findings(findings))
     if args.engines:
-        from eyas.models.serving.engines.cli import EnginesCheckOptions, check
+        from eyas.models.serving.loaders.cli import EnginesCheckOptions, check
         engines = check(EnginesCheckOptions(dir=args.dir, target_config=args.target_config,
                                             engines=args.engines))
         return max(1 if findings else 0, engines)

@@ -1,7 +1,7 @@
 """EAGLE-3.1 norms (drafter.norm_before_fc, fc_norm, norm_output): the training unroll and the
 engine-math reference compute the same function with each variant, the export carries the flags
 under both engines' spellings with the extra tensors, and the validator refuses the variants an
-engine would read differently. (The engines' own loaders: tests/models/serving/test_engines.py.)
+engine would read differently. (The engines' own loaders: tests/models/serving/test_loaders.py.)
 """
 
 import json

@@ -110,7 +110,7 @@ def check(args: EnginesCheckOptions, prog: str = "eyas engines check") -> int:
     behind `eyas validate --engines`). A missing engine venv is installed only with --setup or
     a yes on a terminal; otherwise the check exits 3 naming it and the command that installs
     it."""
-    from eyas.models.serving.engines.check import check_engines, format_reports
+    from eyas.models.serving.loaders.check import check_engines, format_reports
     if not (Path(args.dir) / "config.json").is_file():
         print(f"{prog}: error: {args.dir} has no config.json: pass an exported drafter dir",
               file=sys.stderr)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from eyas.models.serving.engines.check import ENGINE_NAMES, EngineReport
+from eyas.models.serving.loaders.check import ENGINE_NAMES, EngineReport
 
 _SHORT = {"ENGINE_DROPPED": "dropped", "ENGINE_UNWRITTEN": "unwritten",
           "ENGINE_LM_HEAD_FROM_TARGET": "lm_head from target", "ENGINE_NONFINITE": "NaN",

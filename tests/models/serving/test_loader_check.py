@@ -1,10 +1,10 @@
-"""Probe records -> engine findings (models/serving/engines/check.py), on synthetic records: no
+"""Probe records -> engine findings (models/serving/loaders/check.py), on synthetic records: no
 engine venv needed (the engines themselves run in test_engines.py, marker `engines`)."""
 
 from __future__ import annotations
 
-from eyas.models.serving.engines.check import cross_check, format_reports, interpret
-from eyas.models.serving.engines.verdicts import verdict
+from eyas.models.serving.loaders.check import cross_check, format_reports, interpret
+from eyas.models.serving.loaders.verdicts import verdict
 
 
 def record(engine: str, **resolved) -> dict:

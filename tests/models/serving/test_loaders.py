@@ -1,4 +1,4 @@
-"""Exports loaded by vLLM's and SGLang's own loaders on CPU (models/serving/engines).
+"""Exports loaded by vLLM's and SGLang's own loaders on CPU (models/serving/loaders).
 
 Marker `engines` (deselected by default): `pytest -m engines`. The first run creates the engine
 venvs (~14 GB under ~/.cache/eyas/engines, a few minutes); later runs reuse them. The verdict
@@ -25,9 +25,9 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.serving.engines import check_engines, check_engines_many
+from eyas.models.serving.loaders import check_engines, check_engines_many
 from eyas.data.engine.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
-from eyas.models.serving.engines.verdicts import verdict, verdict_table
+from eyas.models.serving.loaders.verdicts import verdict, verdict_table
 from eyas.models.serving.engine_rope import EngineRope
 from eyas.models.serving.export import export_drafter
 from eyas.data.common.targets import load_target_config, text_config
@@ -98,7 +98,7 @@ TABLE_TITLE = (
     "### What vLLM's and SGLang's own loaders catch\n\n"
     "Each deliberately broken export of the validator's tests (tiny-llama target) loaded on CPU "
     "by `eyas engines check`. Regenerate: `EYAS_ENGINE_VERDICTS=benchmarks/engine_verdicts.md "
-    "pytest -m engines tests/models/serving/test_engines.py`.\n")
+    "pytest -m engines tests/models/serving/test_loaders.py`.\n")
 
 
 def smollm2_export(out: Path) -> Path:

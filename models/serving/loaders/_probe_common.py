@@ -9,7 +9,7 @@ parameters left unwritten (those keep `torch.empty` garbage). A probe therefore
   3. compares after loading: parameters still holding the sentinel were never written;
      checkpoint tensors that reached no parameter were dropped.
 
-Protocol with the host (models/serving/engines/check.py): `probe_<engine>.py JOBS.json OUT.jsonl`.
+Protocol with the host (models/serving/loaders/check.py): `probe_<engine>.py JOBS.json OUT.jsonl`.
 JOBS.json = {"jobs": [{"id", "draft", "target", "num_speculative_tokens"}, ...]}; the probe
 appends one JSON object per job to OUT.jsonl (flushed), so a hard crash loses only the current
 job. The host interprets the raw facts; the probe does not judge.
