@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from eyas.data.produce.extract import extract, length_groups
+from eyas.data.produce.extract import extract
+from eyas.data.produce.forward import length_groups
 from eyas.data.common.log import setup_logging
 from eyas.data.produce.prepare import prepare
 from eyas.data.produce.prompts import prompts_path

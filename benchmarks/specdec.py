@@ -30,8 +30,8 @@ import torch
 
 
 from eyas.data.produce.prompts import prompts_path
-from eyas.train.evaluate.specdec import (decode_prompts, load_engine_drafter, stop_token_ids,
-                            summarize)
+from eyas.train.evaluate.specdec import decode_prompts, load_engine_drafter, stop_token_ids
+from eyas.train.evaluate.specdec_summary import summarize
 from eyas.data.common.targets import TARGET_DTYPES, load_target
 from eyas.data.common.utils import json_safe
 from eyas.train.evaluate.offline import SPECDEC_DTYPES, load_prompts, offline_eval

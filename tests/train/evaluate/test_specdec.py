@@ -23,8 +23,9 @@ from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.export import export_drafter
 from eyas.models.serving.reference import EngineDrafter
 from eyas.train.evaluate.specdec import (TargetRunner, decode_prompts, drafter_aux_layer_ids,
-                                          greedy_decode, load_engine_drafter, speculative_decode,
-                                          stop_token_ids, summarize)
+                                        greedy_decode, load_engine_drafter, speculative_decode,
+                                        stop_token_ids)
+from eyas.train.evaluate.specdec_summary import summarize
 from eyas.data.common.targets import default_aux_layer_ids, load_target
 from eyas.models.serving.contract import TensorDir
 
