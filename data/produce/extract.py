@@ -120,8 +120,6 @@ def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
     return done_tokens
 
 
-@writes_directory("out_dir", what="hidden-state dataset",
-                  when=lambda a: a["world_size"] == 1)  # several ranks: main's rank 0
 def _kept(out: Path, n_shards: int) -> str:
     """What an extraction stopped by its engine leaves, and how to go on."""
     from eyas.data.store.shards import shard_name
@@ -130,6 +128,8 @@ def _kept(out: Path, n_shards: int) -> str:
             f"`eyas extract` command again to resume")
 
 
+@writes_directory("out_dir", what="hidden-state dataset",
+                  when=lambda a: a["world_size"] == 1)  # several ranks: main's rank 0
 def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             capture: Capture | str = Capture.hf, endpoint: str | None = None,
             served_model: str | None = None,

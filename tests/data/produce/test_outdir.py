@@ -149,3 +149,13 @@ def test_a_two_rank_extract_is_one_writer(tmp_path, lock_holder):
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "manifest.json").is_file() and not (out / ".eyas.lock").exists()
     assert "taking over the stale lock" in r.stderr
+
+
+def test_one_extract_at_a_time_writes_a_directory(tmp_path, lock_holder):
+    """`extract` itself holds the output's lock: a second writer stops before any work, naming
+    the holder, and leaves the directory as it was."""
+    tokens, out = _tokens(tmp_path / "tok", n=4), tmp_path / "hs"
+    holder = lock_holder(out)
+    with pytest.raises(Exception, match=f"pid {holder.pid}"):
+        extract(tokens, "tiny-llama", out, device="cpu", shard_tokens=8)
+    assert sorted(p.name for p in out.iterdir()) == [".eyas.lock"]
