@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eyas.data.produce.prompts import prompts_path
 from eyas.data.produce.recipe import (DatasetPaths, embedded_dataset, heldout_dataset,
-                                      heldout_length)
+                                      heldout_length, heldout_prompts)
 from eyas.train.config import ConfigError, DataConfig, EvalConfig, TargetConfig
 
 log = logging.getLogger(__name__)
@@ -156,11 +155,6 @@ def run_speculative_check(eval_cfg: EvalConfig, target: str, export_dir: str | P
                                      max_new_tokens=eval_cfg.max_new_tokens,
                                      device=eval_device(eval_cfg),
                                      processes=eval_cfg.processes)
-
-
-def heldout_prompts(eval_cfg: EvalConfig) -> Path:
-    """The prompts real decoding (and the served check) decodes."""
-    return Path(eval_cfg.prompts or prompts_path("heldout"))
 
 
 def eval_device(eval_cfg: EvalConfig) -> str:

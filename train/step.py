@@ -103,11 +103,14 @@ class TrainingModule(nn.Module):
                           alpha=alpha_counts(res.accept, w))
 
 
+#: the names TrainingModule.forward takes (read once: `batch_inputs` runs every micro-batch)
+_FORWARD_ARGS = frozenset(inspect.signature(TrainingModule.forward).parameters)
+
+
 def batch_inputs(batch, rows: Tensor | None = None, embeds: Tensor | None = None) -> dict:
     """The keyword arguments of TrainingModule.forward from a data.store.loader.Batch: each of
     its fields that forward names, the loss rows and the embedding rows."""
-    names = inspect.signature(TrainingModule.forward).parameters
-    return dict({f.name: getattr(batch, f.name) for f in fields(batch) if f.name in names},
+    return dict({f.name: getattr(batch, f.name) for f in fields(batch) if f.name in _FORWARD_ARGS},
                 rows=rows, embeds=embeds)
 
 

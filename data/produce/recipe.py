@@ -315,13 +315,18 @@ HELDOUT_WAIT_S = 3600.0
 HELDOUT_WAIT_S = 3600.0
 
 
+def heldout_prompts(eval_cfg) -> Path:
+    """The held-out prompts: real decoding's, the served check's and the held-out walk's."""
+    return Path(eval_cfg.prompts or prompts_path("heldout"))
+
+
 def heldout_dataset(eval_cfg, data, target, device: str) -> Path:
     """The hidden states of the held-out prompts' own greedy answers: the first
     eval.num_prompts prompts answered by the target in float32, tokenised and extracted once
     (`_build_heldout`). Runs that finish side by side share the cache: the second waits for the
     first to write it (HELDOUT_WAIT_S), then reads it."""
     from eyas.data.common.lock import dir_lock
-    prompts = Path(eval_cfg.prompts or prompts_path("heldout"))
+    prompts = heldout_prompts(eval_cfg)
     root = (Path(data.cache_dir).expanduser() / "heldout"
             / _heldout_key(eval_cfg, data, target, prompts))
     hidden = root / "hidden"
