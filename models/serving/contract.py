@@ -117,8 +117,17 @@ class Finding:
                 f"    why: {self.why}\n    fix: {self.fix}")
 
 
-def finding(code: str, severity: str, message: str, why: str, fix: str) -> Finding:
-    return Finding(code, severity, message, why, fix)
+class Findings(list):
+    """A list of findings whose `add` takes each code's severity from `codes` (code -> severity)
+    unless one is given."""
+
+    def __init__(self, codes: dict[str, str]):
+        super().__init__()
+        self.codes = codes
+
+    def add(self, code: str, message: str, why: str, fix: str,
+            severity: str | None = None) -> None:
+        self.append(Finding(code, severity or self.codes[code], message, why, fix))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +206,7 @@ class TensorDir:
                 for name in st.keys():
                     sl = st.get_slice(name)
                     if name in self._where:
-                        self.findings.append(finding(
+                        self.findings.append(Finding(
                             "SHARD_DUPLICATE", ERROR,
                             f"tensor {name!r} is in both {self._where[name].name} and {f.name}",
                             "which copy an engine loads depends on file order",
@@ -211,7 +220,7 @@ class TensorDir:
         index = self.path / "model.safetensors.index.json"
         if not index.is_file():
             if len(self.files) > 1:
-                self.findings.append(finding(
+                self.findings.append(Finding(
                     "SHARD_INDEX", WARNING,
                     f"{len(self.files)} safetensors files but no model.safetensors.index.json",
                     "engines load every *.safetensors file; a stray file adds tensors",
@@ -220,25 +229,25 @@ class TensorDir:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError) as e:
-            self.findings.append(finding(
+            self.findings.append(Finding(
                 "SHARD_INDEX", ERROR, f"{index} is not a valid index ({e})",
                 "loaders read the shard list from it", "re-export the directory"))
             return
         for name, fname in weight_map.items():
             if not (self.path / fname).is_file():
-                self.findings.append(finding(
+                self.findings.append(Finding(
                     "SHARD_INDEX", ERROR,
                     f"{index.name} maps {name!r} to {fname}, which does not exist",
                     "the loader fails to open the shard", "re-export the directory"))
             elif self._where.get(name, self.path / fname).name != fname:
-                self.findings.append(finding(
+                self.findings.append(Finding(
                     "SHARD_INDEX", ERROR,
                     f"{index.name} maps {name!r} to {fname} but it is in "
                     f"{self._where[name].name}", "the index and the shards disagree",
                     "re-export the directory"))
         missing = sorted(set(self._where) - set(weight_map))
         if missing:
-            self.findings.append(finding(
+            self.findings.append(Finding(
                 "SHARD_INDEX", WARNING, f"{index.name} does not list {missing[:5]}",
                 "index-driven loaders skip unlisted tensors", "re-export the directory"))
 

@@ -29,7 +29,7 @@ import torch
 
 from eyas.data.common.options import option
 from eyas.data.common.templates import target_chat_template, template_drift
-from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, finding,
+from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir,
                                           read_config, require_dir, resolve_target_config)
 from eyas.models.serving.doctor_alpha import check_alpha
 from eyas.models.serving.doctor_capture import (check_capture, check_served,
@@ -54,7 +54,7 @@ class Report:
     stats: dict[str, Any] = field(default_factory=dict)
 
     def add(self, code: str, severity: str, message: str, why: str, fix: str) -> None:
-        self.findings.append(finding(code, severity, message, why, fix))
+        self.findings.append(Finding(code, severity, message, why, fix))
 
 
 def _target_dir(target_config: Any) -> Path | None:

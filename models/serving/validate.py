@@ -29,7 +29,7 @@ import torch
 
 from eyas.data.common.options import option
 from eyas.models.serving.loaders.cli import engine_names
-from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding, finding,
+from eyas.models.serving.contract import (ERROR, LAYOUT_A_ARCH, WARNING, Finding,
                                           format_findings, is_speculators_config, read_config,
                                           require_dir, resolve_target_config)
 from eyas.models.serving.validate_integrity import checksum_findings, open_tensors
@@ -44,13 +44,13 @@ def speculators_findings(cfg: dict[str, Any]) -> tuple[list[Finding], dict[str, 
     The layer fields come from `transformer_layer_config`; the aux ids are vLLM's (both
     spellings are derived so that only real problems of the ids are reported).
     """
-    out = [finding("SPECULATORS_FORMAT", WARNING,
+    out = [Finding("SPECULATORS_FORMAT", WARNING,
                    "config.json is in the speculators format (speculators_model_type "
                    f"{cfg.get('speculators_model_type')!r})",
                    "vLLM loads it; SGLang cannot parse it at all",
                    "serve SGLang from the layout-A export (eyas export writes both)")]
     if cfg.get("norm_before_residual") is not False:
-        out.append(finding(
+        out.append(Finding(
             "NORM_BEFORE_RESIDUAL", ERROR,
             f"norm_before_residual = {cfg.get('norm_before_residual', 'absent')!r} in a "
             f"speculators config", "vLLM's speculators path defaults it to true: an absent "
@@ -101,14 +101,14 @@ def validate(path: str | Path, target_config: dict[str, Any] | str | Path | None
     """
     path = Path(path)
     if not path.is_dir():
-        return [finding("CONFIG_MISSING", ERROR, f"{path} is not a directory",
+        return [Finding("CONFIG_MISSING", ERROR, f"{path} is not a directory",
                         "engines take a directory holding config.json and model.safetensors",
                         "pass the export directory")]
     files = checksum_findings(path)   # SHA256SUMS first: damaged files are named as such
     try:
         cfg = read_config(path)
     except (FileNotFoundError, ValueError) as e:
-        return files + [finding("CONFIG_MISSING", ERROR, str(e),
+        return files + [Finding("CONFIG_MISSING", ERROR, str(e),
                                 "both engines read the drafter's shape from config.json",
                                 "re-export with `eyas export`")]
     tcfg = resolve_target_config(target_config)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from eyas.data.common.checksums import CHECKSUMS_NAME, ChecksumError, unlisted, verify_checksums
-from eyas.models.serving.contract import ERROR, WARNING, Finding, TensorDir, finding
+from eyas.models.serving.contract import ERROR, WARNING, Finding, TensorDir
 
 INTEGRITY_CODES = {"CHECKSUM_MISMATCH": ERROR, "CHECKSUM_MISSING_FILE": ERROR,
                    "CHECKSUM_UNLISTED": WARNING, "WEIGHTS_UNREADABLE": ERROR,
@@ -59,20 +59,20 @@ def checksum_findings(path: str | Path) -> list[Finding]:
     try:
         problems = verify_checksums(path)
     except ChecksumError as e:
-        return [finding("CHECKSUM_MISMATCH", ERROR, str(e), "the files cannot be checked",
+        return [Finding("CHECKSUM_MISMATCH", ERROR, str(e), "the files cannot be checked",
                         _FIX)]
     if problems is None:
         return []
     out = []
     for p in problems:
         code = "CHECKSUM_MISSING_FILE" if p.kind == "missing" else "CHECKSUM_MISMATCH"
-        out.append(finding(code, ERROR, str(p),
+        out.append(Finding(code, ERROR, str(p),
                            "the engines would load other bytes than were exported: corrupted "
                            "weights load without an error and serve garbage drafts", _FIX))
     extra = [p.name for p in unlisted(path)
              if p.suffix in (".safetensors", ".json") and p.parent == path]
     if extra:
-        out.append(finding("CHECKSUM_UNLISTED", WARNING,
+        out.append(Finding("CHECKSUM_UNLISTED", WARNING,
                            f"{extra} are not listed in {path / CHECKSUMS_NAME}",
                            "engines load every *.safetensors file: files added after the export "
                            "change what is served", "remove them, or re-export"))
@@ -85,7 +85,7 @@ def open_tensors(path: str | Path) -> tuple[TensorDir | None, list[Finding]]:
         return TensorDir(path), []
     except Exception as e:  # safetensors raises its own error type; the file is named below
         bad = _unreadable_file(Path(path))
-        return None, [finding(
+        return None, [Finding(
             "WEIGHTS_UNREADABLE", ERROR,
             f"{bad or path}: not a readable safetensors file ({' '.join(str(e).split())[:200]})",
             "both engines fail to load it (a truncated or damaged file)", _FIX)]
@@ -135,7 +135,7 @@ def magnitude_findings(tdir: TensorDir, canon: dict[str, str]) -> list[Finding]:
         if not (top == top and rms == rms) or top == float("inf"):
             continue   # NaN/inf: reported as NONFINITE
         if top > bound or rms > max_rms:
-            out.append(finding(
+            out.append(Finding(
                 "MAGNITUDE", ERROR,
                 f"{name}{list(pos)} = {top:.6g} ({over} value(s) with |w| > {bound:g}; RMS "
                 f"{rms:.3g}, bound {max_rms:g}): implausible for a trained {r} weight",

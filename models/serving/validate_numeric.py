@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 from eyas.data.store.vocab_map import VocabMap
-from eyas.models.serving.contract import ERROR, Finding, TensorDir, finding, read_config
+from eyas.models.serving.contract import ERROR, Finding, TensorDir, read_config
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def check_numeric(path: str | Path, tcfg: dict[str, Any] | None, *,
                else random_embedding(V, H))
         res = compare(cfg, tensors, emb, trainer_state_dict)
     except (ValueError, KeyError, RuntimeError, AssertionError) as e:
-        return [finding("NUMERIC_LOAD", ERROR, f"the numerical check could not run: {e}",
+        return [Finding("NUMERIC_LOAD", ERROR, f"the numerical check could not run: {e}",
                         "the engines' loading rules reject this export, or the training "
                         "forward cannot be built from it", fix)]
     log.info("numeric check: max |Δlogit| per step %s (max |logit| %.3g), argmax agreement %s",
@@ -139,7 +139,7 @@ def check_numeric(path: str | Path, tcfg: dict[str, Any] | None, *,
     bad = [k for k, d in enumerate(res["max_abs_diff"]) if not d <= bound]
     if not bad:
         return []
-    return [finding(
+    return [Finding(
         "NUMERIC_MISMATCH", ERROR,
         f"engine-math logits differ from the training forward at steps {bad}: max |Δ| "
         f"{[f'{d:.3g}' for d in res['max_abs_diff']]} vs tolerance {bound:.3g}; argmax "

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from eyas.models.rope import target_rope_scaling
-from eyas.models.serving.contract import ERROR, WARNING, Finding, finding
+from eyas.models.serving.contract import ERROR, WARNING, Finding, Findings
 from eyas.models.serving.engine_rope import engine_rope_params, mscale
 
 ROPE_CODES = {"ROPE_UNSERVED": ERROR, "ROPE_MISREAD": ERROR, "ROPE_KEYS": ERROR,
@@ -35,11 +35,8 @@ _FIX_NULL = 'set "rope_scaling": null (plain RoPE) or re-derive the drafter from
 
 def check_rope(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Finding]:
     """Findings on the drafter config.json's RoPE (`tcfg`: the target's text config, or None)."""
-    out: list[Finding] = []
-
-    def add(code: str, msg: str, why: str, fix: str) -> None:
-        out.append(finding(code, ROPE_CODES[code], msg, why, fix))
-
+    out = Findings(ROPE_CODES)
+    add = out.add
     raw = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if isinstance(raw, dict) and raw.get("type") not in (None, raw.get("rope_type", raw.get("type"))):
         add("ROPE_MISREAD", f"rope_scaling has rope_type={raw['rope_type']!r} and type={raw['type']!r}",
@@ -65,7 +62,7 @@ def check_rope(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Finding
             "copy them from the target's rope_scaling")
         return out
     if kind == "yarn":
-        out += _yarn_rules(p, add)
+        _yarn_rules(p, add)
     if kind == "longrope" and int(cfg.get("max_position_embeddings", 0)) > int(
             p["original_max_position_embeddings"]):
         add("ROPE_ENGINES_DIFFER", f"longrope with max_position_embeddings "
@@ -74,11 +71,11 @@ def check_rope(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Finding
             "vLLM (and eyas training) use long_factor at every position; SGLang uses "
             "short_factor for a forward pass whose positions all lie within the original length",
             "expect SGLang's acceptance on short prompts to differ; serve with vLLM to match")
-    out += _target_rule(cfg, tcfg, add)
+    _target_rule(cfg, tcfg, add)
     return out
 
 
-def _yarn_rules(p: dict[str, Any], add) -> list[Finding]:
+def _yarn_rules(p: dict[str, Any], add) -> None:
     f = float(p["factor"])
     m, m_all = p.get("mscale"), p.get("mscale_all_dim")
     if m is not None and m_all is not None and not (m and m_all):
@@ -95,12 +92,11 @@ def _yarn_rules(p: dict[str, Any], add) -> list[Finding]:
         if p.get(key, 1) != 1:
             add("ROPE_MISREAD", f"rope_scaling yarn {key}={p[key]!r}",
                 "SGLang applies it, vLLM and transformers ignore it", f"drop {key}")
-    return []
 
 
-def _target_rule(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add) -> list[Finding]:
+def _target_rule(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add) -> None:
     if not tcfg:
-        return []
+        return
     theta, p = engine_rope_params(cfg)
     t_theta = tcfg.get("rope_theta", (tcfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
     want = target_rope_scaling(tcfg) or {"rope_type": "default"}
@@ -112,7 +108,6 @@ def _target_rule(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add) -> list[
             f"(rope_theta={t_theta}, {want})",
             "the drafter then sees other relative positions than the target at long context",
             "re-derive the drafter from the target (Eagle3Config.from_target copies its RoPE)")
-    return []
 
 
 def rope_legacy_findings(cfg: dict[str, Any]) -> list[Finding]:
@@ -128,7 +123,7 @@ def rope_legacy_findings(cfg: dict[str, Any]) -> list[Finding]:
     if not missing:
         return []
     theta_differs = "rope_theta" not in cfg and rp.get("rope_theta", 10000.0) != 10000.0
-    return [finding("ROPE_LEGACY", ERROR if theta_differs or "rope_scaling" in missing
+    return [Finding("ROPE_LEGACY", ERROR if theta_differs or "rope_scaling" in missing
                     else WARNING,
                     f"rope_parameters written without the legacy {' / '.join(missing)}",
                     "engines built on transformers 4 read rope_theta (default 10000) and "

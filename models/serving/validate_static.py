@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from eyas.models.serving.contract import (ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
-                                          WARNING, Finding, TensorDir, all_finite, config_dims,
-                                          expected_shapes, finding, layout_tensors)
+                                          WARNING, Finding, Findings, TensorDir, all_finite,
+                                          config_dims, expected_shapes, layout_tensors)
 from eyas.models.serving.validate_integrity import INTEGRITY_CODES, magnitude_findings
 from eyas.models.serving.validate_rope import ROPE_CODES, check_rope, rope_legacy_findings
 from eyas.models.serving.validate_vocab import VOCAB_CODES, check_vocab_map
@@ -71,11 +71,8 @@ def _short(names: list[str], n: int = 6) -> str:
 
 def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Finding]:
     """Findings on config.json alone (`tcfg`: the target's text config, or None)."""
-    out: list[Finding] = []
-
-    def add(code: str, msg: str, why: str, fix: str, severity: str | None = None) -> None:
-        out.append(finding(code, severity or CODES[code], msg, why, fix))
-
+    out = Findings(CODES)
+    add = out.add
     _config_architecture(cfg, add)
     _config_dims(cfg, tcfg, add)
     _config_sizes(cfg, tcfg, add)
@@ -274,11 +271,8 @@ def _check_aux_ids(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) 
 def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | None, *,
                   check_values: bool = True) -> list[Finding]:
     """Findings on tensor names, shapes, dtypes, the vocabulary mapping and (optionally) values."""
-    out: list[Finding] = []
-
-    def add(code, msg, why, fix, severity=None):
-        out.append(finding(code, severity or CODES[code], msg, why, fix))
-
+    out = Findings(CODES)
+    add = out.add
     if not tdir.files:
         add("WEIGHTS_MISSING", f"no *.safetensors file in {tdir.path}",
             "both engines load the drafter's weights from safetensors", _REEXPORT)
@@ -427,12 +421,12 @@ def _check_eagle31(cfg: dict) -> list[Finding]:
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
         for where, d in (("", cfg), ("eagle_config.", cfg.get("eagle_config") or {})):
             if key in d and not isinstance(d[key], bool):
-                out.append(finding("EAGLE31_FLAG", ERROR, f"{where}{key} = {d[key]!r}",
+                out.append(Finding("EAGLE31_FLAG", ERROR, f"{where}{key} = {d[key]!r}",
                                    "the engines test it for truth: a string such as \"false\" "
                                    "turns the norm on", f'write "{key}": true or false'))
     inner = (cfg.get("eagle_config") or {}).get("norm_before_fc")
     if inner is not None and "norm_before_fc" in cfg and bool(inner) != bool(cfg["norm_before_fc"]):
-        out.append(finding("EAGLE31_FLAG", ERROR, f"norm_before_fc = {cfg['norm_before_fc']!r} "
+        out.append(Finding("EAGLE31_FLAG", ERROR, f"norm_before_fc = {cfg['norm_before_fc']!r} "
                            f"but eagle_config.norm_before_fc = {inner!r}",
                            "vLLM and SGLang use eagle_config's value; other readers the "
                            "top-level one", "write the same value in both places"))

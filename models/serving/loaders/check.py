@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 from eyas.data.engine.venvs import (DEFAULT_VERSIONS, ENGINES, EngineSetupError, ensure_venv,
                                   venv_python)
-from eyas.models.serving.contract import ERROR, WARNING, Finding, finding
+from eyas.models.serving.contract import ERROR, WARNING, Finding
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def interpret(rec: dict[str, Any], engine: str, trained_aux: list[int] | None = 
     add = rep.findings.append
     if "probe_error" in rec:
         rep.error = rec["probe_error"]
-        add(finding("ENGINE_UNAVAILABLE", ERROR,
+        add(Finding("ENGINE_UNAVAILABLE", ERROR,
                     f"the {name} probe failed: {rep.error['type']}: {rep.error['message']}",
                     "an eyas probe bug or an unsupported engine version: no verdict",
                     "report it with the engine version; check with the pinned version"))
@@ -189,12 +189,12 @@ def interpret(rec: dict[str, Any], engine: str, trained_aux: list[int] | None = 
 def _load_findings(rep: EngineReport, err: dict | None, name: str) -> None:
     """The engine crashed, or raised while reading the config or loading the weights."""
     if err and err["stage"] == "crash":
-        rep.findings.append(finding(
+        rep.findings.append(Finding(
             "ENGINE_CRASH", ERROR, f"{name} crashed the process ({err['type']}) while loading "
             f"the export", f"log tail:\n{err['message'][-1500:]}", _FIX))
     elif err and err["stage"] in ("config", "load"):
         where = f" at {err['where'][-1]}" if err.get("where") else ""
-        rep.findings.append(finding(
+        rep.findings.append(Finding(
             "ENGINE_LOAD_ERROR", ERROR,
             f"{name} raised {err['type']} while "
             f"{'reading the config' if err['stage'] == 'config' else 'loading'}"
@@ -206,7 +206,7 @@ def _weight_findings(rep: EngineReport, name: str) -> None:
     """Tensors the loader dropped or never wrote, a head taken from the target, NaN/inf."""
     add = rep.findings.append
     if rep.dropped and rep.loaded:
-        add(finding("ENGINE_DROPPED", ERROR,
+        add(Finding("ENGINE_DROPPED", ERROR,
                     f"{name} silently dropped checkpoint tensors: {rep.dropped}",
                     f"{name}'s EAGLE-3 load_weights skips names it cannot place, without a "
                     "message: the served drafter differs from the exported one", _FIX))
@@ -214,17 +214,17 @@ def _weight_findings(rep: EngineReport, name: str) -> None:
         return
     lost = {p: f for p, f in rep.unwritten.items() if p not in rep.from_target}
     if lost:
-        add(finding("ENGINE_UNWRITTEN", ERROR,
+        add(Finding("ENGINE_UNWRITTEN", ERROR,
                     f"{name} never wrote parameters "
                     + ", ".join(f"{p} ({f:.0%} unwritten)" for p, f in lost.items()),
                     f"{name} does not check for missing tensors: these keep uninitialised "
                     "memory and every draft is garbage", _FIX))
     if "lm_head.weight" in rep.from_target:
-        add(finding("ENGINE_LM_HEAD_FROM_TARGET", ERROR,
+        add(Finding("ENGINE_LM_HEAD_FROM_TARGET", ERROR,
                     f"{name} serves {rep.from_target['lm_head.weight']}",
                     "the drafter's trained head is not used: wrong draft logits", _FIX))
     if rep.nonfinite:
-        add(finding("ENGINE_NONFINITE", ERROR, f"NaN/inf in {rep.nonfinite} after {name} "
+        add(Finding("ENGINE_NONFINITE", ERROR, f"NaN/inf in {rep.nonfinite} after {name} "
                     "loaded the export", "every draft is garbage; no engine complains",
                     "export from a checkpoint before the loss diverged"))
 
@@ -232,7 +232,7 @@ def _weight_findings(rep: EngineReport, name: str) -> None:
 def _smoke_findings(rep: EngineReport, err: dict | None, name: str) -> None:
     """The engine's first draft step: raised, or gave non-finite, mis-shaped or unmapped logits."""
     if err and err["stage"] == "smoke":
-        rep.findings.append(finding(
+        rep.findings.append(Finding(
             "ENGINE_SMOKE", ERROR, f"{name}'s logits computation raised {err['type']}: "
             f"{err['message']}", "the first draft step fails at serving time", _FIX))
         return
@@ -251,7 +251,7 @@ def _smoke_findings(rep: EngineReport, err: dict | None, name: str) -> None:
         bad.append(f"draft ids mapped to [{s['mapped_min']}, {s['mapped_max']}], outside "
                    f"[0, {rep.resolved.get('target_vocab_size')})")
     if bad:
-        rep.findings.append(finding("ENGINE_SMOKE", ERROR, f"{name} smoke check: "
+        rep.findings.append(Finding("ENGINE_SMOKE", ERROR, f"{name} smoke check: "
                                     + "; ".join(bad),
                                     "index errors or garbage at the first draft step", _FIX))
 
@@ -263,7 +263,7 @@ def _aux_findings(rep: EngineReport, name: str, trained_aux: list[int] | None) -
     n_layers = rep.resolved.get("target_num_layers")
     add = rep.findings.append
     if rep.resolved.get("aux_layer_ids_error"):
-        add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} raised while resolving the target "
+        add(Finding("ENGINE_AUX_LAYERS", ERROR, f"{name} raised while resolving the target "
                     f"layers it captures: {rep.resolved['aux_layer_ids_error']}",
                     f"{name} runs the same code when it starts serving: it fails there, or "
                     "feeds the drafter layers it was not trained on",
@@ -272,17 +272,17 @@ def _aux_findings(rep: EngineReport, name: str, trained_aux: list[int] | None) -
     if not rep.loaded or aux is None:
         return
     if not aux:
-        add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} feeds no aux layers "
+        add(Finding("ENGINE_AUX_LAYERS", ERROR, f"{name} feeds no aux layers "
                     "(use_aux_hidden_state is false): fc is skipped",
                     "the drafter was trained on fc([h_a|h_b|h_c]); it now gets the last "
                     "hidden state only", _FIX))
     elif n_layers and any(i < 0 or i >= n_layers for i in aux):
-        add(finding("ENGINE_AUX_LAYERS", ERROR, f"{name} captures hidden_states{aux} of a "
+        add(Finding("ENGINE_AUX_LAYERS", ERROR, f"{name} captures hidden_states{aux} of a "
                     f"{n_layers}-layer target: ids >= {n_layers} are never captured",
                     "fc then receives fewer than three states: a shape error at the first "
                     "draft step", _FIX))
     elif trained_aux and aux != sorted(set(trained_aux)):
-        add(finding("ENGINE_AUX_LAYERS", ERROR,
+        add(Finding("ENGINE_AUX_LAYERS", ERROR,
                     f"{name} feeds the target's hidden_states{aux}; the drafter was "
                     f"trained on hidden_states{sorted(trained_aux)} (eyas_export.json)",
                     "loads fine, acceptance collapses silently", _FIX))
@@ -298,7 +298,7 @@ def cross_check(reports: dict[str, EngineReport], trained_aux: list[int] | None)
     va, sa = v.resolved.get("aux_layer_ids"), s.resolved.get("aux_layer_ids")
     if not trained_aux and va and sa and va != sa:
         for rep in (v, s):
-            rep.findings.append(finding(
+            rep.findings.append(Finding(
                 "ENGINE_AUX_LAYERS", ERROR, f"vLLM feeds hidden_states{va} but SGLang "
                 f"feeds hidden_states{sa}", "at most one of them matches training: "
                 "acceptance collapses silently in the other", _FIX))
@@ -306,7 +306,7 @@ def cross_check(reports: dict[str, EngineReport], trained_aux: list[int] | None)
     sn = s.resolved.get("norm_before_residual_applied")
     if vn is not None and sn is not None and vn != sn:
         for rep in (v, s):
-            rep.findings.append(finding(
+            rep.findings.append(Finding(
                 "ENGINE_NORM_BEFORE_RESIDUAL", ERROR,
                 f"norm_before_residual is applied by vLLM ({vn}) but not by SGLang ({sn})",
                 "the two engines compute different functions from the same weights",
@@ -314,7 +314,7 @@ def cross_check(reports: dict[str, EngineReport], trained_aux: list[int] | None)
     embed = "model.embed_tokens.weight"
     if (embed in v.from_target) != (embed in s.from_target):
         for rep in (v, s):
-            rep.findings.append(finding(
+            rep.findings.append(Finding(
                 "ENGINE_EMBED_SOURCE", WARNING,
                 f"vLLM uses {'the target' if embed in v.from_target else 'the shipped'} "
                 f"embedding, SGLang {'the target' if embed in s.from_target else 'the shipped'} "
@@ -328,7 +328,7 @@ def cross_check(reports: dict[str, EngineReport], trained_aux: list[int] | None)
 
 def _unavailable(engine: str, version: str, why: str) -> EngineReport:
     rep = EngineReport(engine=engine, version=version)
-    rep.findings.append(finding("ENGINE_UNAVAILABLE", ERROR, f"{ENGINE_NAMES[engine]} {version} "
+    rep.findings.append(Finding("ENGINE_UNAVAILABLE", ERROR, f"{ENGINE_NAMES[engine]} {version} "
                                 f"could not run: {why}", "no verdict from this engine",
                                 "see the message; `eyas engines setup` builds the venv"))
     return rep
