@@ -31,27 +31,11 @@ import torch
 from torch import Tensor
 
 from eyas.data.store.vocab_map import VocabMap
-from eyas.models.serving.contract import norm_before_fc
+from eyas.models.serving.contract import expected_shapes, layout_tensors, norm_before_fc
 from eyas.models.serving.engine_rope import EngineRope
 
-#: tensor names of a layout-A checkpoint (models/serving/CONTRACT.md §3)
-REQUIRED_TENSORS = (
-    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
-    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
-)
-OPTIONAL_TENSORS = ("d2t", "t2d")
-#: the EAGLE-3.1 aux norms, present exactly when config.json turns them on (module docstring)
-NORM_BEFORE_FC_TENSOR = "input_norm.weight"
+#: the EAGLE-3.1 per-state aux norms (module docstring)
 FC_NORM_TENSORS = tuple(f"fc_norm.{i}.weight" for i in range(3))
-
-
-def _eagle31(cfg: dict) -> tuple[bool, bool, bool]:
-    """(norm_before_fc, fc_norm, norm_output) as both engines read them (eagle_config's
-    norm_before_fc first, then the top-level key)."""
-    return norm_before_fc(cfg), bool(cfg.get("fc_norm", False)), bool(cfg.get("norm_output", False))
 
 
 class EngineDrafter:
@@ -68,8 +52,9 @@ class EngineDrafter:
         # weights rounded to the serving dtype, held in fp32: every GEMM below is fp32 math on
         # dtype values with the result rounded to dtype, which is what a bf16 cuBLAS GEMM does
         # (fp32 accumulation) and avoids slow bf16 GEMMs on CPU
-        self.norm_before_fc, self.fc_norm, self.norm_output = _eagle31(cfg)
-        keep = set(REQUIRED_TENSORS) | {NORM_BEFORE_FC_TENSOR, *FC_NORM_TENSORS}
+        self.norm_before_fc = norm_before_fc(cfg)     # eagle_config's value first, as both read it
+        self.fc_norm, self.norm_output = bool(cfg.get("fc_norm")), bool(cfg.get("norm_output"))
+        keep = layout_tensors(cfg)
         self.w = {k: v.to(self.device).to(dtype).float() for k, v in tensors.items() if k in keep}
         self.Vd = self.w["lm_head.weight"].shape[0]
         d2t = tensors.get("d2t", torch.zeros(self.Vd, dtype=torch.long))
@@ -101,30 +86,20 @@ class EngineDrafter:
                     "num_key_value_heads", "intermediate_size", "vocab_size"):
             if cfg.get(key) is None:
                 raise ValueError(f"config.json: {key!r} is missing or null; both engines need an int")
-        names = set(tensors)
-        nbf, fcn, _ = _eagle31(cfg)
-        norms = ((NORM_BEFORE_FC_TENSOR,) if nbf else ()) + (FC_NORM_TENSORS if fcn else ())
-        unknown = sorted(names - set(REQUIRED_TENSORS) - set(OPTIONAL_TENSORS) - set(norms))
+        names, wanted = set(tensors), layout_tensors(cfg)
+        unknown = sorted(names - set(wanted) - {"d2t", "t2d"})
         if unknown:
             raise ValueError(f"tensors not in layout A: {unknown} (vLLM raises on unknown names "
                              f"or drops an EAGLE-3.1 norm its config does not turn on, SGLang "
                              f"drops them; embed_tokens must not be shipped)")
-        missing = sorted((set(REQUIRED_TENSORS) | set(norms)) - names)
+        missing = sorted(set(wanted) - names)
         if missing:
             raise ValueError(f"layout-A tensors missing: {missing}")
-        H, tH, V = int(cfg["hidden_size"]), int(cfg["target_hidden_size"]), int(cfg["vocab_size"])
-        nh, nkv = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
-        hd, inter = int(cfg.get("head_dim") or H // nh), int(cfg["intermediate_size"])
+        H, V = int(cfg["hidden_size"]), int(cfg["vocab_size"])
         Vd = int(cfg.get("draft_vocab_size") or V)
-        want = {"fc.weight": (H, 3 * tH), "midlayer.self_attn.q_proj.weight": (nh * hd, 2 * H),
-                "midlayer.self_attn.k_proj.weight": (nkv * hd, 2 * H),
-                "midlayer.self_attn.v_proj.weight": (nkv * hd, 2 * H),
-                "midlayer.self_attn.o_proj.weight": (H, nh * hd),
-                "midlayer.mlp.gate_proj.weight": (inter, H), "midlayer.mlp.up_proj.weight": (inter, H),
-                "midlayer.mlp.down_proj.weight": (H, inter), "lm_head.weight": (Vd, H)}
-        want.update({n: (H,) for n in REQUIRED_TENSORS if n.endswith("norm.weight")})
-        want.update({n: (3 * tH,) if n == NORM_BEFORE_FC_TENSOR else (tH,) for n in norms})
-        for name, shape in want.items():
+        shapes = expected_shapes(dict(cfg, draft_vocab_size=Vd))
+        for name in wanted:
+            shape = shapes[name]
             if tuple(tensors[name].shape) != shape:
                 raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, "
                                  f"config.json implies {shape}")
@@ -213,7 +188,7 @@ class EngineDrafter:
         """
         x = aux.to(device=self.device, dtype=self.dtype)
         if self.norm_before_fc:                          # vLLM's / SGLang's order: whole row,
-            x = self._norm(x, NORM_BEFORE_FC_TENSOR)
+            x = self._norm(x, "input_norm.weight")
         if self.fc_norm:                                 # then each aux state
             x = torch.cat([self._norm(c, n) for c, n in zip(x.chunk(3, dim=-1), FC_NORM_TENSORS)],
                           dim=-1)
