@@ -167,6 +167,50 @@ class LoadRecorder:
         return out
 
 
+def loaded_record(rec: dict[str, Any], job: dict[str, Any], model: torch.nn.Module) -> None:
+    """Into `rec`: what the loader read and where it went, the model's parameters, and the
+    sentinel read-back taken right after loading (`job`, filled by the probe's load wrapper)."""
+    rec.update(job["recorder"].report())
+    rec["params"] = {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
+                     for n, p in model.named_parameters()}
+    rec["unwritten"] = job.get("unwritten", {})
+    rec["nonfinite"] = job.get("nonfinite", [])
+
+
+def eagle31(inner: Any) -> dict[str, bool]:
+    """Which EAGLE-3.1 norms the loaded model (its inner `model`) applies, by its attributes."""
+    return {"norm_before_fc": bool(getattr(inner, "norm_before_fc", False)),
+            "fc_norm": getattr(inner, "fc_norm", None) is not None,
+            "norm_output": bool(getattr(inner, "norm_output", False))}
+
+
+def mapping_record(ids: torch.Tensor | None, V: int) -> dict[str, Any]:
+    """The engine's draft -> target id mapping ids [Vd]: whether it has one, its range, whether
+    every id lies in [0, V) and whether they increase."""
+    if ids is None:
+        return {"has_mapping": False}
+    return {"has_mapping": True, "mapped_min": int(ids.min()), "mapped_max": int(ids.max()),
+            "mapped_in_range": bool((ids >= 0).all() and (ids < V).all()),
+            "mapped_increasing": bool((ids[1:] > ids[:-1]).all())}
+
+
+def finish(rec: dict[str, Any], model: torch.nn.Module, smoke: Callable[[], dict[str, Any]],
+           max_len: int) -> dict[str, Any]:
+    """`rec` completed with the smoke check (an error of stage "smoke" when it raises) and the
+    rotary tables (an error there is reported, never fatal: the load itself succeeded)."""
+    try:
+        rec["smoke"] = smoke()
+    except Exception as e:
+        rec["error"] = error_record("smoke", e)
+        return rec
+    try:
+        rec["rope"] = rope_tables(model, max_len)
+    except Exception as e:
+        rec["rope"] = {"error": f"{type(e).__name__}: {e}"}
+    rec["ok"] = True
+    return rec
+
+
 def error_record(stage: str, e: BaseException) -> dict[str, Any]:
     """The engine's own message, its exception type and the innermost frames (where it raised)."""
     tb = traceback.extract_tb(e.__traceback__)

@@ -53,7 +53,7 @@ def _instrumented_load_only(model, weights, target_device):
     sentinels = pc.Sentinels(model)
     recorder = pc.LoadRecorder()
     recorder.wrap_loaders(model, default_weight_loader)
-    _job.update(recorder=recorder, model=model)
+    _job["recorder"] = recorder
     _orig_load_only(model, recorder.wrap_iterator(weights), target_device)
     _job["unwritten"] = sentinels.unwritten(model)   # before postprocessing repacks anything
     _job["nonfinite"] = pc.nonfinite(model)
@@ -113,14 +113,8 @@ def _from_target(model) -> dict[str, str]:
 
 def _smoke(model, V: int) -> dict[str, Any]:
     """Draft logits = lm_head(norm(h)) on random rows; hot_token_id (= d2t + arange) in [0, V)."""
-    out: dict[str, Any] = {}
     hot = getattr(model, "hot_token_id", None)
-    out["has_mapping"] = hot is not None
-    if hot is not None:
-        ids = hot.long()
-        out["mapped_min"], out["mapped_max"] = int(ids.min()), int(ids.max())
-        out["mapped_in_range"] = bool((ids >= 0).all() and (ids < V).all())
-        out["mapped_increasing"] = bool((ids[1:] > ids[:-1]).all())
+    out = pc.mapping_record(None if hot is None else hot.long(), V)
     H = model.lm_head.weight.shape[-1]
     hidden = torch.randn(4, H, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with torch.no_grad():
@@ -172,16 +166,8 @@ def check_one(job: dict[str, Any]) -> dict[str, Any]:
             rec.update(_job["recorder"].report())
         return rec
     rec["resolved"]["model_class"] = type(model).__name__
-    inner = getattr(model, "model", None)
-    rec["resolved"]["eagle31"] = {                     # the EAGLE-3.1 norms the model applies
-        "norm_before_fc": bool(getattr(inner, "norm_before_fc", False)),
-        "fc_norm": getattr(inner, "fc_norm", None) is not None,
-        "norm_output": bool(getattr(inner, "norm_output", False))}
-    rec.update(_job["recorder"].report())
-    rec["params"] = {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
-                     for n, p in model.named_parameters()}
-    rec["unwritten"] = _job.get("unwritten", {})
-    rec["nonfinite"] = _job.get("nonfinite", [])
+    rec["resolved"]["eagle31"] = pc.eagle31(getattr(model, "model", None))
+    pc.loaded_record(rec, _job, model)
     rec["from_target"] = _from_target(model)
     consumed = {}
     for n in rec["checkpoint"]:
@@ -190,17 +176,7 @@ def check_one(job: dict[str, Any]) -> dict[str, Any]:
         elif "d2t" in n and getattr(model, "hot_token_id", None) is not None:
             consumed[n] = "hot_token_id = d2t + arange (not a parameter)"
     rec["consumed"] = consumed
-    try:
-        rec["smoke"] = _smoke(model, V)
-    except Exception as e:
-        rec["error"] = pc.error_record("smoke", e)
-        return rec
-    try:
-        rec["rope"] = pc.rope_tables(model, int(draft_cfg.context_len))
-    except Exception as e:  # reported, never fatal: the load itself succeeded
-        rec["rope"] = {"error": f"{type(e).__name__}: {e}"}
-    rec["ok"] = True
-    return rec
+    return pc.finish(rec, model, lambda: _smoke(model, V), int(draft_cfg.context_len))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def _instrumented_load_weights(self, model, model_config):
     sentinels = pc.Sentinels(model)
     recorder = pc.LoadRecorder()
     recorder.wrap_loaders(model, default_weight_loader)
-    _job.update(recorder=recorder, model=model)
+    _job["recorder"] = recorder
     orig_get_all = self.get_all_weights
     self.get_all_weights = lambda mc, m: recorder.wrap_iterator(orig_get_all(mc, m))
     try:
@@ -113,30 +113,18 @@ def _from_target(model, target_hidden: int) -> dict[str, str]:
     return out
 
 
-def _eagle31(inner) -> dict[str, bool]:
-    """Which EAGLE-3.1 norms the loaded model applies (its own attributes)."""
-    return {"norm_before_fc": bool(getattr(inner, "norm_before_fc", False)),
-            "fc_norm": getattr(inner, "fc_norm", None) is not None,
-            "norm_output": bool(getattr(inner, "norm_output", False))}
-
-
-def _smoke(model, V: int, Vd: int, H: int) -> dict[str, Any]:
+def _smoke(model, V: int, H: int) -> dict[str, Any]:
     """compute_logits on random rows: finite, width V, every mapped id in [0, V)."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, H, generator=g).to(torch.bfloat16)
-    out: dict[str, Any] = {}
     d2t = getattr(model, "draft_id_to_target_id", None)
-    out["has_mapping"] = d2t is not None
-    if d2t is not None:
-        ids = torch.arange(d2t.numel()) + d2t.data.long()
-        out["mapped_min"], out["mapped_max"] = int(ids.min()), int(ids.max())
-        out["mapped_in_range"] = bool((ids >= 0).all() and (ids < V).all())
-        out["mapped_increasing"] = bool((ids[1:] > ids[:-1]).all())
+    ids = None if d2t is None else torch.arange(d2t.numel()) + d2t.data.long()
+    out = pc.mapping_record(ids, V)
     with torch.no_grad():
         logits = model.compute_logits(hidden)
     out["logits_shape"] = list(logits.shape)
     # ids outside the draft vocabulary are -inf by design; the draft ids must be finite
-    drafted = logits[:, ids] if d2t is not None and out["mapped_in_range"] else logits
+    drafted = logits[:, ids] if ids is not None and out["mapped_in_range"] else logits
     out["logits_finite"] = bool(torch.isfinite(drafted).all())
     out["width_ok"] = logits.shape[-1] == V
     return out
@@ -176,29 +164,15 @@ def check_one(job: dict[str, Any]) -> dict[str, Any]:
         if "recorder" in _job:
             rec.update(_job["recorder"].report())
         return rec
-    rec.update(_job["recorder"].report())
-    rec["params"] = {n: {"shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
-                     for n, p in model.named_parameters()}
-    rec["unwritten"] = _job.get("unwritten", {})
-    rec["nonfinite"] = _job.get("nonfinite", [])
+    pc.loaded_record(rec, _job, model)
     rec["from_target"] = _from_target(model, target.get_hidden_size())
     rec["consumed"] = {n: "ignored by vLLM (not needed to serve)" for n in rec["checkpoint"]
                        if "t2d" in n}
     rec["resolved"]["norm_before_residual_applied"] = (
         model.model.layers[0]._residual_norm.__name__ == "_norm_before_residual")
-    rec["resolved"]["eagle31"] = _eagle31(model.model)
-    Vd = int(rec["resolved"]["draft_vocab_size"] or V)
-    try:
-        rec["smoke"] = _smoke(model, V, Vd, int(dcfg.hidden_size))
-    except Exception as e:
-        rec["error"] = pc.error_record("smoke", e)
-        return rec
-    try:
-        rec["rope"] = pc.rope_tables(model, int(spec.draft_model_config.max_model_len))
-    except Exception as e:  # reported, never fatal: the load itself succeeded
-        rec["rope"] = {"error": f"{type(e).__name__}: {e}"}
-    rec["ok"] = True
-    return rec
+    rec["resolved"]["eagle31"] = pc.eagle31(model.model)
+    return pc.finish(rec, model, lambda: _smoke(model, V, int(dcfg.hidden_size)),
+                     int(spec.draft_model_config.max_model_len))
 
 
 if __name__ == "__main__":
