@@ -27,7 +27,7 @@ from typing import Any, Mapping
 from eyas.data.common.checksums import CHECKSUMS_NAME, file_sha256, read_checksums
 from eyas.data.common.provenance import software_record
 from eyas.data.common.utils import atomic_write_bytes, json_safe
-from eyas.models.serving.card_render import render_card, render_speculators_card
+from eyas.models.serving.card_render import render_card
 from eyas.models.serving.contract import (PROVENANCE, is_speculators_config,
                                           resolve_target_config)
 from eyas.models.serving.doctor_speedup import chain_acceptance, speedup_table
@@ -176,9 +176,9 @@ def write_card(export_dir: str | Path, prov: Mapping[str, Any]) -> None:
         return
     k = speculative_tokens(spec) or k
     verifier = ((spec.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    vllm, _ = serve_commands(DRAFTER_PLACEHOLDER, verifier or target, k)
     arch = (spec.get("architectures") or ["Eagle3Speculator"])[0]
-    _write(d / CARD, render_speculators_card(prov, arch, k, vllm))
+    _write(d / CARD, render_card(prov, serve_commands(DRAFTER_PLACEHOLDER, verifier or target, k),
+                                 speculators=(arch, k)))
 
 
 def read_provenance(path: str | Path) -> dict[str, Any] | None:

@@ -248,35 +248,31 @@ def _software_section(prov: Mapping[str, Any]) -> list[str]:
             f"- {libs}", ""]
 
 
-def render_card(prov: Mapping[str, Any], commands: tuple[str, str]) -> str:
-    """The README.md text of an export with provenance `prov` and serving `commands`."""
+def render_card(prov: Mapping[str, Any], commands: tuple[str, str], *,
+                speculators: tuple[str, int] | None = None) -> str:
+    """The README.md text of an export with provenance `prov` and serving `commands` (vLLM,
+    SGLang). `speculators` = (architecture, K): the card of a speculators-format export (vLLM
+    only, K speculative tokens) written from the layout-A export with provenance `prov`; the
+    checks shown are those recorded for that export."""
     target = (prov.get("target") or {}).get("name") or "its target"
-    lines = [f"# EAGLE-3 drafter for {target}", "",
-             "A speculative-decoding drafter trained with eyas; vLLM and SGLang load this "
-             "directory as is. Every figure below is also in `eyas_provenance.json`.", ""]
-    for section in (_drafter_section(prov), _serving_section(commands),
-                    _acceptance_section(prov), _speedup_section(prov), _training_section(prov),
-                    _data_section(prov), _checks_section(prov), _software_section(prov)):
-        lines += section
-    return front_matter(prov) + "\n" + "\n".join(lines).rstrip() + "\n"
-
-
-def render_speculators_card(prov: Mapping[str, Any], architecture: str, k: int,
-                            vllm: str) -> str:
-    """The README.md text of a speculators-format export (vLLM only) written from the layout-A
-    export with provenance `prov`: its `architecture`, its `k` speculative tokens and the `vllm`
-    command that serves it. The checks shown are those recorded for the layout-A export."""
-    dr = dict(prov.get("drafter") or {}, architecture=architecture, aux_layer_ids_sglang=None)
-    view = {**prov, "drafter": dr}
-    target = (prov.get("target") or {}).get("name") or "its target"
-    lines = [f"# EAGLE-3 drafter for {target} (speculators format, vLLM only)", "",
-             "A speculative-decoding drafter trained with eyas, in the speculators format: vLLM "
-             "loads this directory as is, SGLang does not. Every figure below is also in "
-             "`eyas_provenance.json`.", ""]
-    of = "Recorded for the layout-A export this directory was written from:"
-    for section in (_drafter_section(view, sglang=False), _vllm_serving_section(vllm, k),
+    if speculators is None:
+        view, extra, of, title = prov, {}, "", ""
+        loads = "; vLLM and SGLang load this directory as is"
+        serving = _serving_section(commands)
+    else:
+        arch, k = speculators
+        view = {**prov, "drafter": dict(prov.get("drafter") or {}, architecture=arch,
+                                        aux_layer_ids_sglang=None)}
+        extra, of = {"speculative_tokens": k}, ("Recorded for the layout-A export this "
+                                                "directory was written from:")
+        title = " (speculators format, vLLM only)"
+        loads = ", in the speculators format: vLLM loads this directory as is, SGLang does not"
+        serving = _vllm_serving_section(commands[0], k)
+    lines = [f"# EAGLE-3 drafter for {target}{title}", "",
+             f"A speculative-decoding drafter trained with eyas{loads}. Every figure below is "
+             "also in `eyas_provenance.json`.", ""]
+    for section in (_drafter_section(view, sglang=speculators is None), serving,
                     _acceptance_section(view), _speedup_section(view), _training_section(view),
                     _data_section(view), _checks_section(view, of), _software_section(view)):
         lines += section
-    return (front_matter(view, speculative_tokens=k) + "\n" + "\n".join(lines).rstrip()
-            + "\n")
+    return front_matter(view, **extra) + "\n" + "\n".join(lines).rstrip() + "\n"
