@@ -16,17 +16,10 @@ dict minus `embed_tokens.weight` is the export:
              (unsaved: their `VocabMap` lookups target_ids [Vd], t2d_index [V])
     embed_tokens.weight [V, H]: the target's embedding, frozen, never exported
 
-One step computes exactly models/serving/CONTRACT.md §4 (`models.serving.reference` re-derives it
-independently):
-
-    x = cat(input_layernorm(embed(tok)), hidden_norm(g))     # [T, 2H], embedding FIRST
-    h = g + o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   # residual = g, un-normed
-    p = h + mlp(post_attention_layernorm(h))                  # pre-norm output, fed back as next g
-    hidden = norm(p)                                          # lm_head input (the loss applies lm_head)
-
-Norms and softmax run in fp32; parameters may be bf16. The layer's modules and the pieces of
-one step (and how torch.compile fuses them) are in `models.layer`. `checkpoint_mlp` recomputes
-the MLP of each step in the backward (saves 2·T·I bf16 per step).
+One step computes exactly models/serving/CONTRACT.md §4, written out in `models.layer` with the
+layer's modules and the pieces of one step that torch.compile fuses (`models.serving.reference`
+re-derives it independently). `checkpoint_mlp` recomputes the MLP of each step in the backward
+(saves 2·T·I bf16 per step).
 """
 
 from __future__ import annotations

@@ -140,10 +140,8 @@ class Midlayer(nn.Module):
 
 
 # ---------------------------------------------------------------------- one step, in pieces
-# The drafter's unroll runs a step as attention_inputs -> TTTAttention -> layer_output:
-#   x = cat(input_layernorm(embeds), hidden_norm(g)); h = g + o_proj(attn(q, k, v));
-#   p = h + mlp(post_attention_layernorm(h)); the lm_head reads norm(p), the next step takes p.
-# The pieces are what torch.compile fuses.
+# The drafter's unroll runs a step as attention_inputs -> TTTAttention -> layer_output (the
+# equations of the module docstring); the pieces are what torch.compile fuses.
 def attention_inputs(layer: Midlayer, embeds: Tensor, g: Tensor, positions: Tensor,
                      inv_freq: Tensor, rope_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """q [nh,T,d], k [nkv,T,d] (RoPE applied, cos/sin × rope_factor) and v [nkv,T,d] of one step."""

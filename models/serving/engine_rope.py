@@ -6,17 +6,34 @@ formulas below are the engines' Llama rotary classes, read from vLLM 0.33
 `LinearScalingRotaryEmbedding`, `Llama3RotaryEmbedding`, `YaRNScalingRotaryEmbedding`,
 `Phi3LongRoPEScaledRotaryEmbedding`, `DynamicNTKScalingRotaryEmbedding`) and SGLang 0.5.23
 (`srt/layers/rotary_embedding/`: `factory.get_rope`, `yarn.py`, `rope_variant.py`). Where the two
-engines differ, `engine=` picks one (the RoPE notes in models/serving/contract.py's docstring):
+engines differ, `engine=` picks one.
 
-    dynamic   vLLM: base θ·((f·L/L_trained) − (f−1))^(d/(d−2)) with L_trained defaulting to L, i.e.
-              plain RoPE;  SGLang: base θ·(f² − f + 1)^(d/(d−2)) (static NTK at length f·L)
-    longrope  vLLM: long factors at every position when the served length exceeds the original;
-              SGLang: long factors for a forward pass in which any position exceeds the original,
-              short factors otherwise
-    yarn      vLLM: `attention_factor` overrides the cos/sin factor; mscale/mscale_all_dim are used
-              when both are truthy.  SGLang: `attention_factor` is not read; mscale/mscale_all_dim
-              when both are not None; the factor is multiplied by `attn_factor` and the ramp by
-              `extrapolation_factor`
+What the engines read and compute (vLLM 0.33, SGLang 0.5.23, both through transformers 5):
+  * Both build the drafter's Llama config with transformers, which takes `rope_scaling` when
+    present (else `rope_parameters`), fills `rope_theta` from the top level, copies a legacy
+    `type` into `rope_type`, and for llama3/yarn/longrope defaults
+    `original_max_position_embeddings` to the drafter's own `max_position_embeddings`. vLLM's
+    Llama layer passes `config.rope_parameters` to `get_rope`; SGLang's passes the same dict
+    (its fallback is `rope_scaling`). eyas writes `rope_theta` and a `rope_scaling` with
+    `rope_type` and the original length spelled out.
+  * default, linear (positions / factor), llama3: identical in both engines and transformers.
+  * yarn: both ramp between interpolated and extrapolated frequencies over the original
+    length (beta_fast 32, beta_slow 1, truncate true by default) and multiply cos/sin by
+    mscale = 0.1·ln(factor) + 1, or mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+    vLLM reads `attention_factor` as an override and uses the mscale ratio only when both are
+    truthy; SGLang never reads `attention_factor`, uses the ratio when both are not None, and
+    multiplies by `attn_factor` and the ramp by `extrapolation_factor` (which vLLM ignores).
+  * longrope: both divide the frequencies by `short_factor` / `long_factor` and scale cos/sin by
+    `short_mscale` / `long_mscale`, default sqrt(1 + ln(L/orig)/ln(orig)) with L the drafter's
+    max_position_embeddings (neither reads `factor` or `attention_factor`). vLLM picks long
+    factors for every position when the served length exceeds orig; SGLang picks them per
+    forward pass, only when some position exceeds orig.
+  * dynamic: vLLM builds a static table with base θ·((f·L/L_trained) − (f−1))^(d/(d−2)),
+    L_trained defaulting to L, i.e. plain RoPE; SGLang a static table with base
+    θ·(f² − f + 1)^(d/(d−2)). Neither rescales with the running length.
+  * Types outside these (ntk, deepseek_yarn, mrope, …) are other classes of `get_rope` that a
+    Llama EAGLE-3 drafter never sees from an eyas export.
+The trainer's side is models/rope.py, the rules validate_rope.py.
 """
 
 from __future__ import annotations
@@ -30,12 +47,8 @@ ENGINES = ("vllm", "sglang")
 
 
 def engine_rope_params(cfg: dict) -> tuple[float, dict]:
-    """(rope_theta, rope parameters) as the engines get them from a drafter config.json dict.
-
-    Both read the config through transformers, which takes `rope_scaling` when present (else
-    `rope_parameters`), fills `rope_theta` from the top level and the original context length of
-    llama3 / yarn / longrope from `max_position_embeddings`.
-    """
+    """(rope_theta, rope parameters) as the engines get them from a drafter config.json dict,
+    through transformers (the first point of the module docstring)."""
     rp = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     theta = float(rp.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rp.setdefault("rope_type", rp.pop("type", "default"))

@@ -1,7 +1,7 @@
 """The RoPE rules of the serving contract: a rope type and keys that vLLM and SGLang both read alike.
 
 The engines read `rope_scaling` (else `rope_parameters`) through transformers and build their Llama
-rotary class from it (facts in models/serving/contract.py; formulas in engine_rope.py). A drafter
+rotary class from it (facts and formulas in models/serving/engine_rope.py). A drafter
 config is refused when an engine would ignore or misread its RoPE, so that the served function
 differs from the trained one:
 
