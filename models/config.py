@@ -189,12 +189,13 @@ class Eagle3Config:
                              f"{AUX_IDS_RULE}")
         vocab = int(tc["vocab_size"])
         scaling = target_rope_scaling(tc)
+        theta = tc.get("rope_theta", (tc.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         kwargs: dict[str, Any] = dict(
             hidden_size=int(tc["hidden_size"]), target_hidden_size=int(tc["hidden_size"]),
             vocab_size=vocab, draft_vocab_size=min(int(draft_vocab_size), vocab),
             aux_layer_ids=list(aux_layer_ids),
             rms_norm_eps=float(tc.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(_rope_theta(tc)), rope_scaling=scaling,
+            rope_theta=float(theta), rope_scaling=scaling,
             max_position_embeddings=int(tc.get("max_position_embeddings", 8192)),
             **_family_shape(tc))
         if draft_vocab_size > vocab:
@@ -300,12 +301,6 @@ class Eagle3Config:
 
 
 # ---------------------------------------------------------------------- helpers
-def _rope_theta(tc: dict[str, Any]) -> float:
-    if "rope_theta" in tc:
-        return tc["rope_theta"]
-    return (tc.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-
-
 def _family_shape(tc: dict[str, Any]) -> dict[str, int]:
     """Attention/MLP shape of the drafter for a target (text) config.
 

@@ -2,7 +2,7 @@
 
 A layout-A drafter is a Llama decoder layer, so vLLM and SGLang build its rotary embedding from
 the drafter's config.json `rope_theta` / `rope_scaling` (read through transformers, which merges
-them into `rope_parameters`) with their Llama rotary classes (facts: models/serving/contract.py).
+them into `rope_parameters`) with their Llama rotary classes (facts: models/serving/engine_rope.py).
 The drafter implements every type both engines apply to that layer:
 
     default   θ^(-2i/d)
@@ -157,12 +157,6 @@ def _longrope_attention_factor(scaling: dict[str, Any], max_position: int, orig:
         return float(scaling[key])
     s = max_position / orig
     return 1.0 if s <= 1.0 else math.sqrt(1 + math.log(s) / math.log(orig))
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None,
-                  max_position: int = 8192) -> Tensor:
-    """[head_dim/2] fp32 inverse frequencies (`rope_parameters` without the attention factor)."""
-    return rope_parameters(head_dim, theta, scaling, max_position)[0]
 
 
 def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, attention_factor: float = 1.0

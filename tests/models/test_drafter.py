@@ -5,7 +5,7 @@ import torch
 
 from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
-from eyas.models.rope import apply_rope, rope_inv_freq
+from eyas.models.rope import apply_rope, rope_parameters
 from eyas.data.common.targets import load_target_config
 from eyas.models.ttt import shifted_for_steps, step_positions, step_tokens, structural_valid
 
@@ -133,11 +133,12 @@ def test_rope_matches_transformers():
         hf = LlamaConfig(hidden_size=256, num_attention_heads=2, head_dim=128, rope_theta=theta,
                          rope_scaling=scaling, max_position_embeddings=131072)
         want, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
-        torch.testing.assert_close(rope_inv_freq(128, theta, scaling), want, atol=0, rtol=0)
+        inv_freq, _ = rope_parameters(128, theta, scaling, 8192)
+        torch.testing.assert_close(inv_freq, want, atol=0, rtol=0)
     # rotate-half layout: position 0 is the identity, and rotation preserves pairwise norms
     x = torch.randn(2, 3, 8)
     torch.testing.assert_close(apply_rope(x, torch.zeros(3, dtype=torch.long),
-                                          rope_inv_freq(8, 1e4, None)), x)
+                                          rope_parameters(8, 1e4, None, 8192)[0]), x)
 
 
 def test_vocab_map_and_lm_head_init():
