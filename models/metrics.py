@@ -220,12 +220,8 @@ def tau_curves(counts: dict[str, Tensor]) -> dict[str, list[float]]:
     starts = float(c["chain_starts"])
     alive_cum = torch.cumsum(c["cond_correct"], 0)                        # Σ_{k<K'} alive_k
     out = {"tau_by_k": [ratio(starts + float(alive_cum[k]), starts) for k in range(K)]}
-    prod, run, indep = 1.0, 0.0, []
-    for k in range(K):
-        prod *= ratio(float(c["correct"][k]), float(c["total"][k]))     # NaN stays NaN
-        run += prod
-        indep.append(1.0 + run)
-    out["tau_independent_by_k"] = indep
+    out["tau_independent_by_k"] = alpha_chain(                           # NaN stays NaN
+        [ratio(float(c["correct"][k]), float(c["total"][k])) for k in range(K)])
     if "alpha_sum" in c:
         out["tau_alpha_by_k"] = alpha_chain(alpha_rates(c))
     for name, (rounds, accepted) in (("tau_trajectory_by_k", TRAJECTORY_KEYS),

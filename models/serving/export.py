@@ -172,15 +172,14 @@ def _vocab_map(sd: dict[str, torch.Tensor], d2t: torch.Tensor | None,
                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(d2t, t2d) to ship: explicit arguments win but must agree with the state dict's buffers
     (popped from `sd`); both None when the draft vocabulary is the target's."""
-    for name, given in (("d2t", d2t), ("t2d", t2d)):
+    given = {"d2t": d2t, "t2d": t2d}
+    for name, arg in given.items():
         buf = sd.pop(name, None)
-        if buf is not None and given is not None and not torch.equal(buf.long(), given.long()):
+        if buf is not None and arg is not None and not torch.equal(buf.long(), arg.long()):
             raise ExportError(f"the checkpoint's {name} buffer differs from the {name} passed "
                               f"in: keep the mapping the drafter was trained with")
-        if name == "d2t":
-            d2t = given if given is not None else buf
-        else:
-            t2d = given if given is not None else buf
+        given[name] = arg if arg is not None else buf
+    d2t, t2d = given["d2t"], given["t2d"]
     if Vd >= V:
         if d2t is not None and bool(d2t.any()):
             raise ExportError("draft_vocab_size == vocab_size but d2t is not all zero")
