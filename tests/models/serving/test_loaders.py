@@ -27,7 +27,6 @@ from eyas.models.config import Eagle3Config
 from eyas.models.drafter import Eagle3Drafter
 from eyas.models.serving.loaders import check_engines, check_engines_many
 from eyas.data.engine.venvs import EngineSetupError, ensure_venv, file_lock, venv_dir
-from eyas.models.serving.loaders.verdicts import verdict, verdict_table
 from eyas.models.serving.engine_rope import EngineRope
 from eyas.models.serving.export import export_drafter
 from eyas.data.common.targets import load_target_config, text_config
@@ -44,6 +43,11 @@ _be = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_be)
 BROKEN_TARGET, broken_exports = _be.BROKEN_TARGET, _be.broken_exports
 clean_tiny_export, random_export = _be.clean_tiny_export, _be.random_export
+_spec = importlib.util.spec_from_file_location(
+    "_eyas_verdicts", Path(__file__).with_name("verdicts.py"))
+_vd = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_vd)
+verdict, verdict_table = _vd.verdict, _vd.verdict_table
 
 pytestmark = pytest.mark.engines
 
