@@ -35,12 +35,6 @@ def tau(accepted: Sequence[float], k: int) -> float:
     return 1.0 + sum(accepted[:k])
 
 
-def chain(rate: float, k: int) -> list[float]:
-    """Unconditional per-position acceptance when each draft is accepted with probability
-    `rate` given the ones before it: a_j = rate^j."""
-    return [rate ** j for j in range(1, k + 1)]
-
-
 def speedup(tau_k: float, k: int, t1: float, t_verify: float, t_draft: float) -> float:
     """Tokens/s with speculation over tokens/s without, at one concurrency (module docstring)."""
     return tau_k * t1 / (t_verify + k * t_draft)

@@ -6,7 +6,13 @@ import pytest
 
 from eyas.data.common.targets import load_target_config, text_config
 from eyas.models.speedup import (HARDWARE, Hardware, MeasuredCosts, RooflineCosts, TargetShape,
-                                 chain, speedup, tau)
+                                 speedup, tau)
+
+
+def chain(rate: float, k: int) -> list[float]:
+    """Unconditional per-position acceptance when each draft is accepted with probability
+    `rate` given the ones before it: a_j = rate^j."""
+    return [rate ** j for j in range(1, k + 1)]
 
 
 def test_tau_sums_the_first_k_unconditional_acceptances():

@@ -17,13 +17,19 @@ from eyas.models.serving.card import CARD, PROVENANCE
 from eyas.models.serving.doctor import diagnose
 from eyas.models.serving.doctor_speedup import drafter_params, fewest_gpus
 from eyas.models.serving.export import export_drafter
-from eyas.models.speedup import HARDWARE, RooflineCosts, TargetShape, chain
+from eyas.models.speedup import HARDWARE, RooflineCosts, TargetShape
 from functools import partial
 from eyas.train.cli import call
 
 cli_main = partial(call, "doctor")
 
 VD = 256
+
+
+def chain(rate: float, k: int) -> list[float]:
+    """Unconditional per-position acceptance when each draft is accepted with probability
+    `rate` given the ones before it: a_j = rate^j."""
+    return [rate ** j for j in range(1, k + 1)]
 
 
 def _eval(rate: float, k: int = 3) -> dict[str, float]:
