@@ -166,22 +166,12 @@ def dense_step0(q: Tensor, k0: Tensor, v0: Tensor, mask: Tensor, scale: float) -
     return out.reshape(nkv * g, T, d), lse.reshape(nkv * g, T)
 
 
-def merge_diagonal(out0: Tensor, lse0: Tensor, q: Tensor, diag_k: list[Tensor],
-                   diag_v: list[Tensor], scale: float, merge: Callable | None = None) -> Tensor:
-    """Add the diagonal keys of steps 1..k to a step-0 attention result by log-sum-exp (fp32).
-
-    out0 [nh,T,d], lse0 [nh,T]: attention over the step-0 keys; q [nh,T,d]; diag_k/diag_v: k
-    tensors [nkv,T,d] (row t's own keys at steps 1..k). Returns out [nh,T,d] fp32.
-    `merge` replaces `merge_lists` (its compiled twin).
-    """
-    if not diag_k:
-        return out0.float()
-    return (merge or merge_lists)(out0, lse0, q, list(diag_k), list(diag_v), scale)
-
-
 def merge_lists(out0: Tensor, lse0: Tensor, q: Tensor, ks: list[Tensor], vs: list[Tensor],
                 scale: float) -> Tensor:
-    """`merge_diagonal` on the diagonal keys/values ks, vs (k tensors [nkv,T,d]) → [nh,T,d] fp32.
+    """Add the diagonal keys of steps 1..k to a step-0 attention result by log-sum-exp (fp32).
+
+    out0 [nh,T,d], lse0 [nh,T]: attention over the step-0 keys; q [nh,T,d]; ks, vs: k >= 1
+    tensors [nkv,T,d] (row t's own keys at steps 1..k). Returns out [nh,T,d] fp32.
 
     Written as products and sums over d (no einsum): compiled, the whole merge is element-wise
     work plus small reductions that fuse into a few kernels, and its backward keeps only the
@@ -262,7 +252,5 @@ class TTTAttention:
             out0, lse0 = dense_step0(q, self.keys[0], self.values[0], self.mask0, self.scale)
         if step == 0:                                # no diagonal yet: out0 is the attention
             return out0.to(q.dtype)
-        if self.compile_merge:                       # fused fp32 merge, output already in q's dtype
-            return merge_diagonal(out0, lse0, q, self.keys[1:], self.values[1:], self.scale,
-                                  merge=compiled_merge())
-        return merge_diagonal(out0, lse0, q, self.keys[1:], self.values[1:], self.scale).to(q.dtype)
+        merge = compiled_merge() if self.compile_merge else merge_lists   # compiled: fused, cast
+        return merge(out0, lse0, q, self.keys[1:], self.values[1:], self.scale).to(q.dtype)
