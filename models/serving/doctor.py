@@ -226,15 +226,6 @@ def _check_tokenizer(report: Report, tok: dict[str, Any], tcfg: dict[str, Any] |
         report.checked.append("dataset chat template = the target's")
 
 
-def _check_manifest(report: Report, manifest: dict[str, Any], cfg: dict[str, Any],
-                    tcfg: dict[str, Any] | None, target_dir: Path | None) -> None:
-    """The dataset manifest vs the export and the target: aux layers, target, tokenizer."""
-    _check_aux_ids(report, manifest, cfg, tcfg)
-    check_capture(report, manifest)
-    _check_data_target(report, manifest, tcfg)
-    _check_tokenizer(report, manifest.get("tokenizer") or {}, tcfg, target_dir)
-
-
 def require_dataset(data: str | Path) -> Path:
     """`data` as a finished dataset directory (with its manifest.json), or the usage error
     (exit 2) a command reports for a wrong path."""
@@ -266,7 +257,10 @@ def _check_data(report: Report, data: Path, cfg: dict[str, Any], t2d: torch.Tens
                 tcfg: dict[str, Any] | None, target_dir: Path | None, max_samples: int) -> None:
     """The dataset vs the export; `t2d` None: the draft vocabulary is the full target's."""
     manifest = json.loads((data / "manifest.json").read_text())   # diagnose: require_dataset
-    _check_manifest(report, manifest, cfg, tcfg, target_dir)
+    _check_aux_ids(report, manifest, cfg, tcfg)     # the manifest vs the export and the target
+    check_capture(report, manifest)
+    _check_data_target(report, manifest, tcfg)
+    _check_tokenizer(report, manifest.get("tokenizer") or {}, tcfg, target_dir)
     try:
         from eyas.data.store.shards import open_dataset
     except ImportError as e:

@@ -85,7 +85,7 @@ def check_config(cfg: dict[str, Any], tcfg: dict[str, Any] | None) -> list[Findi
             "SGLang only, so the engines compute different functions",
             "remove them (fc_norm: write \"fc_norm\": true; a speculators config goes in a "
             "separate vLLM-only export)")
-    out += _check_eagle31(cfg)
+    _check_eagle31(cfg, add)
     dt = cfg.get("torch_dtype", cfg.get("dtype"))
     if dt != "bfloat16":
         add("TORCH_DTYPE", f"torch_dtype = {dt!r}; expected 'bfloat16'",
@@ -285,7 +285,8 @@ def check_tensors(tdir: TensorDir, cfg: dict[str, Any], tcfg: dict[str, Any] | N
     _dtype_findings(tdir, canon, add)
     out += check_vocab_map(tdir, canon, cfg, V)
     if check_values:
-        bad = _nonfinite(tdir, [n for n in tdir.names if tdir.dtype(n) in FLOAT_DTYPES])
+        bad = [n for n in tdir.names if tdir.dtype(n) in FLOAT_DTYPES
+               and not all(all_finite(chunk) for chunk in tdir.chunks(n))]
         if bad:
             add("NONFINITE", f"NaN/inf values in {_short(bad)}",
                 "both engines load them without complaint; every draft is garbage",
@@ -409,25 +410,18 @@ def _dtype_findings(tdir: TensorDir, canon: dict[str, str], add: _Add) -> None:
             "quantised or integer weights are not part of layout A", "export in bf16")
 
 
-def _nonfinite(tdir: TensorDir, names: list[str]) -> list[str]:
-    return [n for n in names if not all(all_finite(chunk) for chunk in tdir.chunks(n))]
-
-
-def _check_eagle31(cfg: dict) -> list[Finding]:
+def _check_eagle31(cfg: dict, add: _Add) -> None:
     """The EAGLE-3.1 flags (norm_before_fc, fc_norm, norm_output): booleans, and norm_before_fc
     spelt alike at the top level and in eagle_config (both engines read eagle_config's first;
     a top-level value that disagrees is what an older reader would use)."""
-    out: list[Finding] = []
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
         for where, d in (("", cfg), ("eagle_config.", cfg.get("eagle_config") or {})):
             if key in d and not isinstance(d[key], bool):
-                out.append(Finding("EAGLE31_FLAG", ERROR, f"{where}{key} = {d[key]!r}",
-                                   "the engines test it for truth: a string such as \"false\" "
-                                   "turns the norm on", f'write "{key}": true or false'))
+                add("EAGLE31_FLAG", f"{where}{key} = {d[key]!r}", "the engines test it for "
+                    "truth: a string such as \"false\" turns the norm on",
+                    f'write "{key}": true or false')
     inner = (cfg.get("eagle_config") or {}).get("norm_before_fc")
     if inner is not None and "norm_before_fc" in cfg and bool(inner) != bool(cfg["norm_before_fc"]):
-        out.append(Finding("EAGLE31_FLAG", ERROR, f"norm_before_fc = {cfg['norm_before_fc']!r} "
-                           f"but eagle_config.norm_before_fc = {inner!r}",
-                           "vLLM and SGLang use eagle_config's value; other readers the "
-                           "top-level one", "write the same value in both places"))
-    return out
+        add("EAGLE31_FLAG", f"norm_before_fc = {cfg['norm_before_fc']!r} but "
+            f"eagle_config.norm_before_fc = {inner!r}", "vLLM and SGLang use eagle_config's "
+            "value; other readers the top-level one", "write the same value in both places")

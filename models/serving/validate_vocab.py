@@ -21,14 +21,6 @@ VOCAB_CODES = {
 }
 
 
-def _draft_vocab_size(tdir: TensorDir, canon: dict[str, str], cfg: dict[str, Any]) -> int | None:
-    """The draft vocabulary size from the config, else from lm_head's rows (None if neither)."""
-    Vd = config_dims(cfg)["Vd"]
-    if Vd is None and "lm_head.weight" in canon:
-        Vd = tdir.shape(canon["lm_head.weight"])[0]
-    return Vd
-
-
 def _load_d2t(out: Findings, tdir: TensorDir, name: str) -> torch.Tensor | None:
     """d2t as a 1-D int64 tensor after its dtype rule; None when it cannot be checked further."""
     if tdir.dtype(name) != "I64":
@@ -100,7 +92,9 @@ def check_vocab_map(tdir: TensorDir, canon: dict[str, str], cfg: dict[str, Any],
     canon: layout-A name -> name in the file; V: the target vocabulary size (None if unknown).
     """
     out = Findings(VOCAB_CODES)
-    Vd = _draft_vocab_size(tdir, canon, cfg)
+    Vd = config_dims(cfg)["Vd"]                         # else lm_head's rows, if shipped
+    if Vd is None and "lm_head.weight" in canon:
+        Vd = tdir.shape(canon["lm_head.weight"])[0]
     d2t_name, t2d_name = canon.get("d2t"), canon.get("t2d")
     if d2t_name is None:
         if Vd is not None and V is not None and Vd < V:
