@@ -28,7 +28,7 @@ from eyas.data.common.checksums import CHECKSUMS_NAME, file_sha256, read_checksu
 from eyas.data.common.provenance import software_record
 from eyas.data.common.utils import atomic_write_bytes, json_safe
 from eyas.models.serving.card_render import render_card
-from eyas.models.serving.contract import (PROVENANCE, is_speculators_config,
+from eyas.models.serving.contract import (PROVENANCE, is_int, is_speculators_config,
                                           resolve_target_config)
 from eyas.models.serving.doctor_speedup import chain_acceptance, speedup_table
 
@@ -72,7 +72,7 @@ def speculative_tokens(spec: Mapping[str, Any]) -> int | None:
     takes the first method's)."""
     methods = (spec.get("speculators_config") or {}).get("proposal_methods") or [{}]
     k = methods[0].get("speculative_tokens") if isinstance(methods[0], Mapping) else None
-    return k if isinstance(k, int) and not isinstance(k, bool) else None
+    return k if is_int(k) else None
 
 
 def trained_k(meta: Mapping[str, Any] | None, run: Mapping[str, Any] | None,

@@ -107,9 +107,13 @@ class Findings(list):
 # The layout: expected tensor shapes from a config.json dict
 # ---------------------------------------------------------------------------------------------
 
+def is_int(v: Any) -> bool:
+    """An int and not a bool (JSON's true/false are ints to Python)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _int(cfg: dict[str, Any], key: str) -> int | None:
-    v = cfg.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return cfg[key] if is_int(cfg.get(key)) else None
 
 
 def config_dims(cfg: dict[str, Any]) -> dict[str, int | None]:

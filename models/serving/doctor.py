@@ -29,7 +29,7 @@ import torch
 
 from eyas.data.common.options import option
 from eyas.data.common.templates import target_chat_template, template_drift
-from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir,
+from eyas.models.serving.contract import (ERROR, WARNING, Finding, TensorDir, is_int,
                                           read_config, require_dir, resolve_target_config)
 from eyas.models.serving.doctor_alpha import check_alpha
 from eyas.models.serving.doctor_capture import (check_capture, check_served,
@@ -93,8 +93,7 @@ def _check_ttt(report: Report, meta: dict[str, Any] | None, k: int | None) -> No
 
 
 def _ints(ids: Any) -> list[int] | None:
-    return [int(i) for i in ids] if isinstance(ids, list) and all(
-        isinstance(i, int) and not isinstance(i, bool) for i in ids) else None
+    return [int(i) for i in ids] if isinstance(ids, list) and all(map(is_int, ids)) else None
 
 
 def engine_aux_ids(cfg: dict[str, Any], n_layers: int | None

@@ -16,7 +16,8 @@ from typing import Any
 
 from eyas.models.serving.contract import (ERROR, FLOAT_DTYPES, LAYOUT_A_ARCH,
                                           WARNING, Finding, Findings, TensorDir, all_finite,
-                                          config_dims, expected_shapes, layout_tensors)
+                                          config_dims, expected_shapes, is_int,
+                                          layout_tensors)
 from eyas.models.serving.validate_integrity import INTEGRITY_CODES, magnitude_findings
 from eyas.models.serving.validate_rope import ROPE_CODES, check_rope, rope_legacy_findings
 from eyas.models.serving.validate_vocab import VOCAB_CODES, check_vocab_map
@@ -55,10 +56,6 @@ _REEXPORT = "re-export with `eyas export` (it writes this field/tensor correctly
 
 #: the `add(code, msg, why, fix, severity=None)` callback each rule group emits its findings to
 _Add = Callable[..., None]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _short(names: list[str], n: int = 6) -> str:
@@ -123,7 +120,7 @@ def _config_dims(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) ->
     for key, sev in (("hidden_size", ERROR), ("num_attention_heads", ERROR),
                      ("intermediate_size", ERROR), ("num_key_value_heads", WARNING),
                      ("head_dim", WARNING)):
-        if not _is_int(cfg.get(key)):
+        if not is_int(cfg.get(key)):
             add("DIMS_MISSING", f"{key} = {cfg.get(key)!r}; expected an explicit int",
                 "engines fill a missing value from LlamaConfig defaults (e.g. intermediate_size "
                 "11008, head_dim = hidden_size // heads), which need not match the weights",
@@ -133,12 +130,12 @@ def _config_dims(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) ->
             f"num_key_value_heads={d['nkv']}", "grouped-query attention cannot be built",
             "fix the head counts to the trained ones")
     th_raw = cfg.get("target_hidden_size", "absent")
-    th = th_raw if _is_int(th_raw) else (H if th_raw == "absent" else None)
+    th = th_raw if is_int(th_raw) else (H if th_raw == "absent" else None)
     if th_raw == "absent":
         add("TARGET_HIDDEN_NULL", "target_hidden_size is absent",
             "engines then assume fc fan-in 3*hidden_size; correct only when the widths match",
             "write target_hidden_size = the target's hidden size (an int)", severity=WARNING)
-    elif not _is_int(th_raw):
+    elif not is_int(th_raw):
         add("TARGET_HIDDEN_NULL", f"target_hidden_size = {th_raw!r}; expected an int",
             "both vLLM and SGLang crash building fc from None",
             "write target_hidden_size = the target's hidden size (an int)")
@@ -168,22 +165,22 @@ def _config_sizes(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) -
     """MAX_POS_SHORT, VOCAB_SIZE and DRAFT_VOCAB_MISSING / DRAFT_VOCAB_RANGE."""
     mpe = cfg.get("max_position_embeddings")
     t_ctx = tcfg.get("max_position_embeddings") if tcfg else None
-    if not _is_int(mpe) or (t_ctx and mpe < t_ctx):
+    if not is_int(mpe) or (t_ctx and mpe < t_ctx):
         add("MAX_POS_SHORT", f"max_position_embeddings = {mpe!r}; the target serves up to "
             f"{t_ctx if t_ctx else 'its context length'}",
             "LlamaConfig defaults to 2048; vLLM before 0.33 hits a device-side assert on longer "
             "prompts", f"set max_position_embeddings >= {t_ctx or 'the target context'}")
     V, Vd = cfg.get("vocab_size"), cfg.get("draft_vocab_size")
     t_vocab = tcfg.get("vocab_size") if tcfg else None
-    if not _is_int(V) or (t_vocab is not None and V != t_vocab):
+    if not is_int(V) or (t_vocab is not None and V != t_vocab):
         add("VOCAB_SIZE", f"vocab_size = {V!r}; the target's vocabulary is {t_vocab}",
             "vocab_size sizes the target embedding lookup and vLLM's scattered logits; a "
             "mismatch misindexes tokens", f"set vocab_size = {t_vocab or 'the target vocab'}")
-    if not _is_int(Vd):
+    if not is_int(Vd):
         add("DRAFT_VOCAB_MISSING", f"draft_vocab_size = {Vd!r}; expected an int",
             "older SGLang crashes without it; null makes SGLang use the target's head",
             "write draft_vocab_size = lm_head rows")
-    elif Vd < 1 or (_is_int(V) and Vd > V):
+    elif Vd < 1 or (is_int(V) and Vd > V):
         add("DRAFT_VOCAB_RANGE", f"draft_vocab_size = {Vd} outside [1, vocab_size={V}]",
             "the draft vocabulary is a subset of the target's", "write the lm_head row count")
 
@@ -233,7 +230,7 @@ def _check_aux_ids(cfg: dict[str, Any], tcfg: dict[str, Any] | None, add: _Add) 
                      ("eagle_config.eagle_aux_hidden_state_layer_ids", sg)):
         if ids is None:
             continue
-        if not (isinstance(ids, list) and len(ids) == 3 and all(_is_int(i) for i in ids)):
+        if not (isinstance(ids, list) and len(ids) == 3 and all(is_int(i) for i in ids)):
             add("AUX_IDS_COUNT", f"{key} = {ids!r}; expected three ints",
                 "fc takes exactly three concatenated target states", fix)
         else:
