@@ -30,8 +30,8 @@ import torch
 from eyas.data.store.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME,
                                     MANIFEST_NAME, OFFSETS, SAMPLE_CRC, DatasetError,
                                     as_numpy_bytes, crc32_rows, dequantize_fp8, dtype_from_name,
-                                    nonfinite_tokens, parse_header, pread_exact,
-                                    shard_meta_from_header, table_checksum)
+                                    nonfinite_tokens, pread_exact, read_shard_header,
+                                    table_checksum)
 from eyas.data.common.utils import progress
 from eyas.data.store.read_checks import ReadChecks
 
@@ -60,8 +60,7 @@ class ShardFile:
                  lengths: np.ndarray | None = None):
         self.path = path
         self.file = open(path, "rb")  # closed when the last reference (cache or view) goes
-        self.header = parse_header(path, self.file)
-        self.meta, self.offsets = shard_meta_from_header(path, self.header, self.file)
+        self.header, self.meta, self.offsets = read_shard_header(path, self.file)
         if expected is not None:
             self._check_against(expected, lengths)
         self._base: torch.Tensor | None = None
@@ -100,6 +99,25 @@ class ShardFile:
         lo, hi = int(self.offsets[j]), int(self.offsets[j + 1])
         return self.tensor(name)[lo:hi]
 
+    def verbatim(self, name: str) -> bool:
+        """Whether field `name` is read as stored (not widened, not fp8 aux dequantised)."""
+        spec = self.meta["fields"][name]
+        fp8 = name == "aux" and self.meta.get("aux_format") == "fp8"
+        return spec["dtype"] == spec["stored_dtype"] and not fp8
+
+    @property
+    def crc_names(self) -> list[str]:
+        """The per-token tensors the sample crc covers, in crc order (sorted names)."""
+        return sorted(n for n in self.header.tensors if n not in (OFFSETS, SAMPLE_CRC))
+
+    def crc_table(self) -> np.ndarray:
+        """int64 [n]: the stored per-sample crcs, checked against the shard checksum."""
+        stored = self.tensor(SAMPLE_CRC).numpy()
+        if table_checksum(self.offsets, stored) != self.meta["checksum"]:
+            raise DatasetError("the per-sample checksum table does not match the shard checksum "
+                               "(corrupted file); re-create the shard", path=self.path)
+        return stored
+
     def sample(self, j: int, names=None) -> dict[str, torch.Tensor]:
         out = {}
         for name, spec in self.meta["fields"].items():
@@ -122,12 +140,12 @@ class ShardFile:
         """
         lo = int(self.offsets[j])
         fp8 = self.meta.get("aux_format") == "fp8"
-        for name, spec in self.meta["fields"].items():
+        for name in self.meta["fields"]:
             dst = out.get(name)
             if dst is None:
                 continue
             e = self.header.tensors[name]
-            verbatim = spec["dtype"] == spec["stored_dtype"] and not (name == "aux" and fp8)
+            verbatim = self.verbatim(name)
             _check_buffer(name, dst, e, e.dtype if verbatim else None, length, self.path)
             dst = dst[:length]
             if name == "aux" and fp8:
@@ -141,18 +159,11 @@ class ShardFile:
             else:
                 dst.copy_(self.tensor(name)[lo:lo + length].reshape(dst.shape))
 
-    def data_arrays(self) -> list[np.ndarray]:
-        """The per-token tensors the sample crc covers, in crc order (sorted names)."""
-        names = sorted(n for n in self.header.tensors if n not in (OFFSETS, SAMPLE_CRC))
-        return [as_numpy_bytes(self.tensor(n)) for n in names]
-
     def bad_checksums(self) -> list[int]:
         """Local indices of samples whose stored bytes no longer match their crc32."""
-        stored = self.tensor(SAMPLE_CRC).numpy()
-        if table_checksum(self.offsets, stored) != self.meta["checksum"]:
-            raise DatasetError("the per-sample checksum table does not match the shard checksum "
-                               "(corrupted file); re-create the shard", path=self.path)
-        actual = crc32_rows(self.data_arrays(), self.offsets)
+        stored = self.crc_table()
+        actual = crc32_rows([as_numpy_bytes(self.tensor(n)) for n in self.crc_names],
+                            self.offsets)
         return np.nonzero(actual != stored)[0].tolist()
 
     def nonfinite_samples(self) -> list[int]:

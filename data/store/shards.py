@@ -31,8 +31,8 @@ from eyas.data.store.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOA
                                     FORMAT_VERSION, ID_FIELDS, INDEX_NAME, KINDS, MANIFEST_NAME,
                                     OFFSETS, READ_DTYPES, RESERVED, SAMPLE_CRC, SHARD_FORMAT,
                                     DatasetError, as_numpy_bytes, crc32_rows, dequantize_fp8,
-                                    dtype_name, json_meta, nonfinite_tokens, parse_header,
-                                    quantize_fp8, shard_meta_from_header, table_checksum)
+                                    dtype_name, json_meta, nonfinite_tokens, quantize_fp8,
+                                    read_shard_header, table_checksum)
 from eyas.data.common.utils import atomic_path, atomic_write_json
 
 __all__ = ["Dataset", "DatasetError", "open_dataset", "write_shard", "read_shard_meta",
@@ -203,8 +203,7 @@ def read_shard_meta(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     with open(path, "rb") as f:
-        header = parse_header(path, f)
-        meta, offsets = shard_meta_from_header(path, header, f)
+        _, meta, offsets = read_shard_header(path, f)
     return dict(meta, file=path.name, bytes=path.stat().st_size,
                 sample_lengths=np.diff(offsets).tolist())
 
