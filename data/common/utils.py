@@ -88,7 +88,9 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
 def umask_mode(path: str | os.PathLike) -> None:
     """Give a file the mode a plain `open()` would: ``0o666 & ~umask`` (mkstemp and safetensors
     create files 0600, which a serving container running as another user cannot read)."""
-    os.chmod(path, 0o666 & ~_umask())
+    umask = os.umask(0o022)   # read by setting it and putting it back
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def umask_modes(root: str | os.PathLike) -> None:
@@ -99,13 +101,6 @@ def umask_modes(root: str | os.PathLike) -> None:
             p = os.path.join(dirpath, name)
             if os.path.isfile(p) and not os.path.islink(p):
                 umask_mode(p)
-
-
-def _umask() -> int:
-    """The process umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _fresh_dir(parent: Path, name: str) -> Path:

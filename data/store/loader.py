@@ -21,6 +21,7 @@ loader (`load_state_dict`) yields exactly the batches the original had not yet h
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -341,10 +342,8 @@ class PackedLoader:
             ahead = self.num_workers * self.prefetch
             try:
                 it = iter(todo)
-                for docs in it:
-                    pending.append(pool.submit(self.build_batch, docs))
-                    if len(pending) >= ahead:
-                        break
+                pending.extend(pool.submit(self.build_batch, docs)
+                               for docs in itertools.islice(it, ahead))
                 while pending:
                     batch = pending.popleft().result()
                     nxt = next(it, None)

@@ -208,17 +208,6 @@ def read_shard_meta(path: str | os.PathLike) -> dict[str, Any]:
                 sample_lengths=np.diff(offsets).tolist())
 
 
-def _common_fields(metas: list[dict[str, Any]], root: Path) -> tuple[dict, str | None]:
-    ref = metas[0]
-    for m in metas[1:]:
-        if m["fields"] != ref["fields"] or m.get("aux_format") != ref.get("aux_format"):
-            raise DatasetError(
-                f"shard {m['file']} has fields {m['fields']} / aux_format {m.get('aux_format')}, "
-                f"but {ref['file']} has {ref['fields']} / {ref.get('aux_format')}; every shard "
-                f"of a dataset must share fields, dtypes, shapes and aux format", path=root)
-    return ref["fields"], ref.get("aux_format")
-
-
 def write_manifest(dataset_dir: str | os.PathLike, manifest: Mapping[str, Any],
                    shard_metas: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Write `index.safetensors` and then `manifest.json` (the dataset's commit point), atomically.
@@ -250,7 +239,14 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: Mapping[str, Any],
     if manifest.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
         raise ValueError(f"manifest['format_version'] is set by write_manifest ({FORMAT_VERSION}); "
                          f"got {manifest['format_version']!r}")
-    fields, aux_format = _common_fields(metas, root)
+    ref = metas[0]
+    fields, aux_format = ref["fields"], ref.get("aux_format")
+    for m in metas[1:]:
+        if m["fields"] != fields or m.get("aux_format") != aux_format:
+            raise DatasetError(
+                f"shard {m['file']} has fields {m['fields']} / aux_format {m.get('aux_format')}, "
+                f"but {ref['file']} has {fields} / {aux_format}; every shard of a dataset must "
+                f"share fields, dtypes, shapes and aux format", path=root)
     if kind == "hidden" and "aux" not in fields:
         raise DatasetError(f"kind 'hidden' needs an 'aux' field; shards have {sorted(fields)}",
                            path=root)
