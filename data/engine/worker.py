@@ -101,12 +101,10 @@ def counters(llm) -> dict:
 def delta(after: dict, before: dict) -> dict:
     out = {}
     for name, v in after.items():
-        b = before.get(name)
-        if isinstance(v, list):
-            b = b or [0] * len(v)
-            out[name] = [x - y for x, y in zip(v, b + [0] * (len(v) - len(b)))]
+        if isinstance(v, list):   # a vector that grew since: its new entries start at 0
+            out[name] = [x - y for x, y in zip(v, (before.get(name) or []) + [0] * len(v))]
         else:
-            out[name] = v - (b or 0)
+            out[name] = v - (before.get(name) or 0)
     return out
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from eyas.data.store.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME,
-                                    MANIFEST_NAME, OFFSETS, SAMPLE_CRC, DatasetError,
+                                    MANIFEST_NAME, OFFSETS, SAMPLE_CRC, SHARD_GLOB, DatasetError,
                                     as_numpy_bytes, crc32_rows, dequantize_fp8, dtype_from_name,
                                     nonfinite_tokens, pread_exact, read_shard_header,
                                     table_checksum)
@@ -361,7 +361,7 @@ class Dataset:
 def _load_manifest(root: Path) -> dict[str, Any]:
     path = root / MANIFEST_NAME
     if not path.is_file():
-        shards = list(root.glob("shard-*.safetensors")) if root.is_dir() else []
+        shards = list(root.glob(SHARD_GLOB)) if root.is_dir() else []
         hint = (f"it holds {len(shards)} shard files but no manifest: the producer did not "
                 f"finish (re-run it to resume; it writes the manifest last)") if shards else \
             "not an eyas dataset directory"

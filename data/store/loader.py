@@ -338,12 +338,10 @@ class PackedLoader:
                 yield batch
         else:
             pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="eyas-loader")
-            pending: collections.deque = collections.deque()
-            ahead = self.num_workers * self.prefetch
             try:
                 it = iter(todo)
-                pending.extend(pool.submit(self.build_batch, docs)
-                               for docs in itertools.islice(it, ahead))
+                pending = collections.deque(pool.submit(self.build_batch, docs) for docs in
+                                            itertools.islice(it, self.num_workers * self.prefetch))
                 while pending:
                     batch = pending.popleft().result()
                     nxt = next(it, None)
@@ -351,9 +349,7 @@ class PackedLoader:
                         pending.append(pool.submit(self.build_batch, nxt))
                     self._cursor += 1
                     yield batch
-            finally:
-                for fut in pending:
-                    fut.cancel()
+            finally:   # the batches not started yet are cancelled
                 pool.shutdown(wait=True, cancel_futures=True)
         if self._epoch == epoch and self._cursor >= len(plan):
             self._epoch, self._cursor = epoch + 1, 0

@@ -30,9 +30,9 @@ from eyas.data.store.dataset import Dataset, open_dataset
 from eyas.data.store.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOAT_FIELDS,
                                     FORMAT_VERSION, ID_FIELDS, INDEX_NAME, KINDS, MANIFEST_NAME,
                                     OFFSETS, READ_DTYPES, RESERVED, SAMPLE_CRC, SHARD_FORMAT,
-                                    DatasetError, as_numpy_bytes, crc32_rows, dequantize_fp8,
-                                    dtype_name, json_meta, nonfinite_tokens, quantize_fp8,
-                                    read_shard_header, table_checksum)
+                                    SHARD_GLOB, DatasetError, as_numpy_bytes, crc32_rows,
+                                    dequantize_fp8, dtype_name, json_meta, nonfinite_tokens,
+                                    quantize_fp8, read_shard_header, table_checksum)
 from eyas.data.common.utils import atomic_path, atomic_write_json
 
 __all__ = ["Dataset", "DatasetError", "open_dataset", "write_shard", "read_shard_meta",
@@ -224,7 +224,7 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: Mapping[str, Any],
     """
     root = Path(dataset_dir)
     if shard_metas is None:
-        shard_metas = [read_shard_meta(p) for p in sorted(root.glob("shard-*.safetensors"))]
+        shard_metas = [read_shard_meta(p) for p in sorted(root.glob(SHARD_GLOB))]
     metas = sorted((dict(m) for m in shard_metas), key=lambda m: m["index"])
     if not metas:
         raise DatasetError("no shards to put in the manifest", path=root)
