@@ -6,10 +6,7 @@ parsed and checked against the manifest, file memory-mapped copy-on-write) and k
 LRU cache. `dataset[i]` returns views into the mapping: no bytes are copied for bf16 `aux`/`last`
 or bool `loss_mask`; int32 ids are widened to int64 and fp8 aux is dequantised (small copies).
 Views stay valid after their shard leaves the cache (the tensor keeps the mapping alive).
-
-Verification levels (`verify=`): "none" checks each shard's header lazily on first access (always
-done: truncation, garbled header, manifest mismatch); "header" does that for every shard at open;
-"checksum" also recomputes every sample's crc32 and checks float fields for NaN/inf.
+Verification levels: `open_dataset`.
 """
 
 from __future__ import annotations
@@ -383,8 +380,9 @@ def open_dataset(path: str | os.PathLike, *, verify: str = "none", nonfinite: st
     """Open the dataset in directory `path` (reads the manifest and the length index only).
 
     Args:
-        verify: "none" (headers checked lazily on first access), "header" (every shard header
-            now), "checksum" (also every sample's crc32 and NaN/inf check; reads all data).
+        verify: "none" (each shard's header checked on its first access: truncation, garbled
+            header, manifest mismatch), "header" (every shard's header now), "checksum" (also
+            every sample's crc32 and NaN/inf check; reads all data).
         nonfinite: what a NaN/inf sample found by a scan does: "error" raises DatasetError,
             "skip" drops it (counted, logged, listed in `Dataset.skipped`). "skip" scans the
             float fields at open even when verify != "checksum".
