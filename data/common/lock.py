@@ -174,12 +174,6 @@ class DirLock:
         os.close(self.fd)  # drops the flock
         self.fd = None
 
-    def __enter__(self) -> "DirLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 @contextlib.contextmanager
 def dir_lock(directory: str | os.PathLike, *, what: str = "directory",
