@@ -7,6 +7,7 @@ it (a shard's own metadata is checked here: `read_shard_header`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -117,9 +118,7 @@ def parse_header(path: str | os.PathLike, file=None) -> Header:
     unknown dtypes, byte ranges that disagree with shape x dtype, or a file shorter than the
     byte ranges it declares (truncated).
     """
-    own = file is None
-    f = open(path, "rb") if own else file
-    try:
+    with open(path, "rb") if file is None else contextlib.nullcontext(file) as f:
         size = os.fstat(f.fileno()).st_size
         head = os.pread(f.fileno(), 8, 0)
         if len(head) < 8:
@@ -130,9 +129,6 @@ def parse_header(path: str | os.PathLike, file=None) -> Header:
             raise DatasetError(f"header length field says {n} bytes but the file has {size}: "
                                f"garbled or truncated header; re-create the shard", path=path)
         raw = os.pread(f.fileno(), n, 8)
-    finally:
-        if own:
-            f.close()
     try:
         obj = json.loads(raw)
         if not isinstance(obj, dict):
