@@ -7,7 +7,6 @@ Submodules are imported lazily so `import eyas.data` stays cheap.
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,8 +17,7 @@ if TYPE_CHECKING:
 
 __all__ = ["load_sample", "open_cached"]
 
-_OPEN: dict[str, "Dataset"] = {}
-_OPEN_LOCK = threading.Lock()
+_OPEN: dict[Path, tuple[int, Dataset]] = {}   # resolved path -> (manifest mtime, dataset)
 
 
 def open_cached(dataset_dir: str | os.PathLike) -> "Dataset":
@@ -32,16 +30,10 @@ def open_cached(dataset_dir: str | os.PathLike) -> "Dataset":
         stamp = (root / MANIFEST_NAME).stat().st_mtime_ns
     except OSError:
         stamp = -1
-    key = f"{root}:{stamp}"
-    with _OPEN_LOCK:
-        ds = _OPEN.get(key)
-    if ds is None:
-        ds = open_dataset(root)
-        with _OPEN_LOCK:
-            for k in [k for k in _OPEN if k.startswith(f"{root}:")]:
-                del _OPEN[k]
-            _OPEN[key] = ds
-    return ds
+    hit = _OPEN.get(root)   # one dict read and one store: thread-safe without a lock
+    if hit is None or hit[0] != stamp:
+        hit = _OPEN[root] = (stamp, open_dataset(root))
+    return hit[1]
 
 
 def load_sample(dataset_dir: str | os.PathLike, index: int) -> "dict[str, torch.Tensor]":

@@ -18,10 +18,12 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from eyas.data.common.targets import (AUX_IDS_RULE, WeightFiles, aux_layer_ids_error,
+                                      default_aux_layer_ids)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,6 @@ def find_text_model(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Modu
 
 def check_aux_layers(layers: list[int] | tuple[int, ...] | None, num_layers: int) -> list[int]:
     """The aux layer ids (HF hidden_states indices): `layers` validated, or the default."""
-    from eyas.data.common.targets import AUX_IDS_RULE, aux_layer_ids_error, default_aux_layer_ids
     if layers is None:
         return default_aux_layer_ids(num_layers)
     ids = [int(x) for x in layers]
@@ -124,7 +125,7 @@ def target_fingerprint(model: nn.Module, values: int = 64, read=None) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def files_fingerprint(meta_model: nn.Module, weights: "WeightFiles", values: int = 64
+def files_fingerprint(meta_model: nn.Module, weights: WeightFiles, values: int = 64
                       ) -> str | None:
     """`target_fingerprint` of the model a checkpoint loads into, read from its safetensors files:
     `meta_model` (built on the meta device in the dtype the target runs in) gives the names and
@@ -142,29 +143,6 @@ def files_fingerprint(meta_model: nn.Module, weights: "WeightFiles", values: int
         rows = n if p.dim() < 2 else -(-n // max(1, p[0].numel()))
         return weights.first_rows(name, rows).to(p.dtype).reshape(-1)[:n]
     return target_fingerprint(meta_model, values, read)
-
-
-class WeightFiles:
-    """Tensors of a safetensors checkpoint by name (one file or an index), memory-mapped."""
-
-    def __init__(self, path: Path):
-        from safetensors import safe_open
-
-        from eyas.data.common.targets import weight_files
-        self.where: dict[str, Path] = {}
-        for f in weight_files(path):           # only each file's header is read
-            with safe_open(str(f), framework="pt") as sf:
-                self.where.update({k: f for k in sf.keys()})
-
-    def first_rows(self, name: str, rows: int) -> torch.Tensor:
-        from safetensors import safe_open
-        with safe_open(str(self.where[name]), framework="pt") as sf:
-            return sf.get_slice(name)[:rows]
-
-    def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-        with safe_open(str(self.where[name]), framework="pt") as sf:
-            return sf.get_tensor(name)
 
 
 # ---------------------------------------------------------------------------------------------

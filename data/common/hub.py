@@ -55,23 +55,18 @@ def hub_cache_dir() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def _fix(offline: bool) -> str:
-    where = f"the HF cache {hub_cache_dir()}"
-    if offline:
-        return (f"not in {where} and HF_HUB_OFFLINE=1 forbids downloads. Fix: download it once "
-                f"with the hub reachable (unset HF_HUB_OFFLINE), point HF_HOME or HF_HUB_CACHE "
-                f"at a cache that holds it, or pass a local model directory")
-    return (f"not in {where} and the hub did not serve it. Fix: check the id, log in for a gated "
-            f"model (`hf auth login` or HF_TOKEN), point HF_HOME at a cache that holds it, or "
-            f"pass a local model directory")
-
-
 def _reason(offline: bool, cause: BaseException | None = None) -> str:
-    why = ""
-    if cause is not None and not offline:   # offline, the cause only repeats "not cached"
-        first = " ".join(str(cause).split())[:200]
-        why = f" ({type(cause).__name__}: {first})"
-    return f"a Hugging Face hub id (hub {'offline' if offline else 'online'}): {_fix(offline)}{why}"
+    where = f"the HF cache {hub_cache_dir()}"
+    if offline:   # the cause only repeats "not cached"
+        return (f"a Hugging Face hub id (hub offline): not in {where} and HF_HUB_OFFLINE=1 "
+                f"forbids downloads. Fix: download it once with the hub reachable (unset "
+                f"HF_HUB_OFFLINE), point HF_HOME or HF_HUB_CACHE at a cache that holds it, or "
+                f"pass a local model directory")
+    first = " ".join(str(cause).split())[:200]
+    why = "" if cause is None else f" ({type(cause).__name__}: {first})"
+    return (f"a Hugging Face hub id (hub online): not in {where} and the hub did not serve it. "
+            f"Fix: check the id, log in for a gated model (`hf auth login` or HF_TOKEN), point "
+            f"HF_HOME at a cache that holds it, or pass a local model directory{why}")
 
 
 def _error(name: str, offline: bool, cause: BaseException | None) -> HubError:

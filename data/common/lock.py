@@ -61,12 +61,6 @@ def sibling_lock_path(directory: str | os.PathLike) -> Path:
     return d.parent / f".{d.name}.lock"
 
 
-def _holder_record(what: str, directory: Path) -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
-            "since": time.strftime("%Y-%m-%d %H:%M:%S%z"), "what": what,
-            "directory": str(directory)}
-
-
 def _read_holder(fd: int) -> dict | None:
     try:
         os.lseek(fd, 0, os.SEEK_SET)
@@ -156,7 +150,10 @@ class DirLock:
         if stale:
             log.warning("%s: taking over the stale lock of %s, which is no longer running "
                         "(%s)", self.directory, describe_holder(stale), self.path)
-        record = json.dumps(_holder_record(self.what, self.directory)).encode()
+        record = json.dumps({
+            "pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S%z"), "what": self.what,
+            "directory": str(self.directory)}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record + b"\n", 0)
         os.fsync(fd)
@@ -176,12 +173,6 @@ class DirLock:
             self.path.unlink()  # while still locked: no other writer holds this inode
         os.close(self.fd)  # drops the flock
         self.fd = None
-
-    def __enter__(self) -> "DirLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 @contextlib.contextmanager

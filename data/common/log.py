@@ -32,17 +32,6 @@ PROGRESS = "eyas_progress"
 DATEFMT = "%Y-%m-%d %H:%M:%S"
 
 
-class RankZeroFilter(logging.Filter):
-    """Drop records on ranks other than 0 unless they are warnings or worse."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__()
-        self.rank = rank
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.rank == 0 or record.levelno >= logging.WARNING
-
-
 class TerminalProgressFilter(logging.Filter):
     """Drop progress records when the stream is a terminal (its progress bar shows them)."""
 
@@ -78,13 +67,6 @@ def is_noise(record: logging.LogRecord) -> bool:
     """Whether `record` is one of the NOISE lines."""
     return any(record.name == name and record.getMessage().startswith(text)
                for name, text in NOISE)
-
-
-class ConsoleNoiseFilter(logging.Filter):
-    """Drop the NOISE records from the console."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not is_noise(record)
 
 
 class NoiseAsDebugFormatter(logging.Formatter):
@@ -169,7 +151,7 @@ def setup_logging(level: int = logging.INFO, rank: int | None = None,
         fmt = f"[rank {rank}] " + fmt
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     handlers[0].addFilter(TerminalProgressFilter(sys.stderr))
-    handlers[0].addFilter(ConsoleNoiseFilter())
+    handlers[0].addFilter(lambda record: not is_noise(record))
     handlers[0].setFormatter(logging.Formatter(fmt, datefmt=DATEFMT))
     if file is not None:
         Path(file).parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +162,8 @@ def setup_logging(level: int = logging.INFO, rank: int | None = None,
         handlers[1].records = early
     for handler in handlers:
         handler._eyas = True  # type: ignore[attr-defined]
-        handler.addFilter(RankZeroFilter(rank))
+        # ranks other than 0: warnings and worse only
+        handler.addFilter(lambda record: rank == 0 or record.levelno >= logging.WARNING)
         root.addHandler(handler)
     if file is not None:
         for record in early or []:

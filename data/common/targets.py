@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from eyas.data.common import hub
 from eyas.data.common.log import quiet_libraries
@@ -325,6 +326,24 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+class WeightFiles:
+    """Tensors of a safetensors checkpoint by name (one file or an index), memory-mapped."""
+
+    def __init__(self, path: Path):
+        self.where: dict[str, Path] = {}
+        for f in weight_files(path):           # only each file's header is read
+            with safe_open(str(f), framework="pt") as sf:
+                self.where.update({k: f for k in sf.keys()})
+
+    def first_rows(self, name: str, rows: int) -> torch.Tensor:
+        with safe_open(str(self.where[name]), framework="pt") as sf:
+            return sf.get_slice(name)[:rows]
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.where[name]), framework="pt") as sf:
+            return sf.get_tensor(name)
+
+
 def load_embedding_and_head(target: str | Path, cache_dir: str | Path | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's input embedding [V, tH] and output head [V, tH], read without the model.
@@ -332,24 +351,16 @@ def load_embedding_and_head(target: str | Path, cache_dir: str | Path | None = N
     Only these two tensors are memory-mapped from the safetensors files, so this works for
     targets far larger than memory. A tied head returns the embedding twice.
     """
-    from safetensors import safe_open
     path = resolve_target(target, cache_dir, need="embedding")
-    found: dict[str, torch.Tensor] = {}
-    for f in weight_files(path):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                if name.endswith("embed_tokens.weight") and "embed" not in found:
-                    found["embed"] = sf.get_tensor(name)
-                elif name.endswith("lm_head.weight") and "head" not in found:
-                    found["head"] = sf.get_tensor(name)
-    if "embed" not in found:
+    weights = WeightFiles(path)
+    embed, head = (next((n for n in weights.where if n.endswith(suffix)), None)
+                   for suffix in ("embed_tokens.weight", "lm_head.weight"))
+    if embed is None:
         raise KeyError(f"{path}: no tensor named '*embed_tokens.weight' in its safetensors files")
-    if "head" not in found:
-        cfg = text_config(load_target_config(path))
-        if not cfg.get("tie_word_embeddings", False):
-            raise KeyError(f"{path}: no '*lm_head.weight' and tie_word_embeddings is not true")
-        found["head"] = found["embed"]
-    return found["embed"], found["head"]
+    if head is None and not text_config(load_target_config(path)).get("tie_word_embeddings"):
+        raise KeyError(f"{path}: no '*lm_head.weight' and tie_word_embeddings is not true")
+    table = weights.get(embed)
+    return table, table if head is None else weights.get(head)
 
 
 def weights_error(target: str | Path, need: str, cache_dir: str | Path | None = None

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from eyas.data.common.space import no_room_error, require_free
+from eyas.data.common.space import DiskFullError, no_room_is_an_error, require_free
 
 log = logging.getLogger(__name__)
 
@@ -68,27 +68,27 @@ def atomic_path(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[Path
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        yield tmp
-        umask_mode(tmp)  # after the caller: writers such as safetensors recreate the file 0600
-        if fsync:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, final)
-        if fsync:
-            fsync_dir(final.parent)
-    except BaseException as e:
-        full = no_room_error(e, final.parent, what=final.name) if isinstance(e, Exception) else None
+        with no_room_is_an_error(final.parent, what=final.name):   # before the cleanup below
+            yield tmp
+            umask_mode(tmp)  # after the caller: writers such as safetensors recreate it 0600
+            if fsync:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, final)
+            if fsync:
+                fsync_dir(final.parent)
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-        if full is not None and full is not e:
-            raise full from e
         raise
 
 
 def umask_mode(path: str | os.PathLike) -> None:
     """Give a file the mode a plain `open()` would: ``0o666 & ~umask`` (mkstemp and safetensors
     create files 0600, which a serving container running as another user cannot read)."""
-    os.chmod(path, 0o666 & ~_umask())
+    umask = os.umask(0o022)   # read by setting it and putting it back
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def umask_modes(root: str | os.PathLike) -> None:
@@ -99,13 +99,6 @@ def umask_modes(root: str | os.PathLike) -> None:
             p = os.path.join(dirpath, name)
             if os.path.isfile(p) and not os.path.islink(p):
                 umask_mode(p)
-
-
-def _umask() -> int:
-    """The process umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _fresh_dir(parent: Path, name: str) -> Path:
@@ -147,25 +140,22 @@ def atomic_write_dir(path: str | os.PathLike, build: Callable[[Path], object], *
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _fresh_dir(final.parent, final.name)
     try:
-        build(tmp)
-        if final.exists() and if_exists == "keep":
-            shutil.rmtree(tmp)
-        elif final.exists():
-            old = final.with_name(f"{TMP_PREFIX}{final.name}.old.{os.getpid()}")
-            final.rename(old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(final.parent)
+        with no_room_is_an_error(final.parent, what=final.name, needed=need_bytes):
+            build(tmp)
+            if final.exists() and if_exists == "keep":
+                shutil.rmtree(tmp)
+            elif final.exists():
+                old = final.with_name(f"{TMP_PREFIX}{final.name}.old.{os.getpid()}")
+                final.rename(old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            fsync_dir(final.parent)
     except BaseException as e:
-        full = (no_room_error(e, final.parent, what=final.name, needed=need_bytes)
-                if isinstance(e, Exception) else None)
         shutil.rmtree(tmp, ignore_errors=True)
-        if full is e and str(tmp) in str(e):     # a file of `build`: named where it would be
-            raise type(e)(str(e).replace(str(tmp), str(final))) from e
-        if full is not None and full is not e:
-            raise full from e
+        if isinstance(e, DiskFullError) and str(tmp) in str(e):   # a file of `build`: named
+            raise type(e)(str(e).replace(str(tmp), str(final))) from e   # where it would be
         raise
     return final
 

@@ -89,10 +89,6 @@ class Engine:
                  self.info.get("seconds", 0))
         return self
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
     def request(self, req: dict[str, Any]) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
         try:

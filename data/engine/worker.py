@@ -23,12 +23,11 @@ JOB.json: {"target": dir, "dtype": "float32", "max_model_len": N, "max_num_seqs"
 "seed": S, "kv_cache_gib": G, "speculative": {"drafter": dir, "k": K} | null,
 "capture": {"layers": [ids], "storage": dir, "connector": "host" | "stock"} | null}.
 
-Settings for speed on a CPU come from the host's environment (runner.py): the engine core in
-this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), eager mode, Intel OpenMP preloaded, a throwaway
-VLLM_CACHE_ROOT. Two things of vLLM 0.32 this script accounts for: a request's hidden-states file
-is written one engine step after the request finished, and `LLM.generate` returns before that
-step, so `capture` keeps stepping the engine until nothing is pending; and vLLM binds its torch
-thread to core 0, so the host never runs two workers at once on a small machine.
+Settings for speed on a CPU come from the host's environment (runner.py). Two things of vLLM
+0.32 this script accounts for: a request's hidden-states file is written one engine step after
+the request finished, and `LLM.generate` returns before that step, so `capture` keeps stepping
+the engine until nothing is pending; and vLLM binds its torch thread to core 0, so the host
+never runs two workers at once on a small machine.
 """
 
 from __future__ import annotations
@@ -101,12 +100,10 @@ def counters(llm) -> dict:
 def delta(after: dict, before: dict) -> dict:
     out = {}
     for name, v in after.items():
-        b = before.get(name)
-        if isinstance(v, list):
-            b = b or [0] * len(v)
-            out[name] = [x - y for x, y in zip(v, b + [0] * (len(v) - len(b)))]
+        if isinstance(v, list):   # a vector that grew since: its new entries start at 0
+            out[name] = [x - y for x, y in zip(v, (before.get(name) or []) + [0] * len(v))]
         else:
-            out[name] = v - (b or 0)
+            out[name] = v - (before.get(name) or 0)
     return out
 
 

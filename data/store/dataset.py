@@ -6,10 +6,7 @@ parsed and checked against the manifest, file memory-mapped copy-on-write) and k
 LRU cache. `dataset[i]` returns views into the mapping: no bytes are copied for bf16 `aux`/`last`
 or bool `loss_mask`; int32 ids are widened to int64 and fp8 aux is dequantised (small copies).
 Views stay valid after their shard leaves the cache (the tensor keeps the mapping alive).
-
-Verification levels (`verify=`): "none" checks each shard's header lazily on first access (always
-done: truncation, garbled header, manifest mismatch); "header" does that for every shard at open;
-"checksum" also recomputes every sample's crc32 and checks float fields for NaN/inf.
+Verification levels: `open_dataset`.
 """
 
 from __future__ import annotations
@@ -28,10 +25,10 @@ import numpy as np
 import torch
 
 from eyas.data.store.format import (AUX_SCALE, FLOAT_FIELDS, FORMAT_VERSION, INDEX_NAME,
-                                    MANIFEST_NAME, OFFSETS, SAMPLE_CRC, DatasetError,
+                                    MANIFEST_NAME, OFFSETS, SAMPLE_CRC, SHARD_GLOB, DatasetError,
                                     as_numpy_bytes, crc32_rows, dequantize_fp8, dtype_from_name,
-                                    nonfinite_tokens, parse_header, pread_exact,
-                                    shard_meta_from_header, table_checksum)
+                                    nonfinite_tokens, pread_exact, read_shard_header,
+                                    table_checksum)
 from eyas.data.common.utils import progress
 from eyas.data.store.read_checks import ReadChecks
 
@@ -60,8 +57,7 @@ class ShardFile:
                  lengths: np.ndarray | None = None):
         self.path = path
         self.file = open(path, "rb")  # closed when the last reference (cache or view) goes
-        self.header = parse_header(path, self.file)
-        self.meta, self.offsets = shard_meta_from_header(path, self.header, self.file)
+        self.header, self.meta, self.offsets = read_shard_header(path, self.file)
         if expected is not None:
             self._check_against(expected, lengths)
         self._base: torch.Tensor | None = None
@@ -100,6 +96,25 @@ class ShardFile:
         lo, hi = int(self.offsets[j]), int(self.offsets[j + 1])
         return self.tensor(name)[lo:hi]
 
+    def verbatim(self, name: str) -> bool:
+        """Whether field `name` is read as stored (not widened, not fp8 aux dequantised)."""
+        spec = self.meta["fields"][name]
+        fp8 = name == "aux" and self.meta.get("aux_format") == "fp8"
+        return spec["dtype"] == spec["stored_dtype"] and not fp8
+
+    @property
+    def crc_names(self) -> list[str]:
+        """The per-token tensors the sample crc covers, in crc order (sorted names)."""
+        return sorted(n for n in self.header.tensors if n not in (OFFSETS, SAMPLE_CRC))
+
+    def crc_table(self) -> np.ndarray:
+        """int64 [n]: the stored per-sample crcs, checked against the shard checksum."""
+        stored = self.tensor(SAMPLE_CRC).numpy()
+        if table_checksum(self.offsets, stored) != self.meta["checksum"]:
+            raise DatasetError("the per-sample checksum table does not match the shard checksum "
+                               "(corrupted file); re-create the shard", path=self.path)
+        return stored
+
     def sample(self, j: int, names=None) -> dict[str, torch.Tensor]:
         out = {}
         for name, spec in self.meta["fields"].items():
@@ -122,12 +137,12 @@ class ShardFile:
         """
         lo = int(self.offsets[j])
         fp8 = self.meta.get("aux_format") == "fp8"
-        for name, spec in self.meta["fields"].items():
+        for name in self.meta["fields"]:
             dst = out.get(name)
             if dst is None:
                 continue
             e = self.header.tensors[name]
-            verbatim = spec["dtype"] == spec["stored_dtype"] and not (name == "aux" and fp8)
+            verbatim = self.verbatim(name)
             _check_buffer(name, dst, e, e.dtype if verbatim else None, length, self.path)
             dst = dst[:length]
             if name == "aux" and fp8:
@@ -141,18 +156,11 @@ class ShardFile:
             else:
                 dst.copy_(self.tensor(name)[lo:lo + length].reshape(dst.shape))
 
-    def data_arrays(self) -> list[np.ndarray]:
-        """The per-token tensors the sample crc covers, in crc order (sorted names)."""
-        names = sorted(n for n in self.header.tensors if n not in (OFFSETS, SAMPLE_CRC))
-        return [as_numpy_bytes(self.tensor(n)) for n in names]
-
     def bad_checksums(self) -> list[int]:
         """Local indices of samples whose stored bytes no longer match their crc32."""
-        stored = self.tensor(SAMPLE_CRC).numpy()
-        if table_checksum(self.offsets, stored) != self.meta["checksum"]:
-            raise DatasetError("the per-sample checksum table does not match the shard checksum "
-                               "(corrupted file); re-create the shard", path=self.path)
-        actual = crc32_rows(self.data_arrays(), self.offsets)
+        stored = self.crc_table()
+        actual = crc32_rows([as_numpy_bytes(self.tensor(n)) for n in self.crc_names],
+                            self.offsets)
         return np.nonzero(actual != stored)[0].tolist()
 
     def nonfinite_samples(self) -> list[int]:
@@ -350,7 +358,7 @@ class Dataset:
 def _load_manifest(root: Path) -> dict[str, Any]:
     path = root / MANIFEST_NAME
     if not path.is_file():
-        shards = list(root.glob("shard-*.safetensors")) if root.is_dir() else []
+        shards = list(root.glob(SHARD_GLOB)) if root.is_dir() else []
         hint = (f"it holds {len(shards)} shard files but no manifest: the producer did not "
                 f"finish (re-run it to resume; it writes the manifest last)") if shards else \
             "not an eyas dataset directory"
@@ -372,8 +380,9 @@ def open_dataset(path: str | os.PathLike, *, verify: str = "none", nonfinite: st
     """Open the dataset in directory `path` (reads the manifest and the length index only).
 
     Args:
-        verify: "none" (headers checked lazily on first access), "header" (every shard header
-            now), "checksum" (also every sample's crc32 and NaN/inf check; reads all data).
+        verify: "none" (each shard's header checked on its first access: truncation, garbled
+            header, manifest mismatch), "header" (every shard's header now), "checksum" (also
+            every sample's crc32 and NaN/inf check; reads all data).
         nonfinite: what a NaN/inf sample found by a scan does: "error" raises DatasetError,
             "skip" drops it (counted, logged, listed in `Dataset.skipped`). "skip" scans the
             float fields at open even when verify != "checksum".

@@ -2,11 +2,12 @@
 
 The format itself is documented in data/store/FORMAT.md (format version `FORMAT_VERSION`).
 This module knows nothing about datasets or loaders; `data.store.shards` and `data.dataset` build on
-it (a shard's own metadata is checked here: `shard_meta_from_header`).
+it (a shard's own metadata is checked here: `read_shard_header`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -117,9 +118,7 @@ def parse_header(path: str | os.PathLike, file=None) -> Header:
     unknown dtypes, byte ranges that disagree with shape x dtype, or a file shorter than the
     byte ranges it declares (truncated).
     """
-    own = file is None
-    f = open(path, "rb") if own else file
-    try:
+    with open(path, "rb") if file is None else contextlib.nullcontext(file) as f:
         size = os.fstat(f.fileno()).st_size
         head = os.pread(f.fileno(), 8, 0)
         if len(head) < 8:
@@ -130,9 +129,6 @@ def parse_header(path: str | os.PathLike, file=None) -> Header:
             raise DatasetError(f"header length field says {n} bytes but the file has {size}: "
                                f"garbled or truncated header; re-create the shard", path=path)
         raw = os.pread(f.fileno(), n, 8)
-    finally:
-        if own:
-            f.close()
     try:
         obj = json.loads(raw)
         if not isinstance(obj, dict):
@@ -258,8 +254,10 @@ def pread_exact(fd: int, buf: memoryview, offset: int, path: Path) -> None:
         done += n
 
 
-def shard_meta_from_header(path: Path, header: Header, f) -> tuple[dict[str, Any], np.ndarray]:
-    """(meta, offsets [n+1] int64) of an eyas shard; checks the header against its own meta."""
+def read_shard_header(path: Path, f) -> tuple[Header, dict[str, Any], np.ndarray]:
+    """(header, meta, offsets [n+1] int64) of the eyas shard open as `f`: the header is parsed
+    and checked against the shard's own meta; only the header and offsets are read."""
+    header = parse_header(path, f)
     raw = header.metadata.get("eyas")
     if raw is None:
         raise DatasetError("not an eyas shard (no 'eyas' entry in the safetensors metadata)",
@@ -292,4 +290,4 @@ def shard_meta_from_header(path: Path, header: Header, f) -> tuple[dict[str, Any
     if offsets[0] != 0 or offsets[-1] != T or (np.diff(offsets) <= 0).any():
         raise DatasetError(f"offsets table is not strictly increasing from 0 to n_tokens={T}",
                            path=path)
-    return meta, offsets
+    return header, meta, offsets

@@ -21,6 +21,7 @@ loader (`load_state_dict`) yields exactly the batches the original had not yet h
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -337,14 +338,10 @@ class PackedLoader:
                 yield batch
         else:
             pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="eyas-loader")
-            pending: collections.deque = collections.deque()
-            ahead = self.num_workers * self.prefetch
             try:
                 it = iter(todo)
-                for docs in it:
-                    pending.append(pool.submit(self.build_batch, docs))
-                    if len(pending) >= ahead:
-                        break
+                pending = collections.deque(pool.submit(self.build_batch, docs) for docs in
+                                            itertools.islice(it, self.num_workers * self.prefetch))
                 while pending:
                     batch = pending.popleft().result()
                     nxt = next(it, None)
@@ -352,9 +349,7 @@ class PackedLoader:
                         pending.append(pool.submit(self.build_batch, nxt))
                     self._cursor += 1
                     yield batch
-            finally:
-                for fut in pending:
-                    fut.cancel()
+            finally:   # the batches not started yet are cancelled
                 pool.shutdown(wait=True, cancel_futures=True)
         if self._epoch == epoch and self._cursor >= len(plan):
             self._epoch, self._cursor = epoch + 1, 0

@@ -40,12 +40,6 @@ class PlanStats:
     fill: float           # real tokens / (batches * budget)
 
 
-def epoch_order(indices: np.ndarray, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    if not shuffle:
-        return indices.copy()
-    return np.random.default_rng([seed, epoch]).permutation(indices)
-
-
 def pack_window(idx: np.ndarray, lengths: np.ndarray, budget: int) -> list[list[int]]:
     """Best-fit-decreasing packing of one window. lengths are already capped at `budget`."""
     order = np.argsort(-lengths, kind="stable")
@@ -88,7 +82,7 @@ def build_plan(sample_lengths: np.ndarray, indices: np.ndarray, budget: int, wor
     """The global list of bins (lists of dataset indices) for one epoch, and its counts."""
     if budget <= 0:
         raise ValueError(f"token_budget must be positive, got {budget}")
-    order = epoch_order(indices, seed, epoch, shuffle)
+    order = np.random.default_rng([seed, epoch]).permutation(indices) if shuffle else indices
     capped = np.minimum(sample_lengths[order], budget)
     truncated = int((sample_lengths[order] > budget).sum())
     bins: list[list[int]] = []

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from eyas.data.store.format import (AUX_SCALE, FLOAT_FIELDS, OFFSETS, SAMPLE_CRC, DatasetError,
-                              as_numpy_bytes, crc32, nonfinite_tokens, table_checksum)
+from eyas.data.store.format import (AUX_SCALE, FLOAT_FIELDS, SAMPLE_CRC, DatasetError,
+                                    as_numpy_bytes, crc32, nonfinite_tokens)
 
 log = logging.getLogger(__name__)
 
@@ -48,23 +48,17 @@ def _flat_bytes(t: torch.Tensor) -> np.ndarray:
     return as_numpy_bytes(t).reshape(-1).view(np.uint8)
 
 
-def _verbatim(sh, name: str, dst: torch.Tensor | None) -> bool:
-    """Whether `read_into` put this field's stored bytes into `dst` unchanged (pread path)."""
-    spec = sh.meta["fields"].get(name)
-    return (dst is not None and spec is not None and spec["dtype"] == spec["stored_dtype"]
-            and not (name == "aux" and sh.meta.get("aux_format") == "fp8")
-            and dst.is_contiguous())
-
-
 def sample_crc(sh, j: int, out: dict[str, torch.Tensor] | None = None,
                length: int | None = None) -> int:
     """crc32 of shard-local sample j; fields read in full into `out` are hashed from there."""
     lo, hi = int(sh.offsets[j]), int(sh.offsets[j + 1])
     full = out is not None and length == hi - lo
     crc = 0
-    for name in sorted(n for n in sh.header.tensors if n not in (OFFSETS, SAMPLE_CRC)):
+    for name in sh.crc_names:
         dst = out.get(name) if full else None
-        if dst is not None and _verbatim(sh, name, dst[:length]):
+        # read_into put the stored bytes of a verbatim field into a contiguous `dst` unchanged
+        if (dst is not None and name in sh.meta["fields"] and sh.verbatim(name)
+                and dst[:length].is_contiguous()):
             crc = crc32(_flat_bytes(dst[:length]), crc)
         else:
             crc = crc32(_flat_bytes(sh.tensor(name)[lo:hi]), crc)
@@ -117,11 +111,7 @@ class ReadChecks:
         done = self._done.get(s)
         if done is None:
             if self.checksum:
-                stored = sh.tensor(SAMPLE_CRC).numpy()
-                if table_checksum(sh.offsets, stored) != sh.meta["checksum"]:
-                    raise DatasetError("the per-sample checksum table does not match the shard "
-                                       "checksum (corrupted file); re-create the shard",
-                                       path=sh.path)
+                sh.crc_table()
             with self._lock:
                 done = self._done.setdefault(s, np.zeros(len(sh.offsets) - 1, dtype=bool))
         return not done[j]

@@ -37,20 +37,6 @@ def _ansi(text: str) -> str:
     return "\n".join(ANSI_ON + line + ANSI_OFF if line else "" for line in text.split("\n"))
 
 
-def render_text(tokenizer: Any, ids: Sequence[int], mask: Sequence[bool],
-                style: str = "brackets") -> str:
-    """The sample decoded run by run, trained runs marked (module doc)."""
-    if style not in STYLES:
-        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
-    parts = []
-    for trained, run in mask_runs(ids, mask):
-        text = tokenizer.decode(run, skip_special_tokens=False)
-        if trained:
-            text = OPEN + text + CLOSE if style == "brackets" else _ansi(text)
-        parts.append(text)
-    return "".join(parts)
-
-
 def sample_header(i: int, ids: Sequence[int], mask: Sequence[bool], note: str = "") -> str:
     """``[i] tokens T  trained K (K/T as a percentage)`` plus an optional note."""
     n, k = len(ids), int(sum(bool(m) for m in mask))
@@ -60,12 +46,17 @@ def sample_header(i: int, ids: Sequence[int], mask: Sequence[bool], note: str = 
 
 def render_sample(tokenizer: Any, i: int, ids: Sequence[int], mask: Sequence[bool],
                   style: str = "brackets") -> str:
-    """Header line, then the decoded sample with its trained runs marked, then an end line."""
-    plain = "".join(tokenizer.decode(run, skip_special_tokens=False)
-                    for _, run in mask_runs(ids, mask))
+    """Header line, then the decoded sample with its trained runs marked (module doc), then an
+    end line."""
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+    runs = [(trained, tokenizer.decode(run, skip_special_tokens=False))
+            for trained, run in mask_runs(ids, mask)]
+    plain = "".join(text for _, text in runs)
     note = (f"(the text itself contains {OPEN} or {CLOSE})"
             if style == "brackets" and (OPEN in plain or CLOSE in plain) else "")
-    body = render_text(tokenizer, ids, mask, style)
+    mark = (lambda text: OPEN + text + CLOSE) if style == "brackets" else _ansi
+    body = "".join(mark(text) if trained else text for trained, text in runs)
     return f"{sample_header(i, ids, mask, note)}\n{body}\n[{i}] end"
 
 

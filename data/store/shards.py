@@ -30,9 +30,9 @@ from eyas.data.store.dataset import Dataset, open_dataset
 from eyas.data.store.format import (AUX_FORMATS, AUX_SCALE, DATASET_FORMAT, FLOAT_FIELDS,
                                     FORMAT_VERSION, ID_FIELDS, INDEX_NAME, KINDS, MANIFEST_NAME,
                                     OFFSETS, READ_DTYPES, RESERVED, SAMPLE_CRC, SHARD_FORMAT,
-                                    DatasetError, as_numpy_bytes, crc32_rows, dequantize_fp8,
-                                    dtype_name, json_meta, nonfinite_tokens, parse_header,
-                                    quantize_fp8, shard_meta_from_header, table_checksum)
+                                    SHARD_GLOB, DatasetError, as_numpy_bytes, crc32_rows,
+                                    dequantize_fp8, dtype_name, json_meta, nonfinite_tokens,
+                                    quantize_fp8, read_shard_header, table_checksum)
 from eyas.data.common.utils import atomic_path, atomic_write_json
 
 __all__ = ["Dataset", "DatasetError", "open_dataset", "write_shard", "read_shard_meta",
@@ -203,21 +203,9 @@ def read_shard_meta(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     with open(path, "rb") as f:
-        header = parse_header(path, f)
-        meta, offsets = shard_meta_from_header(path, header, f)
+        _, meta, offsets = read_shard_header(path, f)
     return dict(meta, file=path.name, bytes=path.stat().st_size,
                 sample_lengths=np.diff(offsets).tolist())
-
-
-def _common_fields(metas: list[dict[str, Any]], root: Path) -> tuple[dict, str | None]:
-    ref = metas[0]
-    for m in metas[1:]:
-        if m["fields"] != ref["fields"] or m.get("aux_format") != ref.get("aux_format"):
-            raise DatasetError(
-                f"shard {m['file']} has fields {m['fields']} / aux_format {m.get('aux_format')}, "
-                f"but {ref['file']} has {ref['fields']} / {ref.get('aux_format')}; every shard "
-                f"of a dataset must share fields, dtypes, shapes and aux format", path=root)
-    return ref["fields"], ref.get("aux_format")
 
 
 def write_manifest(dataset_dir: str | os.PathLike, manifest: Mapping[str, Any],
@@ -236,7 +224,7 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: Mapping[str, Any],
     """
     root = Path(dataset_dir)
     if shard_metas is None:
-        shard_metas = [read_shard_meta(p) for p in sorted(root.glob("shard-*.safetensors"))]
+        shard_metas = [read_shard_meta(p) for p in sorted(root.glob(SHARD_GLOB))]
     metas = sorted((dict(m) for m in shard_metas), key=lambda m: m["index"])
     if not metas:
         raise DatasetError("no shards to put in the manifest", path=root)
@@ -251,7 +239,14 @@ def write_manifest(dataset_dir: str | os.PathLike, manifest: Mapping[str, Any],
     if manifest.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
         raise ValueError(f"manifest['format_version'] is set by write_manifest ({FORMAT_VERSION}); "
                          f"got {manifest['format_version']!r}")
-    fields, aux_format = _common_fields(metas, root)
+    ref = metas[0]
+    fields, aux_format = ref["fields"], ref.get("aux_format")
+    for m in metas[1:]:
+        if m["fields"] != fields or m.get("aux_format") != aux_format:
+            raise DatasetError(
+                f"shard {m['file']} has fields {m['fields']} / aux_format {m.get('aux_format')}, "
+                f"but {ref['file']} has {fields} / {aux_format}; every shard of a dataset must "
+                f"share fields, dtypes, shapes and aux format", path=root)
     if kind == "hidden" and "aux" not in fields:
         raise DatasetError(f"kind 'hidden' needs an 'aux' field; shards have {sorted(fields)}",
                            path=root)
