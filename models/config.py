@@ -2,12 +2,9 @@
 
 Layout A (models/serving/CONTRACT.md §2) is a one-layer Llama-style drafter that both vLLM
 (`LlamaForCausalLMEagle3`) and SGLang load unchanged. Every exported field has a dataclass field
-of the same name, except the aux layer ids, which the file spells twice:
-
-    config field        aux_layer_ids = [a, b, c]            HF `hidden_states[k]` ids (= vLLM ids)
-    config.json         eagle_aux_hidden_state_layer_ids     [a, b, c]         (vLLM reads this)
-                        eagle_config.eagle_aux_hidden_state_layer_ids
-                                                             [a-1, b-1, c-1]   (SGLang reads this, adds 1)
+of the same name, except the aux layer ids, which the file spells twice, once per engine
+(CONTRACT.md §2, "Aux layer ids"): `aux_layer_ids` holds the HF `hidden_states[k]` ids
+(= vLLM ids).
 
 Fields in `TRAINING_ONLY` (the TTT unroll depth) steer training and are never written to
 config.json. `Eagle3Config.from_target` derives a drafter from a target's config.json dict with

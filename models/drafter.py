@@ -1,20 +1,9 @@
 """`Eagle3Drafter`: the layout-A EAGLE-3 drafter and its training-time-test (TTT) unroll.
 
-Parameter names are the exported layout-A names (models/serving/CONTRACT.md §3), so a state
-dict minus `embed_tokens.weight` is the export:
-
-    fc.weight                                   [H, 3·tH]   fuses [h_a | h_b | h_c]
-    input_norm.weight [3·tH], fc_norm.{0,1,2}.weight [tH]  EAGLE-3.1 aux norms, when configured
-    midlayer.input_layernorm.weight             [H]         RMSNorm on the token embedding
-    midlayer.hidden_norm.weight                 [H]         RMSNorm on fc(aux) / the fed-back hidden
-    midlayer.self_attn.{q,k,v}_proj.weight      [heads·hd, 2H]   input cat(norm(embed), norm(g))
-    midlayer.self_attn.o_proj.weight            [H, nh·hd]
-    midlayer.post_attention_layernorm.weight    [H]
-    midlayer.mlp.{gate,up}_proj.weight [I, H],  midlayer.mlp.down_proj.weight [H, I]
-    norm.weight [H],  lm_head.weight [Vd, H]
-    buffers: d2t [Vd] int64 (offsets: target id = i + d2t[i]),  t2d [V] bool
-             (unsaved: their `VocabMap` lookups target_ids [Vd], t2d_index [V])
-    embed_tokens.weight [V, H]: the target's embedding, frozen, never exported
+Parameter names and shapes are the exported layout-A ones (models/serving/CONTRACT.md §3), so a
+state dict minus `embed_tokens.weight` (the target's embedding [V, H], frozen) is the export; the
+buffers `d2t` and `t2d` carry the vocab map, with its unsaved lookups `target_ids` [Vd] and
+`t2d_index` [V].
 
 One step computes exactly models/serving/CONTRACT.md §4, written out in `models.layer` with the
 layer's modules and the pieces of one step that torch.compile fuses (`models.serving.reference`

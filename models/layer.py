@@ -2,13 +2,7 @@
 torch.compile fuses (`models.drafter.Eagle3Drafter` runs the unroll).
 
 One step computes exactly models/serving/CONTRACT.md §4 (`models.serving.reference` re-derives
-it independently):
-
-    x = cat(input_layernorm(embed(tok)), hidden_norm(g))     # [T, 2H], embedding FIRST
-    h = g + o_proj(attention(rope(q_proj x), rope(k_proj x), v_proj x))   # residual = g, un-normed
-    p = h + mlp(post_attention_layernorm(h))                  # pre-norm output, fed back as next g
-    hidden = norm(p)                                          # lm_head input (the loss applies lm_head)
-
+it independently) up to norm(p), the lm_head input: the loss applies lm_head.
 Norms and softmax run in fp32; parameters may be bf16.
 
 Speed (GPU): with `compile_layer` the two halves of a step around the attention kernel,

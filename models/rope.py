@@ -13,15 +13,11 @@ The drafter implements every type both engines apply to that layer:
               mscale = 0.1·ln(factor) + 1, or mscale(factor, mscale) / mscale(factor, mscale_all_dim)
               when both are given, or `attention_factor`
     longrope  per-dimension rescale factors: `long_factor` when max_position_embeddings exceeds the
-              original length (as vLLM chooses for a served length above it), `short_factor`
-              otherwise; cos/sin × long_mscale / short_mscale, default sqrt(1 + ln(s)/ln(orig))
-              with s = max_position_embeddings / original length (the engines' rule: they ignore
-              `factor` and `attention_factor` for this type)
-    dynamic   dynamic NTK, as a static table: the engines never rescale with the running length;
-              vLLM computes plain RoPE (base θ) at every position, which is also what transformers
-              computes for sequences within max_position_embeddings. SGLang instead serves NTK with
-              base θ·(f² − f + 1)^(d/(d−2)), so a dynamic target's drafter is derived with plain RoPE
-              (`target_rope_scaling`) and the validator refuses an exported "dynamic".
+              original length, `short_factor` otherwise; cos/sin × long_mscale / short_mscale,
+              default sqrt(1 + ln(s)/ln(orig)) with s = max_position_embeddings / original length
+    dynamic   plain RoPE (base θ), as vLLM serves it; SGLang serves another table, so a dynamic
+              target's drafter is derived with plain RoPE (`target_rope_scaling`) and the
+              validator refuses an exported "dynamic"
 
 The inverse frequencies and the yarn attention factor come from transformers' `ROPE_INIT_FUNCTIONS`
 (the functions its Llama uses); the longrope attention factor follows the engines (hand-written

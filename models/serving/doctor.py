@@ -4,18 +4,8 @@
                 [--concurrency C] [--hardware h100] [--gpus N] [--weight-bytes 2] [--json]
 
 Low acceptance almost never comes with an error message: the engines load a wrong drafter and
-serve it. The doctor collects what can be checked offline, before a server starts:
-- the validator's findings (serving contract, §2-§3);
-- the training data against the export: the aux layers the features came from vs the ids the
-  engines will capture, the target the features were extracted from, the tokenizer and chat
-  template the conversations were rendered with vs the target's;
-- how much of the data's assistant tokens (and of the target's own next-token choices) the
-  draft vocabulary can express at all: a draft token outside t2d is never accepted; and whether
-  the data was written by the target at all (its tokens vs the target's greedy choices);
-- the TTT depth trained (eyas_export.json) vs the number of speculative tokens served;
-- the target the export was trained for (eyas_provenance.json) vs the one it is checked against;
-- the speedup predicted at K and the deployment given, from the recorded acceptance (a warning
-  below 1: speculation would be slower than none).
+serve it. The doctor collects what can be checked offline, before a server starts; what it
+checks, its options and its JSON: docs/acceptance.md ("`eyas doctor`").
 """
 
 from __future__ import annotations

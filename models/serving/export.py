@@ -13,13 +13,8 @@ CHECKPOINT may be
       (`vocab.safetensors`, or the state dict's `d2t`/`t2d` buffers);
   (c) an exported drafter directory (layout A, or speculators `layers.0.`: re-export/convert).
 
-The output (models/serving/CONTRACT.md §1-§3): `config.json` + `model.safetensors` in bf16 with
-exactly the layout-A names (no `model.` prefix, `midlayer.`, no `embed_tokens`, `lm_head` always,
-`d2t` int64 offsets and `t2d` bool iff draft_vocab_size < vocab_size), plus `eyas_export.json` (TTT
-steps and training settings), the model card `README.md` and `eyas_provenance.json` (how the
-drafter was made: models/serving/card.py) and `SHA256SUMS` (every file's SHA-256, `sha256sum -c`
-format; both engines ignore extra files). It is written to a temporary directory, checked with the
-static validator, and renamed into place: a failed export leaves nothing behind.
+The output directory, its files and how it is built (in a hidden sibling, checked by the static
+validator, renamed into place: a failed export leaves nothing behind): CONTRACT.md §1.
 """
 
 from __future__ import annotations

@@ -2,20 +2,11 @@
 
 Written independently of the training code (no import from models.drafter / attention / config):
 it reads a layout-A config.json dict and the exported tensors by name, exactly as the engines do,
-and decodes incrementally with a KV cache (models/serving/CONTRACT.md §4):
-
-    prefill: for each processed position i:  g = fc([h_a|h_b|h_c][i]), token = the token at i+1
-    step:    g = previous PRE-norm output, token = previous draft (a TARGET id), position + 1
-    both:    x = cat(input_layernorm(embed(token)), hidden_norm(g));  residual = g
-             h = g + o_proj(attn(rope(q), rope(k), v) over the cache);  p = h + mlp(post_ln(h))
-             logits = scatter(lm_head(norm(p)))  → [V]: draft logit i lands on target id i + d2t[i],
-                                                      -inf elsewhere (vLLM)
-
-EAGLE-3.1 variants, read from config.json as both engines read them (vLLM 0.33, SGLang
-0.5.23): norm_before_fc (eagle_config's value first) applies one RMSNorm `input_norm` over the
-concatenated aux row before fc, fc_norm one RMSNorm `fc_norm.{0,1,2}` per aux state (after
-input_norm when both are on), and norm_output feeds the next step the final norm's output
-instead of the pre-norm p (the "prenorm" that prefill and step return is then that output).
+and decodes incrementally with a KV cache, computing models/serving/CONTRACT.md §4 (`prefill`
+is step 0 over each processed position, `step` a chain step k ≥ 1; logits are scattered to [V],
+-inf outside the draft vocabulary, as vLLM does) with the EAGLE-3.1 flags read from config.json
+as both engines read them (vLLM 0.33, SGLang 0.5.23). With norm_output the "prenorm" that
+prefill and step return is the final norm's output.
 
 One `EngineDrafter` holds one sequence's KV cache, like one request in an engine: `prefill` and
 `step` append to it, `truncate` rolls rejected draft entries back. `serve_packed` replays a packed
