@@ -6,13 +6,7 @@ producers run as `python -m eyas.data.<module>` (e.g. extraction under `accelera
 call `setup_logging`; library code only creates module loggers. It lives in data/, the leaf
 every other package may import.
 
-Exit statuses, the same for every command (README "Exit statuses"):
-    0  ok
-    1  findings (`validate`, `doctor`, `engines check` found problems), or an unexpected error
-       (its traceback is shown)
-    2  usage or configuration error: a bad argument or config, a missing or wrong path, no
-       room to write (a full disk or quota, the file-size limit: data/common/space.py)
-    3  a stage that cannot run on this machine (e.g. an engine venv that cannot be set up)
+Exit statuses, the same for every command: docs/exit-statuses.md.
 """
 
 from __future__ import annotations

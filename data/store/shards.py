@@ -1,10 +1,6 @@
 """Writing eyas dataset shards and manifests; `open_dataset` re-exported for readers.
 
-The on-disk format (version 1) is described in data/store/FORMAT.md. In short: a dataset directory
-holds `shard-00000.safetensors`, `shard-00001.safetensors`, … (token-major arrays of many samples
-plus `offsets`), `index.safetensors` (all sample lengths) and `manifest.json` (written last: a
-dataset without a manifest is incomplete). Each shard carries its own metadata in the
-safetensors header, so `read_shard_meta` recovers it without the manifest.
+The on-disk format (version 1) is data/store/FORMAT.md.
 
 Producers call:
 
@@ -136,11 +132,9 @@ def write_shard(dataset_dir: str | os.PathLike, index: int,
 
     Args:
         samples: dicts of CPU tensors, every field token-major `[T_i, ...]` with the same fields
-            and per-token shapes in every sample. Known fields are cast to their stored dtype:
-            input_ids/target_argmax/topk_ids -> int32, loss_mask -> bool, aux [T,3,tH] and
-            last [T,tH] -> bf16, topk_logits -> float32. Other fields are stored as given.
-        aux_format: "bf16" (exact) or "fp8" (aux as float8_e4m3fn with one float32 scale per
-            (token, state) row; readers dequantise to bf16).
+            and per-token shapes in every sample. Known fields are cast to their stored dtype
+            (FORMAT.md "Shards"); other fields are stored as given.
+        aux_format: "bf16" (exact) or "fp8" (FORMAT.md "fp8 aux"; readers dequantise to bf16).
         check_finite: refuse NaN/inf in float fields (DatasetError naming the sample).
         file_name: another file name in `dataset_dir` (a streamed run's one-sample spool
             files); fsync: flush it to the disk before it appears (off for such a spool).
