@@ -5,16 +5,13 @@
     record_checks(export_dir, engines=…, speculative=…) # later results, re-rendered + re-hashed
 
 `run` is what the trainer knows of the run (train/provenance.py writes it into every checkpoint
-as `eyas_provenance.json`, so `eyas export CHECKPOINT` renders the same card as the run's own
-export): the resolved config, the datasets with their manifests' SHA-256 (data/common/provenance.py),
-the capture contract, the software, the training steps and tokens, the eval record of the
-exported step and which checkpoint was selected. The export adds what it knows itself: the
-drafter's shape from config.json, the static validator's verdict and the serving commands.
-A plain state dict exported without a run record gets a card of what is known.
-
-The card is a Hugging Face model card: YAML front matter (`base_model`, tags and an `eyas:`
-block of the headline facts), then tables. Nothing in it depends on where the directory lives
-or when it was written, so two exports of one checkpoint carry byte-identical cards.
+as `eyas_provenance.json`): the resolved config, the datasets with their manifests' SHA-256
+(data/common/provenance.py), the capture contract, the software, the training steps and tokens,
+the eval record of the exported step and which checkpoint was selected. The export adds what it
+knows itself: the drafter's shape from config.json, the static validator's verdict and the
+serving commands. What the card holds: docs/export-and-serving.md; its YAML front matter has
+`base_model`, tags and an `eyas:` block of the headline facts. Nothing in it depends on where the
+directory lives or when it was written: one checkpoint, one card, byte for byte (CONTRACT.md §1).
 """
 
 from __future__ import annotations
