@@ -20,6 +20,7 @@ validator, renamed into place: a failed export leaves nothing behind): CONTRACT.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 import re
@@ -33,13 +34,12 @@ from safetensors.torch import save_file
 
 from eyas.data.common.checksums import write_checksums
 from eyas.data.common.lock import dir_lock, sibling_lock_path, writes_directory
-from eyas.data.common.utils import atomic_write_dir, umask_mode
+from eyas.data.common.utils import atomic_write_dir, remove_leftover_dirs, umask_mode
 from eyas.data.store.vocab_map import VocabMap
 from eyas.models.serving.card import build_provenance, read_provenance, trained_k, write_card
 from eyas.models.serving.contract import (CORE_TENSORS, ERROR, OVERWRITE_HINT, ExportError,
                                           TensorDir, all_finite, expected_shapes, layout_tensors,
                                           format_findings, resolve_target_config)
-from eyas.models.serving.export_dir import prepare_out
 from eyas.models.serving.export_speculators import verifier_reference, write_speculators_export
 from eyas.models.serving.importer import (find_key, load_state_dict_file, read_drafter_dir,
                                           read_trainer_checkpoint)
@@ -48,6 +48,9 @@ from eyas.models.serving.validate_static import check_config, check_tensors
 log = logging.getLogger(__name__)
 
 EXPORT_META = "eyas_export.json"
+#: what an export (layout A, or the speculators format beside it) writes into its directory
+EXPORT_WRITES = ("config.json", EXPORT_META, "model.safetensors.index.json", "SHA256SUMS",
+                 "model*.safetensors", "README.md", "eyas_provenance.json")
 _WRAPPERS = ("module.", "_orig_mod.", "_forward_module.", "_fsdp_wrapped_module.")
 #: drafter state-dict entries that are deliberately not exported
 NOT_EXPORTED = ("embed_tokens.weight",)  # the target's, frozen: engines bring their own
@@ -245,7 +248,28 @@ def _write_files(tmp: Path, cfg: dict[str, Any], tcfg: dict | None,
     write_checksums(tmp)   # SHA256SUMS, checked by `eyas validate`
 
 
-@writes_directory("out_dir", what="export", sibling=True)  # models/serving/export_dir.py
+def prepare_out(out: Path, *, overwrite: bool) -> None:
+    """Before an export into `out` (its lock held, beside it: the directory is renamed into place):
+    remove killed exports' leftovers; refuse a `--overwrite` that would delete what an export did
+    not write."""
+    remove_leftover_dirs(out)
+    if not overwrite or not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"{out} is a file, not an export directory: --overwrite replaces "
+                          f"an earlier export only. Fix: choose another OUT_DIR")
+    foreign = sorted(p.name for p in out.iterdir()
+                     if not (p.is_file() and any(fnmatch.fnmatchcase(p.name, pat)
+                                                 for pat in EXPORT_WRITES)))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f", … ({len(foreign)} in all)" if len(foreign) > 5
+                                          else "")
+        raise ExportError(f"--overwrite would delete {out}, which holds entries an export does "
+                          f"not write ({shown}). Fix: move them out of {out}, or export to "
+                          f"another OUT_DIR")
+
+
+@writes_directory("out_dir", what="export", sibling=True)
 def export_drafter(state_dict_or_checkpoint: Mapping[str, torch.Tensor] | str | Path,
                    config: Any, d2t: torch.Tensor | None, t2d: torch.Tensor | None,
                    out_dir: str | Path, *, target_config: dict | str | Path | None = None,
