@@ -3,9 +3,9 @@
 A bucket is the POSITION in the sequence at which a round starts: the chain start t, the
 row whose aux state and next token x_{t+1} the first draft reads (`models.metrics`). Real
 decoding verifies the last committed token at position L and drafts from row L - 1, so its
-round is bucketed by L - 1: the same round lands in the same bucket offline and real. Edges e_0 = 0 < e_1 < ... < e_{B-1} make B buckets
-[e_i, e_{i+1}), the last one open: the default edges 0, 2048, 8192, 16384, 32768 give
-"0-2k", "2k-8k", "8k-16k", "16k-32k" and "32k+".
+round is bucketed by L - 1: the same round lands in the same bucket offline and real. Edges
+e_0 = 0 < e_1 < ... < e_{B-1} make B buckets [e_i, e_{i+1}), the last one open: the default
+edges 0, 2048, 8192, 16384, 32768 give "0-2k", "2k-8k", "8k-16k", "16k-32k" and "32k+".
 
 Offline counts (`context_counts`) are exact int64 tensors made on the device without host
 syncs, summable across micro-batches and ranks like the other counts:
@@ -13,12 +13,11 @@ syncs, summable across micro-batches and ranks like the other counts:
     ctx_tau_sum[b]         Σ_starts (L(t) + 1): the all-starts τ numerator of bucket b
     ctx_cond_correct[b, k] Σ_t alive(k, t),  ctx_cond_total[b, k] Σ_t mask(k, t)·alive(k-1, t)
 
-Each bucket of a result (`context_table`, `rounds_table`) is
-    {"bucket": "0-2k", "lo": 0, "hi": 2048, "tau": float, "cond_acc": [K floats],
-     "tokens": int, "rounds": int}                                  (hi None: the open bucket)
-offline: tau = the all-starts τ of the chains starting there, rounds = tokens = its chain starts
-(assistant positions scored); real: tau = 1 + accepted drafts / rounds of the rounds starting
-there (the engines' acceptance length), tokens = the tokens those rounds emitted.
+Each bucket of a result (`context_table`, `rounds_table`) is a `by_context` entry as
+docs/acceptance.md ("τ by context length") shows it. Offline: tau = the all-starts τ of the
+chains starting there, rounds = tokens = its chain starts (assistant positions scored); real:
+tau = 1 + accepted drafts / rounds of the rounds starting there (the engines' acceptance
+length), tokens = the tokens those rounds emitted.
 """
 
 from __future__ import annotations

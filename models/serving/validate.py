@@ -13,8 +13,6 @@ files are first checked against the export's SHA256SUMS, and every weight's larg
 against a bound for its role (validate_integrity.py).
 
     eyas validate DIR --target-config TARGET [--target-weights DIR] [--numeric]
-
-exits 0 when the directory is clean and 1 when there are findings (errors or warnings).
 """
 
 from __future__ import annotations
