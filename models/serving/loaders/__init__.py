@@ -20,16 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["check_engines", "check_engines_many", "EngineReport", "ensure_venv",
-           "DEFAULT_VERSIONS", "ENGINES"]
+__all__ = ["check_engines", "check_engines_many", "EngineReport", "format_reports"]
 
 
 def __getattr__(name: str) -> Any:  # lazy: `eyas --help` must not import torch
-    if name in ("check_engines", "check_engines_many", "EngineReport", "format_reports"):
+    if name in __all__:
         from eyas.models.serving.loaders import check
         return getattr(check, name)
-    if name in ("ensure_venv", "DEFAULT_VERSIONS", "ENGINES", "EngineSetupError"):
-        from eyas.data.engine import venvs
-        return getattr(venvs, name)
     raise AttributeError(name)
 
