@@ -171,6 +171,33 @@ def zero_muon(muon_params, other_params, optim_cfg):
     return opt
 
 
+def follow_parameters(pairs, state: dict, keys: tuple[str, ...]) -> None:
+    """Each fp32 master, and its `keys` in the inner optimizer's `state`, onto its parameter's
+    device (`pairs`: (parameter, master)). The optimizer may be built before the model is moved
+    (accelerate.prepare moves the parameters in place afterwards): masters built on the CPU
+    then follow the parameters."""
+    for p, m in pairs:
+        if m.device == p.device:
+            continue
+        m.data = m.data.to(p.device)
+        st = state.get(m, {})
+        for key in keys:
+            if key in st:
+                st[key] = st[key].to(p.device)
+
+
+def step_on_masters(inner: torch.optim.Optimizer, pairs: list) -> None:
+    """`inner`'s step over fp32 masters from fp32 copies of their parameters' gradients, each
+    result written back to its parameter rounded (`pairs`: (parameter, master)); MasterAdamW's
+    torch path and MuonAdamW's masters."""
+    for p, m in pairs:
+        m.grad = None if p.grad is None else p.grad.float()
+    inner.step()
+    for p, m in pairs:
+        p.copy_(m)
+        m.grad = None
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """torch.optim.Muon over `muon_params` plus an already built AdamW (torch's or
     `MasterAdamW`) over the rest, as one optimizer (module docstring).
@@ -215,14 +242,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 f"{n_adamw} tensors")
 
     def _follow_parameters(self) -> None:
-        """Masters and momenta on their parameters' device (see MasterAdamW: the optimizer may
-        be built before accelerate moves the model)."""
-        for p, m in zip(self._muon_groups[0]["params"], self.masters):
-            if m.device != p.device:
-                m.data = m.data.to(p.device)
-                st = self.muon.state.get(m, {})
-                if "momentum_buffer" in st:
-                    st["momentum_buffer"] = st["momentum_buffer"].to(p.device)
+        """Masters and momenta on their parameters' device (`follow_parameters`)."""
+        follow_parameters(zip(self._muon_groups[0]["params"], self.masters), self.muon.state,
+                          ("momentum_buffer",))
 
     @torch.no_grad()
     def step(self, closure=None, *, skip: torch.Tensor | None = None):
@@ -244,12 +266,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._follow_parameters()
         group, inner = self._muon_groups[0], self.muon.param_groups[0]
         inner.update({k: group[k] for k in MUON_KEYS if k in group})
-        for p, m in zip(group["params"], self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-        self.muon.step()
-        for p, m in zip(group["params"], self.masters):
-            p.copy_(m)
-            m.grad = None
+        step_on_masters(self.muon, list(zip(group["params"], self.masters)))
 
     def state_dict(self):
         return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(),

@@ -30,8 +30,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from eyas.train.choices import Schedule
-from eyas.train.muon import (MuonAdamW, muon_settings, split_muon, zero_lr_ratio,
-                             zero_muon)
+from eyas.train.muon import (MuonAdamW, follow_parameters, muon_settings, split_muon,
+                             step_on_masters, zero_lr_ratio, zero_muon)
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -94,21 +94,15 @@ class MasterAdamW(torch.optim.Optimizer):
         return [[join_master(p, m) for p, m in zip(g["params"], ms)]
                 for g, ms in zip(self.param_groups, self.masters)]
 
-    def _follow_parameters(self) -> None:
-        """Keep masters and moments on their parameters' device.
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, master) of every group."""
+        return [(p, m) for g, ms in zip(self.param_groups, self.masters)
+                for p, m in zip(g["params"], ms)]
 
-        The optimizer may be built before the model is moved (accelerate.prepare moves the
-        parameters in place afterwards): masters built on the CPU then follow the parameters.
+    def _follow_parameters(self) -> None:
+        """Masters and moments on their parameters' device (`train.muon.follow_parameters`).
         The step counters stay where torch AdamW keeps them (the fused path moves its own)."""
-        for group, masters in zip(self.param_groups, self.masters):
-            for p, m in zip(group["params"], masters):
-                if m.device == p.device:
-                    continue
-                m.data = m.data.to(p.device)
-                st = self.inner.state.get(m, {})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key in st:
-                        st[key] = st[key].to(p.device)
+        follow_parameters(self._pairs(), self.inner.state, ("exp_avg", "exp_avg_sq"))
 
     @torch.no_grad()
     def step(self, closure=None, *, skip: torch.Tensor | None = None):
@@ -118,17 +112,10 @@ class MasterAdamW(torch.optim.Optimizer):
             return self._fused_step(skip)
         if skip is not None and bool(skip):
             return
-        for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
-                                               self.masters):
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 inner_group[key] = group[key]
-            for p, m in zip(group["params"], masters):
-                m.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
-        for group, masters in zip(self.param_groups, self.masters):
-            for p, m in zip(group["params"], masters):
-                p.copy_(m)
-                m.grad = None
+        step_on_masters(self.inner, self._pairs())
 
     def _fused_step(self, skip: torch.Tensor | None):
         """The same update through kernels.adamw (state kept in torch AdamW's layout): the
@@ -184,12 +171,9 @@ class MasterAdamW(torch.optim.Optimizer):
                         p.copy_(hi)
                         m.copy_(lo)
             else:
-                for ms, saved in zip(self.masters, state["masters"]):
-                    for m, s in zip(ms, saved):
-                        m.copy_(s)
-                for group, masters in zip(self.param_groups, self.masters):
-                    for p, m in zip(group["params"], masters):
-                        p.copy_(m)
+                for (p, m), s in zip(self._pairs(), (s for ms in state["masters"] for s in ms)):
+                    m.copy_(s)
+                    p.copy_(m)
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
 
