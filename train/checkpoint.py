@@ -123,12 +123,8 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_pointer(root / "latest", final.name)
-        if best_metric is not None:
-            if improves(root, best_metric):
-                _write_pointer(root / "best", final.name)
-                atomic_write_json(root / "best.json", {**(best_record or {}),
-                                                       "checkpoint": final.name, "step": step,
-                                                       "tau_trajectory": best_metric})
+        if improves(root, best_metric):
+            _write_best(root, step, best_metric, best_record)
         _rotate(root, keep_last, final.name)
         log.info("checkpoint %s", final)
     accelerator.wait_for_everyone()
@@ -185,6 +181,13 @@ def checkpoint_bytes(path: Path | None) -> int | None:
 
 def _write_pointer(path: Path, name: str) -> None:
     atomic_write_bytes(path, name.encode())
+
+
+def _write_best(root: Path, step: int, tau: float, record: dict[str, Any] | None = None) -> None:
+    """The `best` pointer and best.json naming checkpoint `step`, its decoder-walk τ `tau`."""
+    _write_pointer(root / "best", _name(step))
+    atomic_write_json(root / "best.json", {**(record or {}), "checkpoint": _name(step),
+                                           "step": step, "tau_trajectory": tau})
 
 
 def improves(root: Path, metric: float | None) -> bool:
@@ -257,10 +260,7 @@ def rewind(root: Path, path: Path, best: dict[str, Any]) -> list[str]:
             (root / name).unlink(missing_ok=True)
         kept = best.get("step") is not None and (root / _name(best["step"]) / STATE_FILE).is_file()
         if kept and best.get("tau_trajectory") is not None:
-            _write_pointer(root / "best", _name(best["step"]))
-            atomic_write_json(root / "best.json", {"checkpoint": _name(best["step"]),
-                                                   "step": best["step"],
-                                                   "tau_trajectory": best["tau_trajectory"]})
+            _write_best(root, best["step"], best["tau_trajectory"])
     return [p.name for p in newer]
 
 
