@@ -105,7 +105,10 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    need, main = checkpoint_bytes(latest(root)), accelerator.is_main_process
+    # the room it needs: about the newest checkpoint's bytes, the files it writes again
+    newest, main = latest(root), accelerator.is_main_process
+    need = None if newest is None else sum(p.stat().st_size for p in newest.rglob("*")
+                                           if p.is_file() and not p.is_symlink())
     try:
         if need:
             _on_every_rank(accelerator, root, final.name, need, lambda: require_free(
@@ -123,7 +126,8 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_pointer(root / "latest", final.name)
-        if improves(root, best_metric):
+        best = _read_best(root)        # the first finite eval walk, or one beating the best
+        if best_metric is not None and (best is None or best_metric > best[1]):
             _write_best(root, step, best_metric, best_record)
         _rotate(root, keep_last, final.name)
         log.info("checkpoint %s", final)
@@ -170,15 +174,6 @@ def _complete(tmp: Path, state: dict[str, Any], add_files) -> None:
     write_checksums(tmp)
 
 
-def checkpoint_bytes(path: Path | None) -> int | None:
-    """Bytes of the files of checkpoint `path` (what the next save writes again), None when
-    there is none."""
-    if path is None:
-        return None
-    return sum(p.stat().st_size for p in path.rglob("*")
-               if p.is_file() and not p.is_symlink())
-
-
 def _write_pointer(path: Path, name: str) -> None:
     atomic_write_bytes(path, name.encode())
 
@@ -188,15 +183,6 @@ def _write_best(root: Path, step: int, tau: float, record: dict[str, Any] | None
     _write_pointer(root / "best", _name(step))
     atomic_write_json(root / "best.json", {**(record or {}), "checkpoint": _name(step),
                                            "step": step, "tau_trajectory": tau})
-
-
-def improves(root: Path, metric: float | None) -> bool:
-    """Whether an eval decoder-walk τ `metric` beats the run's best checkpoint (or there is
-    none)."""
-    if metric is None:
-        return False
-    prev = _read_best(root)
-    return prev is None or metric > prev[1]
 
 
 def read_best(root: Path) -> dict[str, Any] | None:

@@ -284,18 +284,6 @@ def ttt_activation_bytes(config, tokens: int, bytes_per_value: int, eager_attent
     return int(total)
 
 
-def available_memory(device) -> tuple[int, str]:
-    """(bytes free for training, what was measured): the GPU's free memory, else the host's
-    available memory (psutil)."""
-    import torch
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free), f"{device} has"
-    import psutil
-    return int(psutil.virtual_memory().available), "this host has"
-
-
 def ttt_memory_error(config, tokens: int, resolved, device) -> str | None:
     """A one-line reason when the TTT unroll's estimated activations (`ttt_activation_bytes`,
     for one micro-batch of `tokens`) exceed the memory `device` has free, else None."""
@@ -303,7 +291,12 @@ def ttt_memory_error(config, tokens: int, resolved, device) -> str | None:
     width = torch.finfo(resolved.param_dtype).bits // 8
     need = ttt_activation_bytes(config, tokens, width, resolved.attention == "eager",
                                 resolved.loss_impl == "torch")
-    free, where = available_memory(device)
+    device = torch.device(device)     # the GPU's free memory, else the host's available
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], f"{device} has"
+    else:
+        import psutil
+        free, where = psutil.virtual_memory().available, "this host has"
     if need <= free:
         return None
     gib = 2 ** 30

@@ -109,25 +109,16 @@ MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_l
 ZERO_NESTEROV, ZERO_NS_STEPS, ZERO_NS_METHOD = True, 5, "gram"
 
 
-def torch_lr_scale(shape, adjust_lr_fn: str) -> float:
-    """torch.optim.Muon's per-matrix lr factor (its `_adjust_lr`) for a [rows, cols] matrix."""
-    rows, cols = shape
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    return math.sqrt(max(1, rows / cols))
-
-
-def deepspeed_scale(shape) -> float:
-    """The factor DeepSpeed's `muon_update` multiplies each orthogonalised [rows, cols] update
-    by (its `_aspect_ratio_scale`: sqrt(max(1, rows/cols)))."""
-    rows, cols = shape
-    return math.sqrt(rows / cols) if rows > cols else 1.0
-
-
 def zero_lr_ratio(shape, adjust_lr_fn: str) -> float:
     """The factor on a ZeRO Muon group's lr (and divisor of its weight decay) that makes
     DeepSpeed's step torch's: torch's lr scale over DeepSpeed's (1.0 for "original")."""
-    return torch_lr_scale(shape, adjust_lr_fn) / deepspeed_scale(shape)
+    rows, cols = shape
+    # torch.optim.Muon's per-matrix lr factor (its `_adjust_lr`) for a [rows, cols] matrix
+    torch_scale = (0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw"
+                   else math.sqrt(max(1, rows / cols)))
+    # DeepSpeed's `muon_update` multiplies each orthogonalised update by its
+    # `_aspect_ratio_scale`, sqrt(max(1, rows/cols))
+    return torch_scale / (math.sqrt(rows / cols) if rows > cols else 1.0)
 
 
 def zero_muon(muon_params, other_params, optim_cfg):

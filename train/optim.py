@@ -188,20 +188,18 @@ def build_optimizer(params, optim_cfg, *, master_weights: bool, impl: str = "tor
     params = [p for p in params if p.requires_grad]
     if getattr(optim_cfg, "name", "adamw") == "muon":       # a str Enum equals its value
         muon, other = split_muon(params)
-        if _under_deepspeed() if deepspeed is None else deepspeed:
+        if deepspeed is None:       # this process's Accelerator, built before the optimizer
+            from accelerate.state import AcceleratorState, is_initialized
+            from accelerate.utils import DistributedType
+            deepspeed = is_initialized() and \
+                AcceleratorState().distributed_type == DistributedType.DEEPSPEED
+        if deepspeed:
             return zero_muon(muon, other, optim_cfg)
         adamw = build_adamw(other, optim_cfg, master_weights=master_weights, impl=impl,
                             compact=compact, moments=moments)
         return MuonAdamW(muon, adamw, masters=master_weights, **muon_settings(optim_cfg))
     return build_adamw(params, optim_cfg, master_weights=master_weights, impl=impl,
                        compact=compact, moments=moments)
-
-
-def _under_deepspeed() -> bool:
-    """Whether this process's Accelerator (built before the optimizer) runs DeepSpeed."""
-    from accelerate.state import AcceleratorState, is_initialized
-    from accelerate.utils import DistributedType
-    return is_initialized() and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
 
 
 def build_adamw(params, optim_cfg, *, master_weights: bool, impl: str = "torch",

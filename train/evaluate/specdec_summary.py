@@ -28,17 +28,6 @@ def _mismatches(pairs: list[tuple[str, Any, Any]]) -> list[dict]:
     return out
 
 
-def _step_seconds(pairs: list[tuple[str, Any, Any]]) -> dict[str, float]:
-    """Mean seconds of a target-only decode step (`target`), a verify forward (`verify`) and a
-    drafter step (`draft`) over the decodes of `pairs`."""
-    return {"target": ratio(sum(b.target_seconds for _, b, _ in pairs),
-                            sum(b.target_forwards - 1 for _, b, _ in pairs)),
-            "verify": ratio(sum(s.target_seconds for _, _, s in pairs),
-                            sum(s.rounds for _, _, s in pairs)),
-            "draft": ratio(sum(s.draft_seconds for _, _, s in pairs),
-                           sum(s.drafter_forwards for _, _, s in pairs))}
-
-
 def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
               context_buckets=DEFAULT_EDGES, temperature: float = 0.0) -> dict:
     """Aggregate (name, target-only, speculative) results (`specdec.Decoded` each) into the
@@ -59,6 +48,7 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
     t_base = sum(b.seconds for _, b, _ in pairs)
     c_spec = sum(s.cpu_seconds for _, _, s in pairs)
     c_base = sum(b.cpu_seconds for _, b, _ in pairs)
+    t_verify = sum(s.target_seconds for _, _, s in pairs)
     mismatches = _mismatches(pairs) if temperature == 0 else []
     spec_tps, base_tps = ratio(gen, t_spec), ratio(base_gen, t_base)
     return {
@@ -86,8 +76,13 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
         # of those seconds, the prompt forwards (to the first token)
         "prefill_seconds": sum(s.prefill_seconds for _, _, s in pairs),
         "baseline_prefill_seconds": sum(b.prefill_seconds for _, b, _ in pairs),
-        # mean seconds of one step, as the decoding waited for it (models.speedup's costs)
-        "step_seconds": _step_seconds(pairs),
+        # mean seconds of one step, as the decoding waited for it (models.speedup's costs): a
+        # target-only decode step, a verify forward and a drafter step
+        "step_seconds": {"target": ratio(sum(b.target_seconds for _, b, _ in pairs),
+                                         sum(b.target_forwards - 1 for _, b, _ in pairs)),
+                         "verify": ratio(t_verify, rounds),
+                         "draft": ratio(sum(s.draft_seconds for _, _, s in pairs),
+                                        sum(s.drafter_forwards for _, _, s in pairs))},
         # process CPU time: the fair comparison on a shared machine (with one torch thread)
         "cpu_seconds": c_spec, "baseline_cpu_seconds": c_base,
         "speedup_cpu": ratio(ratio(gen, c_spec), ratio(base_gen, c_base)),
