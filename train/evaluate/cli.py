@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -102,19 +103,6 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 1, e.g. 1,3,5; "
                                          f"got {text!r}")
     return vals
-
-
-def training_record(drafter_dir: str | Path) -> dict[str, Any]:
-    """What the drafter's export records of its training data (`eyas_export.json` training.data:
-    dataset, eval_dataset, eval_fraction, seed), or {} for an export that records none."""
-    import json
-    from eyas.models.serving.export import EXPORT_META
-    meta = Path(drafter_dir) / EXPORT_META
-    try:
-        rec = json.loads(meta.read_text()).get("training") or {}
-    except (OSError, ValueError):
-        return {}
-    return rec.get("data") or {}
 
 
 def default_out(drafter: str | Path) -> Path:
@@ -308,8 +296,13 @@ def format_engine(e: dict[str, Any]) -> str:
 def _offline_acceptance(args):
     """`offline_at(temperature)` of --data, over the samples `scored_samples` picks."""
     from eyas.data.store.dataset import open_dataset
+    from eyas.models.serving.export import EXPORT_META
     n = len(open_dataset(args.data))
-    indices, how = scored_samples(args, n, training_record(args.drafter))
+    try:    # what the export records of its training data (dataset, eval split, seed)
+        rec = json.loads((Path(args.drafter) / EXPORT_META).read_text()).get("training") or {}
+    except (OSError, ValueError):
+        rec = {}
+    indices, how = scored_samples(args, n, rec.get("data") or {})
     if indices is not None and len(indices) == 0:
         raise ValueError(f"--data {args.data}: {how} holds none of its {n} samples; score "
                          f"every sample with --all, or hold out more with --eval-fraction")
