@@ -165,10 +165,11 @@ def check_loop(train, export, fail: Fail) -> None:
 def check_dist(dist, drafter, fail: Fail) -> None:
     """The backend's ZeRO stage and what ZeRO-3 cannot run (compiled graphs, views of gathered
     weights, float8 linears)."""
-    if dist.backend == DistBackend.deepspeed and dist.zero_stage not in (1, 2, 3):
+    deepspeed = dist.backend == DistBackend.deepspeed
+    if deepspeed and dist.zero_stage not in (1, 2, 3):
         fail("dist.zero_stage", dist.zero_stage, "1, 2 or 3 with backend=deepspeed",
              "dist=zero2 (or dist.zero_stage=2)")
-    if dist.backend == DistBackend.deepspeed and dist.zero_stage == 3:
+    if deepspeed and dist.zero_stage == 3:
         why = {"compile": "ZeRO-3 gathers its partitioned weights in module hooks, which "
                           "compiled graphs bypass",
                "embedding_qkv_once": "its q/k/v views would hold ZeRO-3's gathered weights from "
@@ -177,15 +178,14 @@ def check_dist(dist, drafter, fail: Fail) -> None:
             if getattr(drafter, key):
                 fail(f"drafter.{key}", True, f"false under ZeRO-3 ({reason})",
                      f"drafter.{key}=false (dist=zero3 sets it), or dist=zero2")
-    if dist.backend == DistBackend.ddp and dist.zero_stage != 0:
+        if drafter.fp8 != FP8Recipe.off:
+            fail("drafter.fp8", drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "
+                 "bypass the float8 linears)", "dist=zero2 (or drafter.fp8=off)")
+    if not deepspeed and dist.zero_stage != 0:
         fail("dist.zero_stage", dist.zero_stage, "0 with backend=ddp",
              f"dist=zero{dist.zero_stage} to use DeepSpeed ZeRO-{dist.zero_stage}, "
              f"or dist.zero_stage=0")
-    if drafter.fp8 != FP8Recipe.off and dist.backend == DistBackend.deepspeed \
-            and dist.zero_stage == 3:
-        fail("drafter.fp8", drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "
-             "bypass the float8 linears)", "dist=zero2 (or drafter.fp8=off)")
-    if dist.backend == DistBackend.ddp and dist.deepspeed_config is not None:
+    if not deepspeed and dist.deepspeed_config is not None:
         fail("dist.deepspeed_config", dist.deepspeed_config, "null with dist=ddp (DDP reads "
              "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
 

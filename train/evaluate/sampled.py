@@ -255,7 +255,10 @@ def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] |
     offline figures) and `offline_tau` (the offline decoder-walk τ, which predicts it: at T = 0
     the walk within each answer's first walk_cap tokens when the offline result has it, the
     text real decoding with max_new_tokens = walk_cap writes).
-    table: a `by_temperature` result (`by_temperature`), else the one temperature's result."""
+    table: the first temperature's result with `by_temperature` = [{temperature, tau, tau_se,
+    and, for offline results or real ones evaluated with --data too, offline_tau: the offline
+    decoder-walk τ (`tau_trajectory`), the figure that predicts real decoding}], else the one
+    temperature's result."""
     def one(t: float) -> dict[str, Any]:
         if real_at is None:
             return offline_at(t)
@@ -265,15 +268,9 @@ def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] |
             res["offline"] = {key: off.get(key) for key in OFFLINE_SUMMARY if key in off}
             res["offline_tau"] = off.get("tau_trajectory_capped", off.get("tau_trajectory"))
         return res
-    return by_temperature(temps, one) if table else one(temps[0])
-
-
-def by_temperature(temps: list[float], evaluate_at: Callable[[float], dict]) -> dict[str, Any]:
-    """Evaluate at each temperature; the first result with `by_temperature` = [{temperature,
-    tau, tau_se, and, for offline results or real ones evaluated with --data too, offline_tau:
-    the offline decoder-walk τ (`tau_trajectory`), the figure that predicts real decoding}]."""
-    results = [evaluate_at(t) for t in temps]
-    rows = []
+    if not table:
+        return one(temps[0])
+    results, rows = [one(t) for t in temps], []
     for t, res in zip(temps, results):
         row = {"temperature": t, "tau": res.get("tau"), "tau_se": res.get("tau_se")}
         if "offline_tau" in res:
