@@ -91,6 +91,12 @@ def split_muon(params) -> tuple[list[torch.nn.Parameter], list[torch.nn.Paramete
     return muon, other
 
 
+def adamw_settings(optim_cfg) -> dict:
+    """torch AdamW's keyword arguments from the `optim` group (lr last, as `muon_settings`)."""
+    return dict(betas=tuple(float(b) for b in optim_cfg.betas), eps=float(optim_cfg.eps),
+                weight_decay=float(optim_cfg.weight_decay), lr=float(optim_cfg.lr))
+
+
 def muon_settings(optim_cfg) -> dict:
     """torch.optim.Muon's keyword arguments from the `optim` group (null = AdamW's value)."""
     adjust = getattr(optim_cfg.muon_adjust_lr, "value", optim_cfg.muon_adjust_lr)
@@ -132,10 +138,8 @@ def zero_muon(muon_params, other_params, optim_cfg):
     kw = muon_settings(optim_cfg)
     groups = []
     if other_params:
-        groups.append(dict(params=list(other_params), use_muon=False, lr=float(optim_cfg.lr),
-                           betas=tuple(float(b) for b in optim_cfg.betas),
-                           eps=float(optim_cfg.eps),
-                           weight_decay=float(optim_cfg.weight_decay)))
+        groups.append(dict(params=list(other_params), use_muon=False,
+                           **adamw_settings(optim_cfg)))
     shapes: dict[tuple[int, int], list] = {}
     for p in muon_params:
         shapes.setdefault(tuple(p.shape), []).append(p)

@@ -30,8 +30,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from eyas.train.choices import Schedule
-from eyas.train.muon import (MuonAdamW, follow_parameters, muon_settings, split_muon,
-                             step_on_masters, zero_lr_ratio, zero_muon)
+from eyas.train.muon import (MuonAdamW, adamw_settings, follow_parameters, muon_settings,
+                             split_muon, step_on_masters, zero_lr_ratio, zero_muon)
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -207,8 +207,7 @@ def build_adamw(params, optim_cfg, *, master_weights: bool, impl: str = "torch",
     """AdamW of the `optim` group: `MasterAdamW` (update `impl` and `compact` masters, as
     `train.resolve.resolve` decides them) over bf16 parameters, else torch AdamW (fused when
     the parameters are on CUDA)."""
-    kw = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-              weight_decay=optim_cfg.weight_decay)
+    kw = adamw_settings(optim_cfg)
     if master_weights:
         return MasterAdamW(params, impl=impl, compact=compact, moments=moments, **kw)
     if moments != "fp32":
@@ -268,10 +267,7 @@ def _group_settings(optim_cfg, group: dict) -> dict[str, tuple[str, object]]:
                 "optim.muon_ns_steps": ("ns_steps", kw["ns_steps"]),
                 "optim.muon_adjust_lr": ("adjust_lr_fn", kw["adjust_lr_fn"]),
                 lr_key: ("lr", kw["lr"])}
-    return {"optim.betas": ("betas", tuple(float(b) for b in optim_cfg.betas)),
-            "optim.eps": ("eps", float(optim_cfg.eps)),
-            "optim.weight_decay": ("weight_decay", float(optim_cfg.weight_decay)),
-            "optim.lr": ("lr", float(optim_cfg.lr))}
+    return {f"optim.{key}": (key, value) for key, value in adamw_settings(optim_cfg).items()}
 
 
 def _zero_ratio(group: dict, adjust_lr_fn: str | None = None) -> float:
