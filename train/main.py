@@ -158,11 +158,8 @@ def _record_checks(export: str, found: dict) -> None:
 
 def _write_summary(out: Path, summary: dict) -> None:
     """summary.json: everything the job prints, as strict JSON (NaN/inf → null), atomically."""
-    import json
-
-    from eyas.data.common.utils import atomic_write_bytes, json_safe
-    text = json.dumps(json_safe(summary), indent=1, allow_nan=False, default=str) + "\n"
-    atomic_write_bytes(out / "summary.json", text.encode())
+    from eyas.data.common.utils import atomic_write_json, json_safe
+    atomic_write_json(out / "summary.json", json_safe(summary))
 
 
 def _write_config_record(out: Path, composed: DictConfig) -> None:

@@ -30,8 +30,7 @@ def _mismatches(pairs: list[tuple[str, Any, Any]]) -> list[dict]:
 
 def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
               context_buckets=DEFAULT_EDGES, temperature: float = 0.0) -> dict:
-    """Aggregate (name, target-only, speculative) results (`specdec.Decoded` each) into the
-    evaluation JSON fields.
+    """The evaluation JSON fields of `pairs` (module docstring).
 
     At temperature > 0 both runs are samples: `tokens_identical` is None (not comparable token
     for token). `tau_se` is the standard error of τ over rounds either way; `tau_se_prompts` over
