@@ -238,15 +238,6 @@ def _forward_chunks(backend, h2d, weight, teacher, w_flat, N, chunk, with_accept
     return stats, dh, dW
 
 
-def _backward_chunks(backend, h2d, weight, teacher, coef, lse, psum, N, chunk,
-                     grad_h: bool, grad_w: bool, rows=None):
-    """Deferred backward: recompute z per chunk, dz = coef·(softmax·Σp − p); (dh, dW fp32)."""
-    def row_op(z, r0, dz):
-        backend.grad_rows(z, teacher, coef, lse, psum, r0, N, dz, rows)
-
-    return _chunk_loop(h2d, weight, chunk, row_op, grad_h, grad_w, rows)
-
-
 # --------------------------------------------------------------------------- autograd
 class _GradInForward(torch.autograd.Function):
     """reduction="sum": the gradient is formed in forward; backward scales it."""
@@ -307,8 +298,12 @@ class _Deferred(torch.autograd.Function):
         K, N, H = hidden.shape
         grad_h, grad_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         coef = (g_rows.float() * row_weight).reshape(-1).contiguous()   # [K*N]
-        dh, dW = _backward_chunks(backend, hidden.reshape(K * N, H), weight, teacher, coef,
-                                  lse, psum, N, chunk, grad_h, grad_w, rows)
+
+        def row_op(z, r0, dz):      # recompute z per chunk, dz = coef·(softmax·Σp − p)
+            backend.grad_rows(z, teacher, coef, lse, psum, r0, N, dz, rows)
+
+        dh, dW = _chunk_loop(hidden.reshape(K * N, H), weight, chunk, row_op, grad_h, grad_w,
+                             rows)
         dh = dh.view(K, N, H) if dh is not None else None
         dW = dW.to(weight.dtype) if dW is not None else None
         return dh, dW, None, None, None, None, None, None

@@ -105,7 +105,10 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    need, main = checkpoint_bytes(latest(root)), accelerator.is_main_process
+    # the room it needs: about the newest checkpoint's bytes, the files it writes again
+    newest, main = latest(root), accelerator.is_main_process
+    need = None if newest is None else sum(p.stat().st_size for p in newest.rglob("*")
+                                           if p.is_file() and not p.is_symlink())
     try:
         if need:
             _on_every_rank(accelerator, root, final.name, need, lambda: require_free(
@@ -123,12 +126,9 @@ def save(accelerator, root: Path, step: int, state: dict[str, Any], *, keep_last
             shutil.rmtree(final)
         os.replace(tmp, final)
         _write_pointer(root / "latest", final.name)
-        if best_metric is not None:
-            if improves(root, best_metric):
-                _write_pointer(root / "best", final.name)
-                atomic_write_json(root / "best.json", {**(best_record or {}),
-                                                       "checkpoint": final.name, "step": step,
-                                                       "tau_trajectory": best_metric})
+        best = _read_best(root)        # the first finite eval walk, or one beating the best
+        if best_metric is not None and (best is None or best_metric > best[1]):
+            _write_best(root, step, best_metric, best_record)
         _rotate(root, keep_last, final.name)
         log.info("checkpoint %s", final)
     accelerator.wait_for_everyone()
@@ -174,26 +174,15 @@ def _complete(tmp: Path, state: dict[str, Any], add_files) -> None:
     write_checksums(tmp)
 
 
-def checkpoint_bytes(path: Path | None) -> int | None:
-    """Bytes of the files of checkpoint `path` (what the next save writes again), None when
-    there is none."""
-    if path is None:
-        return None
-    return sum(p.stat().st_size for p in path.rglob("*")
-               if p.is_file() and not p.is_symlink())
-
-
 def _write_pointer(path: Path, name: str) -> None:
     atomic_write_bytes(path, name.encode())
 
 
-def improves(root: Path, metric: float | None) -> bool:
-    """Whether an eval decoder-walk τ `metric` beats the run's best checkpoint (or there is
-    none)."""
-    if metric is None:
-        return False
-    prev = _read_best(root)
-    return prev is None or metric > prev[1]
+def _write_best(root: Path, step: int, tau: float, record: dict[str, Any] | None = None) -> None:
+    """The `best` pointer and best.json naming checkpoint `step`, its decoder-walk τ `tau`."""
+    _write_pointer(root / "best", _name(step))
+    atomic_write_json(root / "best.json", {**(record or {}), "checkpoint": _name(step),
+                                           "step": step, "tau_trajectory": tau})
 
 
 def read_best(root: Path) -> dict[str, Any] | None:
@@ -257,10 +246,7 @@ def rewind(root: Path, path: Path, best: dict[str, Any]) -> list[str]:
             (root / name).unlink(missing_ok=True)
         kept = best.get("step") is not None and (root / _name(best["step"]) / STATE_FILE).is_file()
         if kept and best.get("tau_trajectory") is not None:
-            _write_pointer(root / "best", _name(best["step"]))
-            atomic_write_json(root / "best.json", {"checkpoint": _name(best["step"]),
-                                                   "step": best["step"],
-                                                   "tau_trajectory": best["tau_trajectory"]})
+            _write_best(root, best["step"], best["tau_trajectory"])
     return [p.name for p in newer]
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -160,17 +161,6 @@ def version() -> str:
         return "unknown (not installed: pip install -e .)"
 
 
-def _cpu_threads() -> None:
-    """On the CPU, the trainer's thread rule for one process (train.dist.set_cpu_threads) unless
-    OMP_NUM_THREADS is set: OpenMP threads spin-wait on busy cores."""
-    import os
-
-    from eyas.data.common.targets import fast_device
-    from eyas.train.dist import set_cpu_threads
-    if not fast_device() and "OMP_NUM_THREADS" not in os.environ:
-        set_cpu_threads(None, processes_per_node=1)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:  # no command: a usage error
@@ -193,9 +183,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from eyas.data.common.log import run_command, setup_logging
     setup_logging()
-    # help runs nothing: no thread line before it; `generate` only sends requests (no torch)
-    if not {"-h", "--help"} & set(rest) and name != "generate":
-        _cpu_threads()
+    # on the CPU, the trainer's thread rule for one process (train.dist.set_cpu_threads) unless
+    # OMP_NUM_THREADS is set: OpenMP threads spin-wait on busy cores. Help runs nothing (no
+    # thread line before it); `generate` only sends requests (no torch)
+    if not {"-h", "--help"} & set(rest) and name != "generate" \
+            and "OMP_NUM_THREADS" not in os.environ:
+        from eyas.data.common.targets import fast_device
+        from eyas.train.dist import set_cpu_threads
+        if not fast_device():
+            set_cpu_threads(None, processes_per_node=1)
     # one place for every subcommand: an error the user can fix is one line and exit 2 (3 for
     # a stage that cannot run here); anything else keeps its traceback
     return run_command(f"eyas {name}", lambda words: call(name, words), rest)

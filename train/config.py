@@ -403,19 +403,15 @@ class ConfigError(ValueError):
     """A configuration value that cannot work, with the override that fixes it."""
 
 
-def check_run_name(name: Any) -> None:
-    """run_name names one directory inside runs/ (`limits.run_name_error`; train/hydra_cli.py
-    checks it before Hydra makes that directory)."""
-    if (message := run_name_message(name)) is not None:
-        raise ConfigError(message)
-
-
 def check(cfg: DictConfig | Any) -> None:
     """Cross-field rules that types alone cannot express."""
     def fail(key: str, value: Any, expected: str, fix: str) -> None:
         raise ConfigError(f"{key}={value!r}: expected {expected}. Fix: {fix}")
 
-    check_run_name(cfg.run_name)
+    # run_name names one directory inside runs/ (train/hydra_cli.py checks it before Hydra
+    # makes that directory)
+    if (message := run_name_message(cfg.run_name)) is not None:
+        raise ConfigError(message)
     check_target(cfg.target, fail)
     check_drafter(cfg.drafter, fail)
     check_data(cfg.data, fail)

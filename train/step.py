@@ -72,12 +72,6 @@ class TrainingModule(nn.Module):
         # drafter.compile and drafter.embedding_qkv_once are off: the config check refuses them
         # under ZeRO-3 (train/config.py says why)
 
-    def teacher(self, last: Tensor | None, topk_ids: Tensor | None,
-                topk_logits: Tensor | None) -> Tensor:
-        """[T, Vd] teacher aligned for the loss kernel: row t holds the target at index t+1."""
-        return teacher_rows(self.target_head_rows, self.drafter.t2d_index, last, topk_ids,
-                            topk_logits)
-
     def forward(self, input_ids: Tensor, aux: Tensor, doc_ids: Tensor, positions: Tensor,
                 loss_mask: Tensor, target_argmax: Tensor, last: Tensor | None = None,
                 topk_ids: Tensor | None = None, topk_logits: Tensor | None = None,
@@ -94,7 +88,9 @@ class TrainingModule(nn.Module):
                         step_weight=self.step_weight, normalisation=self.normalisation,
                         position_mask=self.position_mask)                     # [K, T] fp32
         with record_function("eyas.loss"):
-            teacher = self.teacher(last, topk_ids, topk_logits)               # [T, Vd]
+            # [T, Vd], aligned for the loss kernel: row t holds the target at index t+1
+            teacher = teacher_rows(self.target_head_rows, d.t2d_index, last, topk_ids,
+                                   topk_logits)
             res = eagle3_loss(out.hidden, d.lm_head.weight, teacher, w, impl=self.loss_impl,
                               chunk_size=self.chunk_size, rows=rows, with_accept=True,
                               objective=self.objective)

@@ -57,24 +57,19 @@ def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def _last_train_loss(metrics: Path) -> float | None:
-    if not metrics.is_file():
-        return None
-    from eyas.train.plots import _series, read_records
-    return (_series(read_records(metrics), "train/loss")[1] or [None])[-1]
-
-
 def job_row(job: Path, sweep_dir: Path) -> dict[str, Any]:
     """One job's row: its number (hydra.job.num), overrides, steps, losses, τ and directory."""
     hydra_cfg = OmegaConf.load(job / ".hydra" / "hydra.yaml")
     overrides = [str(o) for o in OmegaConf.load(job / ".hydra" / "overrides.yaml")]
-    summary_file = job / "summary.json"
+    from eyas.train.plots import _series, read_records
+    summary_file, metrics = job / "summary.json", job / "metrics.jsonl"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     spec = summary.get("speculative")
     return {"job": int(OmegaConf.select(hydra_cfg, "hydra.job.num", default=-1)),
             "overrides": overrides,
             "steps": summary.get("steps"),
-            "train_loss": _last_train_loss(job / "metrics.jsonl"),
+            "train_loss": (_series(read_records(metrics), "train/loss")[1] or [None])[-1]
+            if metrics.is_file() else None,
             "eval_loss": _num((summary.get("eval") or {}).get("loss")),
             "tau": _num(summary.get("tau")),
             "tau_walk": _num(summary.get("tau_trajectory")),

@@ -82,7 +82,13 @@ def log_final(accelerator, cfg, summary: dict) -> None:
             _failed(tracker.name, "the real-decoding result", e)
     if "wandb" in kinds and summary.get("export"):
         try:
-            _log_artifact(accelerator, cfg, summary["export"], values)
+            import wandb
+            run = accelerator.get_tracker("wandb", unwrap=True)
+            art = wandb.Artifact(f"drafter-{run.id}", type="model",
+                                 metadata={"target": str(cfg.target.name), **values})
+            art.add_dir(str(summary["export"]))
+            run.log_artifact(art)
+            log.info("wandb artifact %s logged", art.name)
         except Exception as e:
             _failed("wandb", "the export (as an artifact)", e)
 
@@ -91,13 +97,3 @@ def _failed(tracker: str, what: str, e: Exception) -> None:
     first = " ".join(str(e).split())[:200]
     log.warning("tracker %s could not log %s (%s: %s); summary.json has the results", tracker,
                 what, type(e).__name__, first)
-
-
-def _log_artifact(accelerator, cfg, export: str, values: dict) -> None:
-    import wandb
-    run = accelerator.get_tracker("wandb", unwrap=True)
-    art = wandb.Artifact(f"drafter-{run.id}", type="model",
-                         metadata={"target": str(cfg.target.name), **values})
-    art.add_dir(str(export))
-    run.log_artifact(art)
-    log.info("wandb artifact %s logged", art.name)

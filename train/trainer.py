@@ -3,7 +3,7 @@
     train(cfg, resolved, accelerator, datasets) -> summary dict
 
 Reading order: `build_data` (datasets, held-out split, loaders), `build_model` (vocab map,
-drafter, training module), `build_optimizer` (optimizer, schedule), `setup` (all three, then
+drafter, training module), `setup` (both, the optimizer and its schedule, then
 `accelerator.prepare`), `fit` (the loop: resume → step → log → eval → save → export) and
 `train_step` (the micro-batches of one optimizer step). Evaluation runs the loop of
 `train.evaluate.offline.count_acceptance`; metrics and their names come from `models.metrics`.
@@ -45,13 +45,12 @@ from eyas.data.common.targets import load_embedding_and_head, load_target_config
 from eyas.train import checkpoint as ckpt
 from eyas.train.trackers import init_trackers
 from eyas.train.config import (ConfigError, DataConfig, DistBackend, DrafterConfig, EyasConfig,
-                               ExportSelect, FP8Recipe, LossConfig, OptimConfig, TargetConfig)
+                               ExportSelect, FP8Recipe, LossConfig, TargetConfig)
 from eyas.train.batches import DeviceBatches
 from eyas.train.limits import ttt_memory_error
 from eyas.train.resolve import Resolved
 from eyas.train.evaluate.offline import count_acceptance
-from eyas.train.optim import build_optimizer as make_optimizer
-from eyas.train.optim import apply_optim_settings, build_scheduler
+from eyas.train.optim import apply_optim_settings, build_optimizer, build_scheduler
 from eyas.train.profiling import StepProfiler
 from eyas.train.plots import write_run_plots
 from eyas.train.run_export import export_final, export_selected, write_export_meta
@@ -206,17 +205,6 @@ def build_model(drafter_cfg: DrafterConfig, loss_cfg: LossConfig, data_cfg: Data
     return Model(module, config, d2t, t2d)
 
 
-def build_optimizer(module: nn.Module, optim_cfg: OptimConfig, total_steps: int, *,
-                    master_weights: bool, impl: str, compact: bool = False,
-                    moments: str = "fp32"):
-    """(optimizer, LR schedule): fp32 master weights over bf16 parameters off DeepSpeed."""
-    optimizer = make_optimizer(module.parameters(), optim_cfg, master_weights=master_weights,
-                               impl=impl, compact=compact, moments=moments)
-    log.info("optimizer: %s", optimizer.describe() if hasattr(optimizer, "describe") else
-             f"torch AdamW on {optimizer.param_groups[0]['params'][0].dtype} parameters")
-    return optimizer, build_scheduler(optimizer, optim_cfg, total_steps)
-
-
 def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path) -> Trainer:
     """Seed, build data, model and optimizer, and hand them to accelerate."""
     set_seed(cfg.train.seed)
@@ -245,10 +233,14 @@ def setup(cfg: EyasConfig, resolved: Resolved, accelerator, datasets, out: Path)
     per_epoch = math.ceil(len(data.train) / cfg.optim.grad_accum)
     total = cfg.train.max_steps or per_epoch * cfg.train.epochs
     model.module.to(accelerator.device)   # the fp32 master copies live where the parameters do
-    optimizer, scheduler = build_optimizer(
-        model.module, cfg.optim, total, impl=resolved.optim_impl,
+    # fp32 master weights over bf16 parameters off DeepSpeed
+    optimizer = build_optimizer(
+        model.module.parameters(), cfg.optim, impl=resolved.optim_impl,
         compact=resolved.compact_masters, moments=resolved.moments,
         master_weights=not deepspeed and resolved.param_dtype != torch.float32)
+    log.info("optimizer: %s", optimizer.describe() if hasattr(optimizer, "describe") else
+             f"torch AdamW on {optimizer.param_groups[0]['params'][0].dtype} parameters")
+    scheduler = build_scheduler(optimizer, cfg.optim, total)
     module, optimizer = accelerator.prepare(model.module, optimizer)
     c = model.config
     lengths = data.train.dataset.sample_lengths

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +28,11 @@ from eyas.models.context import DEFAULT_EDGES, format_context, parse_edges
 from eyas.train.config import DataConfig, EvalConfig, TrainConfig
 from eyas.train.evaluate.pool import decode_job
 from eyas.train.evaluate.offline import SPECDEC_DTYPES, offline_eval, speculative_eval
-from eyas.train.evaluate.sampled import (SamplingOptions, evaluate_temperatures,
+from eyas.train.evaluate.sampled import (SamplingOptions, evaluate_temperatures, fmt,
                                           format_by_temperature, format_sampled,
                                           offline_at_temperature)
 
 log = logging.getLogger(__name__)
-
-
-def _fmt(x, spec: str = ".3f") -> str:
-    missing = x is None or (isinstance(x, float) and not math.isfinite(x))
-    return "n/a" if missing else format(x, spec)
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -55,32 +50,32 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"{'K':>3} {'tau':>7} {'tau_traj':>9} {'tau_indep':>10} "
                      f"{'acc_{K-1}':>9} {'cond_acc_{K-1}':>14}")
         for j in range(res["k"]):
-            lines.append(f"{j + 1:>3} {_fmt(res['tau_by_k'][j]):>7} "
-                         f"{_fmt(res['tau_trajectory_by_k'][j]):>9} "
-                         f"{_fmt(res['tau_independent_by_k'][j]):>10} {_fmt(res[f'acc_{j}']):>9} "
-                         f"{_fmt(res[f'cond_acc_{j}']):>14}")
+            lines.append(f"{j + 1:>3} {fmt(res['tau_by_k'][j]):>7} "
+                         f"{fmt(res['tau_trajectory_by_k'][j]):>9} "
+                         f"{fmt(res['tau_independent_by_k'][j]):>10} {fmt(res[f'acc_{j}']):>9} "
+                         f"{fmt(res[f'cond_acc_{j}']):>14}")
         if res.get("tau_trajectory_capped") is not None:
             lines.append(f"decoder walk within each answer's first {res['walk_cap']} tokens "
-                         f"(--max-new-tokens): {_fmt(res['tau_trajectory_capped'])}")
+                         f"(--max-new-tokens): {fmt(res['tau_trajectory_capped'])}")
         if res.get("tau_alpha") is not None:
-            rates = " ".join(_fmt(res[f"alpha_{j}"]) for j in range(res["k"]))
+            rates = " ".join(fmt(res[f"alpha_{j}"]) for j in range(res["k"]))
             lines.append(f"expected acceptance α per step (sampling, against the stored "
-                         f"teacher): {rates}; chain τ {_fmt(res['tau_alpha'])}")
+                         f"teacher): {rates}; chain τ {fmt(res['tau_alpha'])}")
         return "\n".join(lines + _context_lines(res, "chain start position"))
     lines.append(f"speculative decoding, K={res['k']}, {res['num_prompts']} prompts, "
                  f"{res['dtype']}: tokens identical to target-only greedy: "
                  f"{res['tokens_identical']}")
-    lines.append(f"  tau {_fmt(res['tau'])} (1 + accepted drafts per round; emitted tokens per "
-                 f"round {_fmt(res['tau_emitted'])})   tokens {res['tokens_generated']}   target "
+    lines.append(f"  tau {fmt(res['tau'])} (1 + accepted drafts per round; emitted tokens per "
+                 f"round {fmt(res['tau_emitted'])})   tokens {res['tokens_generated']}   target "
                  f"forwards {res['target_forwards']} (target-only: "
                  f"{res['baseline_target_forwards']})")
-    lines.append(f"  tokens/s {_fmt(res['tokens_per_s'], '.1f')} vs target-only "
-                 f"{_fmt(res['baseline_tokens_per_s'], '.1f')}   speedup "
-                 f"{_fmt(res['speedup'], '.2f')}x   (by CPU time: "
-                 f"{_fmt(res['speedup_cpu'], '.2f')}x)")
+    lines.append(f"  tokens/s {fmt(res['tokens_per_s'], '.1f')} vs target-only "
+                 f"{fmt(res['baseline_tokens_per_s'], '.1f')}   speedup "
+                 f"{fmt(res['speedup'], '.2f')}x   (by CPU time: "
+                 f"{fmt(res['speedup_cpu'], '.2f')}x)")
     lines.append(f"  {'k':>3} {'cond_acc_{k}':>12} {'alive_{k}':>9}")
     for j in range(res["k"]):
-        lines.append(f"  {j:>3} {_fmt(res[f'cond_acc_{j}']):>12} {_fmt(res[f'alive_{j}']):>9}")
+        lines.append(f"  {j:>3} {fmt(res[f'cond_acc_{j}']):>12} {fmt(res[f'alive_{j}']):>9}")
     return "\n".join(lines + _context_lines(res, "verified position"))
 
 
@@ -108,19 +103,6 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected a comma list of integers >= 1, e.g. 1,3,5; "
                                          f"got {text!r}")
     return vals
-
-
-def training_record(drafter_dir: str | Path) -> dict[str, Any]:
-    """What the drafter's export records of its training data (`eyas_export.json` training.data:
-    dataset, eval_dataset, eval_fraction, seed), or {} for an export that records none."""
-    import json
-    from eyas.models.serving.export import EXPORT_META
-    meta = Path(drafter_dir) / EXPORT_META
-    try:
-        rec = json.loads(meta.read_text()).get("training") or {}
-    except (OSError, ValueError):
-        return {}
-    return rec.get("data") or {}
 
 
 def default_out(drafter: str | Path) -> Path:
@@ -299,56 +281,28 @@ def _real_decoding(args, stack: contextlib.ExitStack):
     return real_at, model, tok
 
 
-def _engine_serve(args, res: dict[str, Any], prompts) -> dict[str, Any]:
-    """The `engine` object: the export served by vLLM, its counters against eyas's."""
-    from eyas.train.evaluate.engine import compare_with_eyas, engine_eval
-    engine = engine_eval(args.drafter, args.target, prompts, k=args.k,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         seed=args.sampling_seed, dtype=args.dtype or "fp32",
-                         log_path=Path(args.out).with_suffix(".engine.log"))
-    engine["against_eyas"] = compare_with_eyas(engine, res)
-    return engine
-
-
-def _speedup_sweep(args, prompts) -> dict[str, Any]:
-    """The `engine.speedup` object: the engine's measured speedup by K and concurrency."""
-    from eyas.train.evaluate.engine_sweep import engine_sweep
-    return engine_sweep(args.drafter, args.target, prompts, ks=args.speedup,
-                        concurrencies=args.concurrency, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, seed=args.sampling_seed,
-                        dtype=args.dtype or "fp32",
-                        log_path=Path(args.out).with_suffix(".sweep.log"))
-
-
-def _decode_sweep(args, model, tokenizer, res: dict[str, Any]) -> dict[str, Any]:
-    """The `speedup_sweep` object: eyas's own decoding measured and predicted at each K (the
-    run at --k, `res`, is one of them)."""
-    from eyas.train.evaluate.decode_sweep import decode_sweep
-    return decode_sweep(args.drafter, args.target, args.prompts, ks=args.speedup,
-                        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
-                        model=model, tokenizer=tokenizer,
-                        dtype=args.dtype or "fp32", device=args.device,
-                        temperature=args.temperature, seed=args.sampling_seed,
-                        decoded={args.k: res})
-
-
 def format_engine(e: dict[str, Any]) -> str:
     """Two lines: the engine's own acceptance and whether it equals eyas's."""
     cmp = e["against_eyas"]
     same = ("counts equal to eyas's" if cmp["counts_equal"] else
             f"counts differ from eyas's ({cmp['eyas']})")
-    return (f"engine {e['build']} {e['version']}: tau {_fmt(e['tau'])}, {e['drafts']} drafts, "
+    return (f"engine {e['build']} {e['version']}: tau {fmt(e['tau'])}, {e['drafts']} drafts, "
             f"accepted per position {e['accepted_per_position']}; {same}\n"
-            f"  tokens/s {_fmt(e['tokens_per_s'], '.1f')} vs no speculation "
-            f"{_fmt(e.get('tokens_per_s_without_speculation'), '.1f')}; output identical to "
+            f"  tokens/s {fmt(e['tokens_per_s'], '.1f')} vs no speculation "
+            f"{fmt(e.get('tokens_per_s_without_speculation'), '.1f')}; output identical to "
             f"the engine's greedy: {e.get('tokens_identical_to_engine_greedy')}")
 
 
 def _offline_acceptance(args):
     """`offline_at(temperature)` of --data, over the samples `scored_samples` picks."""
     from eyas.data.store.dataset import open_dataset
+    from eyas.models.serving.export import EXPORT_META
     n = len(open_dataset(args.data))
-    indices, how = scored_samples(args, n, training_record(args.drafter))
+    try:    # what the export records of its training data (dataset, eval split, seed)
+        rec = json.loads((Path(args.drafter) / EXPORT_META).read_text()).get("training") or {}
+    except (OSError, ValueError):
+        rec = {}
+    indices, how = scored_samples(args, n, rec.get("data") or {})
     if indices is not None and len(indices) == 0:
         raise ValueError(f"--data {args.data}: {how} holds none of its {n} samples; score "
                          f"every sample with --all, or hold out more with --eval-fraction")
@@ -383,16 +337,30 @@ def main(args: EvaluateOptions) -> int:
                                     offline_at, table=bool(args.temperatures))
         if args.engine or args.speedup:     # what is computed is kept if the next part fails
             atomic_write_json(args.out, json_safe(res))
+        gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   seed=args.sampling_seed, dtype=args.dtype or "fp32")
         if args.engine:     # --prompts as (name, token ids), chat template applied
             from eyas.data.common.targets import load_tokenizer
+            from eyas.train.evaluate.engine import compare_with_eyas, engine_eval
             from eyas.train.evaluate.offline import load_prompts
             prompts = load_prompts(args.prompts, load_tokenizer(args.target, args.cache_dir),
                                    num_prompts=args.num_prompts)
-            res["engine"] = _engine_serve(args, res, prompts)
+            # the export served by vLLM, its counters against eyas's
+            res["engine"] = engine_eval(args.drafter, args.target, prompts, k=args.k, **gen,
+                                        log_path=Path(args.out).with_suffix(".engine.log"))
+            res["engine"]["against_eyas"] = compare_with_eyas(res["engine"], res)
         if args.speedup and args.engine:   # `engine.speedup`: the top-level one is eyas's
-            res["engine"]["speedup"] = _speedup_sweep(args, prompts)
-        elif args.speedup:
-            res["speedup_sweep"] = _decode_sweep(args, model, tok, res)
+            from eyas.train.evaluate.engine_sweep import engine_sweep
+            res["engine"]["speedup"] = engine_sweep(
+                args.drafter, args.target, prompts, ks=args.speedup,
+                concurrencies=args.concurrency, **gen,
+                log_path=Path(args.out).with_suffix(".sweep.log"))
+        elif args.speedup:   # eyas's own decoding at each K (the run at --k, `res`, among them)
+            from eyas.train.evaluate.decode_sweep import decode_sweep
+            res["speedup_sweep"] = decode_sweep(
+                args.drafter, args.target, args.prompts, ks=args.speedup,
+                num_prompts=args.num_prompts, model=model, tokenizer=tok, **gen,
+                device=args.device, decoded={args.k: res})
     atomic_write_json(args.out, json_safe(res))
     print(format_table(res))
     if "engine" in res:

@@ -102,18 +102,6 @@ def compare_with_eyas(engine: dict[str, Any], res: dict[str, Any]) -> dict[str, 
     return out
 
 
-def served_summary(engine: dict[str, Any]) -> dict[str, Any]:
-    """The flat figures of a served check (summary.json's `served`, the model card)."""
-    cmp = engine["against_eyas"]
-    return {"build": engine["build"], "version": engine["version"], "k": engine["k"],
-            "tau": engine["tau"], "drafts": engine["drafts"],
-            "accepted_per_position": engine["accepted_per_position"],
-            "counts_equal": cmp["counts_equal"], "tau_eyas": cmp["tau_eyas"],
-            "tokens_per_s": engine["tokens_per_s"],
-            "tokens_per_s_without_speculation": engine.get("tokens_per_s_without_speculation"),
-            "tokens_identical_to_engine_greedy": engine.get("tokens_identical_to_engine_greedy")}
-
-
 def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict | None, *,
                      k: int, prompts_file: str | Path) -> dict[str, Any] | None:
     """The main job's served check (eval.engine_serve): the export served by vLLM on the
@@ -136,7 +124,13 @@ def run_engine_serve(eval_cfg, target: str, export_dir: str | Path, spec: dict |
     prompts = load_prompts(prompts_file, load_tokenizer(target), num_prompts=eval_cfg.num_prompts)
     res = engine_eval(export_dir, target, prompts, k=k, max_new_tokens=eval_cfg.max_new_tokens,
                       dtype=spec["dtype"], log_path=Path(export_dir).parent / "engine_serve.log")
-    res["against_eyas"] = compare_with_eyas(res, spec)
+    cmp = compare_with_eyas(res, spec)
     log.info("served by %s %s: tau %.3f (eyas %.3f), counts equal to eyas's: %s", res["build"],
-             res["version"], res["tau"], spec["tau"], res["against_eyas"]["counts_equal"])
-    return served_summary(res)
+             res["version"], res["tau"], spec["tau"], cmp["counts_equal"])
+    # the flat figures of a served check (summary.json's `served`, the model card)
+    return {"build": res["build"], "version": res["version"], "k": res["k"], "tau": res["tau"],
+            "drafts": res["drafts"], "accepted_per_position": res["accepted_per_position"],
+            "counts_equal": cmp["counts_equal"], "tau_eyas": cmp["tau_eyas"],
+            "tokens_per_s": res["tokens_per_s"],
+            "tokens_per_s_without_speculation": res.get("tokens_per_s_without_speculation"),
+            "tokens_identical_to_engine_greedy": res.get("tokens_identical_to_engine_greedy")}

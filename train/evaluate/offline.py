@@ -20,6 +20,7 @@ Real decoding: `train.evaluate.specdec` (target via transformers, drafter via th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from eyas.models.context import DEFAULT_EDGES, check_edges, context_table
 from eyas.models.metrics import add_counts, chain_counts, summarize, tau_curves, zero_counts
 from eyas.models.objective import metric_mask
 from eyas.models.serving.importer import load_training_drafter
-from eyas.train.evaluate.pool import decode_in_processes, decode_job, load_pair
+from eyas.train.evaluate.pool import DecodePool, decode_job, load_pair
 
 log = logging.getLogger(__name__)
 
@@ -307,10 +308,9 @@ def _decode(job: dict[str, Any], prompts_path, num_prompts: int | None, *, seed:
         prompts = load_prompts(prompts_path, load_tokenizer(job["target"], job["cache_dir"]),
                                num_prompts=num_prompts)
         t0 = time.perf_counter()        # the processes' start and loading count here
-        if pool is None:
-            return prompts, decode_in_processes(job, prompts, processes, seed=seed), t0
-        return prompts, pool.decode(prompts, temperature=job["temperature"],
-                                    draft=job["draft"], seed=seed), t0
+        with contextlib.nullcontext(pool) if pool else DecodePool(job, processes) as pool:
+            return prompts, pool.decode(prompts, temperature=job["temperature"],
+                                        draft=job["draft"], seed=seed), t0
     model, tokenizer, engine, cfg = load_pair(job, model, tokenizer)
     prompts = load_prompts(prompts_path, tokenizer, num_prompts=num_prompts)
     t0 = time.perf_counter()

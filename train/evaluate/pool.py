@@ -157,11 +157,3 @@ class DecodePool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def decode_in_processes(job: dict[str, Any], prompts: list[tuple[str, list[int]]],
-                        processes: int, *, seed: int) -> list:
-    """One decoding of `prompts` at job's temperature and draft rule in a pool of its own."""
-    with DecodePool(job, processes) as pool:
-        return pool.decode(prompts, temperature=job["temperature"], draft=job["draft"],
-                           seed=seed)

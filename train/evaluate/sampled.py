@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,18 +186,23 @@ def offline_at_temperature(args, indices, temperature: float) -> dict[str, Any]:
     return res
 
 
+def fmt(x, spec: str = ".3f") -> str:
+    """`x` as `spec` formats it; "n/a" for None and a float that is not finite."""
+    missing = x is None or (isinstance(x, float) and not math.isfinite(x))
+    return "n/a" if missing else format(x, spec)
+
+
 def format_sampled(res: dict) -> str:
     """The stdout lines of a result at temperature > 0 (τ ± its standard error; offline: the
     expected decoder walk, τ by chain cap and the per-position acceptance)."""
-    def f(x):
-        return "n/a" if x is None or x != x else f"{x:.3f}"
     lines = [f"{res['mode']} at temperature {res['temperature']:g} (draft "
-             f"{res.get('draft', 'argmax')}): tau {f(res['tau'])} ± {f(res.get('tau_se'))} (s.e.)"]
+             f"{res.get('draft', 'argmax')}): tau {fmt(res['tau'])} ± "
+             f"{fmt(res.get('tau_se'))} (s.e.)"]
     if res["mode"] == "offline":
-        lines.append(f"  expected decoder walk: tau_trajectory {f(res['tau_trajectory'])} ± "
-                     f"{f(res.get('tau_trajectory_se'))} (s.e. over answers)")
+        lines.append(f"  expected decoder walk: tau_trajectory {fmt(res['tau_trajectory'])} ± "
+                     f"{fmt(res.get('tau_trajectory_se'))} (s.e. over answers)")
         lines.append(f"{'k':>3} {'tau_by_k':>9} {'cond_acc_{k}':>12}")
-        lines += [f"{j:>3} {f(res['tau_by_k'][j]):>9} {f(res[f'cond_acc_{j}']):>12}"
+        lines += [f"{j:>3} {fmt(res['tau_by_k'][j]):>9} {fmt(res[f'cond_acc_{j}']):>12}"
                   for j in range(res["k"])]
     return "\n".join(lines)
 
@@ -249,7 +255,10 @@ def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] |
     offline figures) and `offline_tau` (the offline decoder-walk τ, which predicts it: at T = 0
     the walk within each answer's first walk_cap tokens when the offline result has it, the
     text real decoding with max_new_tokens = walk_cap writes).
-    table: a `by_temperature` result (`by_temperature`), else the one temperature's result."""
+    table: the first temperature's result with `by_temperature` = [{temperature, tau, tau_se,
+    and, for offline results or real ones evaluated with --data too, offline_tau: the offline
+    decoder-walk τ (`tau_trajectory`), the figure that predicts real decoding}], else the one
+    temperature's result."""
     def one(t: float) -> dict[str, Any]:
         if real_at is None:
             return offline_at(t)
@@ -259,15 +268,9 @@ def evaluate_temperatures(temps: list[float], real_at: Callable[[float], dict] |
             res["offline"] = {key: off.get(key) for key in OFFLINE_SUMMARY if key in off}
             res["offline_tau"] = off.get("tau_trajectory_capped", off.get("tau_trajectory"))
         return res
-    return by_temperature(temps, one) if table else one(temps[0])
-
-
-def by_temperature(temps: list[float], evaluate_at: Callable[[float], dict]) -> dict[str, Any]:
-    """Evaluate at each temperature; the first result with `by_temperature` = [{temperature,
-    tau, tau_se, and, for offline results or real ones evaluated with --data too, offline_tau:
-    the offline decoder-walk τ (`tau_trajectory`), the figure that predicts real decoding}]."""
-    results = [evaluate_at(t) for t in temps]
-    rows = []
+    if not table:
+        return one(temps[0])
+    results, rows = [one(t) for t in temps], []
     for t, res in zip(temps, results):
         row = {"temperature": t, "tau": res.get("tau"), "tau_se": res.get("tau_se")}
         if "offline_tau" in res:
@@ -281,12 +284,10 @@ def by_temperature(temps: list[float], evaluate_at: Callable[[float], dict]) -> 
 def format_by_temperature(res: dict) -> str:
     """The stdout table of `by_temperature` (or the one row of a real result evaluated with
     --data too): τ, its standard error and the offline decoder-walk τ per temperature."""
-    def f(x):
-        return "n/a" if x is None or x != x else f"{x:.3f}"
     rows = res.get("by_temperature") or [{"temperature": res.get("temperature", 0.0),
                                           "tau": res["tau"], "tau_se": res.get("tau_se"),
                                           "offline_tau": res.get("offline_tau")}]
     lines = [f"{'T':>5} {'tau':>7} {'tau_se':>7} {'offline_tau (walk)':>18}"]
-    lines += [f"{r['temperature']:>5g} {f(r['tau']):>7} {f(r['tau_se']):>7} "
-              f"{f(r.get('offline_tau')):>18}" for r in rows]
+    lines += [f"{r['temperature']:>5g} {fmt(r['tau']):>7} {fmt(r['tau_se']):>7} "
+              f"{fmt(r.get('offline_tau')):>18}" for r in rows]
     return "\n".join(lines)

@@ -13,11 +13,6 @@ from eyas.models.expected_tau import ratio_se_of
 from eyas.train.evaluate import sampling
 
 
-def _tau(accepted: int, rounds: int) -> float:
-    """The engines' acceptance length: 1 + accepted drafts per verification round."""
-    return 1 + accepted / rounds if rounds else float("nan")
-
-
 def _mismatches(pairs: list[tuple[str, Any, Any]]) -> list[dict]:
     """Per prompt whose speculative output differs from target-only greedy: the first index
     that differs, both tokens there and the target's top-2 logit gap at it."""
@@ -33,21 +28,9 @@ def _mismatches(pairs: list[tuple[str, Any, Any]]) -> list[dict]:
     return out
 
 
-def _step_seconds(pairs: list[tuple[str, Any, Any]]) -> dict[str, float]:
-    """Mean seconds of a target-only decode step (`target`), a verify forward (`verify`) and a
-    drafter step (`draft`) over the decodes of `pairs`."""
-    return {"target": ratio(sum(b.target_seconds for _, b, _ in pairs),
-                            sum(b.target_forwards - 1 for _, b, _ in pairs)),
-            "verify": ratio(sum(s.target_seconds for _, _, s in pairs),
-                            sum(s.rounds for _, _, s in pairs)),
-            "draft": ratio(sum(s.draft_seconds for _, _, s in pairs),
-                           sum(s.drafter_forwards for _, _, s in pairs))}
-
-
 def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
               context_buckets=DEFAULT_EDGES, temperature: float = 0.0) -> dict:
-    """Aggregate (name, target-only, speculative) results (`specdec.Decoded` each) into the
-    evaluation JSON fields.
+    """The evaluation JSON fields of `pairs` (module docstring).
 
     At temperature > 0 both runs are samples: `tokens_identical` is None (not comparable token
     for token). `tau_se` is the standard error of τ over rounds either way; `tau_se_prompts` over
@@ -64,18 +47,18 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
     t_base = sum(b.seconds for _, b, _ in pairs)
     c_spec = sum(s.cpu_seconds for _, _, s in pairs)
     c_base = sum(b.cpu_seconds for _, b, _ in pairs)
+    t_verify = sum(s.target_seconds for _, _, s in pairs)
     mismatches = _mismatches(pairs) if temperature == 0 else []
-    nan = float("nan")
-    spec_tps = gen / t_spec if t_spec > 0 else nan
-    base_tps = base_gen / t_base if t_base > 0 else nan
+    spec_tps, base_tps = ratio(gen, t_spec), ratio(base_gen, t_base)
     return {
         "mode": "speculative", "k": k, "num_prompts": len(pairs),
-        "tau": _tau(sum(accepted), rounds),
-        "tau_emitted": decode_tokens / rounds if rounds else nan,
-        **{f"cond_acc_{j}": a / r if r else nan for j, (a, r) in enumerate(zip(accepted, reached))},
+        # the engines' acceptance length: 1 + accepted drafts per verification round
+        "tau": 1 + ratio(sum(accepted), rounds),
+        "tau_emitted": ratio(decode_tokens, rounds),
+        **{f"cond_acc_{j}": ratio(a, r) for j, (a, r) in enumerate(zip(accepted, reached))},
         # alive_{j}, not acc_{j}: drafts 0..j all accepted, per round (module docstring)
-        **{f"alive_{j}": a / rounds if rounds else nan for j, a in enumerate(accepted)},
-        "mean_accepted_drafts": sum(accepted) / rounds if rounds else nan,
+        **{f"alive_{j}": ratio(a, rounds) for j, a in enumerate(accepted)},
+        "mean_accepted_drafts": ratio(sum(accepted), rounds),
         "temperature": temperature, "tau_se": sampling.round_lengths_se(histogram),
         "tau_se_prompts": ratio_se_of([(sum(s.accepted), s.rounds) for _, _, s in pairs]),
         "tokens_identical": not mismatches if temperature == 0 else None,
@@ -87,16 +70,21 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
         "baseline_target_forwards": sum(b.target_forwards for _, b, _ in pairs),
         "tokens_per_target_forward": gen / max(1, sum(s.target_forwards for _, _, s in pairs)),
         "tokens_per_s": spec_tps, "baseline_tokens_per_s": base_tps,
-        "speedup": spec_tps / base_tps if base_tps and base_tps == base_tps else nan,
+        "speedup": ratio(spec_tps, base_tps),
         "seconds": t_spec, "baseline_seconds": t_base,
         # of those seconds, the prompt forwards (to the first token)
         "prefill_seconds": sum(s.prefill_seconds for _, _, s in pairs),
         "baseline_prefill_seconds": sum(b.prefill_seconds for _, b, _ in pairs),
-        # mean seconds of one step, as the decoding waited for it (models.speedup's costs)
-        "step_seconds": _step_seconds(pairs),
+        # mean seconds of one step, as the decoding waited for it (models.speedup's costs): a
+        # target-only decode step, a verify forward and a drafter step
+        "step_seconds": {"target": ratio(sum(b.target_seconds for _, b, _ in pairs),
+                                         sum(b.target_forwards - 1 for _, b, _ in pairs)),
+                         "verify": ratio(t_verify, rounds),
+                         "draft": ratio(sum(s.draft_seconds for _, _, s in pairs),
+                                        sum(s.drafter_forwards for _, _, s in pairs))},
         # process CPU time: the fair comparison on a shared machine (with one torch thread)
         "cpu_seconds": c_spec, "baseline_cpu_seconds": c_base,
-        "speedup_cpu": (gen / c_spec) / (base_gen / c_base) if c_spec > 0 and c_base > 0 else nan,
+        "speedup_cpu": ratio(ratio(gen, c_spec), ratio(base_gen, c_base)),
         "counts": {"reached": reached, "accepted": accepted},
         "accepted_drafts_histogram": histogram,    # rounds that accepted 0..K drafts (no bonus)
         "context_buckets": list(context_buckets),
@@ -105,7 +93,7 @@ def summarize(pairs: list[tuple[str, Any, Any]], k: int, *,
         "per_prompt": [{"prompt": n, "tokens": len(s.tokens), "rounds": s.rounds,
                         "accepted": sum(s.accepted),
                         "decode_tokens": s.decode_tokens,
-                        "tau": _tau(sum(s.accepted), s.rounds),
-                        "tau_emitted": s.decode_tokens / s.rounds if s.rounds else nan,
+                        "tau": 1 + ratio(sum(s.accepted), s.rounds),
+                        "tau_emitted": ratio(s.decode_tokens, s.rounds),
                         "identical": b.tokens == s.tokens} for n, b, s in pairs],
     }

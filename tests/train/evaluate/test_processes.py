@@ -12,7 +12,7 @@ import torch
 
 from eyas.data.common.targets import load_target
 from eyas.train.evaluate.specdec import decode_prompts, load_engine_drafter, stop_token_ids
-from eyas.train.evaluate.pool import DecodePool, decode_in_processes, decode_job
+from eyas.train.evaluate.pool import DecodePool, decode_job
 from eyas.data.common.utils import json_safe
 from eyas.train.evaluate.offline import load_prompts, speculative_eval
 
@@ -23,6 +23,13 @@ TIMES = {"seconds", "baseline_seconds", "cpu_seconds", "baseline_cpu_seconds", "
          "baseline_prefill_seconds", "step_seconds"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def decode_in_processes(job, prompts, processes, *, seed):
+    """One decoding of `prompts` at job's temperature and draft rule in a pool of its own."""
+    with DecodePool(job, processes) as pool:
+        return pool.decode(prompts, temperature=job["temperature"], draft=job["draft"],
+                           seed=seed)
 
 
 @pytest.fixture(scope="module")
