@@ -10,19 +10,15 @@ Layout under `<run>/checkpoints/`:
                           "tau_trajectory_capped"} of that checkpoint
 
 A checkpoint is written to `.step-000100.tmp` and renamed only when every rank has finished,
-so a crash while saving leaves the previous checkpoint as `latest`. Before the rename rank 0
-records every file's SHA-256 in `SHA256SUMS` (data.common.checksums); resume checks them, so a
-checkpoint with changed bytes or a truncated file is refused with an error naming the file.
-Rotation keeps the `keep_last` newest checkpoints and the best one; it renames a checkpoint to
-`.step-000100.del` before deleting it, so an interrupted rotation never leaves a half-deleted
-`step-*`; what killed runs leave (`.step-*.tmp`, `.step-*.del`, a `step-*` without its
-eyas_state.json) is removed by the next run in the directory (`clean_leftovers`).
+so a crash while saving leaves the previous checkpoint as `latest`; before the rename rank 0
+records every file's SHA-256 in `SHA256SUMS` (data.common.checksums). What resume refuses,
+rotation (`keep_last` and the best, `.del` before deleting) and the leftovers of killed runs
+(`clean_leftovers`): docs/training.md, "Where runs go, resuming and overwriting".
 
 Every file gets the mode the user's umask gives (accelerate writes model.safetensors 0600). A
 save needs about the size of the newest checkpoint: with less free it is refused before
 writing, and a save that runs out of room raises DiskFullError naming the directory
-(data/common/space.py); the unfinished `.step-N.tmp` is removed either way.
-"""
+(data/common/space.py); the unfinished `.step-N.tmp` is removed either way."""
 
 from __future__ import annotations
 

@@ -5,22 +5,15 @@ Under DDP the model keeps bf16 parameters (half the memory and bandwidth of fp32
 bf16 rounding. Under DeepSpeed ZeRO the engine does the same itself (bf16 enabled in its
 config), so a plain torch AdamW is handed to it.
 
-On CUDA the update is one fused Triton pass per tensor (`kernels.adamw.master_adamw_`: reads
-the bf16 gradient directly, writes master, moments and the bf16 parameter) instead of an fp32
-copy of every gradient + torch's fused AdamW + a copy back; the optimizer state is the same
-torch AdamW state either way. With `compact` (`optim.compact_masters`, the Triton update on
-bf16 parameters) each master is held as the 16 bits its bf16 parameter lacks (int16): the
-same fp32 values at 2 bytes per parameter instead of 4 (kernels.adamw). Checkpoints hold
-fp32 masters in both modes, so they load into either. With `moments="bf16"` (`optim.moments`)
-exp_avg and exp_avg_sq are stored in bf16, stochastically rounded (kernels.adamw): 4 bytes per
-parameter less; the CPU runs the kernel's torch twin. A checkpoint of either moment dtype
-loads into either mode (converted at load; exact only within one mode).
+On CUDA the update is one fused Triton pass per tensor (`kernels.adamw.master_adamw_`; its
+docstring gives the traffic saved, the compact masters of `optim.compact_masters` and the
+stochastically rounded bf16 moments of `optim.moments`); the CPU runs the kernel's torch twin
+for bf16 moments. The optimizer state is a torch AdamW state either way, and checkpoints hold
+fp32 masters in both master modes, so they load into either. A checkpoint of either moment
+dtype loads into either mode (converted at load; exact only within one mode).
 
-optim=muon (`optim.name`) builds `train.muon.MuonAdamW`: torch's Muon for the drafter's hidden
-matrices and the AdamW above for the rest, one optimizer to the trainer; under DeepSpeed
-ZeRO-1/2 DeepSpeed's own `MuonWithAuxAdam` instead (`train.muon.zero_muon`), with per-shape
-param groups whose lr and weight decay carry torch's Muon lr scale.
-"""
+optim=muon (`optim.name`) builds `train.muon.MuonAdamW`, or under ZeRO-1/2
+`train.muon.zero_muon` (that module's docstring)."""
 
 from __future__ import annotations
 

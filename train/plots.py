@@ -5,21 +5,11 @@
     evaluation_figure(result) -> Figure | None
     write_evaluation_plot(result, path)                      `eyas evaluate --plot FILE.png`
 
-The run plots are drawn from `<run>/metrics.jsonl` (the last record of a step wins: a resumed
-run logs its steps again) into `<run>/plots/`:
-    loss.png            train/loss per logged window and eval/loss per eval, against the step
-    tau.png             eval/tau (every chain start), eval/tau_trajectory (decoder walk) and
-                        eval/tau_trajectory_capped (the walk within each answer's first
-                        eval.max_new_tokens tokens) per eval, the selected checkpoint marked
-                        (export.select, `train.selection`)
-    acceptance.png      eval/cond_acc_k: each draft position over the steps, and against the
-                        draft position at the selected and the last eval
-    tau_by_context.png  eval/by_context (τ per context bucket) at the selected and the last eval,
-                        when the eval reports it
-Figures are built on `matplotlib.figure.Figure` (no pyplot state, no display needed), saved to
-PNG bytes and written atomically. Drawing never stops a training: `write_run_plots` logs a
-failure as a warning and returns what it wrote.
-"""
+The run plots (`<run>/metrics.jsonl` drawn into `<run>/plots/`: loss.png, tau.png,
+acceptance.png, tau_by_context.png): docs/training.md, "Which checkpoint is exported, and the
+run's pictures". Figures are built on `matplotlib.figure.Figure` (no pyplot state, no display
+needed), saved to PNG bytes and written atomically. Drawing never stops a training:
+`write_run_plots` logs a failure as a warning and returns what it wrote."""
 
 from __future__ import annotations
 

@@ -1,24 +1,15 @@
 """The run directory: one per run, the same on every rank, never reused by accident.
 
-`conf/config.yaml` names it `runs/<run_name>`: `run_name=NAME` or `$EYAS_RUN_ID` when given,
-else the start time (YYYYmmdd-HHMMSS). Every rank of a launch composes its own config, and
-ranks that start in different seconds would name different directories, so rank 0's directory
-is the run's: the others take it over the process group (`agree`) and remove the empty
-directory Hydra made for them.
+How it is named, what a non-empty one needs (`train.resume`, `train.overwrite`) and the one
+training per directory: docs/training.md, "Where runs go, resuming and overwriting".
 
-Before anything is written rank 0 looks into the directory (`claim`): a directory that already
-holds something is refused, with what it holds and both fixes, unless the run resumes one of
-its own checkpoints (`train.resume=latest`, or a DIR inside it) or the user asked to replace
-the old run (`train.overwrite=true`: the old run's checkpoints, pointers, metrics, exports,
-summary and tracker logs are removed, and the removal logged; files eyas does not write are
-kept). Every rank gets rank 0's verdict, so no rank writes into a directory another one
-refused.
-
-Rank 0 holds the directory's lock (data/common/lock.py, `<run>/.eyas.lock`) from `claim` to the end
-of the run: a second training, resumed or not, in the same directory fails at once naming the
-holder. Once the directory is the run's, rank 0 removes what killed earlier runs left there
-(`checkpoint.clean_leftovers`).
-"""
+Every rank of a launch composes its own config, and ranks that start in different seconds
+would name different timestamp directories, so rank 0's directory is the run's: the others
+take it over the process group (`agree`) and remove the empty directory Hydra made for them.
+Rank 0 alone looks into it before anything is written (`claim`) and every rank gets its
+verdict, so no rank writes into a directory another one refused. Rank 0 holds the directory's
+lock (data/common/lock.py) from `claim` to the end of the run and, once the directory is the
+run's, removes what killed earlier runs left there (`checkpoint.clean_leftovers`)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """Which weights the end-of-training export holds (`export.select`), and the record saying so.
 
-Checkpoints are ranked by the eval decoder-walk τ (`tau_trajectory`, `models.metrics`: the
-estimate that real greedy decoding measures). `checkpoint.save` names the best one in
-`checkpoints/best` and `best.json`, rotation never deletes it, and with `export.select=best`
-the loop checkpoints every eval that beats it (`BestWalk`), so the peak survives whatever
-`train.save_every` is. At the end of training:
-
-    export.select=best   the best checkpoint's weights, read back from its files (checksums
-                         verified; the final weights themselves when the final step is the best)
-    export.select=last   the final step's weights
-
-Without a held-out eval (data.eval_fraction=0 and no data.eval_dataset), or when no eval gave
-a finite decoder-walk τ, there is no best: `best` falls back to the final step, and says so in
-the log and the record.
+The ranking by the eval decoder-walk τ, `best` and `last`, and the fall-back to the final step
+without a finite eval τ: docs/training.md, "Which checkpoint is exported". `checkpoint.save`
+names the best in `checkpoints/best` and `best.json`; `BestWalk` tells the loop when an eval
+beats it. `best` reads that checkpoint's weights back (checksums verified), or takes the final
+weights themselves when the final step is the best.
 
 The record (`summary.json` key `checkpoint_selection`, and `training.checkpoint_selection` in
 the export's eyas_export.json):
@@ -21,8 +13,7 @@ the export's eyas_export.json):
      "best": {"step", "checkpoint", "tau_trajectory", "tau", "tau_trajectory_capped"} or null,
      "last": {"step", "tau_trajectory", "tau", "tau_trajectory_capped"}}
 (`tau_trajectory_capped`: the walk within each answer's first eval.max_new_tokens tokens; null
-for a checkpoint saved before eyas recorded it)
-"""
+for a checkpoint saved before eyas recorded it)"""
 
 from __future__ import annotations
 

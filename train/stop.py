@@ -1,30 +1,15 @@
 """Stopping a training on request: SIGTERM, SIGINT (Ctrl-C), SIGHUP, SIGQUIT or SIGUSR1 saves a
 checkpoint, then the job ends.
 
-Schedulers ask a job to end with SIGTERM before they kill it: SLURM on preemption or at its
-time limit (`--signal=USR1@120` sends SIGUSR1 that long before), Kubernetes when it evicts a
-pod, `timeout` and most batch runners when their limit is reached. While `fit` runs, such a
-signal no longer ends the process at once. The loop finishes the optimizer step it is in,
-saves a checkpoint of that step on every rank, and raises `Stopped` (exit status 128 + the
-signal's number, as a process ended by it reports: 143 for SIGTERM, 130 for Ctrl-C). The same command with `train.resume=latest` then continues
-from that step, bit for bit as if never stopped. No summary and no final export are written, so a
-stopped run never looks finished.
+What a user sees (the step finished, the checkpoint, exit status 128 + the signal's number,
+resuming bit for bit, the launchers' time limits): docs/training.md, "Stopping a run".
 
 The ranks must stop at the same step: a single process checks its flag after every step, and
 several processes agree (a max all-reduce of their flags) every `train.log_every` steps, where
-the loop synchronises for its metrics anyway, so they may run up to log_every - 1 steps more.
-A signal that arrives after the last check is sent again once the handlers are restored, so
-it still ends the process. Outside the training loop (building the dataset, the final
-export, the checks) the signals keep their default action; Ctrl-C there ends the job with one
-line and status 130 (train/main.py).
-
-Launchers: torch's elastic agent (`accelerate launch` with several processes) forwards SIGTERM
-to the ranks and SIGKILLs them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (30 by default);
-it forwards SIGUSR1 only when PET_SIGNALS_TO_HANDLE names it (launch.sh sets both, and passes
-a signal sent to itself alone on to accelerate's process group). With one
-process, `accelerate launch` SIGKILLs the trainer 5 s after a SIGTERM: run `python
-train/main.py` directly there when the step and its checkpoint take longer.
-"""
+the loop synchronises for its metrics anyway. A signal that arrives after the last check is
+sent again once the handlers are restored, so it still ends the process. Outside the training
+loop (building the dataset, the final export, the checks) the signals keep their default
+action; Ctrl-C there ends the job with one line and status 130 (train/main.py)."""
 
 from __future__ import annotations
 
