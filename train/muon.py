@@ -6,11 +6,9 @@ aux states) among them, so fc, q/k/v/o and gate/up/down go to `torch.optim.Muon`
 the rest: the 1-D norm weights, any bias, the embedding when trainable and the draft lm_head.
 Embeddings and output heads stay on AdamW as in Keller Jordan's Muon recipe and speculators:
 Muon's orthogonalised update suits hidden matrices, not a map from or to the vocabulary.
-
-Muon's lr scale is torch's `adjust_lr_fn`, by default "match_rms_adamw" (Moonshot's
-0.2·sqrt(max(rows, cols))): Muon's updates then have AdamW's RMS, so `optim.lr` (and
-`optim.weight_decay`) mean the same for both halves; `optim.muon_lr` and
-`optim.muon_weight_decay` set Muon's apart.
+Muon's lr scale is torch's `adjust_lr_fn` (`optim.muon_adjust_lr`; by default
+"match_rms_adamw", Moonshot's 0.2·sqrt(max(rows, cols)), so `optim.lr` and
+`optim.weight_decay` mean the same for both halves).
 
 `MuonAdamW` is the one optimizer the trainer sees: its `param_groups` are the Muon groups
 followed by the AdamW groups, so accelerate, gradient clipping, the LambdaLR schedule and
@@ -18,48 +16,41 @@ followed by the AdamW groups, so accelerate, gradient clipping, the LambdaLR sch
 `MasterAdamW.step`'s skip flag (read on the host here). With master weights (DDP with bf16
 parameters) Muon runs on fp32 copies of its matrices, as `MasterAdamW` does for the rest.
 
-Under DeepSpeed ZeRO-1/2 (`dist=zero1|zero2`) the optimizer is DeepSpeed's own
-`MuonWithAuxAdam` (deepspeed.runtime.zero.muon, 0.19.8 here; `zero_muon`), handed to the engine
-as any client optimizer. ZeRO flattens each param group into 1-D partitions, so torch's Muon
-cannot run there; instead the ZeRO optimizer itself runs `muon_update` on each whole `use_muon`
-matrix (its full gradient all-reduced to every rank holding part of it) when it builds the
-gradient partitions, keeps the momentum in its own optimizer state (checkpointed with it), and
-MuonWithAuxAdam applies the result to the flat fp32 partition as p·(1 − lr·wd) − lr·update.
-The rest is torch's AdamW (MuonWithAuxAdam's aux optimizer) on ZeRO's fp32 partitions, as
-under optim=adamw with ZeRO.
+Under DeepSpeed ZeRO-1/2 the optimizer is DeepSpeed's own `MuonWithAuxAdam`
+(deepspeed.runtime.zero.muon, 0.19.8 here; `zero_muon`), handed to the engine as any client
+optimizer (why, the accuracy measured and the settings refused: docs/training.md, "DDP and
+DeepSpeed"). The ZeRO optimizer runs `muon_update` on each whole `use_muon` matrix (its full
+gradient all-reduced to every rank holding part of it) when it builds the gradient partitions,
+keeps the momentum in its own optimizer state (checkpointed with it), and MuonWithAuxAdam
+applies the result to the flat fp32 partition as p·(1 − lr·wd) − lr·update. The rest is
+torch's AdamW (MuonWithAuxAdam's aux optimizer) on ZeRO's fp32 partitions, as under
+optim=adamw with ZeRO.
 
 How the ZeRO update maps onto torch's Muon:
 - lr scale: DeepSpeed multiplies each orthogonalised update by max(1, rows/cols)^0.5 (Keller
-  Jordan's scale, torch's "original"); torch by `adjust_lr_fn`'s factor (match_rms_adamw:
-  0.2·max(rows, cols)^0.5). Each Muon matrix shape is its own param group, whose lr is the
-  configured Muon lr times ratio = torch's factor / DeepSpeed's (`zero_lr_ratio`; 1 for
-  "original") and whose weight_decay is the configured one divided by the same ratio, so
-  lr·wd (torch decays by the unadjusted lr) and the update's step are torch's. The LambdaLR
-  schedule multiplies each group's own base lr, so the ratio holds at every step;
-  `apply_optim_settings` rescales a resumed group the same way.
+  Jordan's scale, torch's "original"); torch by `adjust_lr_fn`'s factor. Each Muon matrix
+  shape is its own param group, whose lr is the configured Muon lr times ratio = torch's
+  factor / DeepSpeed's (`zero_lr_ratio`; 1 for "original") and whose weight_decay is the
+  configured one divided by the same ratio, so lr·wd (torch decays by the unadjusted lr) and
+  the update's step are torch's. The LambdaLR schedule multiplies each group's own base lr, so
+  the ratio holds at every step; `apply_optim_settings` rescales a resumed group the same way.
 - Newton-Schulz: DeepSpeed's "gram" iteration (ns_method; its default), torch's quintic with
   torch's coefficients and 5 steps, iterated on the Gram matrix X·Xᵀ with a restart at step
   2 (the same polynomial in exact arithmetic), torch.compile'd, in fp16 where the accelerator
   has fp16 matmuls (GPUs), else fp32 (the CPU here); torch iterates X itself in bf16. Gram is
   the closer of DeepSpeed's two to torch's step: measured against the fp64 iteration, torch's
   bf16 one is 1-1.5 % off on random matrices (14 % on low-rank ones), Gram in fp16 (run on
-  the CPU) 0.3-0.6 % (2 %), DeepSpeed's "standard" bf16 iteration 2.5-3.5 % (19 %). One ZeRO
-  step from the DDP start therefore equals torch's Muon algorithm evaluated in fp64 to ~2e-6
-  (CPU, fp32 Gram) and torch's own bf16 Muon step to 1.3-2.1 % (tests/train/test_muon.py),
-  all of it torch's rounding; the AdamW half is bitwise torch AdamW's (fp32).
+  the CPU) 0.3-0.6 % (2 %), DeepSpeed's "standard" bf16 iteration 2.5-3.5 % (19 %).
 - momentum, nesterov, ns_steps: DeepSpeed's momentum is torch's (m ← lerp(m, g, 1−β), Nesterov
-  update lerp(g, m, β)), but its ZeRO path always runs Nesterov with 5 steps:
-  optim.muon_nesterov=false and optim.muon_ns_steps≠5 are refused under ZeRO. The momentum is
+  update lerp(g, m, β)), but its ZeRO path always runs Nesterov with 5 steps. The momentum is
   kept in the gradient's dtype (bf16 with bf16 parameters; fp32 under DDP's masters).
-- clipping: DeepSpeed measures and clips the orthogonalised Muon update with the AdamW
-  gradients (its norm is ~sqrt(Σ min(rows, cols)) whatever the gradient), so any clip would
-  shrink Muon's steps; optim.clip_grad_norm>0 is refused with optim=muon under ZeRO (DDP
-  clips the gradients before Muon). The logged train/grad_norm there includes those updates.
+- clipping: DeepSpeed clips the orthogonalised Muon update with the AdamW gradients (its norm
+  is ~sqrt(Σ min(rows, cols)) whatever the gradient), so any clip would shrink Muon's steps
+  (DDP clips the gradients before Muon). The logged train/grad_norm there includes those
+  updates.
 - a NaN/inf step (bf16, the engine's own check): DeepSpeed stages the new momentum and
   commits it only when the step is kept (its stage_1_and_2), so a skipped step leaves the
-  momentum as it was, as under DDP.
-ZeRO-3 is refused (train/limits.py): eyas does not run DeepSpeed's ZeRO-3 Muon path.
-"""
+  momentum as it was, as under DDP."""
 
 from __future__ import annotations
 

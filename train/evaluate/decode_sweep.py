@@ -2,23 +2,12 @@
 (`train.evaluate.specdec`, one sequence at a time, on --device) measured at each K against
 target-only decoding, and predicted from the step costs it measured.
 
-Measured: at each K every prompt is decoded target-only and with speculation, interleaved
-(`train.evaluate.offline.speculative_eval`). The speedup is that of the decoding phase, the phase
-`models.speedup` models: tokens after the first over the seconds after the prompt's forward,
-with speculation against without (`measured`); `measured_end_to_end` keeps the prompt forwards.
-
-Step costs, timed inside those decodes as the decoding waited for each step (the runners hand
-back CPU argmaxes and drafts, so each timer stops after the device's work): the mean target-only
-decode step (1 token), the mean verify forward of K + 1 tokens (aux captured) and the mean
-drafter step (a round's drafting over its K steps). Predicted: `models.speedup.speedup(τ(K),
-K, t1, t_verify(K), t_draft)` with τ(K) from the per-position acceptance counted at the largest
-K, as the engine sweep predicts. What the prediction leaves out is what a round costs beyond
-its forwards (the acceptance check, cache trimming, bookkeeping) and the last round of each
-answer, cut at the token cap.
-
-Concurrency is 1: this decoder runs one sequence at a time. Throughput with many requests in
-flight is the serving engine's (`--engine vllm --speedup ... --concurrency ...`).
-"""
+What is measured and predicted, and the result's keys: docs/acceptance.md, "Speedup by K".
+The step costs are timed inside the decodes as the decoding waited for each step: the runners
+hand back CPU argmaxes and drafts, so each timer stops after the device's work. The prediction
+(`models.speedup.speedup(τ(K), K, t1, t_verify(K), t_draft)`, as the engine sweep predicts)
+leaves out what a round costs beyond its forwards (the acceptance check, cache trimming,
+bookkeeping) and the last round of each answer, cut at the token cap."""
 
 from __future__ import annotations
 

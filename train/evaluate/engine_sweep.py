@@ -1,21 +1,13 @@
 """`eyas evaluate --engine vllm --speedup K1,K2,... --concurrency C1,C2,...`: the engine's own
 throughput with speculation at each K against no speculation, at each concurrency.
 
-One engine per K (the export as its EAGLE-3 drafter) and one without speculation, each with
-`max_num_seqs` = the largest concurrency; an engine start costs ~25 s on a CPU, so each engine
-decodes the prompts once per concurrency C. At C the worker keeps exactly C requests in flight
-through the engine's step API (a finished request is replaced by the next prompt before the
-next step, as C clients of a server would; fewer only when fewer prompts are left). Per (K, C):
-output tokens, wall seconds, and vLLM's spec-decode counter deltas of that call. The speedup is
-tokens/s against the engine without speculation at the same C; the best K of a concurrency is
-the K of the highest speedup. On vLLM's CPU build these are CPU figures (the `hardware` string
-says so); the same command on a GPU machine measures the deployment.
+The engines started, the C requests kept in flight through the step API (fewer only when
+fewer prompts are left) and the result's keys: docs/engine.md, "Speedup sweep".
 
 Each row also carries the speedup `models.speedup` predicts from step costs measured in the
 sweep (`MeasuredCosts`: the plain step at that C, and the round time fitted linearly in K over
 the sweep's K) and τ(K) from the per-position acceptance the engine counted at the largest K
-of that C: how far those two costs and the acceptance explain what the engine measured.
-"""
+of that C: how far those two costs and the acceptance explain what the engine measured."""
 
 from __future__ import annotations
 

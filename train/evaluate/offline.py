@@ -3,20 +3,18 @@ speculative decoding with the target.
 
     offline_eval(drafter_dir_or_module, dataset_dir, k=K, token_budget=T)     -> dict
     speculative_eval(drafter_dir, target, prompts_path, k=K, num_prompts=N, max_new_tokens=M)
-(the `eyas evaluate` command around them is `train.evaluate.cli`)
+(the `eyas evaluate` command around them is `train.evaluate.cli`; what the figures mean and how
+they agree with real decoding: docs/acceptance.md)
 
 Offline: the exported drafter is imported into the training module (`Eagle3Drafter`, target
 embedding) and run with the trainer's TTT forward; row (k, t) is CORRECT iff it counts (valid,
 assistant token t+1+k) and its draft argmax mapped through d2t equals the target argmax at t+1+k.
 The counts, τ, its variants and their key names are defined once, in `models.metrics`
 (`chain_counts`, `summarize`, `tau_curves`); `count_acceptance` is the one evaluation loop, used by
-`offline_eval` and by the trainer. On target-generated text `tau_trajectory` is the τ real greedy
-decoding measures, both counted as the engines count their acceptance length, 1 + accepted drafts
-per round (tests/train/evaluate/test_agreement.py). Both also report τ per context bucket
-(`by_context`, `models.context`).
+`offline_eval` and by the trainer (tests/train/evaluate/test_agreement.py holds it to real
+decoding).
 
-Real decoding: `train.evaluate.specdec` (target via transformers, drafter via the engine reference).
-"""
+Real decoding: `train.evaluate.specdec` (target via transformers, drafter via the engine reference)."""
 
 from __future__ import annotations
 

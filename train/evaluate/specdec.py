@@ -18,20 +18,11 @@ Batch size 1, one sequence at a time, each with its own KV caches. One request r
               (models/serving/CONTRACT.md §4)
 
 At temperature T > 0 the round is the engines' speculative sampling instead
-(`train.evaluate.sampling`: drafts proposed by argmax, as vLLM and SGLang do, or sampled from
-the drafter at T; accepted with probability min(1, p/q), a rejection resampled from the
-residual), the output is a sample of the target at T, and a seeded `torch.Generator` per
-request makes it reproducible. T = 0 is the greedy path, unchanged:
-
-Every emitted token is a target argmax, so the output equals target-only greedy decoding up to
-floating point: a multi-token verify forward and a one-token decode forward use different
-kernels, and in bf16 a near-tie can flip (`greedy_decode` records each step's top-2 logit gap so
-a divergence can be attributed). In fp32 the sequences are identical.
-
-Counts per request: decode rounds (= verify forwards), per round its verified position L, its
-accepted drafts n and the tokens it emitted (bonus included, cut at the first stop token and at
-max_new_tokens), and per draft position j the rounds that reached it (all earlier drafts
-accepted) and accepted it.
+(`train.evaluate.sampling`), seeded by a `torch.Generator` per request. At T = 0 every emitted
+token is a target argmax, so the output equals target-only greedy decoding up to floating
+point: a multi-token verify forward and a one-token decode forward use different kernels, and
+in bf16 a near-tie can flip (`greedy_decode` records each step's top-2 logit gap so a
+divergence can be attributed). In fp32 the sequences are identical.
 
 τ is counted the way the serving engines count their acceptance length:
   * vLLM (v1 `vllm/v1/spec_decode/metrics.py`): each verification step of a request with drafts
@@ -50,22 +41,13 @@ So `tau` = 1 + Σ accepted drafts / rounds = 1 + `mean_accepted_drafts`. The tok
 to the output can be fewer (the last round is cut by the token cap or a stop token):
 `tau_emitted` = emitted decode tokens / rounds keeps that figure.
 
-Result keys (`summarize`, in `train.evaluate.specdec_summary`), flat as `eyas.models.metrics.summarize` writes them (j = 0..K-1, the
-draft position, = the TTT step k that drafts it):
-    cond_acc_{j}  = accepted[j] / reached[j]: P(draft j accepted | drafts 0..j-1 accepted), the
-                    offline `cond_acc_{k}` measured on real rounds
-    alive_{j}     = accepted[j] / rounds: P(drafts 0..j all accepted) per round, i.e. the share of
-                    rounds accepting more than j drafts (`alive(k, t)` of `models/metrics.py`
-                    averaged over rounds). It is NOT the offline `acc_{k}`, which counts step k
-                    correct whether or not the earlier steps were: a round never verifies a draft
-                    after a rejected one, so real decoding has no `acc_{k}`.
-    accepted_drafts_histogram[n] = rounds that accepted exactly n = 0..K drafts (the bonus token
-                    not counted, unlike τ, the acceptance length)
-    by_context    = τ, cond_acc, tokens and rounds per bucket of the chain start L - 1 (L:
-                    the verified position; `models.context.rounds_table`)
-    temperature, tau_se = the sampling temperature (0 = greedy) and the standard error of
-                    the acceptance length 1 + n over rounds (from the histogram)
-"""
+The result keys (`cond_acc_{j}`, `alive_{j}`, `accepted_drafts_histogram`, `by_context`,
+`tau_se`, ...; docs/acceptance.md) come from the `Decoded` counts of each request through
+`train.evaluate.specdec_summary.summarize`. Draft position j = 0..K-1 is the TTT step k that
+drafts it: `cond_acc_{j}` = accepted[j] / reached[j], the offline `cond_acc_{k}` measured on
+real rounds; `alive_{j}` = accepted[j] / rounds (`alive(k, t)` of `models/metrics.py` averaged
+over rounds), not the offline `acc_{k}`, which counts step k whether or not the earlier steps
+were accepted."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The evaluation record of many real speculative decodes: `summarize` aggregates the
 (name, target-only, speculative) `Decoded` pairs of `train.evaluate.specdec.decode_prompts`
-into the result keys that module's docstring defines (tau = 1 + accepted drafts per round,
-tau_emitted, cond_acc_{j}, alive_{j}, by_context, tau_se, tau_se_prompts, speed and token
+into the result keys of docs/acceptance.md (tau, tau_emitted, cond_acc_{j} and alive_{j} as
+that module's docstring counts them, by_context, tau_se, tau_se_prompts, speed and token
 identity)."""
 
 from __future__ import annotations
