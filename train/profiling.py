@@ -5,17 +5,11 @@
             with prof.step(step):
                 train_step(...)
 
-Optimizer steps start .. start + steps - 1, numbered from 1 as metrics.jsonl and the progress
-log number them (so the window can sit after the compile and the warm-up), run under
-torch.profiler, host and GPU, each inside a `train.step` range and ending with a device
-synchronisation, as the in-process benchmark times its steps (`benchmarks/train_step.py`).
-When the window closes, each rank writes its Chrome trace (profile/trace-rank<r>.json, for
-chrome://tracing or Perfetto) and its operators and kernels by total time
-(profile/kernels-rank<r>.txt), atomically. The profiler runs from the window's first step to
-its last, so work between those steps (a log line, an evaluation, a checkpoint) is in the
-trace and the table too; `python benchmarks/profile_breakdown.py TRACE` counts only what runs
-inside the `train.step` ranges, by role (matmul, loss, attention, elementwise, optimizer, idle).
-"""
+What the window covers and writes, and `benchmarks/profile_breakdown.py`: docs/configuration.md,
+"Profiling a run". Each step runs inside a `train.step` range and ends with a device
+synchronisation, as the in-process benchmark times its steps (`benchmarks/train_step.py`);
+each rank writes profile/trace-rank<r>.json (chrome://tracing or Perfetto) and
+profile/kernels-rank<r>.txt atomically when the window closes."""
 
 from __future__ import annotations
 

@@ -5,15 +5,9 @@
 Reading order: `build_data` (datasets, held-out split, loaders), `build_model` (vocab map,
 drafter, training module), `setup` (both, the optimizer and its schedule, then
 `accelerator.prepare`), `fit` (the loop: resume → step → log → eval → save → export) and
-`train_step` (the micro-batches of one optimizer step). Evaluation runs the loop of
-`train.evaluate.offline.count_acceptance`; metrics and their names come from `models.metrics`.
-
-Off DeepSpeed the optimizer step never waits for the device (`train.update.micro_step`):
-whether a step with a NaN/inf loss or gradient is skipped is decided on the device, and the
-host reads the skip count and the metrics only when it logs or checkpoints, so it queues the
-next step while the device still runs this one. Under DeepSpeed ZeRO-1/2 in bf16 the engine
-decides the skip itself and the trainer adds no read of its own (`micro_step_for`).
-"""
+`train_step` (the micro-batches of one optimizer step, which never wait for the device off
+DeepSpeed: `train.update`). Evaluation runs the loop of
+`train.evaluate.offline.count_acceptance`; metrics and their names come from `models.metrics`."""
 
 from __future__ import annotations
 

@@ -1,15 +1,13 @@
 """`eyas evaluate --engine vllm`: serve the export with vLLM's speculative decoding and read the
 engine's own acceptance counters.
 
-The prompts eyas decodes itself (train.evaluate.offline.speculative_eval) are decoded again by a real
-vLLM engine (data/engine: its own venv, a worker process), twice: with the export as its EAGLE-3
-drafter at K, and without speculation (the engine's own greedy output and its tokens/s). The
-counters are vLLM's (`vllm:spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens`,
-`_num_accepted_tokens_per_pos`), differenced around the call; vLLM's per-position counts are
-unconditional (draft j accepted in a round), the same quantity as eyas's `counts.accepted[j]`,
-and its drafts are eyas's decode rounds. Requests run one at a time (`max_num_seqs` 1), as eyas
-decodes, so at temperature 0 in fp32 the two counts are comparable count for count.
-"""
+The prompts eyas decodes itself (train.evaluate.offline.speculative_eval) are decoded again by
+a real vLLM engine (data/engine: its own venv, a worker process), with and without the export as
+its drafter (the runs and counters: docs/engine.md, "Serve the export"). vLLM's per-position
+counts are unconditional (draft j accepted in a round), the same quantity as eyas's
+`counts.accepted[j]`, and its drafts are eyas's decode rounds. Requests run one at a time
+(`max_num_seqs` 1), as eyas decodes, so at temperature 0 in fp32 the two counts are comparable
+count for count."""
 
 from __future__ import annotations
 

@@ -5,12 +5,11 @@
         pairs_07 = pool.decode(prompts, temperature=0.7, draft="argmax", seed=0)
 
 Each worker is a spawned process that loads the target and the drafter once (`job`: the
-settings `load_pair` reads) and then decodes whatever parts of a prompt list it
-is handed, so decoding at several temperatures loads the models once per worker, not once per
-temperature. Batch-1 decoding of a small target leaves a GPU or a many-core CPU mostly idle;
-processes side by side fill it. Prompt i of a list is decoded with seed + i whichever worker
-takes it, so the tokens and the acceptance are those of one process.
-"""
+settings `load_pair` reads) and then decodes whatever parts of a prompt list it is handed, so
+several temperatures load the models once per worker. Batch-1 decoding of a small target
+leaves a GPU or a many-core CPU mostly idle; processes side by side fill it. Prompt i of a
+list is decoded with seed + i whichever worker takes it (docs/acceptance.md, "Real decoding
+without a server")."""
 
 from __future__ import annotations
 

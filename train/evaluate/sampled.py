@@ -5,13 +5,9 @@
 
 runs the drafter's TTT forward over the dataset (as the greedy `offline_eval` does) and, per
 counted row (k, t), the probability that the rejection sampler accepted the draft given the
-stored token (`models.expected_tau`: p from the stored last hidden state and the target's
-lm_head, else the stored top-k logits). The estimate predicts serving at T when the dataset's
-answers were sampled by the target at T (`eyas prepare --generate --temperature T`); the
-result records the temperature(s) the answers were generated at where the dataset says so
-(`text_temperature`) and warns when they differ. Real decoding at T > 0 is
-`train.evaluate.specdec` with `temperature=` (the engines' rejection sampling).
-"""
+stored token (`models.expected_tau`). When the estimate predicts serving, and the
+`text_temperature` it records and warns about: docs/acceptance.md, "Temperature > 0". Real
+decoding at T > 0 is `train.evaluate.specdec` with `temperature=`."""
 
 from __future__ import annotations
 
