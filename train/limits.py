@@ -1,10 +1,7 @@
 """Ranges of single config values, and the trackers a run can use, for `train.config.check`
-(which passes its `fail`).
-
-Each rule refuses a value that would otherwise run with a surprising meaning: a negative
-interval acting like a positive one, `max_steps=0` meaning "all epochs", a negative clip
-meaning "no clipping". Where 0 means something (off, or "only at the end"), the schema
-docstring says so and 0 is accepted.
+(which passes its `fail`). The values refused, and why: docs/configuration.md, "Values that
+are refused"; where 0 means something (off, or "only at the end"), the schema docstring says
+so and 0 is accepted.
 
 `MAX_TTT_STEPS` bounds the TTT unroll. Each step adds a full decoder layer's activations
 (and, with the torch loss, a [T, draft_vocab] logits block) for the backward, so memory and
@@ -12,8 +9,7 @@ time grow linearly in K, while the loss weight of step k is step_weight**k (0.8*
 with the default: later steps train nothing measurable) and serving engines propose a
 handful of draft tokens (num_speculative_tokens <= K; EAGLE-3 trains K=7).
 `train.trainer` also estimates the unroll's activation memory before training and refuses
-a K that cannot fit (`ttt_activation_bytes`).
-"""
+a K that cannot fit (`ttt_activation_bytes`)."""
 
 from __future__ import annotations
 
