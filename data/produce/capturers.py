@@ -40,7 +40,8 @@ class HFCapturer:
                  dtype: str, device=None, device_map=None, max_memory=None, model=None,
                  batch_tokens: int = 8192, pad_batches: bool = False, row_chunk: int = 1024,
                  vocab_chunk: int = 65536):
-        from eyas.data.produce.extract_plan import hf_capture_source
+        import transformers
+
         from eyas.data.produce.forward import load_model
         if model is None:
             from eyas.data.common.targets import default_device
@@ -57,7 +58,9 @@ class HFCapturer:
         self.chunks = (row_chunk, vocab_chunk)
         self.logit_tf = logit_transform(model.config)
         self.target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.record = hf_capture_source(self.target_dtype)
+        self.record = {"source": "hf", "transformers": transformers.__version__,
+                       "dtype": self.target_dtype, "layers": "pre-hooks on layers[k] (HF "
+                       "hidden_states[k]); last: the final norm's output"}
         self.hooks = LayerHooks(dec_layers, self.aux_ids, self.norm)
         self.lengths = [int(x) for x in tokens.sample_lengths]    # once, not per capture
         self.device = next(self.text.parameters()).device

@@ -51,11 +51,11 @@ import torch
 from torch import nn
 
 from eyas.data.common.capture import ExtractError
-from eyas.data.produce.forward import TEACHERS, default_shard_tokens
+from eyas.data.produce.forward import TEACHERS
 from eyas.data.common.lock import lock_for_ranks, writes_directory
 from eyas.data.produce.extract_args import ExtractOptions, parse_max_memory
-from eyas.data.produce.extract_plan import (check_template, finalize, make_plan, pending_shards,
-                                          write_plan)
+from eyas.data.produce.extract_plan import (finalize, make_plan, open_tokens, pending_shards,
+                                            write_plan)
 from eyas.data.common.parent import exit_with_launcher
 from eyas.data.produce.outdir import check_extract_out
 from eyas.data.common.settings import Capture, ExtractionSettings
@@ -178,22 +178,19 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     from eyas.data.produce.engine_capture import STATES_DIR, engine_stops
 
     _check_settings(teacher, topk, vocab_chunk, rank, world_size)
-    tokens, out = _open_tokens(tokens_dir, target, out_dir), Path(out_dir)
+    tokens, out = open_tokens(tokens_dir, target, out_dir), Path(out_dir)
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     topk, lengths = (topk if teacher != "last" else 0), [int(x) for x in tokens.sample_lengths[:n]]
     out.mkdir(parents=True, exist_ok=True)
     with open_capturer(capture, tokens, tokens_dir, target, storage=out / STATES_DIR,
                        layers=layers, teacher=teacher, topk=topk, dtype=dtype,
-                       endpoint=endpoint, served_model=served_model,
-                       **_hf_keywords(capture, device, device_map, max_memory, model,
-                                      batch_tokens, pad_batches, row_chunk, vocab_chunk)
-                       ) as capturer:
-        fields = capturer.plan_fields()
-        if shard_tokens is None:
-            shard_tokens = default_shard_tokens(fields["hidden"], aux_format, teacher, topk,
-                                                shard_bytes)
-        plan = make_plan(tokens, tokens_dir, target, n, lengths, shard_tokens, teacher=teacher,
-                         topk=topk, aux_format=aux_format, **fields)
+                       endpoint=endpoint, served_model=served_model, device=device,
+                       device_map=device_map, max_memory=max_memory, model=model,
+                       batch_tokens=batch_tokens, pad_batches=pad_batches, row_chunk=row_chunk,
+                       vocab_chunk=vocab_chunk) as capturer:
+        plan = make_plan(tokens, tokens_dir, target, lengths, capturer.plan_fields(),
+                         shard_tokens=shard_tokens, shard_bytes=shard_bytes, teacher=teacher,
+                         topk=topk, aux_format=aux_format)
         write_plan(out, plan)
         todo, resumed = pending_shards(out, plan["shards"], rank, world_size)
         t0 = time.perf_counter()
@@ -204,35 +201,11 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     summary = {"out_dir": str(out), "capture": capturer.kind.value, "shards": len(plan["shards"]),
                "computed": todo, "resumed": resumed, "tokens": done_tokens, "seconds": round(dt, 3),
                "tokens_per_s": round(done_tokens / dt, 1) if dt > 0 and done_tokens else None,
-               "aux_layer_ids": fields["aux_ids"]}
+               "aux_layer_ids": plan["aux_layer_ids"]}
     if finalize_manifest if finalize_manifest is not None else world_size == 1:
         summary["manifest"] = str(out / "manifest.json")
         finalize(out)
     return summary
-
-
-def _open_tokens(tokens_dir, target, out_dir):
-    """The token dataset, refused when it is not one, when --out is it or holds other data,
-    or when it was rendered with another chat template than the target's."""
-    from eyas.data.store.shards import open_dataset
-    check_extract_out(out_dir, tokens_dir)
-    tokens = open_dataset(tokens_dir)
-    for f in ("input_ids", "loss_mask"):
-        if f not in tokens.fields:
-            raise ExtractError(f"{tokens_dir} has no {f!r} field; expected a token dataset from "
-                               f"data.produce.prepare")
-    check_template(tokens_dir, target)
-    return tokens
-
-
-def _hf_keywords(capture, device, device_map, max_memory, model, batch_tokens, pad_batches,
-                 row_chunk, vocab_chunk) -> dict[str, Any]:
-    """The transformers capturer's own keywords (none for an engine)."""
-    if Capture(capture) != Capture.hf:
-        return {}
-    return dict(device=device, device_map=device_map, max_memory=max_memory, model=model,
-                batch_tokens=batch_tokens, pad_batches=pad_batches, row_chunk=row_chunk,
-                vocab_chunk=vocab_chunk)
 
 
 def main(args: ExtractOptions) -> int:
@@ -245,50 +218,38 @@ def main(args: ExtractOptions) -> int:
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
         return 0
-    if args.capture != Capture.hf.value:
-        return _extract_engine(args)
+    settings = dict(layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
+                    aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
+                    shard_tokens=args.shard_tokens, max_samples=args.max_samples)
+    if args.capture != Capture.hf.value:     # an engine: one process
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        summary = extract(args.tokens, args.target, args.out, capture=args.capture,
+                          endpoint=args.capture_endpoint, served_model=args.capture_model,
+                          dtype=target_dtype_name(args.dtype, device), **settings)
+        print(json.dumps(summary, indent=1))
+        return 0
     from accelerate import PartialState
     use_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     state = PartialState(cpu=use_cpu)
     device = state.device if args.device == "auto" else torch.device(args.device)
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     lock = lock_for_ranks(state, args.out, what="hidden-state dataset",
                           check=lambda out: check_extract_out(out, args.tokens))
     try:
-        _extract_ranks(args, state, device, layers)
+        summary = extract(args.tokens, args.target, args.out, batch_tokens=args.batch_tokens,
+                          device=device, device_map=args.device_map,
+                          max_memory=parse_max_memory(args.max_memory),
+                          pad_batches=args.pad_batches, dtype=target_dtype_name(args.dtype, device),
+                          rank=state.process_index, world_size=state.num_processes,
+                          finalize_manifest=False, **settings)
+        state.wait_for_everyone()
+        if state.is_main_process:
+            finalize(args.out)
+            summary["manifest"] = str(Path(args.out) / "manifest.json")
+            print(json.dumps(summary, indent=1))
     finally:
         if lock is not None:
             lock.release()
     return 0
-
-
-def _extract_engine(args) -> int:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    summary = extract(args.tokens, args.target, args.out, capture=args.capture,
-                      endpoint=args.capture_endpoint, served_model=args.capture_model,
-                      layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
-                      aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
-                      shard_tokens=args.shard_tokens, max_samples=args.max_samples,
-                      dtype=target_dtype_name(args.dtype, device))
-    print(json.dumps(summary, indent=1))
-    return 0
-
-
-def _extract_ranks(args, state, device, layers) -> None:
-    summary = extract(args.tokens, args.target, args.out, layers=layers,
-                      aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
-                      batch_tokens=args.batch_tokens, shard_tokens=args.shard_tokens,
-                      max_samples=args.max_samples, device=device, device_map=args.device_map,
-                      max_memory=parse_max_memory(args.max_memory),
-                      pad_batches=args.pad_batches,
-                      dtype=target_dtype_name(args.dtype, device),
-                      rank=state.process_index, world_size=state.num_processes,
-                      finalize_manifest=False)
-    state.wait_for_everyone()
-    if state.is_main_process:
-        finalize(args.out)
-        summary["manifest"] = str(Path(args.out) / "manifest.json")
-        print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
