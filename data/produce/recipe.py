@@ -145,18 +145,9 @@ def _sampled_prompts(subset: Path, extra: int) -> list[str]:
     The base id is the one data.produce.generate gives the record in `subset` (its "id", else
     `<file name>:<line>`), so answer j of prompt X is stored as `X#sj` next to the greedy `X`.
     """
-    from eyas.data.produce.records import PrepareError, RecordError, iter_jsonl, normalise_record
-    out = []
-    for lineno, rec in iter_jsonl(subset):
-        if isinstance(rec, RecordError):
-            raise PrepareError(f"{subset}:{lineno}: {rec}")
-        try:
-            base = normalise_record(rec, default_id=f"{subset.name}:{lineno}").id
-        except RecordError as e:
-            raise PrepareError(f"{subset}:{lineno}: {e}") from None
-        out += [json.dumps({**rec, "id": f"{base}#s{j}"}, ensure_ascii=False)
-                for j in range(1, extra + 1)]
-    return out
+    from eyas.data.produce.records import read_conversations
+    return [json.dumps({**rec, "id": f"{conv.id}#s{j}"}, ensure_ascii=False)
+            for rec, conv in read_conversations(subset) for j in range(1, extra + 1)]
 
 
 def _synthetic_prompts(data, seed: int, root: Path, model, tokenizer,
@@ -287,8 +278,6 @@ def _answer_and_tokenise(data, target, seed: int, root: Path,
                     on_error="skip")
 
 
-
-
 def _heldout_key(eval_cfg, data, target,
                  prompts: Path) -> str:
     """The held-out cache's key: every setting its answers, tokens and hidden states depend on
@@ -303,12 +292,6 @@ def _heldout_key(eval_cfg, data, target,
 def heldout_length(eval_cfg) -> int:
     """How many tokens the offline held-out check answers each prompt with."""
     return eval_cfg.heldout_max_new_tokens or eval_cfg.max_new_tokens
-
-
-#: how long a run waits for another run that is building the same held-out cache
-HELDOUT_WAIT_S = 3600.0
-
-
 
 
 #: how long a run waits for another run that is building the same held-out cache

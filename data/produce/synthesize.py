@@ -43,7 +43,7 @@ import torch
 
 from eyas.data.produce.generate import _generate_batch, _stop_ids
 from eyas.data.common.log import PROGRESS
-from eyas.data.produce.records import PrepareError, RecordError, iter_jsonl, normalise_record
+from eyas.data.produce.records import read_conversations
 from eyas.data.common.options import option, shared
 from eyas.data.common.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings,
                                        TargetSettings)
@@ -72,16 +72,8 @@ def prompt_texts(path: str | Path) -> list[str]:
     """The user messages of a prompts or conversations JSONL (for `exclude` and openers), read
     as data.produce.records reads them (OpenAI or ShareGPT). Every record must parse: a malformed one
     is a `PrepareError` naming file:line (a prompt left out of `exclude` could be repeated)."""
-    out = []
-    for lineno, rec in iter_jsonl(path):
-        try:
-            if isinstance(rec, RecordError):
-                raise rec
-            conv = normalise_record(rec, default_id=f"{Path(path).name}:{lineno}")
-        except RecordError as e:
-            raise PrepareError(f"{path}:{lineno}: {e}") from None
-        out += [m["content"] for m in conv.messages if m["role"] == "user" and m["content"]]
-    return out
+    return [m["content"] for _, conv in read_conversations(path) for m in conv.messages
+            if m["role"] == "user" and m["content"]]
 
 
 def prompt_openers(texts: Iterable[str], words: int) -> list[str]:
