@@ -25,7 +25,6 @@ speculators (vLLM hidden-state extraction): `<datapath>/hidden_states/hs_<i>.saf
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -170,19 +169,14 @@ def _specforge_samples(src: Path, info: dict[str, Any]) -> Iterator[tuple[Path, 
 
 def final_norm_weight(target: str | os.PathLike) -> torch.Tensor:
     """The target's final RMSNorm weight [tH], read from its safetensors (no model is built)."""
-    from safetensors import safe_open
-
+    from eyas.data.common.capture import WeightFiles
     from eyas.data.common.targets import resolve_target
 
     root = resolve_target(target)
-    index = root / "model.safetensors.index.json"
-    files = (sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
-             if index.exists() else sorted(root.glob("*.safetensors")))
+    weights = WeightFiles(root) if any(root.glob("*.safetensors")) else None
     for name in ("model.norm.weight", "language_model.model.norm.weight", "norm.weight"):
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                if name in h.keys():
-                    return h.get_tensor(name)
+        if weights is not None and name in weights.where:
+            return weights.get(name)
     raise FileNotFoundError(f"no final norm weight (model.norm.weight) in the safetensors of "
                             f"{root}; pass keep_prenorm=True / --keep-prenorm to store the "
                             f"pre-norm state instead")
