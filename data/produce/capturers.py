@@ -136,8 +136,7 @@ class EngineCapturer:
                 "vocab": int(self.head.head.weight.shape[0]), "num_layers": self.head.num_layers}
 
     def capture(self, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-        from eyas.data.produce.engine_capture import (UnreadableStates, read_states,
-                                                      remove_states, sample_features)
+        from eyas.data.produce.engine_capture import sample_features, take_states
         out: dict[int, dict[str, torch.Tensor]] = {}
         indices = list(indices)
         for c in range(0, len(indices), self.batch_samples):
@@ -145,17 +144,12 @@ class EngineCapturer:
             samples = {i: self.tokens.sample(i, fields=("input_ids", "loss_mask")) for i in chunk}
             files = self.source.capture([(i, samples[i]["input_ids"].tolist()) for i in chunk])
             for i in chunk:
-                try:
-                    states = read_states(files[i])
-                except UnreadableStates as e:
-                    raise ExtractError(f"sample {i} of {self.tokens_dir}, captured by "
-                                       f"{self.where}: {e}; capture it again (the same command "
-                                       f"resumes)") from None
+                states = take_states(files[i], f"sample {i} of {self.tokens_dir}, captured by "
+                                               f"{self.where}")
                 out[i] = sample_features(states, samples[i], self.head,
                                          name=f"{self.tokens_dir} sample {i}",
                                          n_aux=len(self.aux_ids), teacher=self.teacher,
                                          topk=self.topk)
-                remove_states(files[i])
         return out
 
     def __enter__(self):
