@@ -44,9 +44,7 @@ class HFCapturer:
 
         from eyas.data.produce.forward import load_model
         if model is None:
-            from eyas.data.common.targets import default_device
-            model = load_model(target, device or default_device(), device_map, dtype,
-                               max_memory)
+            model = load_model(target, dtype, device, device_map, max_memory)
         self.model, self.tokens, self.tokens_dir = model, tokens, tokens_dir
         self.text, dec_layers, self.norm, self.head = find_text_model(model)
         self.num_layers = min(len(dec_layers),

@@ -164,8 +164,7 @@ def estimate(tokens_dir, target, *, layers: list[int] | None = None, aux_format:
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
     if tokens_per_s is None and model is None:
-        from eyas.data.common.targets import default_device
-        model = load_model(target, device or default_device(), None, dtype)
+        model = load_model(target, dtype, device)
     hidden, n_layers = _target_shape(target, model)
     aux_ids = check_aux_layers(layers, n_layers)
     modes = [estimate_bytes(lengths, hidden, f, t, topk, shard_tokens, shard_bytes)
