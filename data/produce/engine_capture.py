@@ -37,7 +37,6 @@ from eyas.data.common.capture import (ExtractError, WeightFiles, chunked_argmax_
 
 log = logging.getLogger(__name__)
 STATES_DIR = ".engine-states"       # the engine's per-request files, inside the output dir
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class TargetHead:
@@ -47,11 +46,12 @@ class TargetHead:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from eyas.data.common.log import quiet_libraries
+        from eyas.data.common.targets import TARGET_DTYPES
         quiet_libraries()
         self.config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
         with torch.device("meta"):
             self.meta = AutoModelForCausalLM.from_config(self.config,
-                                                         dtype=TORCH_DTYPES[dtype])
+                                                         dtype=TARGET_DTYPES[dtype])
         text, self.layers, norm, head = find_text_model(self.meta)
         if getattr(self.config.get_text_config(), "tie_word_embeddings", False):
             head.weight = text.embed_tokens.weight   # as from_pretrained ties them on load
