@@ -47,11 +47,6 @@ from eyas.data.common.utils import LogEvery
 log = logging.getLogger(__name__)
 
 
-def scan_done(out_path: Path) -> set[str]:
-    """Ids already written to `out_path`; cuts off a partial last line left by a crash."""
-    return set(scan_written(out_path))
-
-
 def _split_reasoning(text: str) -> tuple[str | None, str]:
     """'<think>r</think>\\n\\nc' -> ('r', 'c'); text without '</think>' -> (None, text)."""
     if "</think>" not in text:
@@ -151,15 +146,6 @@ def _check_args(on_error: str, max_new_tokens: int, batch_size: int, cache: str)
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1; got {max_new_tokens}, "
                          f"{batch_size}")
-
-
-def _records_to_answer(prompts_path: Path, out_path: Path, on_error: str) -> list[Conversation]:
-    """Prompt records not yet in `out_path` (created if missing, a partial last line cut off)."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = scan_done(out_path)
-    todo, seen = read_prompts(prompts_path, done, on_error)
-    log.info("%d prompts to answer (%d already in %s)", len(todo), len(done & seen), out_path)
-    return todo
 
 
 def _setup_target(target: str | Path, device: str | torch.device | None, dtype: str,
@@ -297,7 +283,10 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
 
     _check_args(on_error, max_new_tokens, batch_size, cache)
     prompts_path, out_path = Path(prompts_path), Path(out_path)
-    todo = _records_to_answer(prompts_path, out_path, on_error)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = set(scan_written(out_path))      # a partial last line left by a crash is cut off
+    todo, seen = read_prompts(prompts_path, done, on_error)
+    log.info("%d prompts to answer (%d already in %s)", len(todo), len(done & seen), out_path)
     if not todo:
         return out_path
 

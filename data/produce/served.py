@@ -367,7 +367,6 @@ def _generate(tasks: list[Task], prompts: Path, endpoint: str, out: Path, t0: fl
         card = read_card(out) if source == out else None
         if not todo and card is not None and card.get("sha256") == file_sha256(out):
             return card
-        out.parent.mkdir(parents=True, exist_ok=True)
         if todo:
             if source == out:   # a finished file that gains prompts becomes partial again
                 card_path(out).unlink(missing_ok=True)
