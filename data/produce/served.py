@@ -328,58 +328,47 @@ def generate_from_endpoint(prompts: str | Path, endpoint: str, out: str | Path, 
     """Answer every prompt x sample of `prompts` through the server at `endpoint` into `out`
     (module doc: partial file, resuming, card). `model` None: the first of `GET /models`.
     Returns the data card (also written to `card_path(out)`)."""
+    from eyas.data.produce.endpoint import EndpointClient
+    from eyas.data.common.utils import atomic_write_json, fsync_dir
     _check_options(max_tokens=max_tokens, concurrency=concurrency,
                    samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p)
     prompts, out = Path(prompts), Path(out)
     tasks = load_tasks(prompts, samples_per_prompt)
-    t0 = time.perf_counter()
+    t0, api_key = time.perf_counter(), _api_key(api_key_env)
     out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
     # held until this function returns: one writer per output
     with dir_lock(out, what="`eyas generate` output", path=sibling_lock_path(out)):
-        return _generate(tasks, prompts, endpoint, out, t0, model=model, max_tokens=max_tokens,
-                         temperature=temperature, top_p=top_p, seed=seed,
-                         concurrency=concurrency, samples_per_prompt=samples_per_prompt,
-                         chat_template_kwargs=chat_template_kwargs,
-                         client_kw=dict(api_key=_api_key(api_key_env), timeout=timeout,
-                                        retries=retries, backoff=backoff))
-
-
-def _generate(tasks: list[Task], prompts: Path, endpoint: str, out: Path, t0: float, *,
-              model: str | None, max_tokens: int, temperature: float, top_p: float,
-              seed: int | None, concurrency: int, samples_per_prompt: int,
-              chat_template_kwargs: dict[str, Any] | None,
-              client_kw: dict[str, Any]) -> dict[str, Any]:
-    from eyas.data.produce.endpoint import EndpointClient
-    from eyas.data.common.utils import atomic_write_json, fsync_dir
-    partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    if out.exists() and partial.exists():
-        raise FileExistsError(f"both {out} and {partial} exist; remove the one that is not "
-                              f"this run's output")
-    client = EndpointClient(endpoint, connections=concurrency, **client_kw)
-    try:
-        if model is None:
-            model = client.models()[0]
-            log.info("model: %s (the first that %s/models lists)", model, client.url)
-        setup = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
-                 "top_p": top_p, "seed": seed, "chat_template_kwargs": chat_template_kwargs or {}}
-        source = partial if partial.exists() or not out.exists() else out
-        todo = _todo(source, tasks, setup, prompts, samples_per_prompt)
-        card = read_card(out) if source == out else None
-        if not todo and card is not None and card.get("sha256") == file_sha256(out):
-            return card
-        if todo:
-            if source == out:   # a finished file that gains prompts becomes partial again
-                card_path(out).unlink(missing_ok=True)
-                os.replace(out, partial)
-            _run(client, todo, setup, partial, concurrency)
-        if partial.exists():
-            os.replace(partial, out)
-            fsync_dir(out.parent)
-    finally:
-        client.close()
-    card = build_card(out, setup, endpoint=client.url, prompts=prompts,
-                      samples_per_prompt=samples_per_prompt, wall_s=time.perf_counter() - t0)
-    atomic_write_json(card_path(out), card)
+        if out.exists() and partial.exists():
+            raise FileExistsError(f"both {out} and {partial} exist; remove the one that is not "
+                                  f"this run's output")
+        client = EndpointClient(endpoint, connections=concurrency, api_key=api_key,
+                                timeout=timeout, retries=retries, backoff=backoff)
+        try:
+            if model is None:
+                model = client.models()[0]
+                log.info("model: %s (the first that %s/models lists)", model, client.url)
+            setup = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
+                     "top_p": top_p, "seed": seed,
+                     "chat_template_kwargs": chat_template_kwargs or {}}
+            source = partial if partial.exists() or not out.exists() else out
+            todo = _todo(source, tasks, setup, prompts, samples_per_prompt)
+            card = read_card(out) if source == out else None
+            if not todo and card is not None and card.get("sha256") == file_sha256(out):
+                return card
+            if todo:
+                if source == out:   # a finished file that gains prompts becomes partial again
+                    card_path(out).unlink(missing_ok=True)
+                    os.replace(out, partial)
+                _run(client, todo, setup, partial, concurrency)
+            if partial.exists():
+                os.replace(partial, out)
+                fsync_dir(out.parent)
+        finally:
+            client.close()
+        card = build_card(out, setup, endpoint=client.url, prompts=prompts,
+                          samples_per_prompt=samples_per_prompt, wall_s=time.perf_counter() - t0)
+        atomic_write_json(card_path(out), card)
     if card["counts"]["empty_answers"]:
         log.warning("%s: %d answers are empty (kept; `eyas prepare` counts them as "
                     "empty_assistant)", out, card["counts"]["empty_answers"])
