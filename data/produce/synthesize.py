@@ -246,16 +246,11 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
                                f"temperature or max_new_tokens, or ask for fewer")
     bar.close()
     _write_prompts(out_path, kept, id_prefix)
-    _log_done(n, time.perf_counter() - every.t0, b, counts, max_new_tokens, out_path)
-    return Path(out_path)
-
-
-def _log_done(n: int, dt: float, batches: int, counts: Counter[str], max_new_tokens: int,
-              out_path: str | Path) -> None:
     log.info("synthesized %d prompts in %.1f s (%d batches, %d tokens sampled; dropped: %d cut "
-             "off at %d tokens, %d empty, %d duplicates) into %s", n, dt, batches,
-             counts["tokens"], counts["length"], max_new_tokens, counts["empty"],
-             counts["duplicate"], out_path)
+             "off at %d tokens, %d empty, %d duplicates) into %s", n,
+             time.perf_counter() - every.t0, b, counts["tokens"], counts["length"],
+             max_new_tokens, counts["empty"], counts["duplicate"], out_path)
+    return Path(out_path)
 
 
 @dataclass(kw_only=True)
