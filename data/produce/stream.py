@@ -29,6 +29,7 @@ which is why the producer is per rank; an ``endpoint`` serves every rank's reque
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
@@ -169,7 +170,9 @@ class Producer(threading.Thread):
     def __init__(self, ds: StreamedDataset, capturer, *, train, held_out, rank: int,
                  world_size: int, ahead: int, spool_bytes: int, window: int = 64):
         super().__init__(name=f"eyas-capture[{rank}]", daemon=True)
-        self.ds, self.capturer, self.train, self.held_out = ds, capturer, train, held_out
+        self.ds, self.capturer, self.train = ds, capturer, train
+        # a held-out loader over another dataset has nothing to capture here
+        self.held_out = held_out if held_out is not None and held_out.dataset is ds else None
         self.rank, self.world_size = rank, world_size
         self.ahead, self.budget, self.window = max(1, ahead), spool_bytes, max(1, window)
         self.stopping = threading.Event()
@@ -178,18 +181,13 @@ class Producer(threading.Thread):
         self.finishing = False              # keep=all: everything captured, shards to write
 
     # ---- the order ---------------------------------------------------------------------
-    def _held_out(self) -> list[int]:
-        if self.held_out is None or self.held_out.dataset is not self.ds:
-            return []
-        return [i for docs in self.held_out.plan(0) for i in docs]
-
     def _epoch_order(self, epoch: int, start_batch: int) -> list[int]:
         return [i for docs in self.train.plan(epoch)[start_batch:] for i in docs]
 
     def _leftovers(self) -> list[int]:
         """Samples no loader reads (dropped tails), split by rank, so every shard completes."""
         read = {i for docs in self.train.global_plan(0)[0] for i in docs}
-        if self.held_out is not None and self.held_out.dataset is self.ds:
+        if self.held_out is not None:
             read |= {i for docs in self.held_out.global_plan(0)[0] for i in docs}
         return [i for i in range(len(self.ds)) if i not in read and i % self.world_size
                 == self.rank]
@@ -214,7 +212,7 @@ class Producer(threading.Thread):
         log.info("stream: rank %d captured %d sample(s)", self.rank, self.captured)
 
     def _run(self) -> None:
-        held = self._held_out()
+        held = [] if self.held_out is None else [i for docs in self.held_out.plan(0) for i in docs]
         self.ds.pinned.update(held)
         self._capture(held, bounded=False)
         state = self.train.state_dict()
@@ -338,8 +336,7 @@ class Stream:
 
     def _start(self) -> None:
         with self._lock:
-            if self.producer is not None and not self.producer.is_alive() \
-                    and self.producer.ident is None:
+            if self.producer is not None and self.producer.ident is None:     # not started
                 log.info("stream: capturing (%s, keep=%s) ahead of the loader into %s",
                          self.capturer.kind.value, self.dataset.keep, self.dataset.spool)
                 self.producer.start()
@@ -368,10 +365,8 @@ class Stream:
             p.join()
         self.capturer.__exit__(None, None, None)
         if self.dataset.keep == "all":
-            try:
+            with contextlib.suppress(OSError):
                 self.dataset.spool.rmdir()      # empty once every shard is written
-            except OSError:
-                pass
 
 
 def open_stream(tokens_dir: str | Path, target, out: str | Path, *, capture, keep: str,
