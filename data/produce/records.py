@@ -313,9 +313,7 @@ def scan_written(out_path: str | Path) -> dict[str, dict[str, Any]]:
         return done
     good_end = 0
     with open(out_path, "rb+") as f:
-        lineno = 0
-        for line in iter(f.readline, b""):
-            lineno += 1
+        for lineno, line in enumerate(iter(f.readline, b""), 1):
             rec = None
             if line.endswith(b"\n"):
                 try:
