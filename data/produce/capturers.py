@@ -6,9 +6,8 @@ stored fields of those token-dataset samples, keyed by index. `eyas extract`
 (data/produce/extract.py) writes them shard by shard; a streamed training (data/produce/stream.py)
 asks for them in the order its loader reads them. Which producer:
 
-- ``hf``: the target in this process (transformers, forward hooks; data/produce/forward.py). With
-  ``pad_batches`` off a forward holds only samples of equal length, so every value is bitwise a
-  plain forward of the sample alone, whatever other samples are asked for with it.
+- ``hf``: the target in this process (transformers, forward hooks; data/produce/forward.py;
+  batched as data/produce/extract.py says).
 - ``vllm``: the target in a vLLM worker process here (data/engine/runner.py), with its
   ``extract_hidden_states`` method (data/produce/engine_capture.py).
 - ``endpoint``: a ``vllm serve`` a user started with that method and a hidden-states connector.

@@ -158,10 +158,8 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             target_argmax is always stored.
         topk: k for the top-k teacher. batch_tokens: tokens per forward (a longer sample runs
             alone).
-        pad_batches: False (default): a forward holds only samples of equal length, so every
-            stored value is bitwise what a plain forward of that sample alone gives. True: pad
-            samples of different lengths together (faster for many short samples on a GPU;
-            values then differ from the unpadded forward by bf16 rounding).
+        pad_batches: pad samples of different lengths into one forward (module doc,
+            "Batching": faster for many short samples, values differ by bf16 rounding).
         dtype: "bfloat16" or "float32": what the target runs in when `model` is None (match the
             precision it serves in; float32 costs ~2x the time on a GPU).
         shard_tokens: tokens per output shard; None = shard_bytes / bytes per token.
