@@ -52,8 +52,8 @@ from eyas.data.produce.encoding import auto_workers, encode_file
 from eyas.data.common.lock import writes_directory
 from eyas.data.produce.records import ERROR_MODES, InputFile, PrepareError, resolve_template
 from eyas.data.common.options import option, shared
-from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, KVCache, SeedSettings,
-                                TargetSettings, TokenizeSettings)
+from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, SeedSettings,
+                                       TargetSettings, TokenizeSettings)
 from eyas.data.common.templates import EOT_STRINGS, TemplateRenderer, tokenizer_identity
 
 log = logging.getLogger(__name__)
@@ -319,17 +319,15 @@ class PrepareOptions:
 
 def main(args: PrepareOptions) -> int:
     """`eyas prepare --input FILE.jsonl --target MODEL --out DIR [--generate ...]`."""
-    gen = GenerationSettings(max_new_tokens=args.max_new_tokens,
-                             generation_batch_size=args.batch_size,
-                             temperature=args.temperature, top_p=args.top_p,
-                             generation_cache=KVCache(args.cache))
     summary = prepare(args.input, args.target, args.out, max_length=args.max_length,
                       on_error=args.on_error, generate=args.generate,
                       chat_template=args.chat_template,
                       template_kwargs=_parse_kv(args.template_arg),
                       on_nonprefix=args.on_nonprefix, shard_samples=args.shard_samples,
                       workers=args.workers,
-                      generate_kwargs={**gen.generate_kwargs(), "seed": args.seed,
-                                       "device": args.device, "dtype": args.dtype})
+                      generate_kwargs=dict(max_new_tokens=args.max_new_tokens,
+                                           batch_size=args.batch_size, cache=args.cache,
+                                           temperature=args.temperature, top_p=args.top_p,
+                                           seed=args.seed, device=args.device, dtype=args.dtype))
     print(json.dumps(summary, indent=1))
     return 0
