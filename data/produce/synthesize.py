@@ -120,11 +120,8 @@ def _bos_text(tokenizer) -> str:
 
 def _end_of_line(rows: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
     """A list item's rows: the text up to the first line break, which counts as its end."""
-    out = []
-    for written, reason, ntok in rows:
-        line, brk, _ = written.partition("\n")
-        out.append((line, "stop" if brk else reason, ntok))
-    return out
+    return [(written.partition("\n")[0], "stop" if "\n" in written else reason, ntok)
+            for written, reason, ntok in rows]
 
 
 def _keep(starts: list[str], rows: list[tuple[str, str, int]], n: int, *, kept: list[str],
