@@ -69,28 +69,6 @@ def _target_info(target: str | os.PathLike, layers: list[int] | None) -> dict[st
             "vocab": int(tc["vocab_size"]), "aux_ids": ids}
 
 
-class _ShardBuffer:
-    """Collects samples and writes a shard whenever `shard_bytes` of payload accumulate."""
-
-    def __init__(self, out: Path, aux_format: str, shard_bytes: int):
-        self.out, self.aux_format, self.shard_bytes = out, aux_format, shard_bytes
-        self.pending: list[dict[str, torch.Tensor]] = []
-        self.size = 0
-        self.metas: list[dict[str, Any]] = []
-
-    def add(self, sample: dict[str, torch.Tensor]) -> None:
-        self.pending.append(sample)
-        self.size += sum(t.numel() * t.element_size() for t in sample.values())
-        if self.size >= self.shard_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending:
-            self.metas.append(write_shard(self.out, len(self.metas), self.pending,
-                                          aux_format=self.aux_format))
-            self.pending, self.size = [], 0
-
-
 def _check_sample(path: Path, ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor | None,
                   mask: torch.Tensor, info: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Shape-check one converted sample and return it in eyas field layout."""
@@ -287,17 +265,22 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
             eps = float(info["text"].get("rms_norm_eps", 1e-6))
             norm = lambda x: rms_norm(x, w.to(x.dtype), eps)  # noqa: E731
         samples = _speculators_samples(src, info, loss_mask, norm)
-    buf = _ShardBuffer(out, aux_format, shard_bytes)
-    n = 0
-    has_last = None
+    metas: list[dict[str, Any]] = []
+    pending, size = [], 0           # the shard being filled and its payload bytes
+    n, has_last = 0, None
     for path, s in samples:
         if has_last is None:
             has_last = "last" in s
         elif has_last != ("last" in s):
             raise DatasetError("some files carry a last hidden state and others do not", path=path)
-        buf.add(s)
+        pending.append(s)
+        size += sum(t.numel() * t.element_size() for t in s.values())
         n += 1
-    buf.flush()
+        if size >= shard_bytes:
+            metas.append(write_shard(out, len(metas), pending, aux_format=aux_format))
+            pending, size = [], 0
+    if pending:
+        metas.append(write_shard(out, len(metas), pending, aux_format=aux_format))
     teacher = {"kind": "last" if has_last else None, "last": last_conv if has_last else None,
                "topk": None, "target_argmax": False}
     manifest = {
@@ -311,7 +294,7 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
     }
     if source == "speculators" and loss_mask == "all":
         log.warning("speculators import without loss masks: every token is marked trainable")
-    return write_manifest(out, manifest, buf.metas)
+    return write_manifest(out, manifest, metas)
 
 
 @dataclass(kw_only=True)
