@@ -69,16 +69,11 @@ log = logging.getLogger(__name__)
 # Plan, run, finalize
 
 
-def _write(out: Path, j: int, samples: list[dict], aux_format: str) -> tuple[int, int]:
-    from eyas.data.store.shards import write_shard
-    write_shard(out, j, samples, aux_format=aux_format)
-    return j, len(samples)
-
-
-def _written(done: tuple[int, int], rank: int, tokens: int, t0: float, bar) -> None:
+def _written(meta: dict[str, Any], rank: int, tokens: int, t0: float, bar) -> None:
     rate = tokens / max(time.perf_counter() - t0, 1e-9)
-    bar.set_postfix(shard=done[0], tok_s=f"{rate:.0f}")
-    log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, *done, rate)
+    bar.set_postfix(shard=meta["index"], tok_s=f"{rate:.0f}")
+    log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, meta["index"],
+             meta["n_samples"], rate)
 
 
 def _check_settings(teacher: str, topk: int, vocab_chunk: int, rank: int,
@@ -98,6 +93,7 @@ def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
     written on a thread while the producer computes shard j + 1 (at most one shard in flight,
     so host memory holds two shards' features at most)."""
     from eyas.data.common.utils import progress
+    from eyas.data.store.shards import write_shard
     total = sum(sum(lengths[a:b]) for a, b in (shards[j] for j in todo))
     bar = progress(None, total=total, unit="tok", unit_scale=True,
                    desc=f"extract[{capturer.kind.value}:{rank}]")
@@ -112,8 +108,8 @@ def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
             bar.update(ntok)
             if pending is not None:
                 _written(pending.result(), rank, done_tokens, t0, bar)
-            pending = writer.submit(_write, out, j, [results[i] for i in range(a, b)],
-                                    aux_format)
+            pending = writer.submit(write_shard, out, j, [results[i] for i in range(a, b)],
+                                    aux_format=aux_format)
         if pending is not None:
             _written(pending.result(), rank, done_tokens, t0, bar)
     finally:
