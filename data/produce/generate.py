@@ -236,17 +236,6 @@ def _write_chunk(fout, state: list[dict], settings: dict[str, Any], counts: Coun
     os.fsync(fout.fileno())
 
 
-def _log_summary(counts: Counter[str], dt: float, out_path: Path) -> None:
-    """Log the records left out for an empty answer, then the turns, tokens and speed."""
-    if counts["empty_generation"]:
-        log.warning("%d records got an empty answer and were not written (a later run retries "
-                    "them)", counts["empty_generation"])
-    log.info("generated %d turns (%d stopped, %d hit max_new_tokens), %d tokens in %.1f s "
-             "(%.0f tokens/s) into %s", counts["stop"] + counts["length"], counts["stop"],
-             counts["length"], counts["new_tokens"], dt, counts["new_tokens"] / max(dt, 1e-9),
-             out_path)
-
-
 def generate_conversations(prompts_path: str | Path, target: str | Path, out_path: str | Path, *,
                            max_new_tokens: int = GenerationSettings.max_new_tokens,
                            batch_size: int = GenerationSettings.generation_batch_size,
@@ -308,5 +297,12 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
                                   render=render, generate=generate, batch_size=batch_size,
                                   seed=seed, counts=counts, report=report)
             _write_chunk(fout, state, settings, counts)
-    _log_summary(counts, time.perf_counter() - t0, out_path)
+    if counts["empty_generation"]:
+        log.warning("%d records got an empty answer and were not written (a later run retries "
+                    "them)", counts["empty_generation"])
+    dt = time.perf_counter() - t0
+    log.info("generated %d turns (%d stopped, %d hit max_new_tokens), %d tokens in %.1f s "
+             "(%.0f tokens/s) into %s", counts["stop"] + counts["length"], counts["stop"],
+             counts["length"], counts["new_tokens"], dt, counts["new_tokens"] / max(dt, 1e-9),
+             out_path)
     return out_path
