@@ -27,7 +27,7 @@ def _():
 
 @_command("generate", "answer prompts with a served target (OpenAI-compatible endpoint)")
 def _():
-    from eyas.data.produce.served_cli import GenerateOptions, main
+    from eyas.data.produce.served import GenerateOptions, main
     return GenerateOptions, main
 
 

@@ -6,9 +6,8 @@ stored fields of those token-dataset samples, keyed by index. `eyas extract`
 (data/produce/extract.py) writes them shard by shard; a streamed training (data/produce/stream.py)
 asks for them in the order its loader reads them. Which producer:
 
-- ``hf``: the target in this process (transformers, forward hooks; data/produce/forward.py). With
-  ``pad_batches`` off a forward holds only samples of equal length, so every value is bitwise a
-  plain forward of the sample alone, whatever other samples are asked for with it.
+- ``hf``: the target in this process (transformers, forward hooks; data/produce/forward.py;
+  batched as data/produce/extract.py says).
 - ``vllm``: the target in a vLLM worker process here (data/engine/runner.py), with its
   ``extract_hidden_states`` method (data/produce/engine_capture.py).
 - ``endpoint``: a ``vllm serve`` a user started with that method and a hidden-states connector.
@@ -40,12 +39,11 @@ class HFCapturer:
                  dtype: str, device=None, device_map=None, max_memory=None, model=None,
                  batch_tokens: int = 8192, pad_batches: bool = False, row_chunk: int = 1024,
                  vocab_chunk: int = 65536):
-        from eyas.data.produce.extract_plan import hf_capture_source
+        import transformers
+
         from eyas.data.produce.forward import load_model
         if model is None:
-            from eyas.data.common.targets import default_device
-            model = load_model(target, device or default_device(), device_map, dtype,
-                               max_memory)
+            model = load_model(target, dtype, device, device_map, max_memory)
         self.model, self.tokens, self.tokens_dir = model, tokens, tokens_dir
         self.text, dec_layers, self.norm, self.head = find_text_model(model)
         self.num_layers = min(len(dec_layers),
@@ -57,7 +55,9 @@ class HFCapturer:
         self.chunks = (row_chunk, vocab_chunk)
         self.logit_tf = logit_transform(model.config)
         self.target_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        self.record = hf_capture_source(self.target_dtype)
+        self.record = {"source": "hf", "transformers": transformers.__version__,
+                       "dtype": self.target_dtype, "layers": "pre-hooks on layers[k] (HF "
+                       "hidden_states[k]); last: the final norm's output"}
         self.hooks = LayerHooks(dec_layers, self.aux_ids, self.norm)
         self.lengths = [int(x) for x in tokens.sample_lengths]    # once, not per capture
         self.device = next(self.text.parameters()).device
@@ -133,8 +133,7 @@ class EngineCapturer:
                 "vocab": int(self.head.head.weight.shape[0]), "num_layers": self.head.num_layers}
 
     def capture(self, indices: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-        from eyas.data.produce.engine_capture import (UnreadableStates, read_states,
-                                                      remove_states, sample_features)
+        from eyas.data.produce.engine_capture import sample_features, take_states
         out: dict[int, dict[str, torch.Tensor]] = {}
         indices = list(indices)
         for c in range(0, len(indices), self.batch_samples):
@@ -142,17 +141,12 @@ class EngineCapturer:
             samples = {i: self.tokens.sample(i, fields=("input_ids", "loss_mask")) for i in chunk}
             files = self.source.capture([(i, samples[i]["input_ids"].tolist()) for i in chunk])
             for i in chunk:
-                try:
-                    states = read_states(files[i])
-                except UnreadableStates as e:
-                    raise ExtractError(f"sample {i} of {self.tokens_dir}, captured by "
-                                       f"{self.where}: {e}; capture it again (the same command "
-                                       f"resumes)") from None
+                states = take_states(files[i], f"sample {i} of {self.tokens_dir}, captured by "
+                                               f"{self.where}")
                 out[i] = sample_features(states, samples[i], self.head,
                                          name=f"{self.tokens_dir} sample {i}",
                                          n_aux=len(self.aux_ids), teacher=self.teacher,
                                          topk=self.topk)
-                remove_states(files[i])
         return out
 
     def __enter__(self):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import multiprocessing
 import os
@@ -135,13 +136,8 @@ def auto_workers(source: Path, workers: int | None) -> int:
 
 
 def _raw_chunks(source: InputFile) -> Iterator[list[tuple[int, bytes]]]:
-    chunk: list[tuple[int, bytes]] = []
-    for lineno, raw in enumerate(source.lines(), 1):
-        chunk.append((lineno, raw))
-        if len(chunk) == CHUNK_LINES:
-            yield chunk
-            chunk = []
-    if chunk:
+    lines = enumerate(source.lines(), 1)
+    while chunk := list(itertools.islice(lines, CHUNK_LINES)):
         yield chunk
 
 

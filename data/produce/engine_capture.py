@@ -37,7 +37,6 @@ from eyas.data.common.capture import (ExtractError, WeightFiles, chunked_argmax_
 
 log = logging.getLogger(__name__)
 STATES_DIR = ".engine-states"       # the engine's per-request files, inside the output dir
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class TargetHead:
@@ -47,11 +46,12 @@ class TargetHead:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from eyas.data.common.log import quiet_libraries
+        from eyas.data.common.targets import TARGET_DTYPES
         quiet_libraries()
         self.config = AutoConfig.from_pretrained(target_dir, local_files_only=True)
         with torch.device("meta"):
             self.meta = AutoModelForCausalLM.from_config(self.config,
-                                                         dtype=TORCH_DTYPES[dtype])
+                                                         dtype=TARGET_DTYPES[dtype])
         text, self.layers, norm, head = find_text_model(self.meta)
         if getattr(self.config.get_text_config(), "tie_word_embeddings", False):
             head.weight = text.embed_tokens.weight   # as from_pretrained ties them on load
@@ -113,12 +113,9 @@ def sample_features(states: dict[str, torch.Tensor], sample: dict[str, torch.Ten
     return out
 
 
-class UnreadableStates(ExtractError):
-    """An engine's per-request file that is truncated or garbled."""
-
-
-def read_states(path: str | Path) -> dict[str, torch.Tensor]:
-    """A connector file, once its writer released the `.lock` beside it."""
+def take_states(path: str | Path, about: str) -> dict[str, torch.Tensor]:
+    """A connector file, once its writer released the `.lock` beside it; both are deleted once
+    read. A truncated or garbled file is one ExtractError line naming `about` and the file."""
     import fcntl
 
     from safetensors.torch import load_file
@@ -127,11 +124,14 @@ def read_states(path: str | Path) -> dict[str, torch.Tensor]:
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_SH)
     try:
-        return load_file(str(path))
+        states = load_file(str(path))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UnreadableStates(f"{path}: the engine's hidden-states file is unreadable "
-                               f"({why})") from None
+        raise ExtractError(f"{about}: {path}: the engine's hidden-states file is unreadable "
+                           f"({why}); capture it again (the same command resumes)") from None
+    for f in (Path(path), lock):
+        f.unlink(missing_ok=True)
+    return states
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,9 +239,3 @@ def engine_stops(kept: Callable[[], str]):
         yield
     except (EngineError, EndpointError) as e:
         raise CaptureStopped(f"{str(e).splitlines()[0]}; {kept()}") from e
-
-
-def remove_states(path: str) -> None:
-    """Delete an engine file and its lock once read."""
-    for f in (Path(path), Path(f"{path}.lock")):
-        f.unlink(missing_ok=True)

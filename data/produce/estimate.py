@@ -16,6 +16,7 @@ warm-up forward first), or from a throughput you state (`--tokens-per-s`, nothin
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -46,21 +47,17 @@ def hidden_tensors(hidden: int, aux_format: str, teacher: str, topk: int
     return out
 
 
-def _header_len(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> int:
-    """Bytes of a safetensors header (without its 8-byte length): tensors (name, dtype, shape,
-    nbytes) laid out as safetensors orders them; JSON padded with spaces to 8 bytes."""
-    order = sorted(tensors, key=lambda t: (_DTYPE_RANK[t[1]], t[0]))
+def _file_bytes(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> int:
+    """Bytes of a safetensors file of these tensors (name, dtype, shape, nbytes): the header's
+    8-byte length, the header (the tensors laid out as safetensors orders them, the JSON padded
+    with spaces to 8 bytes) and the data."""
     head: dict[str, Any] = {"__metadata__": metadata}
     at = 0
-    for name, dt, shape, nbytes in order:
+    for name, dt, shape, nbytes in sorted(tensors, key=lambda t: (_DTYPE_RANK[t[1]], t[0])):
         head[name] = {"dtype": dt, "shape": shape, "data_offsets": [at, at + nbytes]}
         at += nbytes
     n = len(json.dumps(head, separators=(",", ":")).encode())
-    return n + (-n % 8)
-
-
-def _file_bytes(tensors: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> int:
-    return 8 + _header_len(tensors, metadata) + sum(t[3] for t in tensors)
+    return 8 + n + (-n % 8) + at
 
 
 def shard_file_bytes(index: int, lengths: list[int], per_token: dict[str, tuple[str, list[int]]],
@@ -71,10 +68,7 @@ def shard_file_bytes(index: int, lengths: list[int], per_token: dict[str, tuple[
     tensors = [("offsets", "I64", [n + 1], 8 * (n + 1)), ("sample_crc32", "I64", [n], 8 * n)]
     fields = {}
     for name, (dt, shape) in sorted(per_token.items()):
-        numel = T
-        for s in shape:
-            numel *= s
-        tensors.append((name, dt, [T, *shape], numel * _ITEMSIZE[dt]))
+        tensors.append((name, dt, [T, *shape], math.prod(shape, start=T * _ITEMSIZE[dt])))
         if name != "aux_scale":
             fields[name] = {"dtype": _READ[dt], "stored_dtype": _STORED[dt], "shape": shape}
     meta = {"format": SHARD_FORMAT, "format_version": 1, "index": int(index), "n_samples": n,
@@ -104,12 +98,7 @@ def estimate_bytes(lengths: list[int], hidden: int, aux_format: str, teacher: st
                  for j, (a, b) in enumerate(plan))
     index = index_file_bytes(len(lengths), len(plan))
     tokens = int(sum(lengths))
-    payload = 0
-    for dt, shape in per_token.values():
-        per = _ITEMSIZE[dt]
-        for s in shape:
-            per *= s
-        payload += per
+    payload = sum(math.prod(shape, start=_ITEMSIZE[dt]) for dt, shape in per_token.values())
     return {"aux_format": aux_format, "teacher": teacher, "topk": topk or None,
             "shards": len(plan), "shard_tokens": shard_tokens, "shard_bytes": shards,
             "index_bytes": index, "bytes": shards + index, "tokens": tokens,
@@ -175,8 +164,7 @@ def estimate(tokens_dir, target, *, layers: list[int] | None = None, aux_format:
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     lengths = [int(x) for x in tokens.sample_lengths[:n]]
     if tokens_per_s is None and model is None:
-        from eyas.data.common.targets import default_device
-        model = load_model(target, device or default_device(), None, dtype)
+        model = load_model(target, dtype, device)
     hidden, n_layers = _target_shape(target, model)
     aux_ids = check_aux_layers(layers, n_layers)
     modes = [estimate_bytes(lengths, hidden, f, t, topk, shard_tokens, shard_bytes)

@@ -44,6 +44,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +52,15 @@ import torch
 from torch import nn
 
 from eyas.data.common.capture import ExtractError
-from eyas.data.produce.forward import TEACHERS, default_shard_tokens
+from eyas.data.produce.forward import TEACHERS
 from eyas.data.common.lock import lock_for_ranks, writes_directory
-from eyas.data.produce.extract_args import ExtractOptions, parse_max_memory
-from eyas.data.produce.extract_plan import (check_template, finalize, make_plan, pending_shards,
-                                          write_plan)
+from eyas.data.produce.extract_plan import (finalize, make_plan, open_tokens, pending_shards,
+                                            write_plan)
 from eyas.data.common.parent import exit_with_launcher
 from eyas.data.produce.outdir import check_extract_out
-from eyas.data.common.settings import Capture, ExtractionSettings
+from eyas.data.common.options import option, shared
+from eyas.data.common.settings import (DTYPE_CHOICES, Capture, ExtractionSettings,
+                                       TargetSettings)
 from eyas.data.common.targets import target_dtype_name
 
 log = logging.getLogger(__name__)
@@ -67,16 +69,11 @@ log = logging.getLogger(__name__)
 # Plan, run, finalize
 
 
-def _write(out: Path, j: int, samples: list[dict], aux_format: str) -> tuple[int, int]:
-    from eyas.data.store.shards import write_shard
-    write_shard(out, j, samples, aux_format=aux_format)
-    return j, len(samples)
-
-
-def _written(done: tuple[int, int], rank: int, tokens: int, t0: float, bar) -> None:
+def _written(meta: dict[str, Any], rank: int, tokens: int, t0: float, bar) -> None:
     rate = tokens / max(time.perf_counter() - t0, 1e-9)
-    bar.set_postfix(shard=done[0], tok_s=f"{rate:.0f}")
-    log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, *done, rate)
+    bar.set_postfix(shard=meta["index"], tok_s=f"{rate:.0f}")
+    log.info("rank %d: shard %d (%d samples) written; %.0f tokens/s", rank, meta["index"],
+             meta["n_samples"], rate)
 
 
 def _check_settings(teacher: str, topk: int, vocab_chunk: int, rank: int,
@@ -96,6 +93,7 @@ def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
     written on a thread while the producer computes shard j + 1 (at most one shard in flight,
     so host memory holds two shards' features at most)."""
     from eyas.data.common.utils import progress
+    from eyas.data.store.shards import write_shard
     total = sum(sum(lengths[a:b]) for a, b in (shards[j] for j in todo))
     bar = progress(None, total=total, unit="tok", unit_scale=True,
                    desc=f"extract[{capturer.kind.value}:{rank}]")
@@ -110,8 +108,8 @@ def _run_shards(capturer, out: Path, shards: list[list[int]], todo: list[int],
             bar.update(ntok)
             if pending is not None:
                 _written(pending.result(), rank, done_tokens, t0, bar)
-            pending = writer.submit(_write, out, j, [results[i] for i in range(a, b)],
-                                    aux_format)
+            pending = writer.submit(write_shard, out, j, [results[i] for i in range(a, b)],
+                                    aux_format=aux_format)
         if pending is not None:
             _written(pending.result(), rank, done_tokens, t0, bar)
     finally:
@@ -156,10 +154,8 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
             target_argmax is always stored.
         topk: k for the top-k teacher. batch_tokens: tokens per forward (a longer sample runs
             alone).
-        pad_batches: False (default): a forward holds only samples of equal length, so every
-            stored value is bitwise what a plain forward of that sample alone gives. True: pad
-            samples of different lengths together (faster for many short samples on a GPU;
-            values then differ from the unpadded forward by bf16 rounding).
+        pad_batches: pad samples of different lengths into one forward (module doc,
+            "Batching": faster for many short samples, values differ by bf16 rounding).
         dtype: "bfloat16" or "float32": what the target runs in when `model` is None (match the
             precision it serves in; float32 costs ~2x the time on a GPU).
         shard_tokens: tokens per output shard; None = shard_bytes / bytes per token.
@@ -178,22 +174,19 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     from eyas.data.produce.engine_capture import STATES_DIR, engine_stops
 
     _check_settings(teacher, topk, vocab_chunk, rank, world_size)
-    tokens, out = _open_tokens(tokens_dir, target, out_dir), Path(out_dir)
+    tokens, out = open_tokens(tokens_dir, target, out_dir), Path(out_dir)
     n = len(tokens) if max_samples is None else min(max_samples, len(tokens))
     topk, lengths = (topk if teacher != "last" else 0), [int(x) for x in tokens.sample_lengths[:n]]
     out.mkdir(parents=True, exist_ok=True)
     with open_capturer(capture, tokens, tokens_dir, target, storage=out / STATES_DIR,
                        layers=layers, teacher=teacher, topk=topk, dtype=dtype,
-                       endpoint=endpoint, served_model=served_model,
-                       **_hf_keywords(capture, device, device_map, max_memory, model,
-                                      batch_tokens, pad_batches, row_chunk, vocab_chunk)
-                       ) as capturer:
-        fields = capturer.plan_fields()
-        if shard_tokens is None:
-            shard_tokens = default_shard_tokens(fields["hidden"], aux_format, teacher, topk,
-                                                shard_bytes)
-        plan = make_plan(tokens, tokens_dir, target, n, lengths, shard_tokens, teacher=teacher,
-                         topk=topk, aux_format=aux_format, **fields)
+                       endpoint=endpoint, served_model=served_model, device=device,
+                       device_map=device_map, max_memory=max_memory, model=model,
+                       batch_tokens=batch_tokens, pad_batches=pad_batches, row_chunk=row_chunk,
+                       vocab_chunk=vocab_chunk) as capturer:
+        plan = make_plan(tokens, tokens_dir, target, lengths, capturer.plan_fields(),
+                         shard_tokens=shard_tokens, shard_bytes=shard_bytes, teacher=teacher,
+                         topk=topk, aux_format=aux_format)
         write_plan(out, plan)
         todo, resumed = pending_shards(out, plan["shards"], rank, world_size)
         t0 = time.perf_counter()
@@ -204,35 +197,80 @@ def extract(tokens_dir: str | Path, target: str | Path, out_dir: str | Path, *,
     summary = {"out_dir": str(out), "capture": capturer.kind.value, "shards": len(plan["shards"]),
                "computed": todo, "resumed": resumed, "tokens": done_tokens, "seconds": round(dt, 3),
                "tokens_per_s": round(done_tokens / dt, 1) if dt > 0 and done_tokens else None,
-               "aux_layer_ids": fields["aux_ids"]}
+               "aux_layer_ids": plan["aux_layer_ids"]}
     if finalize_manifest if finalize_manifest is not None else world_size == 1:
         summary["manifest"] = str(out / "manifest.json")
         finalize(out)
     return summary
 
 
-def _open_tokens(tokens_dir, target, out_dir):
-    """The token dataset, refused when it is not one, when --out is it or holds other data,
-    or when it was rendered with another chat template than the target's."""
-    from eyas.data.store.shards import open_dataset
-    check_extract_out(out_dir, tokens_dir)
-    tokens = open_dataset(tokens_dir)
-    for f in ("input_ids", "loss_mask"):
-        if f not in tokens.fields:
-            raise ExtractError(f"{tokens_dir} has no {f!r} field; expected a token dataset from "
-                               f"data.produce.prepare")
-    check_template(tokens_dir, target)
-    return tokens
+def parse_max_memory(text: str | None) -> dict | None:
+    """`0=60GiB,cpu=200GiB` -> {0: "60GiB", "cpu": "200GiB"} (None stays None)."""
+    if not text:
+        return None
+    out: dict = {}
+    for item in text.split(","):
+        dev, sep, size = item.partition("=")
+        dev, size = dev.strip(), size.strip()
+        if not sep or not dev or not size:
+            raise ExtractError(f"--max-memory {text!r}: expected DEVICE=SIZE pairs separated by "
+                               f"commas, e.g. 0=60GiB,cpu=200GiB")
+        out[int(dev) if dev.isdigit() else dev] = size
+    return out
 
 
-def _hf_keywords(capture, device, device_map, max_memory, model, batch_tokens, pad_batches,
-                 row_chunk, vocab_chunk) -> dict[str, Any]:
-    """The transformers capturer's own keywords (none for an engine)."""
-    if Capture(capture) != Capture.hf:
-        return {}
-    return dict(device=device, device_map=device_map, max_memory=max_memory, model=model,
-                batch_tokens=batch_tokens, pad_batches=pad_batches, row_chunk=row_chunk,
-                vocab_chunk=vocab_chunk)
+@dataclass(kw_only=True)
+class ExtractOptions:
+    """Run the target over a token dataset and store the EAGLE-3 training features (aux states,
+    teacher, target argmax). Resumable; launch with `accelerate launch --num_processes G` for
+    data parallel over G GPUs."""
+
+    renamed = {"--engine": "--capture {}",
+               "--endpoint": "--capture endpoint --capture-endpoint {}"}
+
+    tokens: str = option(help="token dataset (from eyas prepare)")
+    target: str = option(help="model directory, hub id (org/name[@revision]) or preset name")
+    out: str | None = option(
+        None, "output hidden-state dataset directory (none with --estimate, required otherwise; "
+        "locked while written; resumes its own run, refuses other data and --tokens itself)",
+        needed="out")
+    layers: str | None = shared(TargetSettings, "aux_layer_ids", "target.aux_layer_ids",
+                                metavar="A,B,C")
+    aux_format: str = shared(ExtractionSettings, "aux_format", "data.aux_format")
+    teacher: str = shared(ExtractionSettings, "teacher", "data.teacher", "both: the two.",
+                          choices=TEACHERS)
+    topk: int = option(32, "k of the top-k teacher")
+    max_samples: int | None = option(
+        None, "use only the first N samples of the token dataset (default: all)")
+    batch_tokens: int = option(8192, "tokens per forward (a longer sample runs alone)")
+    pad_batches: bool = shared(ExtractionSettings, "extract_pad_batches",
+                               "data.extract_pad_batches")
+    dtype: str = shared(TargetSettings, "dtype", "target.dtype",
+                        "Match the precision the target is served in.", choices=DTYPE_CHOICES)
+    shard_tokens: int | None = option(
+        None, "tokens per output shard (default: about 1 GiB of features per shard)")
+    device: str = option("auto", "auto (cuda:<local rank> if available), cpu, cuda:0, ...")
+    device_map: str | None = option(
+        None, "'auto': one large target across GPUs (default: none, the whole target on --device)")
+    max_memory: str | None = option(
+        None, "(none: no cap) with --device-map, the most memory per device, e.g. "
+        "0=60GiB,cpu=200GiB; what does not fit the GPUs stays in host memory",
+        metavar="DEV=SIZE,...")
+    capture: str = shared(ExtractionSettings, "capture", "data.capture")
+    capture_endpoint: str | None = shared(
+        ExtractionSettings, "capture_endpoint", "data.capture_endpoint",
+        "docs/engine.md has the server's command.", metavar="URL")
+    capture_model: str | None = shared(ExtractionSettings, "capture_model", "data.capture_model",
+                                       metavar="NAME")
+    finalize_only: bool = option(False, "only write the manifest from the shards present")
+    estimate: bool = option(
+        False, "capture nothing: print the bytes on disk of every storage mode and the expected "
+        "time (a few timed forwards of the target on this device)", needed="out")
+    estimate_batches: int = option(3, "with --estimate: forwards timed after one warm-up",
+                                   metavar="N")
+    tokens_per_s: float | None = option(
+        None, "with --estimate: a stated capture rate instead of timing the target (default: "
+        "none, the target is loaded and timed)", metavar="RATE")
 
 
 def main(args: ExtractOptions) -> int:
@@ -245,50 +283,38 @@ def main(args: ExtractOptions) -> int:
     if args.finalize_only:
         print(json.dumps({k: v for k, v in finalize(args.out).items() if k != "shards"}, indent=1))
         return 0
-    if args.capture != Capture.hf.value:
-        return _extract_engine(args)
+    settings = dict(layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
+                    aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
+                    shard_tokens=args.shard_tokens, max_samples=args.max_samples)
+    if args.capture != Capture.hf.value:     # an engine: one process
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        summary = extract(args.tokens, args.target, args.out, capture=args.capture,
+                          endpoint=args.capture_endpoint, served_model=args.capture_model,
+                          dtype=target_dtype_name(args.dtype, device), **settings)
+        print(json.dumps(summary, indent=1))
+        return 0
     from accelerate import PartialState
     use_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     state = PartialState(cpu=use_cpu)
     device = state.device if args.device == "auto" else torch.device(args.device)
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     lock = lock_for_ranks(state, args.out, what="hidden-state dataset",
                           check=lambda out: check_extract_out(out, args.tokens))
     try:
-        _extract_ranks(args, state, device, layers)
+        summary = extract(args.tokens, args.target, args.out, batch_tokens=args.batch_tokens,
+                          device=device, device_map=args.device_map,
+                          max_memory=parse_max_memory(args.max_memory),
+                          pad_batches=args.pad_batches, dtype=target_dtype_name(args.dtype, device),
+                          rank=state.process_index, world_size=state.num_processes,
+                          finalize_manifest=False, **settings)
+        state.wait_for_everyone()
+        if state.is_main_process:
+            finalize(args.out)
+            summary["manifest"] = str(Path(args.out) / "manifest.json")
+            print(json.dumps(summary, indent=1))
     finally:
         if lock is not None:
             lock.release()
     return 0
-
-
-def _extract_engine(args) -> int:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    summary = extract(args.tokens, args.target, args.out, capture=args.capture,
-                      endpoint=args.capture_endpoint, served_model=args.capture_model,
-                      layers=[int(x) for x in args.layers.split(",")] if args.layers else None,
-                      aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
-                      shard_tokens=args.shard_tokens, max_samples=args.max_samples,
-                      dtype=target_dtype_name(args.dtype, device))
-    print(json.dumps(summary, indent=1))
-    return 0
-
-
-def _extract_ranks(args, state, device, layers) -> None:
-    summary = extract(args.tokens, args.target, args.out, layers=layers,
-                      aux_format=args.aux_format, teacher=args.teacher, topk=args.topk,
-                      batch_tokens=args.batch_tokens, shard_tokens=args.shard_tokens,
-                      max_samples=args.max_samples, device=device, device_map=args.device_map,
-                      max_memory=parse_max_memory(args.max_memory),
-                      pad_batches=args.pad_batches,
-                      dtype=target_dtype_name(args.dtype, device),
-                      rank=state.process_index, world_size=state.num_processes,
-                      finalize_manifest=False)
-    state.wait_for_everyone()
-    if state.is_main_process:
-        finalize(args.out)
-        summary["manifest"] = str(Path(args.out) / "manifest.json")
-        print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

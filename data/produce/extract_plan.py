@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from eyas.data.common.capture import ExtractError
-from eyas.data.produce.forward import plan_shards
+from eyas.data.produce.forward import default_shard_tokens, plan_shards
 from eyas.data.common.lock import writes_directory
-from eyas.data.produce.outdir import PLAN_NAME
+from eyas.data.produce.outdir import PLAN_NAME, check_extract_out
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +74,23 @@ def _check_room(out: Path, plan: dict[str, Any]) -> None:
                          "halves aux)")
 
 
-def check_template(tokens_dir: str | Path, target: str | Path) -> None:
-    """Refuse a target that serves another chat template than the one the token dataset was
-    rendered with (`templates.template_mismatch`): its drafter would be trained on other turn
-    markers than it meets when served."""
+def open_tokens(tokens_dir: str | Path, target: str | Path, out_dir: str | Path):
+    """The token dataset at `tokens_dir`, refused when it is not one, when `out_dir` is it or
+    holds other data, or when the target serves another chat template than the one it was
+    rendered with (`templates.template_mismatch`: its drafter would be trained on other turn
+    markers than it meets when served)."""
     from eyas.data.common.templates import template_mismatch
+    from eyas.data.store.shards import open_dataset
+    check_extract_out(out_dir, tokens_dir)
+    tokens = open_dataset(tokens_dir)
+    for f in ("input_ids", "loss_mask"):
+        if f not in tokens.fields:
+            raise ExtractError(f"{tokens_dir} has no {f!r} field; expected a token dataset from "
+                               f"data.produce.prepare")
     why = template_mismatch(tokens_dir, target)
     if why is not None:
         raise ExtractError(why)
-
-
-def hf_capture_source(dtype: str) -> dict[str, Any]:
-    """The manifest's `capture` of a transformers extraction (forward hooks, HF ids)."""
-    import transformers
-    return {"source": "hf", "transformers": transformers.__version__, "dtype": dtype,
-            "layers": "pre-hooks on layers[k] (HF hidden_states[k]); last: the final norm's "
-                      "output"}
+    return tokens
 
 
 def pending_shards(out: Path, ranges: list[list[int]], rank: int, world_size: int
@@ -112,21 +113,24 @@ def pending_shards(out: Path, ranges: list[list[int]], rank: int, world_size: in
     return todo, resumed
 
 
-def make_plan(tokens, tokens_dir, target, n: int, lengths: list[int], shard_tokens: int, *,
-              target_config: dict, fingerprint: str, target_dtype: str, capture: dict,
-              aux_ids: list[int], teacher: str, topk: int, aux_format: str, hidden: int,
-              vocab: int, num_layers: int) -> dict[str, Any]:
-    """The extraction plan (`extract_plan.json`): the settings a resume must match, the shard
-    ranges and the manifest the finished dataset gets. `capture`: where the states come from
-    (the manifest's `capture`: source hf or vllm, versions, the engine's layer ids)."""
+def make_plan(tokens, tokens_dir, target, lengths: list[int], fields: dict[str, Any], *,
+              shard_tokens: int | None, shard_bytes: int, teacher: str, topk: int,
+              aux_format: str) -> dict[str, Any]:
+    """The extraction plan (`extract_plan.json`) of samples of these lengths: the settings a
+    resume must match, the shard ranges and the manifest the finished dataset gets. `fields`:
+    the capturer's `plan_fields()` (its `capture`: where the states come from, source hf or
+    vllm, versions, the engine's layer ids); shard_tokens None: `default_shard_tokens`."""
     from eyas.data.produce.estimate import hidden_tensors, index_file_bytes, shard_file_bytes
+    hidden, aux_ids, n = fields["hidden"], fields["aux_ids"], len(lengths)
+    if shard_tokens is None:
+        shard_tokens = default_shard_tokens(hidden, aux_format, teacher, topk, shard_bytes)
     src = tokens.manifest
     tokens_dir = str(Path(tokens_dir).resolve())    # found again from any working directory
     shards = plan_shards(lengths, shard_tokens)
     per_token = hidden_tensors(hidden, aux_format, teacher, topk)
     return {
         "format": "eyas-extract-plan", "tokens_dir": tokens_dir, "target": str(target),
-        "target_dtype": target_dtype, "capture_source": capture["source"],
+        "target_dtype": fields["target_dtype"], "capture_source": fields["capture"]["source"],
         "tokens_checksum": json.dumps([s.get("checksum") for s in src.get("shards", [])]),
         "aux_layer_ids": aux_ids, "teacher": teacher, "topk": topk, "aux_format": aux_format,
         "shards": shards,
@@ -135,11 +139,11 @@ def make_plan(tokens, tokens_dir, target, n: int, lengths: list[int], shard_toke
                        "index": index_file_bytes(n, len(shards))},
         "manifest": {
             "kind": "hidden", "target": str(target),
-            "target_config": target_config, "target_fingerprint": fingerprint,
-            "capture": capture,
+            "target_config": fields["target_config"],
+            "target_fingerprint": fields["fingerprint"], "capture": fields["capture"],
             "aux_layer_ids": aux_ids, "convention": "hf_hidden_states",
-            "hidden_size": hidden, "num_layers": num_layers, "vocab_size": vocab,
-            "target_dtype": target_dtype,
+            "hidden_size": hidden, "num_layers": fields["num_layers"],
+            "vocab_size": fields["vocab"], "target_dtype": fields["target_dtype"],
             "teacher": {"kind": teacher, "last": "post_norm" if teacher != "topk" else None,
                         "topk": topk or None, "target_argmax": True},
             "tokenizer": src.get("tokenizer"), "prepare": src.get("prepare"),

@@ -59,13 +59,16 @@ def default_shard_tokens(hidden: int, aux_format: str, teacher: str, topk: int,
 DTYPES = ("bfloat16", "float32")
 
 
-def load_model(target, device, device_map, dtype: str, max_memory: dict | None = None):
-    """The target, in eval mode with frozen parameters, in `dtype` (one of DTYPES) on `device`,
-    or spread by `device_map` ("auto", or module name -> device) within `max_memory`."""
-    from eyas.data.common.targets import TARGET_DTYPES, load_target, resolve_target
+def load_model(target, dtype: str, device=None, device_map=None, max_memory: dict | None = None):
+    """The target, in eval mode with frozen parameters, in `dtype` (one of DTYPES) on `device`
+    (None: the first GPU if there is one, else the CPU), or spread by `device_map` ("auto", or
+    module name -> device) within `max_memory`."""
+    from eyas.data.common.targets import (TARGET_DTYPES, default_device, load_target,
+                                          resolve_target)
     if dtype not in DTYPES:
         raise ExtractError(f"dtype={dtype!r}: expected one of {', '.join(DTYPES)}")
     if device_map is None:
+        device = device or default_device()
         return load_target(target, dtype=TARGET_DTYPES[dtype], device=device)[0]
     from transformers import AutoModelForCausalLM
 

@@ -47,11 +47,6 @@ from eyas.data.common.utils import LogEvery
 log = logging.getLogger(__name__)
 
 
-def scan_done(out_path: Path) -> set[str]:
-    """Ids already written to `out_path`; cuts off a partial last line left by a crash."""
-    return set(scan_written(out_path))
-
-
 def _split_reasoning(text: str) -> tuple[str | None, str]:
     """'<think>r</think>\\n\\nc' -> ('r', 'c'); text without '</think>' -> (None, text)."""
     if "</think>" not in text:
@@ -153,15 +148,6 @@ def _check_args(on_error: str, max_new_tokens: int, batch_size: int, cache: str)
                          f"{batch_size}")
 
 
-def _records_to_answer(prompts_path: Path, out_path: Path, on_error: str) -> list[Conversation]:
-    """Prompt records not yet in `out_path` (created if missing, a partial last line cut off)."""
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = scan_done(out_path)
-    todo, seen = read_prompts(prompts_path, done, on_error)
-    log.info("%d prompts to answer (%d already in %s)", len(todo), len(done & seen), out_path)
-    return todo
-
-
 def _setup_target(target: str | Path, device: str | torch.device | None, dtype: str,
                   chat_template: str | None, model,
                   tokenizer) -> tuple[Any, Any, str | None, list[int]]:
@@ -250,17 +236,6 @@ def _write_chunk(fout, state: list[dict], settings: dict[str, Any], counts: Coun
     os.fsync(fout.fileno())
 
 
-def _log_summary(counts: Counter[str], dt: float, out_path: Path) -> None:
-    """Log the records left out for an empty answer, then the turns, tokens and speed."""
-    if counts["empty_generation"]:
-        log.warning("%d records got an empty answer and were not written (a later run retries "
-                    "them)", counts["empty_generation"])
-    log.info("generated %d turns (%d stopped, %d hit max_new_tokens), %d tokens in %.1f s "
-             "(%.0f tokens/s) into %s", counts["stop"] + counts["length"], counts["stop"],
-             counts["length"], counts["new_tokens"], dt, counts["new_tokens"] / max(dt, 1e-9),
-             out_path)
-
-
 def generate_conversations(prompts_path: str | Path, target: str | Path, out_path: str | Path, *,
                            max_new_tokens: int = GenerationSettings.max_new_tokens,
                            batch_size: int = GenerationSettings.generation_batch_size,
@@ -297,7 +272,10 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
 
     _check_args(on_error, max_new_tokens, batch_size, cache)
     prompts_path, out_path = Path(prompts_path), Path(out_path)
-    todo = _records_to_answer(prompts_path, out_path, on_error)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = set(scan_written(out_path))      # a partial last line left by a crash is cut off
+    todo, seen = read_prompts(prompts_path, done, on_error)
+    log.info("%d prompts to answer (%d already in %s)", len(todo), len(done & seen), out_path)
     if not todo:
         return out_path
 
@@ -319,5 +297,12 @@ def generate_conversations(prompts_path: str | Path, target: str | Path, out_pat
                                   render=render, generate=generate, batch_size=batch_size,
                                   seed=seed, counts=counts, report=report)
             _write_chunk(fout, state, settings, counts)
-    _log_summary(counts, time.perf_counter() - t0, out_path)
+    if counts["empty_generation"]:
+        log.warning("%d records got an empty answer and were not written (a later run retries "
+                    "them)", counts["empty_generation"])
+    dt = time.perf_counter() - t0
+    log.info("generated %d turns (%d stopped, %d hit max_new_tokens), %d tokens in %.1f s "
+             "(%.0f tokens/s) into %s", counts["stop"] + counts["length"], counts["stop"],
+             counts["length"], counts["new_tokens"], dt, counts["new_tokens"] / max(dt, 1e-9),
+             out_path)
     return out_path

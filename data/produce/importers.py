@@ -25,7 +25,6 @@ speculators (vLLM hidden-state extraction): `<datapath>/hidden_states/hs_<i>.saf
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -68,28 +67,6 @@ def _target_info(target: str | os.PathLike, layers: list[int] | None) -> dict[st
     ids = check_aux_layers(layers or None, n)    # the rule extraction and training apply
     return {"config": cfg, "text": tc, "hidden": int(tc["hidden_size"]), "layers": n,
             "vocab": int(tc["vocab_size"]), "aux_ids": ids}
-
-
-class _ShardBuffer:
-    """Collects samples and writes a shard whenever `shard_bytes` of payload accumulate."""
-
-    def __init__(self, out: Path, aux_format: str, shard_bytes: int):
-        self.out, self.aux_format, self.shard_bytes = out, aux_format, shard_bytes
-        self.pending: list[dict[str, torch.Tensor]] = []
-        self.size = 0
-        self.metas: list[dict[str, Any]] = []
-
-    def add(self, sample: dict[str, torch.Tensor]) -> None:
-        self.pending.append(sample)
-        self.size += sum(t.numel() * t.element_size() for t in sample.values())
-        if self.size >= self.shard_bytes:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.pending:
-            self.metas.append(write_shard(self.out, len(self.metas), self.pending,
-                                          aux_format=self.aux_format))
-            self.pending, self.size = [], 0
 
 
 def _check_sample(path: Path, ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor | None,
@@ -170,19 +147,14 @@ def _specforge_samples(src: Path, info: dict[str, Any]) -> Iterator[tuple[Path, 
 
 def final_norm_weight(target: str | os.PathLike) -> torch.Tensor:
     """The target's final RMSNorm weight [tH], read from its safetensors (no model is built)."""
-    from safetensors import safe_open
-
+    from eyas.data.common.capture import WeightFiles
     from eyas.data.common.targets import resolve_target
 
     root = resolve_target(target)
-    index = root / "model.safetensors.index.json"
-    files = (sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
-             if index.exists() else sorted(root.glob("*.safetensors")))
+    weights = WeightFiles(root) if any(root.glob("*.safetensors")) else None
     for name in ("model.norm.weight", "language_model.model.norm.weight", "norm.weight"):
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                if name in h.keys():
-                    return h.get_tensor(name)
+        if weights is not None and name in weights.where:
+            return weights.get(name)
     raise FileNotFoundError(f"no final norm weight (model.norm.weight) in the safetensors of "
                             f"{root}; pass keep_prenorm=True / --keep-prenorm to store the "
                             f"pre-norm state instead")
@@ -293,17 +265,22 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
             eps = float(info["text"].get("rms_norm_eps", 1e-6))
             norm = lambda x: rms_norm(x, w.to(x.dtype), eps)  # noqa: E731
         samples = _speculators_samples(src, info, loss_mask, norm)
-    buf = _ShardBuffer(out, aux_format, shard_bytes)
-    n = 0
-    has_last = None
+    metas: list[dict[str, Any]] = []
+    pending, size = [], 0           # the shard being filled and its payload bytes
+    n, has_last = 0, None
     for path, s in samples:
         if has_last is None:
             has_last = "last" in s
         elif has_last != ("last" in s):
             raise DatasetError("some files carry a last hidden state and others do not", path=path)
-        buf.add(s)
+        pending.append(s)
+        size += sum(t.numel() * t.element_size() for t in s.values())
         n += 1
-    buf.flush()
+        if size >= shard_bytes:
+            metas.append(write_shard(out, len(metas), pending, aux_format=aux_format))
+            pending, size = [], 0
+    if pending:
+        metas.append(write_shard(out, len(metas), pending, aux_format=aux_format))
     teacher = {"kind": "last" if has_last else None, "last": last_conv if has_last else None,
                "topk": None, "target_argmax": False}
     manifest = {
@@ -317,7 +294,7 @@ def import_hidden_states(source: str, src: str | os.PathLike, out: str | os.Path
     }
     if source == "speculators" and loss_mask == "all":
         log.warning("speculators import without loss masks: every token is marked trainable")
-    return write_manifest(out, manifest, buf.metas)
+    return write_manifest(out, manifest, metas)
 
 
 @dataclass(kw_only=True)

@@ -50,16 +50,11 @@ import torch
 
 from eyas.data.produce.encoding import auto_workers, encode_file
 from eyas.data.common.lock import writes_directory
-from eyas.data.produce.records import (ERROR_MODES, Conversation, InputFile, PrepareError,
-                                     RecordError, iter_jsonl, normalise_record,
-                                     resolve_template)
+from eyas.data.produce.records import ERROR_MODES, InputFile, PrepareError, resolve_template
 from eyas.data.common.options import option, shared
-from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, KVCache, SeedSettings,
-                                TargetSettings, TokenizeSettings)
+from eyas.data.common.settings import (DTYPE_CHOICES, GenerationSettings, SeedSettings,
+                                       TargetSettings, TokenizeSettings)
 from eyas.data.common.templates import EOT_STRINGS, TemplateRenderer, tokenizer_identity
-
-__all__ = ["prepare", "main", "normalise_record", "iter_jsonl", "Conversation", "RecordError",
-           "PrepareError", "TemplateRenderer"]
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +104,12 @@ def _write_samples(source: InputFile, out: Path, renderer: TemplateRenderer, *,
                                         workers=workers)) as chunks:
         for chunk in chunks:
             for rec in chunk.records:
+                if rec.error is not None and on_error == "raise":
+                    raise PrepareError(f"{source.path}:{rec.lineno}: {rec.error[0]}: "
+                                       f"{rec.error[1]}. (on_error='skip' counts such records "
+                                       f"instead of stopping)")
                 if rec.error is not None:
-                    _bad_record(source, rec, on_error, skipped)
+                    skipped[rec.error[0]] += 1
                 for ids, mask in rec.samples:
                     pending.append({"input_ids": torch.from_numpy(ids),
                                     "loss_mask": torch.from_numpy(mask)})
@@ -128,15 +127,6 @@ def _write_samples(source: InputFile, out: Path, renderer: TemplateRenderer, *,
     if pending:
         metas.append(write_shard(out, len(metas), pending))
     return metas, stats, skipped, sampling
-
-
-def _bad_record(source: InputFile, rec, on_error: str, skipped: Counter) -> None:
-    """Stop at a malformed record (on_error="raise"), or count it by reason."""
-    reason, detail = rec.error
-    if on_error == "raise":
-        raise PrepareError(f"{source.path}:{rec.lineno}: {reason}: {detail}. (on_error='skip' "
-                           f"counts such records instead of stopping)") from None
-    skipped[reason] += 1
 
 
 def _check_args(on_error: str, max_length: int, shard_samples: int,
@@ -329,17 +319,15 @@ class PrepareOptions:
 
 def main(args: PrepareOptions) -> int:
     """`eyas prepare --input FILE.jsonl --target MODEL --out DIR [--generate ...]`."""
-    gen = GenerationSettings(max_new_tokens=args.max_new_tokens,
-                             generation_batch_size=args.batch_size,
-                             temperature=args.temperature, top_p=args.top_p,
-                             generation_cache=KVCache(args.cache))
     summary = prepare(args.input, args.target, args.out, max_length=args.max_length,
                       on_error=args.on_error, generate=args.generate,
                       chat_template=args.chat_template,
                       template_kwargs=_parse_kv(args.template_arg),
                       on_nonprefix=args.on_nonprefix, shard_samples=args.shard_samples,
                       workers=args.workers,
-                      generate_kwargs={**gen.generate_kwargs(), "seed": args.seed,
-                                       "device": args.device, "dtype": args.dtype})
+                      generate_kwargs=dict(max_new_tokens=args.max_new_tokens,
+                                           batch_size=args.batch_size, cache=args.cache,
+                                           temperature=args.temperature, top_p=args.top_p,
+                                           seed=args.seed, device=args.device, dtype=args.dtype))
     print(json.dumps(summary, indent=1))
     return 0

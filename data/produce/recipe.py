@@ -16,6 +16,7 @@ answered in float32 (the precision of real decoding) and cached under
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -69,12 +70,6 @@ def _answers_key(data, target, seed: int, target_dtype) -> str:
     if data.endpoint:
         fields += ["endpoint", data.endpoint, data.endpoint_model]
     return _hash(data, fields)
-
-
-def _embedded_root(data, target, seed: int, target_dtype) -> Path:
-    """The embedded dataset's cache directory (`_embedded_key`)."""
-    return Path(data.cache_dir).expanduser() / "datasets" / _embedded_key(data, target, seed,
-                                                                          target_dtype)
 
 
 def _answer_extras(data) -> list:
@@ -145,18 +140,9 @@ def _sampled_prompts(subset: Path, extra: int) -> list[str]:
     The base id is the one data.produce.generate gives the record in `subset` (its "id", else
     `<file name>:<line>`), so answer j of prompt X is stored as `X#sj` next to the greedy `X`.
     """
-    from eyas.data.produce.records import PrepareError, RecordError, iter_jsonl, normalise_record
-    out = []
-    for lineno, rec in iter_jsonl(subset):
-        if isinstance(rec, RecordError):
-            raise PrepareError(f"{subset}:{lineno}: {rec}")
-        try:
-            base = normalise_record(rec, default_id=f"{subset.name}:{lineno}").id
-        except RecordError as e:
-            raise PrepareError(f"{subset}:{lineno}: {e}") from None
-        out += [json.dumps({**rec, "id": f"{base}#s{j}"}, ensure_ascii=False)
-                for j in range(1, extra + 1)]
-    return out
+    from eyas.data.produce.records import read_conversations
+    return [json.dumps({**rec, "id": f"{conv.id}#s{j}"}, ensure_ascii=False)
+            for rec, conv in read_conversations(subset) for j in range(1, extra + 1)]
 
 
 def _synthetic_prompts(data, seed: int, root: Path, model, tokenizer,
@@ -200,14 +186,14 @@ def embedded_dataset(data, target, *, seed: int,
     (data/common/lock.py) while it is written, so a second training building the same one at the same
     time fails at once naming the first. A complete cache is only read, without the lock."""
     from eyas.data.common.lock import dir_lock
-    root = _embedded_root(data, target, seed, target_dtype)
-    if (root / "hidden" / "manifest.json").is_file():
-        return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
-    with dir_lock(root, what="embedded dataset cache"):
-        return _build_embedded_dataset(data, target, seed=seed, target_dtype=target_dtype)
+    key = _embedded_key(data, target, seed, target_dtype)
+    root = Path(data.cache_dir).expanduser() / "datasets" / key
+    complete = (root / "hidden" / "manifest.json").is_file()
+    with contextlib.nullcontext() if complete else dir_lock(root, what="embedded dataset cache"):
+        return _build_embedded_dataset(data, target, root, seed=seed, target_dtype=target_dtype)
 
 
-def _build_embedded_dataset(data, target, *, seed: int,
+def _build_embedded_dataset(data, target, root: Path, *, seed: int,
                             target_dtype) -> DatasetPaths:
     """Generate conversations with the target, tokenise, extract hidden states (cached).
 
@@ -216,7 +202,6 @@ def _build_embedded_dataset(data, target, *, seed: int,
     target_dtype: the torch dtype the target runs in (`Resolved.target_dtype`).
     """
     from eyas.data.produce import extract
-    root = _embedded_root(data, target, seed, target_dtype)
     hidden = root / "hidden"
     conversations = root / "conversations.jsonl"
     if (hidden / "manifest.json").is_file():
@@ -227,25 +212,24 @@ def _build_embedded_dataset(data, target, *, seed: int,
     if data.stream.enabled and (tokens / "manifest.json").is_file():
         return DatasetPaths(train=hidden, eval=None, conversations=conversations, tokens=tokens)
     prompts = Path(data.prompts or prompts_path("default"))
-    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
-    lines = lines[:data.num_prompts]
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()][:data.num_prompts]
     from eyas.data.common.targets import default_device, load_target
     device = default_device().type
     model, tokenizer = load_target(target.name, dtype=target_dtype, device=device)
     akey = _answers_key(data, target, seed, target_dtype)
     if not (tokens / "manifest.json").is_file():
         donor = _reuse_answers(root, akey)
-        if donor is not None:
+        if donor is not None:       # its tokens copied too
             log.info("embedded dataset: prompts, answers and tokens reused from %s (the same "
                      "prompts, target and generation settings; only the extraction differs)",
                      donor)
-    if not (tokens / "manifest.json").is_file():
-        n_synth = data.synthetic_prompts
-        log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each "
-                 "(resumable; cached in %s)", target.name, len(lines), prompts.name,
-                 f" and {n_synth} it writes itself" if n_synth else "",
-                 data.samples_per_prompt, root)
-        _answer_and_tokenise(data, target, seed, root, lines, prompts, model, tokenizer)
+        else:
+            n_synth = data.synthetic_prompts
+            log.info("embedded dataset: %s answers %d prompts from %s%s %d time(s) each "
+                     "(resumable; cached in %s)", target.name, len(lines), prompts.name,
+                     f" and {n_synth} it writes itself" if n_synth else "",
+                     data.samples_per_prompt, root)
+            _answer_and_tokenise(data, target, seed, root, lines, prompts, model, tokenizer)
     atomic_write_bytes(root / _ANSWERS_KEY_FILE, (akey + "\n").encode())
     layers = None if target.aux_layer_ids is None else list(target.aux_layer_ids)
     paths = DatasetPaths(train=hidden, eval=None, conversations=conversations, tokens=tokens)
@@ -287,8 +271,6 @@ def _answer_and_tokenise(data, target, seed: int, root: Path,
                     on_error="skip")
 
 
-
-
 def _heldout_key(eval_cfg, data, target,
                  prompts: Path) -> str:
     """The held-out cache's key: every setting its answers, tokens and hidden states depend on
@@ -303,12 +285,6 @@ def _heldout_key(eval_cfg, data, target,
 def heldout_length(eval_cfg) -> int:
     """How many tokens the offline held-out check answers each prompt with."""
     return eval_cfg.heldout_max_new_tokens or eval_cfg.max_new_tokens
-
-
-#: how long a run waits for another run that is building the same held-out cache
-HELDOUT_WAIT_S = 3600.0
-
-
 
 
 #: how long a run waits for another run that is building the same held-out cache

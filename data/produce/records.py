@@ -147,6 +147,19 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | RecordError]]:
                 yield lineno, rec
 
 
+def read_conversations(path: str | Path) -> Iterator[tuple[dict, Conversation]]:
+    """(record, its Conversation) of each record of a JSONL file (`iter_jsonl`), ids defaulting
+    to ``<file name>:<line>``; a malformed record is a PrepareError naming file:line."""
+    for lineno, rec in iter_jsonl(path):
+        try:
+            if isinstance(rec, RecordError):
+                raise rec
+            conv = normalise_record(rec, default_id=f"{Path(path).name}:{lineno}")
+        except RecordError as e:
+            raise PrepareError(f"{path}:{lineno}: {e}") from None
+        yield rec, conv
+
+
 def parse_line(lineno: int, raw: bytes) -> dict | RecordError | None:
     """One raw JSONL line (`iter_jsonl`): the object, a RecordError, or None for a blank line."""
     bom = len(codecs.BOM_UTF8) if lineno == 1 and raw.startswith(codecs.BOM_UTF8) else 0
@@ -300,9 +313,7 @@ def scan_written(out_path: str | Path) -> dict[str, dict[str, Any]]:
         return done
     good_end = 0
     with open(out_path, "rb+") as f:
-        lineno = 0
-        for line in iter(f.readline, b""):
-            lineno += 1
+        for lineno, line in enumerate(iter(f.readline, b""), 1):
             rec = None
             if line.endswith(b"\n"):
                 try:

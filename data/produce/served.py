@@ -31,6 +31,7 @@ was written stays in ``OUT.partial`` for the next run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -43,9 +44,11 @@ from typing import Any
 
 from eyas.data.common.checksums import file_sha256
 from eyas.data.common.lock import dir_lock, sibling_lock_path
-from eyas.data.common.log import PROGRESS
+from eyas.data.common.log import PROGRESS, setup_logging
+from eyas.data.common.options import option, shared
 from eyas.data.produce.records import (Conversation, PrepareError, pending_turns, read_prompts,
                                      scan_written)
+from eyas.data.common.settings import EndpointSettings, GenerationSettings
 from eyas.data.common.utils import LogEvery
 
 log = logging.getLogger(__name__)
@@ -328,59 +331,47 @@ def generate_from_endpoint(prompts: str | Path, endpoint: str, out: str | Path, 
     """Answer every prompt x sample of `prompts` through the server at `endpoint` into `out`
     (module doc: partial file, resuming, card). `model` None: the first of `GET /models`.
     Returns the data card (also written to `card_path(out)`)."""
+    from eyas.data.produce.endpoint import EndpointClient
+    from eyas.data.common.utils import atomic_write_json, fsync_dir
     _check_options(max_tokens=max_tokens, concurrency=concurrency,
                    samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p)
     prompts, out = Path(prompts), Path(out)
     tasks = load_tasks(prompts, samples_per_prompt)
-    t0 = time.perf_counter()
+    t0, api_key = time.perf_counter(), _api_key(api_key_env)
     out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
     # held until this function returns: one writer per output
     with dir_lock(out, what="`eyas generate` output", path=sibling_lock_path(out)):
-        return _generate(tasks, prompts, endpoint, out, t0, model=model, max_tokens=max_tokens,
-                         temperature=temperature, top_p=top_p, seed=seed,
-                         concurrency=concurrency, samples_per_prompt=samples_per_prompt,
-                         chat_template_kwargs=chat_template_kwargs,
-                         client_kw=dict(api_key=_api_key(api_key_env), timeout=timeout,
-                                        retries=retries, backoff=backoff))
-
-
-def _generate(tasks: list[Task], prompts: Path, endpoint: str, out: Path, t0: float, *,
-              model: str | None, max_tokens: int, temperature: float, top_p: float,
-              seed: int | None, concurrency: int, samples_per_prompt: int,
-              chat_template_kwargs: dict[str, Any] | None,
-              client_kw: dict[str, Any]) -> dict[str, Any]:
-    from eyas.data.produce.endpoint import EndpointClient
-    from eyas.data.common.utils import atomic_write_json, fsync_dir
-    partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    if out.exists() and partial.exists():
-        raise FileExistsError(f"both {out} and {partial} exist; remove the one that is not "
-                              f"this run's output")
-    client = EndpointClient(endpoint, connections=concurrency, **client_kw)
-    try:
-        if model is None:
-            model = client.models()[0]
-            log.info("model: %s (the first that %s/models lists)", model, client.url)
-        setup = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
-                 "top_p": top_p, "seed": seed, "chat_template_kwargs": chat_template_kwargs or {}}
-        source = partial if partial.exists() or not out.exists() else out
-        todo = _todo(source, tasks, setup, prompts, samples_per_prompt)
-        card = read_card(out) if source == out else None
-        if not todo and card is not None and card.get("sha256") == file_sha256(out):
-            return card
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if todo:
-            if source == out:   # a finished file that gains prompts becomes partial again
-                card_path(out).unlink(missing_ok=True)
-                os.replace(out, partial)
-            _run(client, todo, setup, partial, concurrency)
-        if partial.exists():
-            os.replace(partial, out)
-            fsync_dir(out.parent)
-    finally:
-        client.close()
-    card = build_card(out, setup, endpoint=client.url, prompts=prompts,
-                      samples_per_prompt=samples_per_prompt, wall_s=time.perf_counter() - t0)
-    atomic_write_json(card_path(out), card)
+        if out.exists() and partial.exists():
+            raise FileExistsError(f"both {out} and {partial} exist; remove the one that is not "
+                                  f"this run's output")
+        client = EndpointClient(endpoint, connections=concurrency, api_key=api_key,
+                                timeout=timeout, retries=retries, backoff=backoff)
+        try:
+            if model is None:
+                model = client.models()[0]
+                log.info("model: %s (the first that %s/models lists)", model, client.url)
+            setup = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
+                     "top_p": top_p, "seed": seed,
+                     "chat_template_kwargs": chat_template_kwargs or {}}
+            source = partial if partial.exists() or not out.exists() else out
+            todo = _todo(source, tasks, setup, prompts, samples_per_prompt)
+            card = read_card(out) if source == out else None
+            if not todo and card is not None and card.get("sha256") == file_sha256(out):
+                return card
+            if todo:
+                if source == out:   # a finished file that gains prompts becomes partial again
+                    card_path(out).unlink(missing_ok=True)
+                    os.replace(out, partial)
+                _run(client, todo, setup, partial, concurrency)
+            if partial.exists():
+                os.replace(partial, out)
+                fsync_dir(out.parent)
+        finally:
+            client.close()
+        card = build_card(out, setup, endpoint=client.url, prompts=prompts,
+                          samples_per_prompt=samples_per_prompt, wall_s=time.perf_counter() - t0)
+        atomic_write_json(card_path(out), card)
     if card["counts"]["empty_answers"]:
         log.warning("%s: %d answers are empty (kept; `eyas prepare` counts them as "
                     "empty_assistant)", out, card["counts"]["empty_answers"])
@@ -388,3 +379,66 @@ def _generate(tasks: list[Task], prompts: Path, endpoint: str, out: Path, t0: fl
              card["counts"]["records"], card["finish_reasons"], card["tokens"]["completion"],
              card_path(out))
     return card
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as "
+                                         f"'{{\"enable_thinking\": false}}', got {text!r}")
+    return value
+
+
+@dataclass(kw_only=True)
+class GenerateOptions:
+    """Answer prompts (OpenAI messages or ShareGPT JSONL) with a target served by an
+    OpenAI-compatible server (vLLM, SGLang, transformers serve) into a conversations JSONL that
+    `eyas prepare` reads. Written to OUT.partial until every prompt x sample is in, then renamed
+    to OUT beside its data card (OUT's .card.json); re-running the same command resumes."""
+
+    endpoint: str = option(help="the server's API root, e.g. http://localhost:8000/v1",
+                           metavar="URL")
+    prompts: str = option(help="prompts JSONL")
+    out: str = option(help="conversations JSONL to write")
+    model: str | None = option(
+        None, "served model name (default: the first that GET /v1/models lists)")
+    max_tokens: int = shared(GenerationSettings, "max_new_tokens")
+    temperature: float = shared(GenerationSettings, "temperature")
+    top_p: float = shared(GenerationSettings, "top_p")
+    seed: int | None = option(
+        None, "base seed; each request gets one derived from it, the record id and the turn "
+        "(default: none sent, the server's own randomness)")
+    concurrency: int = shared(EndpointSettings, "endpoint_concurrency",
+                              "data.endpoint_concurrency")
+    samples_per_prompt: int = option(1, "answers per prompt; answer j > 0 of prompt X has id X#sj")
+    api_key_env: str | None = option(
+        None, "environment variable holding the API key, sent as a bearer token (default: no "
+        "key)", metavar="VAR")
+    chat_template_kwargs: dict[str, Any] | None = option(
+        None, "chat_template_kwargs sent with every request, e.g. "
+        "'{\"enable_thinking\": false}' (default: none)", type=_json_object, metavar="JSON")
+    retries: int = option(5, "retries of a request after a connection error, 429 or 5xx")
+    retry_backoff: float = option(1.0, "first retry delay, doubled per retry (capped at 60 s)",
+                                  metavar="SECONDS")
+    timeout: float = option(600.0, "per-request timeout", metavar="SECONDS")
+    log_file: str | None = option(
+        None, "also append the log here (default: OUT's .log, e.g. conv.log)")
+
+
+def main(args: GenerateOptions) -> int:
+    """`eyas generate --endpoint URL --prompts P.jsonl --out C.jsonl [...]`."""
+    out = Path(args.out)
+    log_file = args.log_file or out.with_name(
+        f"{out.stem if out.suffix == '.jsonl' else out.name}.log")
+    setup_logging(file=log_file)
+    card = generate_from_endpoint(
+        args.prompts, args.endpoint, out, model=args.model, max_tokens=args.max_tokens,
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        concurrency=args.concurrency, samples_per_prompt=args.samples_per_prompt,
+        api_key_env=args.api_key_env, chat_template_kwargs=args.chat_template_kwargs,
+        retries=args.retries, backoff=args.retry_backoff, timeout=args.timeout)
+    print(json.dumps(card, indent=1))
+    return 0

@@ -29,6 +29,7 @@ which is why the producer is per rank; an ``endpoint`` serves every rank's reque
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import threading
@@ -169,7 +170,9 @@ class Producer(threading.Thread):
     def __init__(self, ds: StreamedDataset, capturer, *, train, held_out, rank: int,
                  world_size: int, ahead: int, spool_bytes: int, window: int = 64):
         super().__init__(name=f"eyas-capture[{rank}]", daemon=True)
-        self.ds, self.capturer, self.train, self.held_out = ds, capturer, train, held_out
+        self.ds, self.capturer, self.train = ds, capturer, train
+        # a held-out loader over another dataset has nothing to capture here
+        self.held_out = held_out if held_out is not None and held_out.dataset is ds else None
         self.rank, self.world_size = rank, world_size
         self.ahead, self.budget, self.window = max(1, ahead), spool_bytes, max(1, window)
         self.stopping = threading.Event()
@@ -178,39 +181,38 @@ class Producer(threading.Thread):
         self.finishing = False              # keep=all: everything captured, shards to write
 
     # ---- the order ---------------------------------------------------------------------
-    def _held_out(self) -> list[int]:
-        if self.held_out is None or self.held_out.dataset is not self.ds:
-            return []
-        return [i for docs in self.held_out.plan(0) for i in docs]
-
     def _epoch_order(self, epoch: int, start_batch: int) -> list[int]:
         return [i for docs in self.train.plan(epoch)[start_batch:] for i in docs]
 
     def _leftovers(self) -> list[int]:
         """Samples no loader reads (dropped tails), split by rank, so every shard completes."""
         read = {i for docs in self.train.global_plan(0)[0] for i in docs}
-        if self.held_out is not None and self.held_out.dataset is self.ds:
+        if self.held_out is not None:
             read |= {i for docs in self.held_out.global_plan(0)[0] for i in docs}
         return [i for i in range(len(self.ds)) if i not in read and i % self.world_size
                 == self.rank]
 
     # ---- the loop ----------------------------------------------------------------------
     def run(self) -> None:
+        from eyas.data.produce.engine_capture import engine_stops
         try:
-            device = getattr(self.capturer, "device", None)
-            if device is not None and device.type == "cuda":
-                with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-                    self._run()         # its own stream: the target's kernels beside training's
-            else:
-                self._run()
+            with engine_stops(lambda: "the streamed training stops here: run the same command "
+                              "with train.resume=latest to continue from its last checkpoint "
+                              "(the capture continues with it)"):
+                device = getattr(self.capturer, "device", None)
+                if device is not None and device.type == "cuda":
+                    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+                        self._run()     # its own stream: the target's kernels beside training's
+                else:
+                    self._run()
         except BaseException as e:          # noqa: BLE001 - handed to the reader, which raises
-            self.ds.error = _stopped(e)
+            self.ds.error = e
             with self.ds.cond:
                 self.ds.cond.notify_all()
         log.info("stream: rank %d captured %d sample(s)", self.rank, self.captured)
 
     def _run(self) -> None:
-        held = self._held_out()
+        held = [] if self.held_out is None else [i for docs in self.held_out.plan(0) for i in docs]
         self.ds.pinned.update(held)
         self._capture(held, bounded=False)
         state = self.train.state_dict()
@@ -315,18 +317,6 @@ class Producer(threading.Thread):
             self.ds.cond.notify_all()
 
 
-def _stopped(e: BaseException) -> BaseException:
-    """An engine that died or an endpoint that went away as one line with the way back."""
-    from eyas.data.produce.endpoint import EndpointError
-    from eyas.data.produce.engine_capture import CaptureStopped
-    from eyas.data.engine.runner import EngineError
-    if not isinstance(e, (EngineError, EndpointError)):
-        return e
-    return CaptureStopped(f"{str(e).splitlines()[0]}; the streamed training stops here: run the "
-                          f"same command with train.resume=latest to continue from its last "
-                          f"checkpoint (the capture continues with it)")
-
-
 class Stream:
     """One rank's streamed dataset, its producer and its capturer: `attach` the loaders (the
     producer starts at the first read, after a resume has set the loader), `close` at the end."""
@@ -346,8 +336,7 @@ class Stream:
 
     def _start(self) -> None:
         with self._lock:
-            if self.producer is not None and not self.producer.is_alive() \
-                    and self.producer.ident is None:
+            if self.producer is not None and self.producer.ident is None:     # not started
                 log.info("stream: capturing (%s, keep=%s) ahead of the loader into %s",
                          self.capturer.kind.value, self.dataset.keep, self.dataset.spool)
                 self.producer.start()
@@ -376,10 +365,8 @@ class Stream:
             p.join()
         self.capturer.__exit__(None, None, None)
         if self.dataset.keep == "all":
-            try:
+            with contextlib.suppress(OSError):
                 self.dataset.spool.rmdir()      # empty once every shard is written
-            except OSError:
-                pass
 
 
 def open_stream(tokens_dir: str | Path, target, out: str | Path, *, capture, keep: str,
@@ -392,18 +379,13 @@ def open_stream(tokens_dir: str | Path, target, out: str | Path, *, capture, kee
     keep=all keeps it in `out` (as `eyas extract --out OUT` would), keep=none spools into
     `out` only. hf: the transformers capturer's keywords (device, model, pad_batches, ...)."""
     from eyas.data.produce.capturers import open_capturer
-    from eyas.data.produce.extract_plan import check_template, make_plan, write_plan
-    from eyas.data.produce.forward import default_shard_tokens
-    from eyas.data.produce.outdir import check_extract_out
+    from eyas.data.produce.extract_plan import make_plan, open_tokens, write_plan
     from eyas.data.common.space import require_free
-    from eyas.data.store.shards import open_dataset
     if keep not in ("all", "none") or ahead < 1 or spool_bytes < 1:
         raise ExtractError(f"data.stream: keep={keep!r}, ahead={ahead}, spool_bytes={spool_bytes}:"
                            f" expected keep all or none, ahead and spool_bytes >= 1")
     out = Path(out)
-    check_extract_out(out, tokens_dir)
-    tokens = open_dataset(tokens_dir)
-    check_template(tokens_dir, target)
+    tokens = open_tokens(tokens_dir, target, out)
     topk = topk if teacher != "last" else 0
     spool = out / SPOOL if keep == "all" else out
     spool.mkdir(parents=True, exist_ok=True)
@@ -413,12 +395,10 @@ def open_stream(tokens_dir: str | Path, target, out: str | Path, *, capture, kee
                              log_path=out / ("engine.log" if rank == 0 else f"engine-{rank}.log"),
                              **hf)
     try:
-        fields = capturer.plan_fields()
-        lengths = [int(x) for x in tokens.sample_lengths]
-        shard_tokens = shard_tokens or default_shard_tokens(fields["hidden"], aux_format,
-                                                            teacher, topk, shard_bytes)
-        plan = make_plan(tokens, tokens_dir, target, len(lengths), lengths, shard_tokens,
-                         teacher=teacher, topk=topk, aux_format=aux_format, **fields)
+        plan = make_plan(tokens, tokens_dir, target, [int(x) for x in tokens.sample_lengths],
+                         capturer.plan_fields(), shard_tokens=shard_tokens or None,
+                         shard_bytes=shard_bytes, teacher=teacher, topk=topk,
+                         aux_format=aux_format)
         if keep == "none":
             plan.pop("file_bytes")
             require_free(out, spool_bytes, what="the stream's spool (data.stream.spool_bytes)",

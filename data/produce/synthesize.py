@@ -43,7 +43,7 @@ import torch
 
 from eyas.data.produce.generate import _generate_batch, _stop_ids
 from eyas.data.common.log import PROGRESS
-from eyas.data.produce.records import PrepareError, RecordError, iter_jsonl, normalise_record
+from eyas.data.produce.records import read_conversations
 from eyas.data.common.options import option, shared
 from eyas.data.common.settings import (DTYPE_CHOICES, SeedSettings, SynthesisSettings,
                                        TargetSettings)
@@ -72,16 +72,8 @@ def prompt_texts(path: str | Path) -> list[str]:
     """The user messages of a prompts or conversations JSONL (for `exclude` and openers), read
     as data.produce.records reads them (OpenAI or ShareGPT). Every record must parse: a malformed one
     is a `PrepareError` naming file:line (a prompt left out of `exclude` could be repeated)."""
-    out = []
-    for lineno, rec in iter_jsonl(path):
-        try:
-            if isinstance(rec, RecordError):
-                raise rec
-            conv = normalise_record(rec, default_id=f"{Path(path).name}:{lineno}")
-        except RecordError as e:
-            raise PrepareError(f"{path}:{lineno}: {e}") from None
-        out += [m["content"] for m in conv.messages if m["role"] == "user" and m["content"]]
-    return out
+    return [m["content"] for _, conv in read_conversations(path) for m in conv.messages
+            if m["role"] == "user" and m["content"]]
 
 
 def prompt_openers(texts: Iterable[str], words: int) -> list[str]:
@@ -128,11 +120,8 @@ def _bos_text(tokenizer) -> str:
 
 def _end_of_line(rows: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
     """A list item's rows: the text up to the first line break, which counts as its end."""
-    out = []
-    for written, reason, ntok in rows:
-        line, brk, _ = written.partition("\n")
-        out.append((line, "stop" if brk else reason, ntok))
-    return out
+    return [(written.partition("\n")[0], "stop" if "\n" in written else reason, ntok)
+            for written, reason, ntok in rows]
 
 
 def _keep(starts: list[str], rows: list[tuple[str, str, int]], n: int, *, kept: list[str],
@@ -254,16 +243,11 @@ def synthesize_prompts(model, tokenizer, n: int, out_path: str | Path, *,
                                f"temperature or max_new_tokens, or ask for fewer")
     bar.close()
     _write_prompts(out_path, kept, id_prefix)
-    _log_done(n, time.perf_counter() - every.t0, b, counts, max_new_tokens, out_path)
-    return Path(out_path)
-
-
-def _log_done(n: int, dt: float, batches: int, counts: Counter[str], max_new_tokens: int,
-              out_path: str | Path) -> None:
     log.info("synthesized %d prompts in %.1f s (%d batches, %d tokens sampled; dropped: %d cut "
-             "off at %d tokens, %d empty, %d duplicates) into %s", n, dt, batches,
-             counts["tokens"], counts["length"], max_new_tokens, counts["empty"],
-             counts["duplicate"], out_path)
+             "off at %d tokens, %d empty, %d duplicates) into %s", n,
+             time.perf_counter() - every.t0, b, counts["tokens"], counts["length"],
+             max_new_tokens, counts["empty"], counts["duplicate"], out_path)
+    return Path(out_path)
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ def _check_sample(i: int, ds, toks, run, aux_format: str, c: float, teacher: dic
         rows += [ids_check(f, stored[f], src[f]) for f in ("input_ids", "loss_mask") if f in stored]
     else:
         src = {"input_ids": stored["input_ids"], "loss_mask": stored["loss_mask"]}
-    fresh = run(src)
+    fresh = run([src])[0]
     rows.append(state_check("aux", stored["aux"], fresh["aux"], aux_format or "bf16", c))
     if "last" in stored and teacher.get("last", "post_norm") == "post_norm":
         rows.append(state_check("last", stored["last"], fresh["last"], "bf16", c))
@@ -133,27 +134,6 @@ def _check_sample(i: int, ds, toks, run, aux_format: str, c: float, teacher: dic
     return [dict(r, sample=i) for r in rows]
 
 
-def _runner(model, aux_ids: list[int], k: int):
-    """(run(sample) -> fresh fields, close()) capturing as data.produce.extract does."""
-    from eyas.data.common.capture import LayerHooks, find_text_model, logit_transform
-    from eyas.data.produce.forward import run_batch
-    text, layers, norm, head = find_text_model(model)
-    capture = LayerHooks(layers, aux_ids, norm)
-    tf = logit_transform(model.config)
-
-    def run(sample: dict) -> dict:
-        return run_batch(text, capture, head, [sample], teacher="both", topk=k, row_chunk=1024,
-                         vocab_chunk=65536, logit_tf=tf)[0]
-    return run, capture.remove
-
-
-def _load(target: str, manifest: dict[str, Any], device, dtype: str | None):
-    from eyas.data.produce.forward import load_model
-    from eyas.data.common.targets import default_device
-    return load_model(target, device or default_device(), None,
-                       dtype or manifest.get("target_dtype") or "bfloat16")
-
-
 def verify(dataset: str | Path, target: str, *, samples: int = 16, seed: int = 0,
            tokens: str | None = None, device: str | torch.device | None = None,
            dtype: str | None = None, compute_tol: float = COMPUTE_TOL,
@@ -161,7 +141,8 @@ def verify(dataset: str | Path, target: str, *, samples: int = 16, seed: int = 0
     """The verify report of `dataset` against `target` (see the module docstring).
 
     `model`: an already loaded target (skips loading; run it in the manifest's dtype)."""
-    from eyas.data.common.capture import find_text_model
+    from eyas.data.common.capture import LayerHooks, find_text_model, logit_transform
+    from eyas.data.produce.forward import load_model, run_batch
     from eyas.data.store.dataset import open_dataset
     root = Path(dataset)
     ds = open_dataset(root)
@@ -169,8 +150,9 @@ def verify(dataset: str | Path, target: str, *, samples: int = 16, seed: int = 0
     if m.get("kind") != "hidden" or "aux" not in ds.fields:
         raise VerifyError(f"{root}: a {m.get('kind')!r} dataset has no hidden states to verify; "
                           f"pass a dataset written by eyas extract")
-    model = model if model is not None else _load(target, m, device, dtype)
-    _, layers, _, head = find_text_model(model)
+    if model is None:
+        model = load_model(target, dtype or m.get("target_dtype") or "bfloat16", device)
+    text, layers, norm, head = find_text_model(model)
     n_layers = min(len(layers), getattr(model.config.get_text_config(), "num_hidden_layers",
                                         len(layers)))
     hidden, vocab = int(head.weight.shape[1]), int(head.weight.shape[0])
@@ -182,12 +164,14 @@ def verify(dataset: str | Path, target: str, *, samples: int = 16, seed: int = 0
     picks = pick_samples(len(ds), samples, seed)
     rows: list[dict] = []
     if comparable:
-        run, close = _runner(model, list(m["aux_layer_ids"]), k)
+        hooks = LayerHooks(layers, list(m["aux_layer_ids"]), norm)   # captures as extract does
+        run = partial(run_batch, text, hooks, head, teacher="both", topk=k, row_chunk=1024,
+                      vocab_chunk=65536, logit_tf=logit_transform(model.config))
         try:
             for i in picks:
                 rows += _check_sample(i, ds, toks, run, ds.aux_format, compute_tol, teacher)
         finally:
-            close()
+            hooks.remove()
     bad = sorted({r["sample"] for r in rows if not r["ok"]})
     return {"dataset": str(root), "target": str(target), "samples": picks,
             "n_samples": len(ds), "seed": seed, "aux_format": ds.aux_format,

@@ -77,11 +77,13 @@ def test_token_ids_the_engine_changed_are_refused_by_name(tiny):
 def test_a_truncated_engine_file_is_one_line_naming_it(tmp_path):
     from safetensors.torch import save_file
 
-    from eyas.data.produce.engine_capture import UnreadableStates, read_states
+    from eyas.data.produce.engine_capture import take_states
     path = tmp_path / "req-7.safetensors"
     save_file({"hidden_states": torch.zeros(5, 4, 8), "token_ids": torch.arange(5)}, str(path))
     path.write_bytes(path.read_bytes()[:-40])          # the writer died mid-file
-    with pytest.raises(UnreadableStates) as e:
-        read_states(path)
-    assert str(e.value).startswith(f"{path}: the engine's hidden-states file is unreadable (")
+    with pytest.raises(ExtractError) as e:
+        take_states(path, "sample 7")
+    assert str(e.value).startswith(f"sample 7: {path}: the engine's hidden-states file is "
+                                   f"unreadable (")
+    assert str(e.value).endswith("; capture it again (the same command resumes)")
     assert "\n" not in str(e.value)

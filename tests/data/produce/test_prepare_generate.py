@@ -6,8 +6,9 @@ import logging
 import pytest
 import torch
 
-from eyas.data.produce.generate import generate_conversations, scan_done
+from eyas.data.produce.generate import generate_conversations
 from eyas.data.produce.prepare import PrepareError, prepare
+from eyas.data.produce.records import scan_written
 from eyas.data.store.shards import open_dataset
 from eyas.data.common.targets import load_target
 
@@ -113,7 +114,7 @@ def test_resume_skips_done_ids_and_discards_partial_line(tmp_path, tiny, caplog)
     assert [r["id"] for r in got] == ["a", "b", "c"]
     assert got[0]["messages"][1]["content"] == "KEPT"     # not regenerated
     assert got[1:] == ref[1:]                             # greedy: same answers as a clean run
-    assert scan_done(out) == {"a", "b", "c"}
+    assert set(scan_written(out)) == {"a", "b", "c"}
     gen(tmp_path, tiny, out)                              # nothing left: file unchanged
     assert lines(out) == got
 
