@@ -209,27 +209,20 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
     Trailing assistant messages are dropped (the target answers the last user turn itself);
     the target's chat template is applied with add_generation_prompt=True.
     """
-    from eyas.data.produce.records import RecordError, iter_jsonl, normalise_record
+    from eyas.data.produce.records import read_conversations
     from eyas.data.common.templates import for_template
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompts file (JSONL with OpenAI `messages`)")
     out: list[tuple[str, list[int]]] = []
-    for lineno, rec in iter_jsonl(path):
+    for _, conv in read_conversations(path):
         if num_prompts is not None and len(out) >= num_prompts:
             break
-        try:
-            if isinstance(rec, RecordError):
-                raise rec
-            conv = normalise_record(rec, default_id=f"{path.name}:{lineno}")
-        except RecordError as e:
-            raise ValueError(f"{path}:{lineno}: {e}") from None
         msgs = list(conv.messages)
         while msgs and msgs[-1]["role"] == "assistant":
             msgs.pop()
         if not msgs or msgs[-1]["role"] not in ("user", "tool"):
-            raise ValueError(f"{path}:{lineno}: record {conv.id!r} has no user (or tool) turn to "
-                             f"answer")
+            raise ValueError(f"{path}: record {conv.id!r} has no user (or tool) turn to answer")
         text = tokenizer.apply_chat_template(for_template(msgs), tools=conv.tools, tokenize=False,
                                              add_generation_prompt=True)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -308,3 +308,15 @@ def test_drafter_on_the_gpu_matches_the_cpu_and_decodes_token_identically(tiny, 
         model.cpu()
     assert res["tokens_identical"], res["mismatches"]
     assert res["drafter_forwards"] == K * res["decode_rounds"]
+
+
+def test_prompt_file_errors_name_the_line(tmp_path):
+    """A malformed prompts record names file:line; a record with nothing to answer names its id."""
+    from eyas.train.evaluate.offline import load_prompts
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('\n{"messages": 3}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: "):
+        load_prompts(bad, tokenizer=None)
+    bad.write_text('{"messages": [{"role": "assistant", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match=r"record 'p\.jsonl:1' has no user"):
+        load_prompts(bad, tokenizer=None)
