@@ -19,6 +19,7 @@ Real decoding: `train.evaluate.specdec` (target via transformers, drafter via th
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -215,9 +216,7 @@ def load_prompts(path: str | Path, tokenizer, *, num_prompts: int | None = None
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompts file (JSONL with OpenAI `messages`)")
     out: list[tuple[str, list[int]]] = []
-    for _, conv in read_conversations(path):
-        if num_prompts is not None and len(out) >= num_prompts:
-            break
+    for _, conv in itertools.islice(read_conversations(path), num_prompts):  # none read past N
         msgs = list(conv.messages)
         while msgs and msgs[-1]["role"] == "assistant":
             msgs.pop()

@@ -310,8 +310,9 @@ def test_drafter_on_the_gpu_matches_the_cpu_and_decodes_token_identically(tiny, 
     assert res["drafter_forwards"] == K * res["decode_rounds"]
 
 
-def test_prompt_file_errors_name_the_line(tmp_path):
-    """A malformed prompts record names file:line; a record with nothing to answer names its id."""
+def test_prompt_file_errors_name_the_line(tmp_path, tiny):
+    """A malformed prompts record names file:line; a record with nothing to answer names its id;
+    records past the first N are not read."""
     from eyas.train.evaluate.offline import load_prompts
     bad = tmp_path / "p.jsonl"
     bad.write_text('\n{"messages": 3}\n')
@@ -320,3 +321,6 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     bad.write_text('{"messages": [{"role": "assistant", "content": "hi"}]}\n')
     with pytest.raises(ValueError, match=r"record 'p\.jsonl:1' has no user"):
         load_prompts(bad, tokenizer=None)
+    bad.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+                   '{"messages": 3}\n')
+    assert [i for i, _ in load_prompts(bad, tiny[1], num_prompts=1)] == ["a"]
